@@ -1,0 +1,69 @@
+"""Run exported ``.mlpackage`` files: Core ML on macOS, the project's MIL interpreter elsewhere.
+
+    from cohere_coreml.runtime import load_model
+    m = load_model("encoder.mlpackage")            # backend="auto" | "coreml" | "mil"
+    out = m.predict({"input_features": feats})     # dict name -> np.ndarray
+    st = m.make_state(); m.predict(inputs, state=st)
+
+See docs/runtime.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .base import RuntimeModel
+from .coreml_backend import CoreMLModel, coreml_available
+from .errors import (
+    BackendUnavailableError,
+    InputValidationError,
+    PackageLoadError,
+    RuntimeBackendError,
+    UnsupportedOpError,
+)
+from .interpreter import MilModel, MilState, supported_op_types
+from .package import read_package
+
+BACKENDS = ("auto", "coreml", "mil")
+
+
+def load_model(
+    path: str | os.PathLike,
+    backend: str = "auto",
+    function_name: str | None = None,
+    compute_units: str = "all",
+) -> RuntimeModel:
+    """Load one function of an ML program package.
+
+    Args:
+        path: ``.mlpackage`` directory.
+        backend: "coreml" (macOS only), "mil" (the interpreter, any platform), or "auto"
+            (Core ML when available, else the interpreter).
+        function_name: function of a multifunction package (default: its default function).
+        compute_units: Core ML compute units: "all", "cpu_only", "cpu_and_gpu", "cpu_and_ne"
+            (ignored by the interpreter).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "coreml" if coreml_available()[0] else "mil"
+    pkg = read_package(path, function_name)
+    if backend == "coreml":
+        return CoreMLModel(pkg, compute_units=compute_units)
+    return MilModel(pkg)
+
+
+__all__ = [
+    "load_model",
+    "RuntimeModel",
+    "MilModel",
+    "MilState",
+    "CoreMLModel",
+    "coreml_available",
+    "supported_op_types",
+    "RuntimeBackendError",
+    "UnsupportedOpError",
+    "PackageLoadError",
+    "InputValidationError",
+    "BackendUnavailableError",
+]

@@ -1,0 +1,340 @@
+"""MIL-program interpreter backend: runs the MIL function of an ``.mlpackage`` op by op.
+
+Load time: the selected function is loaded with coremltools' milproto loader, every op type is
+checked against the op registry (:class:`UnsupportedOpError` before anything runs), ``const``
+values are converted once to torch tensors and ``constexpr_*`` ops are decompressed once.
+The result is a flat list of steps; ``predict`` walks it, freeing each intermediate after its
+last use.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import dtypes
+from .base import RuntimeModel, validate_inputs
+from .constexpr import CONSTEXPR_OPS
+from .errors import InputValidationError, PackageLoadError, RuntimeBackendError, UnsupportedOpError
+from .ops import OPS
+from .package import PackageSpec, describe, load_mil_function
+
+logger = logging.getLogger(__name__)
+
+_MISSING = object()
+
+
+@dataclass
+class Step:
+    op_type: str
+    name: str
+    fn: object
+    ins: dict  # input name -> var name (str) or list of var names (tuple inputs)
+    in_dtypes: dict  # input name -> MIL dtype name (or list)
+    outs: list  # [(var name, MIL dtype name)]
+    free: list = field(default_factory=list)  # var names dead after this step
+
+
+class Args:
+    """What an op implementation sees: its inputs, by the names of the MIL op definition."""
+
+    __slots__ = ("step", "env", "pycache")
+
+    def __init__(self, step: Step, env: dict, pycache: dict):
+        self.step = step
+        self.env = env
+        self.pycache = pycache
+
+    def has(self, name: str) -> bool:
+        return name in self.step.ins
+
+    def t(self, name: str):
+        """Input ``name`` as a torch tensor (None when the optional input is absent)."""
+        ref = self.step.ins.get(name)
+        if ref is None:
+            return None
+        return self.env[ref]
+
+    def ts(self, name: str) -> list:
+        """A tuple input (e.g. ``values`` of concat) as a list of tensors."""
+        ref = self.step.ins[name]
+        if isinstance(ref, str):
+            return [self.env[ref]]
+        return [self.env[r] for r in ref]
+
+    def v(self, name: str, default=_MISSING):
+        """Input ``name`` as a Python value (list / scalar / str)."""
+        ref = self.step.ins.get(name)
+        if ref is None:
+            if default is _MISSING:
+                raise RuntimeBackendError(f"op {self.step.name} ({self.step.op_type}): missing input {name!r}")
+            return default
+        if ref in self.pycache:
+            return self.pycache[ref]
+        value = self.env[ref]
+        return value.tolist() if isinstance(value, torch.Tensor) else value
+
+    def dtype(self, name: str) -> str:
+        return self.step.in_dtypes[name]
+
+    def out_dtype(self, i: int = 0) -> str:
+        return self.step.outs[i][1]
+
+
+class MilState:
+    """State buffers of one stateful sequence (same API as ``coremltools.models.model.MLState``).
+
+    Buffers start at zero; ``predict(..., state=...)`` reads and updates them in place.
+    """
+
+    def __init__(self, description: dict):
+        self._description = description
+        self.buffers: dict[str, torch.Tensor] = {}
+        for name, (shape, np_dtype) in description.items():
+            if any(d < 0 for d in shape):
+                raise RuntimeBackendError(f"state {name!r} has a flexible shape {shape}")
+            self.buffers[name] = torch.zeros(shape, dtype=dtypes.torch_dtype(_np_to_mil(np_dtype)))
+
+    def read_state(self, name: str) -> np.ndarray:
+        if name not in self.buffers:
+            raise InputValidationError(f"unknown state {name!r}; states: {sorted(self.buffers)}")
+        return dtypes.to_numpy(self.buffers[name], self._description[name][1])
+
+    def write_state(self, name: str, value) -> None:
+        if name not in self.buffers:
+            raise InputValidationError(f"unknown state {name!r}; states: {sorted(self.buffers)}")
+        shape, np_dtype = self._description[name]
+        arr = np.asarray(value)
+        if tuple(arr.shape) != tuple(shape):
+            raise InputValidationError(f"state {name!r}: expected shape {shape}, got {arr.shape}")
+        self.buffers[name] = dtypes.from_numpy(arr.astype(np_dtype), _np_to_mil(np_dtype))
+
+
+def _np_to_mil(np_dtype) -> str:
+    return {
+        np.dtype(np.float16): "fp16",
+        np.dtype(np.float32): "fp32",
+        np.dtype(np.float64): "fp64",
+        np.dtype(np.int32): "int32",
+        np.dtype(np.int8): "int8",
+    }[np.dtype(np_dtype)]
+
+
+def _const_value(var):
+    """Numpy / Python value of a const var."""
+    val = var.val
+    if isinstance(val, np.generic):
+        val = np.asarray(val)
+    return val
+
+
+def supported_op_types() -> list[str]:
+    """Every op type the interpreter can run (``const`` and ``constexpr_*`` included)."""
+    return sorted(set(OPS) | set(CONSTEXPR_OPS) | {"const"})
+
+
+def _collect_op_types(block, acc: set) -> None:
+    for op in block.operations:
+        acc.add(op.op_type)
+        for b in op.blocks:
+            _collect_op_types(b, acc)
+
+
+class MilModel(RuntimeModel):
+    """Runs one function of an ML program package with the MIL interpreter."""
+
+    backend = "mil"
+
+    def __init__(self, pkg: PackageSpec):
+        self.path = pkg.path
+        self.function_name = pkg.function_name
+        self.input_description, self.output_description, self.state_description = describe(pkg)
+        function = load_mil_function(pkg)
+
+        # 1. Every op type must be supported, before anything runs.
+        used: set[str] = set()
+        _collect_op_types(function, used)
+        unsupported = [t for t in used if t not in OPS and t not in CONSTEXPR_OPS and t != "const"]
+        if unsupported:
+            raise UnsupportedOpError(self.function_name, unsupported)
+
+        # 2. Function inputs / states.
+        self._state_names = []
+        self._input_dtypes = {}
+        from coremltools.converters.mil.mil import types
+
+        for name, var in function.inputs.items():
+            if types.is_state(var.sym_type):
+                self._state_names.append(name)
+            else:
+                self._input_dtypes[name] = dtypes.mil_dtype_name(var.dtype)
+        if set(self._input_dtypes) != set(self.input_description):
+            raise PackageLoadError(
+                f"MIL inputs {sorted(self._input_dtypes)} differ from the description "
+                f"{sorted(self.input_description)}"
+            )
+        self._output_names = [v.name for v in function.outputs]
+        missing = set(self.output_description) - set(self._output_names)
+        if missing:
+            raise PackageLoadError(f"outputs {sorted(missing)} are not produced by the MIL function")
+
+        # 3. Constants (const once, constexpr decompressed once) and the step list.
+        self._consts: dict[str, object] = {}
+        self._pycache: dict[str, object] = {}
+        const_np: dict[str, np.ndarray] = {}
+        steps: list[Step] = []
+        n_default = 0
+        for op in function.operations:
+            if op.op_type == "const":
+                var = op.outputs[0]
+                val = _const_value(var)
+                self._add_const(var.name, val, dtypes.mil_dtype_name(var.sym_type) if not isinstance(val, str) else "str")
+                const_np[var.name] = val
+                continue
+            if op.op_type in CONSTEXPR_OPS:
+                in_vals = {}
+                for k, v in op.inputs.items():
+                    if isinstance(v, (list, tuple)):
+                        raise PackageLoadError(f"{op.op_type} {op.name}: tuple input {k}")
+                    in_vals[k] = const_np[v.name] if v.name in const_np else _const_value(v)
+                results = CONSTEXPR_OPS[op.op_type](**in_vals)
+                if not isinstance(results, tuple):
+                    results = (results,)
+                for var, val in zip(op.outputs, results):
+                    self._add_const(var.name, val, dtypes.mil_dtype_name(var.sym_type))
+                    const_np[var.name] = val
+                continue
+
+            ins, in_dtypes = {}, {}
+            for k, v in op.inputs.items():
+                if isinstance(v, (list, tuple)):
+                    ins[k] = [x.name for x in v]
+                    in_dtypes[k] = [self._var_dtype(x) for x in v]
+                else:
+                    ins[k] = v.name
+                    in_dtypes[k] = self._var_dtype(v)
+            for k, dv in op.default_inputs().items():
+                if k in ins or dv is None:
+                    continue
+                cname = f"__default_{n_default}"
+                n_default += 1
+                self._consts[cname] = torch.as_tensor(dv) if not isinstance(dv, str) else dv
+                self._pycache[cname] = dv.tolist() if isinstance(dv, np.ndarray) else dv
+                ins[k] = cname
+                in_dtypes[k] = None
+            outs = [(o.name, self._var_dtype(o)) for o in op.outputs]
+            steps.append(Step(op.op_type, op.name, OPS[op.op_type], ins, in_dtypes, outs))
+        del const_np
+
+        # 4. Liveness: free every intermediate after its last use.
+        keep = set(self._output_names) | set(self._state_names)
+        last_use: dict[str, int] = {}
+        for i, s in enumerate(steps):
+            for ref in s.ins.values():
+                for r in [ref] if isinstance(ref, str) else ref:
+                    last_use[r] = i
+        for i, s in enumerate(steps):
+            for o, _ in s.outs:  # outputs nobody reads die at once
+                last_use.setdefault(o, i)
+        for name, i in last_use.items():
+            if name not in keep and name not in self._consts:
+                steps[i].free.append(name)
+        self._steps = steps
+        self.num_ops = len(steps)
+        logger.info(
+            "loaded %s function %r: %d ops, %d constants", self.path, self.function_name,
+            len(steps), len(self._consts),
+        )
+
+    @staticmethod
+    def _var_dtype(var) -> str | None:
+        from coremltools.converters.mil.mil import types
+
+        st = var.sym_type
+        if types.is_tensor(st) or types.is_scalar(st) or types.is_state(st):
+            try:
+                return dtypes.mil_dtype_name(st)
+            except KeyError:
+                return None
+        return None
+
+    def _add_const(self, name: str, val, mil_dtype: str) -> None:
+        if isinstance(val, str) or mil_dtype == "str":
+            self._consts[name] = val
+            self._pycache[name] = val
+            return
+        arr = np.asarray(val)
+        if arr.size <= 64:
+            self._pycache[name] = arr.tolist()
+        self._consts[name] = dtypes.from_numpy(arr, mil_dtype)
+
+    # ------------------------------------------------------------------ interface
+    def make_state(self) -> MilState:
+        return MilState(self.state_description)
+
+    def predict(self, inputs: dict, state: MilState | None = None) -> dict[str, np.ndarray]:
+        env = self._run(inputs, state, keep_all=False)
+        return {
+            name: dtypes.to_numpy(env[name], np_dtype)
+            for name, (_, np_dtype) in self.output_description.items()
+        }
+
+    def intermediates(self, inputs: dict, state: MilState | None = None) -> dict[str, np.ndarray]:
+        """Run and return every op output (MIL var name -> numpy array), for debugging parity."""
+        env = self._run(inputs, state, keep_all=True)
+        out = {}
+        for step in self._steps:
+            for name, mil_dtype in step.outs:
+                value = env.get(name)
+                if isinstance(value, torch.Tensor):
+                    np_dtype = dtypes.numpy_dtype(mil_dtype) if mil_dtype else None
+                    out[name] = dtypes.to_numpy(value, np_dtype) if np_dtype else value.numpy()
+        return out
+
+    def _run(self, inputs: dict, state, keep_all: bool) -> dict:
+        arrays = validate_inputs(inputs, self.input_description)
+        env = dict(self._consts)
+        for name, arr in arrays.items():
+            env[name] = dtypes.from_numpy(arr, self._input_dtypes[name])
+        if self._state_names:
+            if state is None:
+                raise InputValidationError(
+                    f"function {self.function_name!r} is stateful ({sorted(self._state_names)}); "
+                    "pass state=model.make_state()"
+                )
+            if not isinstance(state, MilState) or set(state.buffers) != set(self._state_names):
+                raise InputValidationError(
+                    f"state does not belong to this model (expected states {sorted(self._state_names)})"
+                )
+            for name in self._state_names:
+                env[name] = state.buffers[name]
+        elif state is not None:
+            raise InputValidationError(f"function {self.function_name!r} has no state")
+
+        with torch.inference_mode():
+            for step in self._steps:
+                try:
+                    result = step.fn(Args(step, env, self._pycache))
+                except RuntimeBackendError:
+                    raise
+                except Exception as exc:
+                    raise RuntimeBackendError(
+                        f"op {step.name!r} ({step.op_type}) failed: {type(exc).__name__}: {exc}"
+                    ) from exc
+                if not isinstance(result, (tuple, list)):
+                    result = (result,)
+                for (name, mil_dtype), value in zip(step.outs, result):
+                    if mil_dtype is not None and isinstance(value, torch.Tensor):
+                        value = dtypes.coerce(value, mil_dtype)
+                    env[name] = value
+                if not keep_all:
+                    for name in step.free:
+                        env.pop(name, None)
+
+        if self._state_names:
+            for name in self._state_names:
+                state.buffers[name] = env[name]
+        return env

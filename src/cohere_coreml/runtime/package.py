@@ -1,0 +1,141 @@
+"""Reading ``.mlpackage`` files: spec, function selection, I/O descriptions, MIL program.
+
+Shared by both backends. Descriptions are ``dict name -> (shape tuple, numpy dtype)``; a
+flexible (symbolic) dimension is ``-1``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import PackageLoadError
+
+logger = logging.getLogger(__name__)
+
+# Core ML multiArray data types (FeatureTypes.proto ArrayDataType) -> numpy.
+_ARRAY_DTYPES = {
+    65552: np.float16,  # FLOAT16
+    65568: np.float32,  # FLOAT32
+    65600: np.float64,  # DOUBLE
+    131104: np.int32,  # INT32
+    131080: np.int8,  # INT8
+}
+
+Description = dict[str, tuple[tuple[int, ...], type]]
+
+
+@dataclass
+class PackageSpec:
+    path: str
+    spec: object  # coremltools.proto.Model_pb2.Model
+    weights_dir: str | None
+    function_name: str  # the selected function of the ML program
+    function_names: list[str]
+
+
+def _load_spec(path: str):
+    import coremltools as ct
+
+    if not os.path.exists(path):
+        raise PackageLoadError(f"model package not found: {path}")
+    try:
+        mlmodel = ct.models.MLModel(path, skip_model_load=True)
+    except Exception as exc:  # coremltools raises many kinds of errors for bad packages
+        raise PackageLoadError(f"cannot read model package {path}: {exc}") from exc
+    return mlmodel.get_spec(), mlmodel.weights_dir
+
+
+def read_package(path: str | os.PathLike, function_name: str | None = None) -> PackageSpec:
+    """Read the spec of an ML program package and resolve which function to use."""
+    path = os.fspath(path)
+    spec, weights_dir = _load_spec(path)
+    if spec.WhichOneof("Type") != "mlProgram":
+        raise PackageLoadError(
+            f"{path} is a {spec.WhichOneof('Type')!r} model; only ML programs are supported"
+        )
+    names = list(spec.mlProgram.functions.keys())
+    if function_name is None:
+        function_name = spec.description.defaultFunctionName or "main"
+        if function_name not in names and len(names) == 1:
+            function_name = names[0]
+    if function_name not in names:
+        raise PackageLoadError(
+            f"function {function_name!r} not in {path}; available functions: {sorted(names)}"
+        )
+    return PackageSpec(path, spec, weights_dir, function_name, names)
+
+
+def _feature_shape_dtype(feature_type) -> tuple[tuple[int, ...], type]:
+    kind = feature_type.WhichOneof("Type")
+    if kind == "stateType":
+        array = feature_type.stateType.arrayType
+    elif kind == "multiArrayType":
+        array = feature_type.multiArrayType
+    else:
+        raise PackageLoadError(f"unsupported feature type {kind!r} (only multi-arrays and states)")
+    dtype = _ARRAY_DTYPES.get(array.dataType)
+    if dtype is None:
+        raise PackageLoadError(f"unsupported multi-array data type {array.dataType}")
+    shape = tuple(int(d) for d in array.shape)
+    flexible = array.WhichOneof("ShapeFlexibility") if kind == "multiArrayType" else None
+    if flexible == "shapeRange":
+        ranges = array.shapeRange.sizeRanges
+        shape = tuple(
+            int(r.lowerBound) if r.lowerBound == r.upperBound else -1 for r in ranges
+        )
+    elif flexible == "enumeratedShapes":
+        shapes = [tuple(s.shape) for s in array.enumeratedShapes.shapes]
+        shape = tuple(
+            int(dims[0]) if len(set(dims)) == 1 else -1 for dims in zip(*shapes)
+        )
+    return shape, dtype
+
+
+def describe(pkg: PackageSpec) -> tuple[Description, Description, Description]:
+    """(inputs, outputs, states) descriptions of the selected function, from the spec."""
+    desc = pkg.spec.description
+    if len(desc.functions) > 0:
+        fdesc = next((f for f in desc.functions if f.name == pkg.function_name), None)
+        if fdesc is None:
+            raise PackageLoadError(f"no description for function {pkg.function_name!r}")
+    else:
+        fdesc = desc
+    inputs = {f.name: _feature_shape_dtype(f.type) for f in fdesc.input}
+    outputs = {f.name: _feature_shape_dtype(f.type) for f in fdesc.output}
+    states = {f.name: _feature_shape_dtype(f.type) for f in fdesc.state}
+    return inputs, outputs, states
+
+
+def load_mil_function(pkg: PackageSpec):
+    """Load the selected function of the package as a PyMIL ``Function``.
+
+    Uses coremltools' own milproto loader on a copy of the program that holds only the
+    selected function, so the weights of other functions are never read.
+    """
+    from coremltools import proto
+    from coremltools.converters.mil.frontend.milproto.load import load_mil_proto
+
+    program = proto.MIL_pb2.Program()
+    program.CopyFrom(pkg.spec.mlProgram)
+    for name in list(program.functions.keys()):
+        if name != pkg.function_name:
+            del program.functions[name]
+    if pkg.weights_dir is None and _uses_blob_file(program):
+        raise PackageLoadError(f"{pkg.path}: the program references a weight file but none found")
+    try:
+        prog = load_mil_proto(
+            program, pkg.spec.specificationVersion, file_weights_dir=pkg.weights_dir or ""
+        )
+    except Exception as exc:
+        raise PackageLoadError(
+            f"cannot load MIL function {pkg.function_name!r} of {pkg.path}: {exc}"
+        ) from exc
+    return prog.functions[pkg.function_name]
+
+
+def _uses_blob_file(program) -> bool:
+    return b"weight.bin" in program.SerializeToString()
