@@ -1,0 +1,44 @@
+# cohere-transcribe-coreml: the two README commands are `make demo` and `make test`.
+# Both bootstrap `uv` (python3 -m pip install uv) when it is missing, then sync the locked environment.
+SHELL := /bin/bash
+PYTHON ?= python3
+UV := $(shell command -v uv 2>/dev/null)
+ifeq ($(UV),)
+UV := $(PYTHON) -m uv
+endif
+RUN := $(UV) run --frozen
+
+# export settings (override on the command line: make export MODEL=/path/to/checkpoint OUT=out/f16)
+MODEL ?=
+OUT ?= out/export
+PRECISION ?= fp16
+
+.PHONY: help bootstrap sync demo test export quantize verify bench upload clean
+
+help:
+	@echo "make demo      main job on the built-in default checkpoint"
+	@echo "make test      run the test suite"
+	@echo "make export    MODEL=<hub id|folder> OUT=<dir> PRECISION=fp16|fp32: export Core ML packages"
+	@echo "make quantize | verify | bench | upload: later stages (see docs/)"
+
+bootstrap:
+	@command -v uv >/dev/null 2>&1 || $(PYTHON) -m uv --version >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet uv
+
+sync: bootstrap
+	$(UV) sync --frozen
+
+demo: sync
+	$(RUN) cohere-coreml prepare-default --describe
+
+test: sync
+	$(RUN) pytest
+
+export: sync
+	model="$(MODEL)"; [ -n "$$model" ] || model=$$($(RUN) cohere-coreml prepare-default | tail -n 1); \
+	$(RUN) cohere-coreml export --model "$$model" --out "$(OUT)" --precision $(PRECISION)
+
+quantize verify bench upload:
+	@echo "make $@: not available yet (tracked in the project's issues)"; exit 2
+
+clean:
+	rm -rf out .pytest_cache

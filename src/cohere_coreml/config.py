@@ -1,0 +1,28 @@
+"""Project-wide defaults, in one place. Values of the *model* (widths, ids) are never here: they
+are read from each checkpoint's config and tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Checkpoint
+DEFAULT_HUB_ID = "CohereLabs/cohere-transcribe-03-2026"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# The project's own small trained model (committed), the built-in default of `make demo`.
+DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "cohere-tiny-synth"
+# Where build outputs go by default (git-ignored).
+DEFAULT_OUT_DIR = REPO_ROOT / "out"
+
+# Audio window of the exported encoder
+SAMPLE_RATE = 16000
+DEFAULT_WINDOW_SECONDS = 35.0
+
+# Decoding (upstream defaults)
+PROMPT_LENGTH = 10
+DEFAULT_MAX_NEW_TOKENS = 256
+# Static shapes the Neural Engine likes: encoder memory and KV-cache lengths are multiples of this.
+ANE_MULTIPLE = 32
+
+
+def round_up(n: int, multiple: int = ANE_MULTIPLE) -> int:
+    return -(-int(n) // multiple) * multiple

@@ -1,0 +1,127 @@
+import json
+
+import pytest
+import torch
+
+from cohere_coreml.checkpoint import CheckpointError, describe, load_reference, make_tiny_checkpoint
+
+
+def test_tiny_checkpoint_is_a_complete_hf_folder(tiny_checkpoint):
+    names = {p.name for p in tiny_checkpoint.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= names
+    assert "processor_config.json" in names or "preprocessor_config.json" in names
+    assert not any(n.endswith((".bin", ".pt")) for n in names)
+
+
+def test_load_reference_gives_eval_model_and_processor(tiny_reference):
+    from transformers import AutoProcessor, CohereAsrForConditionalGeneration, CohereAsrProcessor
+
+    model, processor = tiny_reference
+    assert isinstance(model, CohereAsrForConditionalGeneration)
+    assert isinstance(processor, CohereAsrProcessor)
+    assert not model.training
+    assert isinstance(AutoProcessor.from_pretrained(model.source.local_dir), CohereAsrProcessor)
+    assert model.config.decoder_start_token_id == processor.tokenizer.convert_tokens_to_ids("\u2581")
+    assert model.config.eos_token_id == processor.tokenizer.eos_token_id
+
+
+def test_same_seed_same_weights_and_generate_runs(tmp_path, tiny_reference):
+    a = make_tiny_checkpoint(tmp_path / "a", seed=3)
+    b = make_tiny_checkpoint(tmp_path / "b", seed=3)
+    c = make_tiny_checkpoint(tmp_path / "c", seed=4)
+    ma, _ = load_reference(a)
+    mb, _ = load_reference(b)
+    mc, _ = load_reference(c)
+    wa = ma.proj_out.weight
+    assert torch.equal(wa, mb.proj_out.weight)
+    assert not torch.equal(wa, mc.proj_out.weight)
+
+
+def test_overrides_reach_every_config_field(tmp_path):
+    path = make_tiny_checkpoint(
+        tmp_path / "wide",
+        hidden_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        intermediate_size=80,
+        vocab_size=512,
+        encoder_hidden_size=48,
+        encoder_num_hidden_layers=1,
+        encoder_num_attention_heads=2,
+        encoder_intermediate_size=72,
+        encoder_subsampling_factor=4,
+        encoder_subsampling_conv_channels=8,
+        num_mel_bins=64,
+    )
+    model, processor = load_reference(path)
+    c, e = model.config, model.config.encoder_config
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (96, 3, 6, 2)
+    assert (c.intermediate_size, c.vocab_size) == (80, 512)
+    assert (e.hidden_size, e.num_hidden_layers, e.num_attention_heads, e.intermediate_size) == (48, 1, 2, 72)
+    assert (e.subsampling_factor, e.subsampling_conv_channels, e.num_mel_bins) == (4, 8, 64)
+    assert processor.feature_extractor.feature_size == 64
+    assert model.model.decoder.layers[0].self_attn.k_proj.out_features == 2 * c.head_dim
+    # it runs end to end
+    features = torch.randn(1, 120, 64)  # (batch, frames, mel bins), as the extractor returns
+    out = model.generate(input_features=features, decoder_input_ids=torch.tensor([processor.get_decoder_prompt_ids("en")]), max_new_tokens=3)
+    assert out.shape[1] >= 11
+
+
+def test_unknown_override_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="hiden_size"):
+        make_tiny_checkpoint(tmp_path / "x", hiden_size=12)
+
+
+def test_vocab_smaller_than_tokenizer_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="vocab_size"):
+        make_tiny_checkpoint(tmp_path / "x", vocab_size=100)
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_reference(tmp_path / "nothing-here")
+
+
+def test_wrong_model_type(tmp_path, tiny_checkpoint):
+    import shutil
+
+    bad = tmp_path / "whisper"
+    shutil.copytree(tiny_checkpoint, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["model_type"] = "whisper"
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="'whisper' checkpoint, not a Cohere Transcribe"):
+        load_reference(bad)
+
+
+def test_no_safetensors_refuses_pickles(tmp_path, tiny_checkpoint):
+    import shutil
+
+    bad = tmp_path / "pickled"
+    shutil.copytree(tiny_checkpoint, bad)
+    (bad / "model.safetensors").rename(bad / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="no \\*.safetensors.*pytorch_model.bin"):
+        load_reference(bad)
+
+
+def test_not_a_checkpoint_folder(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_reference(tmp_path / "empty")
+
+
+def test_unreachable_hub_suggests_local_folder(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    with pytest.raises(CheckpointError, match="could not reach the Hugging Face Hub.*local folder"):
+        load_reference("CohereLabs/not-a-real-model-for-tests")
+
+
+def test_describe(tiny_reference):
+    info = describe(*tiny_reference)
+    assert info["tokens"]["prompt_en"][0] == info["tokens"]["decoder_start"]
+    assert info["front_end"]["mel_bins"] == info["encoder"]["mel_bins"] == 128
+    assert info["parameters"] > info["encoder_parameters"] > 0
