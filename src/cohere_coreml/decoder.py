@@ -1,0 +1,572 @@
+"""Stateful decoder step: the `transformers` Cohere ASR decoder with a static KV cache.
+
+One call of the exported program decodes ONE token:
+
+    inputs : input_ids  int32 (1, 1)           the token at `position`
+             position   int32 (1,)             its slot in the self-attention cache (0-based)
+             cross_k    (L, Hkv, Tp, Dh)       precomputed by the encoder package
+             cross_v    (L, Hkv, Tp, Dh)
+             cross_mask (1, 1, 1, Tp)          additive: 0 valid frame, -1e4 padding
+    states : self_k, self_v  fp16 (L, Hkv, C, Dh)   written at slot `position`
+    outputs: log_probs  (1, V)                 log-softmax over the vocabulary
+
+The module reuses the `transformers` submodules (embeddings, layer norms, q/k/v/o projections,
+MLP, final norm, `proj_out`) and `eager_attention_forward`; only the static-cache glue lives
+here. The step contains no projection of the encoder memory: cross K/V come precomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+from transformers.models.cohere_asr.modeling_cohere_asr import eager_attention_forward
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PROMPT_LEN = 10
+DEFAULT_MAX_NEW_TOKENS = 256
+CACHE_MULTIPLE = 32
+MASK_VALUE = -1e4  # fp16-safe additive mask value (finfo.min / -1e9 overflow to -inf in fp16)
+
+
+class DecoderExportError(RuntimeError):
+    """Raised when the decoder cannot be exported or fails its parity gate."""
+
+
+def round_up(x: int, multiple: int) -> int:
+    return int(math.ceil(x / multiple) * multiple)
+
+
+def default_capacity(max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, prompt_len: int = DEFAULT_PROMPT_LEN) -> int:
+    """Cache slots: prompt + new tokens, rounded up to a multiple of 32 (288 for 10 + 256)."""
+    if max_new_tokens < 1:
+        raise DecoderExportError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    return round_up(prompt_len + max_new_tokens, CACHE_MULTIPLE)
+
+
+@dataclass(frozen=True)
+class DecoderShapes:
+    """Static shapes of the decode-step program, all read from the checkpoint config."""
+
+    num_layers: int  # L
+    num_heads: int  # H (query heads)
+    num_kv_heads: int  # Hkv
+    head_dim: int  # Dh
+    hidden_size: int  # Ddec
+    vocab_size: int  # V
+    capacity: int  # C (self-attention cache slots)
+    memory_len: int  # Tp (padded encoder frames)
+    max_positions: int  # decoder position table size
+
+    @classmethod
+    def from_config(cls, config, capacity: int, memory_len: int) -> "DecoderShapes":
+        shapes = cls(
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
+            capacity=int(capacity),
+            memory_len=int(memory_len),
+            max_positions=config.max_position_embeddings,
+        )
+        if shapes.capacity > shapes.max_positions:
+            raise DecoderExportError(
+                f"cache capacity {shapes.capacity} exceeds the decoder's position table "
+                f"({shapes.max_positions} positions); lower --max-tokens"
+            )
+        return shapes
+
+    @property
+    def cache_shape(self) -> tuple[int, int, int, int]:
+        return (self.num_layers, self.num_kv_heads, self.capacity, self.head_dim)
+
+    @property
+    def memory_shape(self) -> tuple[int, int, int, int]:
+        return (self.num_layers, self.num_kv_heads, self.memory_len, self.head_dim)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class DecoderStep(nn.Module):
+    """One decode step of `CohereAsrForConditionalGeneration` with a static fp16 KV cache.
+
+    `self_k` / `self_v` are registered buffers; under `coremltools` they become Core ML states.
+    """
+
+    def __init__(self, model, capacity: int, memory_len: int, recompute_cross_kv: bool = False):
+        super().__init__()
+        config = model.config
+        self.shapes = DecoderShapes.from_config(config, capacity, memory_len)
+        self.decoder = model.model.decoder  # CohereAsrDecoder (embed_tokens, pos_emb, layers, norm, ...)
+        self.proj_out = model.proj_out  # LM head
+        # Only for the MAC-count comparison (tools/count_decoder_macs.py): the design published
+        # ports use, where cross K/V are recomputed from the encoder memory at every step.
+        self.recompute_cross_kv = recompute_cross_kv
+        s = self.shapes
+        self.register_buffer("self_k", torch.zeros(s.cache_shape, dtype=torch.float16))
+        self.register_buffer("self_v", torch.zeros(s.cache_shape, dtype=torch.float16))
+        # slot index row used to build the causal mask: (1, 1, 1, C)
+        self.register_buffer(
+            "slots", torch.arange(s.capacity, dtype=torch.int32).view(1, 1, 1, s.capacity), persistent=False
+        )
+
+    def reset(self) -> None:
+        self.self_k.zero_()
+        self.self_v.zero_()
+
+    def _cross_kv(self, i: int, cross_k: torch.Tensor, cross_v: torch.Tensor):
+        """Cross K/V of layer i in head layout (1, Hkv, Tp, Dh)."""
+        if not self.recompute_cross_kv:
+            return cross_k[i : i + 1], cross_v[i : i + 1]
+        # cross_k holds the encoder memory (1, Tp, Ddec) in this (comparison-only) mode
+        attn = self.decoder.layers[i].encoder_attn
+        memory = cross_k
+        kv_shape = (1, memory.shape[1], -1, self.shapes.head_dim)
+        k = attn.k_proj(memory).view(kv_shape).transpose(1, 2)
+        v = attn.v_proj(memory).view(kv_shape).transpose(1, 2)
+        return k, v
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (1, 1) int32
+        position: torch.Tensor,  # (1,) int32
+        cross_k: torch.Tensor,  # (L, Hkv, Tp, Dh)
+        cross_v: torch.Tensor,  # (L, Hkv, Tp, Dh)
+        cross_mask: torch.Tensor,  # (1, 1, 1, Tp) additive
+    ) -> torch.Tensor:
+        s = self.shapes
+        dec = self.decoder
+        dtype = cross_mask.dtype
+        p = position[0]
+
+        # token + learned absolute position, then layer norm (as CohereAsrDecoder.forward)
+        hidden = dec.embed_tokens(input_ids)  # (1, 1, D)
+        hidden = dec.embedding_layernorm(hidden + dec.pos_emb(position).unsqueeze(0))  # (1, 1, D)
+
+        # causal mask over the static cache: slots <= position attend, later slots get MASK_VALUE
+        self_mask = torch.where(
+            self.slots <= position.view(1, 1, 1, 1),
+            torch.zeros((), dtype=dtype),
+            torch.full((), MASK_VALUE, dtype=dtype),
+        )  # (1, 1, 1, C)
+
+        for i, layer in enumerate(dec.layers):
+            # --- self attention with the static cache ---
+            residual = hidden
+            x = layer.input_layernorm(hidden)
+            attn = layer.self_attn
+            q = attn.q_proj(x).view(1, 1, s.num_heads, s.head_dim).transpose(1, 2)  # (1, H, 1, Dh)
+            k = attn.k_proj(x).view(1, 1, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (1, Hkv, 1, Dh)
+            v = attn.v_proj(x).view(1, 1, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (1, Hkv, 1, Dh)
+            # slice update with a tensor start (index assignment would be dropped by the tracer)
+            self.self_k[i : i + 1, :, p : p + 1, :] = k.to(self.self_k.dtype)
+            self.self_v[i : i + 1, :, p : p + 1, :] = v.to(self.self_v.dtype)
+            keys = self.self_k[i : i + 1].to(dtype)  # (1, Hkv, C, Dh)
+            values = self.self_v[i : i + 1].to(dtype)  # (1, Hkv, C, Dh)
+            out, _ = eager_attention_forward(attn, q, keys, values, self_mask, scaling=attn.scaling)
+            out = attn.o_proj(out.reshape(1, 1, s.num_heads * s.head_dim))  # (1, 1, D)
+            hidden = residual + out
+
+            # --- cross attention over the precomputed encoder memory ---
+            residual = hidden
+            x = layer.post_attention_layernorm(hidden)
+            attn = layer.encoder_attn
+            q = attn.q_proj(x).view(1, 1, s.num_heads, s.head_dim).transpose(1, 2)  # (1, H, 1, Dh)
+            ck, cv = self._cross_kv(i, cross_k, cross_v)  # (1, Hkv, Tp, Dh)
+            out, _ = eager_attention_forward(attn, q, ck, cv, cross_mask, scaling=attn.scaling)
+            out = attn.o_proj(out.reshape(1, 1, s.num_heads * s.head_dim))
+            hidden = residual + out
+
+            # --- MLP ---
+            residual = hidden
+            hidden = residual + layer.mlp(layer.final_layernorm(hidden))
+
+        hidden = dec.norm(hidden)  # (1, 1, D)
+        logits = self.proj_out(hidden[:, 0, :])  # (1, V)
+        return torch.log_softmax(logits, dim=-1)  # (1, V)
+
+
+@torch.no_grad()
+def cross_memory_from_model(model, encoder_hidden: torch.Tensor, memory_len: int, n_valid: int | None = None):
+    """PyTorch reference of the encoder package's cross-memory outputs.
+
+    encoder_hidden: (1, T, Denc) raw encoder output (before `decoder.proj`).
+    Returns cross_k, cross_v (L, Hkv, Tp, Dh) and cross_mask (1, 1, 1, Tp) float32.
+    """
+    dec = model.model.decoder
+    config = model.config
+    mem = dec.proj(encoder_hidden)  # (1, T, D)
+    t = mem.shape[1]
+    if t > memory_len:
+        raise DecoderExportError(f"encoder memory has {t} frames, more than the padded length {memory_len}")
+    n_valid = t if n_valid is None else int(n_valid)
+    mem = torch.nn.functional.pad(mem, (0, 0, 0, memory_len - t))
+    ks, vs = [], []
+    for layer in dec.layers:
+        attn = layer.encoder_attn
+        k = attn.k_proj(mem).view(1, memory_len, config.num_key_value_heads, config.head_dim).transpose(1, 2)
+        v = attn.v_proj(mem).view(1, memory_len, config.num_key_value_heads, config.head_dim).transpose(1, 2)
+        ks.append(k[0])
+        vs.append(v[0])
+    cross_k = torch.stack(ks)  # (L, Hkv, Tp, Dh)
+    cross_v = torch.stack(vs)
+    valid = torch.arange(memory_len) < n_valid
+    cross_mask = torch.where(valid, 0.0, MASK_VALUE).view(1, 1, 1, memory_len).float()
+    return cross_k, cross_v, cross_mask
+
+
+def example_inputs(shapes: DecoderShapes, dtype=torch.float32):
+    return (
+        torch.zeros((1, 1), dtype=torch.int32),
+        torch.zeros((1,), dtype=torch.int32),
+        torch.zeros(shapes.memory_shape, dtype=dtype),
+        torch.zeros(shapes.memory_shape, dtype=dtype),
+        torch.zeros((1, 1, 1, shapes.memory_len), dtype=dtype),
+    )
+
+
+def trace_decoder_step(step: DecoderStep):
+    step = step.eval()
+    with torch.no_grad():
+        traced = torch.jit.trace(step, example_inputs(step.shapes), check_trace=False)
+    step.reset()
+    return traced
+
+
+def coreml_io(shapes: DecoderShapes, recompute_cross_kv: bool = False):
+    """coremltools input/state/output declarations of the decode-step program."""
+    import coremltools as ct
+
+    if recompute_cross_kv:
+        mem = ct.TensorType(name="encoder_memory", shape=(1, shapes.memory_len, shapes.hidden_size))
+        cross = [mem, ct.TensorType(name="unused_v", shape=(1,))]
+    else:
+        cross = [
+            ct.TensorType(name="cross_k", shape=shapes.memory_shape),
+            ct.TensorType(name="cross_v", shape=shapes.memory_shape),
+        ]
+    inputs = [
+        ct.TensorType(name="input_ids", shape=(1, 1), dtype=np.int32),
+        ct.TensorType(name="position", shape=(1,), dtype=np.int32),
+        *cross,
+        ct.TensorType(name="cross_mask", shape=(1, 1, 1, shapes.memory_len)),
+    ]
+    states = [
+        ct.StateType(wrapped_type=ct.TensorType(shape=shapes.cache_shape, dtype=np.float16), name="self_k"),
+        ct.StateType(wrapped_type=ct.TensorType(shape=shapes.cache_shape, dtype=np.float16), name="self_v"),
+    ]
+    outputs = [ct.TensorType(name="log_probs")]
+    return inputs, states, outputs
+
+
+def build_step_mlmodel(model, capacity: int, memory_len: int, precision: str = "fp16", recompute_cross_kv=False):
+    """Trace the decode step and convert it to an (in-memory) Core ML ML program."""
+    import coremltools as ct
+
+    step = DecoderStep(model, capacity, memory_len, recompute_cross_kv=recompute_cross_kv).eval()
+    if recompute_cross_kv:
+        ex = list(example_inputs(step.shapes))
+        ex[2] = torch.zeros((1, memory_len, step.shapes.hidden_size))
+        ex[3] = torch.zeros((1,))
+        with torch.no_grad():
+            traced = torch.jit.trace(step, tuple(ex), check_trace=False)
+        step.reset()
+    else:
+        traced = trace_decoder_step(step)
+    inputs, states, outputs = coreml_io(step.shapes, recompute_cross_kv)
+    prec = {"fp16": ct.precision.FLOAT16, "fp32": ct.precision.FLOAT32}[precision]
+    mlmodel = ct.convert(
+        traced,
+        inputs=inputs,
+        states=states,
+        outputs=outputs,
+        convert_to="mlprogram",
+        minimum_deployment_target=ct.target.iOS18,
+        compute_precision=prec,
+        skip_model_load=True,
+    )
+    return mlmodel, step.shapes
+
+
+# --------------------------------------------------------------------------------------------
+# Export with a parity gate
+# --------------------------------------------------------------------------------------------
+
+# Per-step KL(PyTorch || package) each program precision must stay under (mean over steps).
+MAX_KL = {"fp32": 1e-4, "fp16": 5e-3}  # fp32 programs still keep an fp16 KV cache
+
+DECODER_DESCRIPTIONS = {
+    "input_ids": "int32 (1, 1): the token at `position` (prompt token, then the previous prediction)",
+    "position": "int32 (1,): slot of this token in the self-attention cache, 0-based, < capacity",
+    "cross_k": "(L, Hkv, Tp, Dh) cross-attention keys from encoder.mlpackage",
+    "cross_v": "(L, Hkv, Tp, Dh) cross-attention values from encoder.mlpackage",
+    "cross_mask": "(1, 1, 1, Tp) additive mask from encoder.mlpackage: 0 valid frame, -1e4 padding",
+    "log_probs": "(1, V) log-softmax over the vocabulary for the token after `position`",
+    "self_k": "fp16 (L, Hkv, C, Dh) self-attention keys; zero-initialised per window",
+    "self_v": "fp16 (L, Hkv, C, Dh) self-attention values; zero-initialised per window",
+}
+
+
+def encoder_frames_for(model, window_frames: int) -> int:
+    """Encoder frames T the encoder produces for `window_frames` mel frames (438 for 3500)."""
+    lengths = model.model.encoder._get_subsampling_output_length(torch.tensor([int(window_frames)]))
+    return int(lengths[0])
+
+
+def memory_len_for(model, window_frames: int) -> int:
+    """Tp: encoder frames rounded up to a multiple of 32 (448 for 3500 mel frames)."""
+    return round_up(encoder_frames_for(model, window_frames), CACHE_MULTIPLE)
+
+
+@dataclass
+class TeacherForcingCase:
+    """PyTorch reference for one teacher-forced decode: cross memory, token sequence, log-probs."""
+
+    cross_k: np.ndarray  # (L, Hkv, Tp, Dh) float32
+    cross_v: np.ndarray
+    cross_mask: np.ndarray  # (1, 1, 1, Tp) float32
+    ids: list[int]  # prompt + generated tokens fed one per step
+    log_probs: np.ndarray  # (len(ids), V) reference log-probs after each fed token
+    prompt_len: int
+
+
+def teacher_forcing_case(model, memory_len: int, prompt: list[int], encoder_hidden=None, encoder_mask=None,
+                         new_tokens: int = 16, seed: int = 0) -> TeacherForcingCase:
+    """Reference log-probs of `CohereAsrForConditionalGeneration` under teacher forcing.
+
+    The sequence is `prompt` + the model's own greedy continuation (`generate`), so the steps are
+    the ones a real decode visits. Without `encoder_hidden`, a random feature window whose valid
+    length leaves a padded tail is encoded first (the mask matters).
+    """
+    from transformers.models.parakeet.modeling_parakeet import ParakeetEncoderModelOutput
+
+    enc_cfg = model.config.encoder_config
+    with torch.no_grad():
+        if encoder_hidden is None:
+            g = torch.Generator().manual_seed(seed)
+            frames = 8 * memory_len  # any length; only the encoder frames matter here
+            feats = torch.randn(1, frames, enc_cfg.num_mel_bins, generator=g)
+            mask = torch.zeros(1, frames, dtype=torch.long)
+            mask[:, : frames * 3 // 4] = 1
+            out = model.model.encoder(feats, attention_mask=mask)
+            encoder_hidden, encoder_mask = out.last_hidden_state, out.attention_mask
+        t = encoder_hidden.shape[1]
+        if t > memory_len:
+            encoder_hidden = encoder_hidden[:, :memory_len]
+            encoder_mask = None if encoder_mask is None else encoder_mask[:, :memory_len]
+            t = memory_len
+        n_valid = t if encoder_mask is None else int(encoder_mask.sum())
+        enc_out = ParakeetEncoderModelOutput(last_hidden_state=encoder_hidden, attention_mask=encoder_mask)
+        # plain teacher-forcing loop (full forward each step): the reference is the model itself
+        ids = list(prompt)
+        logits = None
+        for _ in range(new_tokens):
+            logits = model(encoder_outputs=enc_out, decoder_input_ids=torch.tensor([ids])).logits
+            ids.append(int(logits[0, -1].argmax()))
+            if ids[-1] == model.config.eos_token_id:
+                break
+        ids = ids[:-1]  # the last prediction is not fed
+        logits = model(encoder_outputs=enc_out, decoder_input_ids=torch.tensor([ids])).logits
+        log_probs = torch.log_softmax(logits[0], dim=-1).numpy()  # (S, V)
+        cross_k, cross_v, cross_mask = cross_memory_from_model(model, encoder_hidden, memory_len, n_valid)
+    return TeacherForcingCase(
+        cross_k=cross_k.numpy(), cross_v=cross_v.numpy(), cross_mask=cross_mask.numpy(),
+        ids=ids, log_probs=log_probs, prompt_len=len(prompt),
+    )
+
+
+def kl_rows(ref_log_probs: np.ndarray, out_log_probs: np.ndarray) -> np.ndarray:
+    """KL(P_ref || P_out) per row of log-prob matrices (S, V) -> (S,)."""
+    lp = np.asarray(ref_log_probs, np.float64)
+    lq = np.asarray(out_log_probs, np.float64)
+    lq = lq - lq.max(-1, keepdims=True)
+    lq = lq - np.log(np.sum(np.exp(lq), -1, keepdims=True))  # renormalise (fp16 rounding)
+    return np.sum(np.exp(lp) * (lp - lq), axis=-1)
+
+
+def run_teacher_forcing(runtime_model, case: TeacherForcingCase) -> np.ndarray:
+    """Feed `case.ids` one per step through a loaded decoder package; returns (S, V) log-probs."""
+    state = runtime_model.make_state()
+    rows = []
+    for pos, token in enumerate(case.ids):
+        out = runtime_model.predict(
+            {
+                "input_ids": np.array([[token]], dtype=np.int32),
+                "position": np.array([pos], dtype=np.int32),
+                "cross_k": case.cross_k,
+                "cross_v": case.cross_v,
+                "cross_mask": case.cross_mask,
+            },
+            state=state,
+        )
+        rows.append(np.asarray(out["log_probs"], dtype=np.float32).reshape(-1))
+    return np.stack(rows)
+
+
+def teacher_forcing_report(case: TeacherForcingCase, produced: np.ndarray, precision: str,
+                           min_psnr_db: float | None = None) -> dict:
+    """Per-step PSNR / KL figures and the argmax agreement of a teacher-forced run."""
+    from .convert import MIN_PSNR_DB, psnr
+
+    min_psnr = MIN_PSNR_DB[precision] if min_psnr_db is None else float(min_psnr_db)
+    kls = kl_rows(case.log_probs, produced)
+    psnrs = [psnr(case.log_probs[i], produced[i]) for i in range(len(case.ids))]
+    argmax_ref = case.log_probs.argmax(-1)
+    argmax_out = produced.argmax(-1)
+    finite = bool(np.all(np.isfinite(produced)))
+    report = {
+        "precision": precision,
+        "steps": len(case.ids),
+        "prompt_len": case.prompt_len,
+        "min_psnr_db_required": min_psnr,
+        "max_kl_allowed": MAX_KL[precision],
+        "worst_psnr_db": float(min(psnrs)),
+        "mean_kl": float(np.mean(kls)),
+        "max_kl": float(np.max(kls)),
+        "argmax_agree": int(np.sum(argmax_ref == argmax_out)),
+        "per_step": [
+            {"position": i, "token": int(case.ids[i]), "psnr_db": float(psnrs[i]), "kl": float(kls[i]),
+             "argmax_ref": int(argmax_ref[i]), "argmax_out": int(argmax_out[i])}
+            for i in range(len(case.ids))
+        ],
+    }
+    report["passed"] = bool(
+        finite and report["worst_psnr_db"] >= min_psnr and report["mean_kl"] <= MAX_KL[precision]
+        and report["argmax_agree"] == len(case.ids)
+    )
+    return report
+
+
+def convert_decoder(model, settings, capacity: int | None = None, memory_len: int | None = None,
+                    window_frames: int | None = None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                    prompt: list[int] | None = None, backend: str = "mil") -> dict:
+    """Export `decoder.mlpackage` into `settings.out_dir` with a teacher-forcing parity gate.
+
+    Args:
+        model: `CohereAsrForConditionalGeneration` (eval, float32).
+        settings: `cohere_coreml.convert.ExportSettings` (precision, target, out_dir, force, ...).
+        capacity: cache slots C; default round_up(10 + max_new_tokens, 32).
+        memory_len: Tp; default from `window_frames` (or the settings' window at the model's hop).
+        prompt: decoder prompt ids for the gate (default: 10 tokens from the config's start id).
+        backend: runtime backend running the gate ("mil" interpreter on Linux, "auto" elsewhere).
+
+    Returns a dict: package path, shapes, parity report (also written to `decoder.parity.json`).
+    Raises `ParityError` (package not written) when the gate fails.
+    """
+    from .convert import ParityError, convert_module, save_package_atomic, write_json_atomic
+
+    capacity = int(capacity) if capacity else default_capacity(max_new_tokens)
+    if capacity % CACHE_MULTIPLE:
+        logger.warning("capacity %d is not a multiple of %d (Neural Engine prefers multiples of 32)",
+                       capacity, CACHE_MULTIPLE)
+    if memory_len is None:
+        if window_frames is None:
+            raise DecoderExportError("give memory_len or window_frames")
+        memory_len = memory_len_for(model, window_frames)
+    step = DecoderStep(model, capacity, memory_len).eval()
+    shapes = step.shapes
+    logger.info("decoder: tracing (L=%d Hkv=%d C=%d Tp=%d Dh=%d V=%d)", shapes.num_layers,
+                shapes.num_kv_heads, shapes.capacity, shapes.memory_len, shapes.head_dim, shapes.vocab_size)
+    traced = trace_decoder_step(step)
+    inputs, states, outputs = coreml_io(shapes)
+    meta = {
+        "com.cohere_coreml.component": "decoder",
+        "com.cohere_coreml.decoder_shapes": shapes.to_dict(),
+        "com.cohere_coreml.cache_capacity": str(shapes.capacity),
+        "com.cohere_coreml.memory_len": str(shapes.memory_len),
+        "com.cohere_coreml.eos_token_id": str(model.config.eos_token_id),
+    }
+    mlmodel = convert_module(
+        traced, inputs, outputs, settings, states=states, metadata=meta, descriptions=DECODER_DESCRIPTIONS,
+        short_description="Cohere Transcribe decoder step (stateful KV cache, log-softmax output)",
+    )
+    path = settings.package_path("decoder")
+    result = {"path": str(path), "shapes": shapes.to_dict(), "parity": None}
+
+    def verify(tmp_path: Path):
+        from .runtime import load_model
+
+        if prompt is None:
+            start = model.config.decoder_start_token_id
+            gate_prompt = [int(start)] + [int(model.config.bos_token_id)] * 9
+        else:
+            gate_prompt = list(prompt)
+        case = teacher_forcing_case(model, shapes.memory_len, gate_prompt,
+                                    new_tokens=min(16, shapes.capacity - len(gate_prompt)))
+        produced = run_teacher_forcing(load_model(str(tmp_path), backend=backend), case)
+        report = teacher_forcing_report(case, produced, settings.precision, settings.min_psnr_db)
+        result["parity"] = report
+        logger.info("decoder parity: worst PSNR %.1f dB, mean KL %.3g, argmax %d/%d -> %s",
+                    report["worst_psnr_db"], report["mean_kl"], report["argmax_agree"], report["steps"],
+                    "PASS" if report["passed"] else "FAIL")
+        if not report["passed"]:
+            raise ParityError(
+                f"decoder.mlpackage does not match PyTorch under teacher forcing: worst PSNR "
+                f"{report['worst_psnr_db']:.1f} dB (need {report['min_psnr_db_required']}), mean KL "
+                f"{report['mean_kl']:.3g} (max {report['max_kl_allowed']}), argmax "
+                f"{report['argmax_agree']}/{report['steps']}"
+            )
+
+    written = save_package_atomic(mlmodel, path, force=settings.force,
+                                  verify=None if settings.skip_verify else verify)
+    result["written"] = written
+    if result["parity"] is not None:
+        write_json_atomic(result["parity"], settings.report_path("decoder"))
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Static cost of a program
+# --------------------------------------------------------------------------------------------
+
+
+def count_macs(mil_program, function_name: str = "main") -> dict:
+    """Multiply-adds of one call of a MIL program, from its static shapes.
+
+    Counted: `linear` (rows x in x out), `matmul` (batch x M x K x N), `conv` (output elements x
+    in-channels/groups x kernel). Element-wise ops, softmax and norms are not multiply-adds of
+    weights and are left out (they are O(width) per token). Returns totals by op type and the
+    largest ops.
+    """
+    fn = mil_program.functions[function_name]
+    by_type: dict[str, int] = {}
+    ops = []
+
+    def shape(var):
+        return tuple(int(d) for d in var.shape)
+
+    def walk(block):
+        for op in block.operations:
+            for inner in getattr(op, "blocks", []):
+                walk(inner)
+            macs = 0
+            if op.op_type == "linear":
+                x, w = shape(op.x), shape(op.weight)
+                macs = int(np.prod(x[:-1])) * w[0] * w[1]
+            elif op.op_type == "matmul":
+                x, y = list(shape(op.x)), list(shape(op.y))
+                if op.transpose_x is not None and bool(op.transpose_x.val):
+                    x[-1], x[-2] = x[-2], x[-1]
+                if op.transpose_y is not None and bool(op.transpose_y.val):
+                    y[-1], y[-2] = y[-2], y[-1]
+                out = shape(op.outputs[0])
+                macs = int(np.prod(out)) * x[-1]
+            elif op.op_type == "conv":
+                w = shape(op.weight)  # (Cout, Cin/groups, k...)
+                macs = int(np.prod(shape(op.outputs[0]))) * int(np.prod(w[1:]))
+            if macs:
+                by_type[op.op_type] = by_type.get(op.op_type, 0) + macs
+                ops.append((macs, op.op_type, op.name))
+
+    walk(fn)
+    ops.sort(reverse=True)
+    return {"total": int(sum(by_type.values())), "by_type": by_type, "largest": ops[:8]}
