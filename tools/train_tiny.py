@@ -1,0 +1,105 @@
+#!/usr/bin/env python
+"""Train the small synthetic-speech Cohere-architecture model (models/cohere-tiny-synth).
+
+Steps: synthesise the training corpus with espeak-ng if it is not there yet
+(`apt-get install espeak-ng`), train within a wall-clock budget on one CPU thread, save a Hugging
+Face folder (float16 safetensors + tokenizer + processor), evaluate it on the committed held-out
+set and write the model card with the measured figures.
+
+Example (the committed model):
+  uv run python tools/train_tiny.py --out models/cohere-tiny-synth --budget-minutes 40
+"""
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv=None) -> int:
+    from cohere_coreml.train import TrainConfig
+
+    defaults = TrainConfig(train_dir="", heldout_dir="", out_dir="")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(ROOT / "models" / "cohere-tiny-synth"), help="checkpoint folder to write")
+    parser.add_argument("--train-dir", default="/tmp/training/train", help="training corpus (synthesised if missing)")
+    parser.add_argument("--heldout-dir", default=str(ROOT / "tests" / "data" / "heldout"), help="held-out set")
+    parser.add_argument("--cache-dir", default="/tmp/training/cache", help="feature cache")
+    parser.add_argument("--languages", default="en,de,es")
+    parser.add_argument("--per-language", type=int, default=4000, help="training utterances per language")
+    parser.add_argument("--budget-minutes", type=float, default=defaults.budget_minutes,
+                        help="wall-clock training budget (the LR schedule spans it)")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--vocab", type=int, default=defaults.sentencepiece_vocab, help="SentencePiece pieces")
+    parser.add_argument("--eval-every-minutes", type=float, default=defaults.eval_every_minutes)
+    parser.add_argument("--feature-workers", type=int, default=defaults.feature_workers)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from cohere_coreml.evaluate import evaluate_checkpoint, format_reports
+    from cohere_coreml.synth import SynthError, make_corpus
+    from cohere_coreml.train import TrainingError, folder_size_bytes, train, write_model_card
+
+    languages = [l.strip() for l in args.languages.split(",") if l.strip()]
+    try:
+        if not (Path(args.train_dir) / "manifest.json").exists():
+            make_corpus(args.train_dir, languages, args.per_language, split="train", seed=args.seed)
+        cfg = TrainConfig(
+            train_dir=args.train_dir, heldout_dir=args.heldout_dir, out_dir=args.out, cache_dir=args.cache_dir,
+            budget_minutes=args.budget_minutes, seed=args.seed, sentencepiece_vocab=args.vocab,
+            eval_every_minutes=args.eval_every_minutes, feature_workers=args.feature_workers,
+        )
+        result = train(cfg)
+    except (SynthError, TrainingError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+    reports = evaluate_checkpoint(args.out, args.heldout_dir)
+    print(format_reports(reports))
+    import numpy as np
+
+    from cohere_coreml.checkpoint import load_reference
+    from cohere_coreml.evaluate import greedy_decode, load_eval_set
+    from cohere_coreml.audio import FrontEndConfig
+    from cohere_coreml.synth import read_manifest
+    from cohere_coreml.tokens import BYTE_TOKENS, SPECIAL_TOKENS
+
+    model, processor = load_reference(args.out)
+    feats, texts, langs, _ = load_eval_set(args.heldout_dir, FrontEndConfig.from_processor(processor, dither=0.0))
+    decoded = greedy_decode(model, processor.tokenizer, feats, langs)
+    margins = np.concatenate([np.asarray(d.margins) for d in decoded])
+    manifest = read_manifest(args.train_dir)
+    tok = processor.tokenizer
+    summary = {
+        "overall_margin": {
+            "median": float(np.median(margins)),
+            "p10": float(np.percentile(margins, 10)),
+            "under_1nat": float(np.mean(margins < 1.0)),
+        },
+        "pieces": len(tok) - len(SPECIAL_TOKENS) - len(BYTE_TOKENS),
+        "tokens": len(tok),
+        "vocab_size": model.config.vocab_size,
+        "train_clips": len(manifest["utterances"]),
+        "train_hours": sum(u["seconds"] for u in manifest["utterances"]) / 3600,
+    }
+    summary["size_mb"] = folder_size_bytes(args.out) / 1e6  # before the card; the card adds ~3 kB
+    command = "uv run python tools/train_tiny.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    write_model_card(args.out, cfg, result, reports, command, summary)
+    summary["size_mb"] = folder_size_bytes(args.out) / 1e6
+    summary.update(
+        train_minutes=result.train_seconds / 60, total_minutes=result.total_seconds / 60, steps=result.steps,
+        wer={k: r.wer for k, r in reports.items()},
+        median_margin={k: r.median_margin for k, r in reports.items()},
+        errors={k: r.errors for k, r in reports.items()},
+        history=result.history,
+    )
+    print(json.dumps(summary, indent=1, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
