@@ -221,3 +221,20 @@ def test_bad_inputs(tmp_path):
         log_mel(np.zeros((2, 16000), dtype=np.float32))
     with pytest.raises(AudioError, match="shape"):
         load_audio(np.zeros((2, 3, 4), dtype=np.float32), sample_rate=16000)
+
+
+def test_long_clip_pieces_match_extractor_batch():
+    """Each piece of a long clip gives the features the extractor gives that chunk in its batch."""
+    from transformers import CohereAsrFeatureExtractor
+
+    wav = _long_clip()
+    fe = CohereAsrFeatureExtractor(dither=0.0)
+    ref = fe(wav, sampling_rate=16000, return_tensors="np", return_attention_mask=True)
+    pieces = split_long_audio(wav)
+    assert len(pieces) == ref["input_features"].shape[0]
+    for i, piece in enumerate(pieces):
+        ours, n_valid = log_mel(piece)
+        ref_feats = ref["input_features"][i].T
+        assert n_valid == int(ref["attention_mask"][i].sum())
+        assert np.abs(ours[:, :n_valid] - ref_feats[:, :n_valid]).max() <= TOLERANCE
+        assert not ref_feats[:, n_valid:].any()
