@@ -1,0 +1,241 @@
+"""Transcription loop: audio -> windows -> encoder package -> stateful decoder package -> text.
+
+Per window (at most one `split_long_audio` piece, zero-padded to the encoder's window):
+
+    features (cohere_coreml.audio.log_mel + pad_to_window)
+      -> encoder.mlpackage : cross_k, cross_v, cross_mask
+      -> fresh decoder state, feed the language prompt one token per call
+      -> greedy: argmax(log_probs), feed it back, until eos or the cache capacity
+
+A window that stops without eos (the cache is full, or `max_new_tokens` reached) is returned with
+`truncated=True`: the tokens are the exact prefix greedy decoding would produce, never garbage.
+Window texts are joined as `CohereAsrProcessor.decode` joins chunks (no space for ja/zh).
+
+Everything the loop needs (prompt ids, eos, capacity, window) is read from the bundle's
+manifest; nothing comes from the Python-side checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .bundle import Bundle, BundleError
+
+logger = logging.getLogger(__name__)
+
+DECODER_INPUTS = ("cross_k", "cross_v", "cross_mask")
+
+
+class TranscriptionError(RuntimeError):
+    """The packages produced something the loop cannot use (missing outputs, bad shapes, NaN)."""
+
+
+@dataclass
+class WindowResult:
+    index: int
+    start_s: float
+    duration_s: float
+    token_ids: list[int]  # generated ids (prompt excluded; the eos id included when reached)
+    text: str
+    truncated: bool  # True when the window stopped without eos
+    stop_reason: str  # "eos" | "max_new_tokens" | "capacity"
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TranscriptionResult:
+    text: str
+    language: str
+    punctuation: bool
+    windows: list[WindowResult]
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        return [w.token_ids for w in self.windows]
+
+    @property
+    def truncated(self) -> bool:
+        return any(w.truncated for w in self.windows)
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "language": self.language,
+            "punctuation": self.punctuation,
+            "truncated": self.truncated,
+            "windows": [asdict(w) for w in self.windows],
+        }
+
+
+class Transcriber:
+    """Greedy transcription with a bundle's encoder + decoder packages, through the runtime interface.
+
+    Args:
+        bundle: bundle folder (or several folders searched in order) with manifest.json.
+        backend: runtime backend: "auto" (Core ML on macOS, the MIL interpreter elsewhere),
+            "coreml" or "mil".
+    """
+
+    def __init__(self, bundle: str | os.PathLike | Sequence[str | os.PathLike] | Bundle, backend: str = "auto"):
+        from transformers import PreTrainedTokenizerFast
+
+        from .audio import FrontEndConfig
+        from .runtime import load_model
+
+        self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle)
+        self.backend = backend
+        m = self.bundle.manifest
+        self.front_end = FrontEndConfig.from_dict({**m["audio"], "dither": 0.0})
+        try:
+            self.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(self.bundle.paths["tokenizer_dir"]))
+        except (OSError, ValueError) as err:
+            raise BundleError(f"cannot load the bundle's tokenizer: {err}") from err
+        t0 = time.perf_counter()
+        self.encoder = load_model(str(self.bundle.paths["encoder"]), backend=backend)
+        self.decoder = load_model(str(self.bundle.paths["decoder"]), backend=backend)
+        self.load_s = time.perf_counter() - t0
+        self.capacity = self.bundle.capacity
+        self.window_frames = self.bundle.window_frames
+        self.eos_ids = self.bundle.eos_ids
+
+    # -- one window -----------------------------------------------------------------------------
+    def encode(self, features: np.ndarray, n_valid: int) -> dict[str, np.ndarray]:
+        """features (M, F) or (1, M, F) float32 window -> encoder outputs."""
+        features = np.asarray(features, dtype=np.float32)
+        if features.ndim == 2:
+            features = features[None]
+        out = self.encoder.predict(
+            {"input_features": features, "feature_length": np.array([int(n_valid)], dtype=np.int32)}
+        )
+        missing = [k for k in DECODER_INPUTS if k not in out]
+        if missing:
+            raise TranscriptionError(f"encoder package returned no {missing}: is it a {self.bundle.manifest['format']} encoder?")
+        return out
+
+    def decode(self, encoder_out: dict[str, np.ndarray], prompt: Sequence[int], max_new_tokens: int | None = None,
+               return_log_probs: bool = False) -> dict:
+        """Greedy decode of one window from its encoder outputs.
+
+        Returns {"token_ids", "stop_reason", "truncated", "prompt_s", "decode_s", "steps"} (and
+        "log_probs": list of (V,) arrays, one per decoder call, when `return_log_probs`).
+        """
+        prompt = [int(t) for t in prompt]
+        if len(prompt) >= self.capacity:
+            raise TranscriptionError(f"prompt of {len(prompt)} tokens does not fit the cache ({self.capacity} slots)")
+        # every fed token takes one slot; the last prediction is emitted without being fed
+        limit = self.capacity - len(prompt) + 1
+        reason_at_limit = "capacity"
+        if max_new_tokens is not None:
+            if max_new_tokens < 1:
+                raise TranscriptionError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+            if max_new_tokens < limit:
+                limit, reason_at_limit = int(max_new_tokens), "max_new_tokens"
+        cross = {k: encoder_out[k] for k in DECODER_INPUTS}
+        state = self.decoder.make_state()
+        all_log_probs = []
+
+        def step(token: int, position: int) -> np.ndarray:
+            out = self.decoder.predict(
+                {"input_ids": np.array([[token]], dtype=np.int32), "position": np.array([position], dtype=np.int32),
+                 **cross},
+                state=state,
+            )
+            lp = np.asarray(out["log_probs"]).reshape(-1)
+            if return_log_probs:
+                all_log_probs.append(lp.astype(np.float32))
+            return lp
+
+        t0 = time.perf_counter()
+        for position, token in enumerate(prompt):
+            log_probs = step(token, position)
+        t1 = time.perf_counter()
+        generated: list[int] = []
+        position = len(prompt)
+        stop_reason = None
+        while True:
+            if not np.all(np.isfinite(log_probs)):
+                raise TranscriptionError(f"decoder produced non-finite log-probs at position {position - 1}")
+            token = int(np.argmax(log_probs))
+            generated.append(token)
+            if token in self.eos_ids:
+                stop_reason = "eos"
+                break
+            if len(generated) >= limit:
+                stop_reason = reason_at_limit
+                break
+            log_probs = step(token, position)
+            position += 1
+        t2 = time.perf_counter()
+        result = {
+            "token_ids": generated,
+            "stop_reason": stop_reason,
+            "truncated": stop_reason != "eos",
+            "prompt_s": t1 - t0,
+            "decode_s": t2 - t1,
+            "steps": position,
+        }
+        if return_log_probs:
+            result["log_probs"] = all_log_probs
+        return result
+
+    def transcribe_window(self, waveform: np.ndarray, prompt: Sequence[int], max_new_tokens: int | None = None,
+                          index: int = 0, start_s: float = 0.0) -> WindowResult:
+        from .audio import log_mel, pad_to_window
+        from .tokens import decode_ids
+
+        t0 = time.perf_counter()
+        feats, n_valid = log_mel(waveform, self.front_end)
+        feats, n_valid = pad_to_window(feats, n_valid, frames=self.window_frames)
+        t1 = time.perf_counter()
+        enc = self.encode(feats, n_valid)
+        t2 = time.perf_counter()
+        dec = self.decode(enc, prompt, max_new_tokens)
+        text = decode_ids(self.tokenizer, [t for t in dec["token_ids"] if t not in self.eos_ids])
+        steps = max(dec["steps"], 1)
+        timings = {
+            "features_s": t1 - t0,
+            "encoder_s": t2 - t1,
+            "prompt_s": dec["prompt_s"],
+            "decode_s": dec["decode_s"],
+            "decoder_calls": dec["steps"],
+            "ms_per_decoder_call": 1000.0 * (dec["prompt_s"] + dec["decode_s"]) / steps,
+        }
+        sr = self.front_end.sampling_rate
+        if dec["truncated"]:
+            logger.warning("window %d stopped without eos (%s) after %d tokens", index, dec["stop_reason"],
+                           len(dec["token_ids"]))
+        return WindowResult(index=index, start_s=start_s, duration_s=len(waveform) / sr, token_ids=dec["token_ids"],
+                            text=text, truncated=dec["truncated"], stop_reason=dec["stop_reason"], timings=timings)
+
+    # -- whole clips ----------------------------------------------------------------------------
+    def transcribe(self, audio, language: str = "en", punctuation: bool = True,
+                   max_new_tokens: int | None = None, progress: bool = False) -> TranscriptionResult:
+        """Transcribe a file path or a float32 mono array at the bundle's sample rate."""
+        from .audio import check_waveform, load_audio, split_points
+        from .tokens import join_windows
+
+        prompt = self.bundle.prompt(language, punctuation)
+        sr = self.front_end.sampling_rate
+        if isinstance(audio, (str, os.PathLike)):
+            waveform = load_audio(audio, target_rate=sr)
+        else:
+            waveform = np.asarray(audio, dtype=np.float32)
+            check_waveform(waveform)
+        pieces = split_points(waveform, self.front_end)
+        iterator = pieces
+        if progress and len(pieces) > 1:
+            from tqdm import tqdm
+
+            iterator = tqdm(pieces, desc="windows", unit="window")
+        windows = []
+        for i, (start, end) in enumerate(iterator):
+            windows.append(self.transcribe_window(waveform[start:end], prompt, max_new_tokens, index=i,
+                                                  start_s=start / sr))
+        text = join_windows([w.text for w in windows], language)
+        return TranscriptionResult(text=text, language=language, punctuation=punctuation, windows=windows)

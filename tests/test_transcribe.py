@@ -1,0 +1,232 @@
+"""Transcriber: encoder + stateful decoder packages (FP32 programs, MIL interpreter) vs generate()."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from .conftest import AUDIO_DIR, audio_manifest
+
+torch.set_num_threads(1)
+
+MAX_NEW = 22  # -> cache capacity round_up(10 + 22, 32) = 32: a window emits at most 23 tokens
+N_COMPARE = 8  # new tokens compared with generate() per window (random weights never emit eos)
+
+SHAPES = {
+    # grouped kv heads, encoder width != decoder width
+    "gqa": dict(num_key_value_heads=2, encoder_hidden_size=48, encoder_num_attention_heads=4),
+    # one kv head, 3 layers, narrow decoder, wide encoder
+    "mqa3": dict(num_hidden_layers=3, hidden_size=32, num_attention_heads=4, num_key_value_heads=1,
+                 intermediate_size=64, encoder_hidden_size=80, encoder_num_attention_heads=4),
+}
+
+
+def export_bundle(model, processor, out_dir, max_new_tokens=MAX_NEW):
+    from cohere_coreml.bundle import export_decoder_bundle
+    from cohere_coreml.convert import ExportSettings
+    from cohere_coreml.encoder import convert_encoder
+
+    settings = ExportSettings(out_dir=out_dir, precision="fp32", model_id="tiny-test")
+    convert_encoder(model, settings, processor)
+    export_decoder_bundle(model, processor, settings, max_new_tokens=max_new_tokens)
+    return out_dir
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def setup(request, tmp_path_factory):
+    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint
+    from cohere_coreml.transcribe import Transcriber
+
+    root = tmp_path_factory.mktemp(f"tr_{request.param}")
+    ckpt = make_tiny_checkpoint(root / "ckpt", seed=3, **SHAPES[request.param])
+    model, processor = load_reference(ckpt)
+    processor.feature_extractor.dither = 0.0
+    bundle = export_bundle(model, processor, root / "bundle")
+    return request.param, model, processor, Transcriber(bundle, backend="mil")
+
+
+def reference_ids(model, processor, piece, prompt, max_new_tokens):
+    """generate() on one window, as the reference pipeline runs it; new ids only."""
+    f = processor.feature_extractor(piece, sampling_rate=16000, return_tensors="pt", return_attention_mask=True)
+    with torch.no_grad():
+        out = model.generate(input_features=f["input_features"], attention_mask=f["attention_mask"],
+                             decoder_input_ids=torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+    return [int(t) for t in out[0, len(prompt):]]
+
+
+def speech_clips():
+    return [c for c in audio_manifest() if c["path"].is_file()]
+
+
+def test_tokens_identical_to_generate(setup):
+    """Every window of every committed clip: ids identical to generate() (same prompt, max_new_tokens)."""
+    from cohere_coreml.audio import load_audio, split_points
+
+    name, model, processor, tr = setup
+    clips = speech_clips()
+    if name != "gqa":
+        clips = [c for c in clips if c["file"] in ("en_short.wav", "de_medium.wav", "zh_medium.wav", "tiny_0.05s.wav")]
+    else:
+        assert len(clips) >= 10 and len({c["language"] for c in clips if c.get("language")}) >= 3
+    checked, languages, lengths = 0, set(), set()
+    for clip in clips:
+        lang = clip.get("language") or "en"
+        wav = load_audio(clip["path"])
+        punctuation = checked % 2 == 0
+        result = tr.transcribe(wav, lang, punctuation=punctuation, max_new_tokens=N_COMPARE)
+        prompt = tr.bundle.prompt(lang, punctuation)
+        ranges = split_points(wav, tr.front_end)
+        assert len(result.windows) == len(ranges)
+        for window, (start, end) in zip(result.windows, ranges):
+            ref = reference_ids(model, processor, wav[start:end], prompt, N_COMPARE)
+            assert window.token_ids == ref, f"{name}: {clip['file']} window {window.index}"
+            assert window.stop_reason in ("eos", "max_new_tokens")
+            assert window.truncated == (window.stop_reason != "eos")
+            checked += 1
+        languages.add(lang)
+        lengths.add(round(len(wav) / 16000, 1))
+    assert checked >= (10 if name == "gqa" else 4)
+    if name == "gqa":
+        assert len(languages) >= 3 and len(lengths) >= 10
+
+
+def test_long_audio_windows_and_join(setup):
+    """> 30 s audio: windows at the reference split points; texts joined like CohereAsrProcessor.decode."""
+    from cohere_coreml.audio import load_audio
+
+    name, model, processor, tr = setup
+    if name != "gqa":
+        pytest.skip("one shape is enough")
+    for lang, wav in (("en", load_audio(AUDIO_DIR / "en_long_75s.flac")),
+                      ("zh", np.tile(load_audio(AUDIO_DIR / "zh_medium.wav"), 10))):
+        result = tr.transcribe(wav, lang, max_new_tokens=4)
+        inputs = processor(wav, sampling_rate=16000, language=lang, return_tensors="pt")
+        chunk_index = inputs["audio_chunk_index"]
+        assert len(result.windows) == len(chunk_index) > 1
+        ids = [w.token_ids for w in result.windows]
+        expected = processor.decode(ids, skip_special_tokens=True, audio_chunk_index=chunk_index, language=lang)[0]
+        assert result.text == expected.strip()
+        if lang == "zh":
+            parts = [w.text for w in result.windows if w.text.strip()]
+            assert result.text == "".join([parts[0].rstrip()] + [p.strip() for p in parts[1:]])
+
+
+def test_cross_memory_masking(setup):
+    """Garbage in the padded tail of the cross memory: no effect with the mask, a change without it."""
+    from cohere_coreml.audio import load_audio, log_mel, pad_to_window
+
+    name, model, processor, tr = setup
+    wav = load_audio(AUDIO_DIR / "en_medium.wav")
+    feats, n_valid = log_mel(wav, tr.front_end)
+    window, n_valid = pad_to_window(feats, n_valid, tr.window_frames)
+    enc = tr.encode(window, n_valid)
+    prompt = tr.bundle.prompt("en")
+    clean = tr.decode(enc, prompt, max_new_tokens=N_COMPARE)["token_ids"]
+
+    mask = np.asarray(enc["cross_mask"]).reshape(-1)
+    n_enc = int(np.asarray(enc["encoder_length"]).reshape(-1)[0])
+    assert np.all(mask[:n_enc] == 0) and np.all(mask[n_enc:] < 0) and n_enc < mask.size
+    rng = np.random.default_rng(0)
+    garbage = dict(enc)
+    for key in ("cross_k", "cross_v"):
+        arr = np.array(enc[key], dtype=np.float32, copy=True)
+        arr[:, :, n_enc:, :] = rng.uniform(-1, 1, arr[:, :, n_enc:, :].shape) * 300.0
+        garbage[key] = arr
+    masked = tr.decode(garbage, prompt, max_new_tokens=N_COMPARE)["token_ids"]
+    assert masked == clean
+    unmasked = dict(garbage, cross_mask=np.zeros_like(np.asarray(enc["cross_mask"])))
+    control = tr.decode(unmasked, prompt, max_new_tokens=N_COMPARE, return_log_probs=True)
+    ref = tr.decode(garbage, prompt, max_new_tokens=N_COMPARE, return_log_probs=True)
+    assert control["token_ids"] != clean or not np.allclose(control["log_probs"][0], ref["log_probs"][0], atol=1e-2)
+    assert control["token_ids"] != clean, "the unmasked garbage should change the greedy tokens"
+
+
+def test_capacity_truncates_to_reference_prefix(setup):
+    from cohere_coreml.audio import load_audio
+
+    name, model, processor, tr = setup
+    wav = load_audio(AUDIO_DIR / "fr_medium.wav")
+    result = tr.transcribe(wav, "fr")  # no max_new_tokens: decode until eos or the cache is full
+    window = result.windows[0]
+    assert tr.capacity == 32
+    assert window.truncated and result.truncated and window.stop_reason == "capacity"
+    assert len(window.token_ids) == tr.capacity - 10 + 1
+    ref = reference_ids(model, processor, wav, tr.bundle.prompt("fr"), 40)
+    assert len(ref) > len(window.token_ids)
+    assert window.token_ids == ref[: len(window.token_ids)]
+    # a larger max_new_tokens than the capacity allows still ends at the capacity, without error
+    again = tr.transcribe(wav, "fr", max_new_tokens=500).windows[0]
+    assert again.token_ids == window.token_ids and again.stop_reason == "capacity"
+
+
+def test_result_json_and_timings(setup):
+    from cohere_coreml.audio import load_audio
+
+    name, model, processor, tr = setup
+    result = tr.transcribe(load_audio(AUDIO_DIR / "es_short.wav"), "es", max_new_tokens=3)
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["language"] == "es" and len(data["windows"]) == 1
+    w = data["windows"][0]
+    assert len(w["token_ids"]) == 3 and w["truncated"] is True and w["stop_reason"] == "max_new_tokens"
+    assert w["timings"]["encoder_s"] > 0 and w["timings"]["decoder_calls"] == 10 + 2
+
+
+def test_bad_inputs(setup, tmp_path):
+    from cohere_coreml.bundle import BundleError
+    from cohere_coreml.transcribe import Transcriber, TranscriptionError
+
+    name, model, processor, tr = setup
+    with pytest.raises(ValueError, match="Unsupported language"):
+        tr.transcribe(np.zeros(16000, np.float32), "xx")
+    with pytest.raises(TranscriptionError, match="max_new_tokens"):
+        tr.transcribe(np.zeros(16000, np.float32), "en", max_new_tokens=0)
+    with pytest.raises(BundleError, match="manifest.json"):
+        Transcriber(tmp_path)
+    with pytest.raises(BundleError, match="does not exist"):
+        Transcriber(tmp_path / "nope")
+
+
+@pytest.fixture(scope="module")
+def eos_setup(tmp_path_factory):
+    """A tiny checkpoint whose eos logit is raised until greedy decoding ends with eos after a few tokens."""
+    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint, save_checkpoint
+    from cohere_coreml.audio import load_audio
+    from cohere_coreml.tokens import prompt_ids
+    from cohere_coreml.transcribe import Transcriber
+
+    root = tmp_path_factory.mktemp("eos")
+    model, processor = load_reference(make_tiny_checkpoint(root / "base", seed=5))
+    processor.feature_extractor.dither = 0.0
+    wav = load_audio(AUDIO_DIR / "en_medium.wav")
+    prompt = prompt_ids(processor.tokenizer, "en")
+    eos = model.config.eos_token_id
+    base = model.proj_out.bias.detach().clone()
+    found = None
+    for extra in np.arange(0.0, 3.0, 0.02):
+        with torch.no_grad():
+            model.proj_out.bias.copy_(base)
+            model.proj_out.bias[eos] += float(extra)
+        ref = reference_ids(model, processor, wav, prompt, 20)
+        if ref and ref[-1] == eos:
+            found = ref
+            break
+    assert found is not None and len(found) >= 2, "could not make an eos-ending checkpoint"
+    ckpt = save_checkpoint(model, processor.tokenizer, root / "eos", feature_extractor=processor.feature_extractor)
+    model, processor = load_reference(ckpt)
+    processor.feature_extractor.dither = 0.0
+    bundle = export_bundle(model, processor, root / "bundle")
+    return model, processor, Transcriber(bundle, backend="mil"), wav, found
+
+
+def test_window_stops_at_eos(eos_setup):
+    model, processor, tr, wav, ref = eos_setup
+    result = tr.transcribe(wav, "en")
+    window = result.windows[0]
+    assert window.token_ids == ref
+    assert window.stop_reason == "eos" and window.truncated is False and not result.truncated
+    from cohere_coreml.tokens import decode_ids
+
+    assert window.text == decode_ids(processor.tokenizer, ref[:-1])
