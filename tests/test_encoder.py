@@ -1,0 +1,274 @@
+"""Encoder export on tiny checkpoints, run through the project's runtime (MIL interpreter on Linux).
+
+Small windows (2 s = 200 mel frames) keep this fast; the 35 s default is for real exports.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from cohere_coreml import encoder as E
+from cohere_coreml.convert import ExportSettings, ParityError, psnr
+
+WINDOW_S = 2.0
+
+# name -> make_tiny_checkpoint overrides
+CONFIGS = {
+    # default tiny shape: encoder width == decoder width, Hkv == H
+    "same_width": {},
+    # encoder width != decoder width, GQA decoder (2 kv heads for 4 heads), 3 decoder layers, 80 mels
+    "gqa_wide_encoder": dict(
+        encoder_hidden_size=96,
+        encoder_num_attention_heads=3,
+        encoder_intermediate_size=160,
+        encoder_num_hidden_layers=3,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=3,
+        num_mel_bins=80,
+    ),
+}
+
+
+def _speech_features(n_mels: int, frames: int, processor) -> np.ndarray:
+    """Real speech log-mel (n_mels, >= frames) from the committed clips (dither 0)."""
+    from cohere_coreml.audio import FrontEndConfig, load_audio, log_mel
+
+    clips = E.default_gate_audio(max_clips=3)
+    assert clips, "tests/data/audio has no speech clips"
+    config = FrontEndConfig.from_processor(processor, dither=0.0)
+    assert config.n_mels == n_mels
+    feats = [log_mel(load_audio(p), config) for p in clips]
+    joined = np.concatenate([m[:, :n] for m, n in feats], axis=1).astype(np.float32)
+    return np.tile(joined, (1, -(-frames // joined.shape[1])))[:, :frames]
+
+
+def _window(feats: np.ndarray, n: int, frames: int, fill: float = 0.0) -> np.ndarray:
+    w = np.full((1, feats.shape[0], frames), fill, dtype=np.float32)
+    w[0, :, :n] = feats[:, :n]
+    return w
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def exported(request, tmp_path_factory):
+    """(model, processor, shapes, runtime model, package path) of an FP32 export of each config."""
+    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint
+    from cohere_coreml.runtime import load_model
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp(request.param)
+    ckpt = make_tiny_checkpoint(root / "ckpt", seed=3, **CONFIGS[request.param])
+    model, processor = load_reference(ckpt)
+    settings = ExportSettings(out_dir=root / "out", precision="fp32", window_seconds=WINDOW_S)
+    shapes = E.encoder_shapes(model, WINDOW_S, processor)
+    clips = E.gate_features(processor, shapes)
+    path = E.convert_encoder(model, settings, processor, clips=clips)
+    assert path == settings.package_path("encoder") and path.exists()
+    report = json.loads(settings.report_path("encoder").read_text())
+    assert report["passed"] is True and report["min_psnr_db"] == 60.0
+    assert len(report["cases"]) >= 2
+    return model, processor, shapes, load_model(path, backend="auto"), path
+
+
+def _run(rt, window: np.ndarray, n: int) -> dict:
+    return rt.predict({"input_features": window, "feature_length": np.array([n], dtype=np.int32)})
+
+
+def test_shapes_follow_the_config(exported):
+    model, _, s, _, path = exported
+    cfg = model.config
+    assert s.frames == 200 and s.n_mels == cfg.encoder_config.num_mel_bins
+    assert s.encoder_frames == 25 and s.padded_frames == 32  # ceil x8 subsampling; padded to 32
+    assert (s.num_layers, s.num_kv_heads, s.head_dim) == (cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                           cfg.head_dim)
+    import coremltools as ct
+
+    spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
+    ins = {i.name: tuple(i.type.multiArrayType.shape) for i in spec.description.input}
+    outs = {o.name: tuple(o.type.multiArrayType.shape) for o in spec.description.output}
+    assert ins == {"input_features": (1, s.n_mels, 200), "feature_length": (1,)}
+    assert outs == {
+        "encoder_hidden_states": (1, 32, cfg.hidden_size),
+        "cross_k": (cfg.num_hidden_layers, cfg.num_key_value_heads, 32, cfg.head_dim),
+        "cross_v": (cfg.num_hidden_layers, cfg.num_key_value_heads, 32, cfg.head_dim),
+        "cross_mask": (1, 1, 1, 32),
+        "encoder_length": (1,),
+    }
+    meta = dict(spec.description.metadata.userDefined)
+    assert meta["com.cohere_coreml.component"] == "encoder"
+    assert json.loads(meta["com.cohere_coreml.shapes"])["padded_frames"] == 32
+    assert meta["com.cohere_coreml.window_frames"] == "200"
+    assert all(f.shortDescription for f in list(spec.description.input) + list(spec.description.output))
+
+
+@pytest.mark.parametrize("n", [37, 121, 200])
+def test_padded_window_equals_unpadded_transformers(exported, n):
+    model, processor, s, rt, _ = exported
+    feats = _speech_features(s.n_mels, s.frames, processor)
+    out = _run(rt, _window(feats, n, s.frames), n)
+    ref = E.unpadded_reference(model, feats[None, :, :n])  # (1, t, Ddec), no padding, no mask
+    t = ref.shape[1]
+    assert int(out["encoder_length"][0]) == t
+    got = np.asarray(out["encoder_hidden_states"], dtype=np.float32)
+    assert psnr(ref, got[:, :t]) >= 60.0
+    assert np.all(got[:, t:] == 0.0)
+    mask = np.asarray(out["cross_mask"]).reshape(-1)
+    assert np.all(mask[:t] == 0.0) and np.all(mask[t:] == E.MASK_VALUE)
+
+
+def test_feature_length_is_not_ignored(exported):
+    model, processor, s, rt, _ = exported
+    feats = _speech_features(s.n_mels, s.frames, processor)
+    full = _window(feats, s.frames, s.frames)
+    a = _run(rt, full, s.frames)
+    b = _run(rt, full, 120)
+    ta, tb = int(a["encoder_length"][0]), int(b["encoder_length"][0])
+    assert ta == s.encoder_frames and tb < ta
+    # the frames both runs call valid differ by far more than the FP32 parity level (>= 60 dB):
+    # the frames beyond feature_length were really masked away
+    ha = np.asarray(a["encoder_hidden_states"])[:, :tb]
+    hb = np.asarray(b["encoder_hidden_states"])[:, :tb]
+    assert psnr(ha, hb) < 60.0
+    ref_b = E.reference_outputs(model, s, full, 120)["encoder_hidden_states"][:, :tb]
+    assert psnr(ref_b, hb) >= 60.0 and psnr(ref_b, ha) < 60.0
+    # ... and whatever lies beyond feature_length does not matter
+    noisy = _window(feats, 120, s.frames, fill=0.0)
+    noisy[0, :, 120:] = np.random.default_rng(0).standard_normal((s.n_mels, s.frames - 120))
+    c = _run(rt, noisy, 120)
+    for name in ("encoder_hidden_states", "cross_k", "cross_v"):
+        assert psnr(np.asarray(b[name]), np.asarray(c[name])) >= 60.0
+    assert int(c["encoder_length"][0]) == tb
+
+
+def test_cross_kv_equal_decoder_own_projections(exported):
+    """cross_k/v == what CohereAsrCrossAttention caches when transformers' decoder runs."""
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    model, processor, s, rt, _ = exported
+    n = 150
+    feats = _speech_features(s.n_mels, s.frames, processor)
+    out = _run(rt, _window(feats, n, s.frames), n)
+    t = int(out["encoder_length"][0])
+    x = torch.from_numpy(feats[None, :, :n]).transpose(1, 2)
+    with torch.no_grad():
+        enc = model.model.encoder(input_features=x).last_hidden_state  # (1, t, He), before proj
+        cache = EncoderDecoderCache(DynamicCache(config=model.config), DynamicCache(config=model.config))
+        start = torch.tensor([[model.config.decoder_start_token_id]])
+        model.model.decoder(input_ids=start, encoder_hidden_states=enc, cache=cache, use_cache=True)
+    for i in range(s.num_layers):
+        keys = cache.cross_attention_cache.layers[i].keys[0].numpy()  # (Hkv, t, Dh)
+        values = cache.cross_attention_cache.layers[i].values[0].numpy()
+        assert keys.shape == (s.num_kv_heads, t, s.head_dim)
+        assert psnr(keys, np.asarray(out["cross_k"])[i, :, :t]) >= 60.0
+        assert psnr(values, np.asarray(out["cross_v"])[i, :, :t]) >= 60.0
+    # and from the package's own memory output, layer by layer
+    memory = torch.from_numpy(np.asarray(out["encoder_hidden_states"], dtype=np.float32))
+    for i, layer in enumerate(model.model.decoder.layers):
+        with torch.no_grad():
+            k = layer.encoder_attn.k_proj(memory).view(1, s.padded_frames, -1, s.head_dim).transpose(1, 2)[0]
+        assert psnr(k.numpy(), np.asarray(out["cross_k"])[i]) >= 60.0
+
+
+class _IgnoresLength(E.EncoderForCoreML):
+    """Deliberately broken: the length input is wired to nothing (the published port's bug)."""
+
+    def forward(self, input_features, feature_length):
+        full = torch.full_like(feature_length, self.shapes.frames)
+        return super().forward(input_features, full)
+
+
+class _NoAttentionMask(E.EncoderForCoreML):
+    """Deliberately broken: right lengths, but the encoder runs without its attention mask."""
+
+    def forward(self, input_features, feature_length):
+        s = self.shapes
+        memory, k, v, mask, length = super().forward(input_features, feature_length)
+        encoded = self.encoder(input_features=input_features.transpose(1, 2))  # no mask
+        valid = (mask[0, 0] == 0).to(memory.dtype)  # (1, Tp)
+        hidden = nn_pad(self.proj(encoded.last_hidden_state), s.padded_frames - s.encoder_frames)
+        hidden = hidden * valid[:, :, None]
+        return hidden, k, v, mask, length
+
+
+def nn_pad(x, pad):
+    return torch.nn.functional.pad(x, (0, 0, 0, pad))
+
+
+@pytest.mark.parametrize("broken", [_IgnoresLength, _NoAttentionMask])
+def test_broken_export_is_refused(exported, broken, tmp_path):
+    model, processor, shapes, _, _ = exported
+
+    def hook(model, shapes):
+        wrapper = broken(model, shapes).eval()
+        example = (torch.zeros(1, shapes.n_mels, shapes.frames), torch.tensor([150], dtype=torch.int32))
+        with torch.no_grad():
+            return torch.jit.trace(wrapper, example, check_trace=False, strict=False)
+
+    settings = ExportSettings(out_dir=tmp_path, precision="fp32", window_seconds=WINDOW_S)
+    with pytest.raises(ParityError, match="refused"):
+        E.convert_encoder(model, settings, processor, clips=E.gate_features(processor, shapes), _wrapper_hook=hook)
+    assert not settings.package_path("encoder").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["encoder.parity.json"]
+    assert json.loads(settings.report_path("encoder").read_text())["passed"] is False
+
+
+def test_existing_package_is_skipped_unless_forced(exported):
+    model, processor, _, _, path = exported
+    settings = ExportSettings(out_dir=path.parent, precision="fp32", window_seconds=WINDOW_S)
+    stamp = (path / "Manifest.json").stat().st_mtime_ns
+    assert E.convert_encoder(model, settings, processor) is None
+    assert (path / "Manifest.json").stat().st_mtime_ns == stamp
+
+
+def test_fp16_export_passes_gate_and_masks_finitely(tmp_path):
+    """fp16 program: the finfo.min attention mask must not become -inf/NaN on padded rows."""
+    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint
+    from cohere_coreml.runtime import load_model
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", seed=5, **CONFIGS["gqa_wide_encoder"])
+    model, processor = load_reference(ckpt)
+    settings = ExportSettings(out_dir=tmp_path / "out", precision="fp16", window_seconds=WINDOW_S)
+    shapes = E.encoder_shapes(model, WINDOW_S, processor)
+    path = E.convert_encoder(model, settings, processor, clips=E.gate_features(processor, shapes))
+    report = json.loads(settings.report_path("encoder").read_text())
+    assert report["passed"] and report["min_psnr_db"] == 35.0
+    rt = load_model(path)
+    feats = _speech_features(shapes.n_mels, shapes.frames, processor)
+    out = _run(rt, _window(feats, 9, shapes.frames), 9)  # mostly padding
+    for name in ("encoder_hidden_states", "cross_k", "cross_v"):
+        assert np.all(np.isfinite(np.asarray(out[name], dtype=np.float32)))
+    assert out["encoder_length"].dtype == np.int32
+
+
+def test_fp16_length_arithmetic_is_exact_above_2048(tmp_path):
+    """Odd lengths > 2048 are not representable in fp16; encoder_length must still be exact."""
+    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint
+    from cohere_coreml.runtime import load_model
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", seed=1, encoder_num_hidden_layers=1, num_hidden_layers=1)
+    model, processor = load_reference(ckpt)
+    window = 21.0  # 2100 frames
+    settings = ExportSettings(out_dir=tmp_path / "out", precision="fp16", window_seconds=window, skip_verify=True)
+    path = E.convert_encoder(model, settings, processor)
+    rt = load_model(path)
+    shapes = E.encoder_shapes(model, window, processor)
+    feats = np.random.default_rng(0).standard_normal((1, shapes.n_mels, shapes.frames)).astype(np.float32)
+    for n in (2049, 2051, 2097, 2100):
+        expected = int(E.encoder_output_length(model, n)[0])
+        out = _run(rt, feats, n)
+        assert int(out["encoder_length"][0]) == expected, n
+        mask = np.asarray(out["cross_mask"]).reshape(-1)
+        assert int(np.sum(mask == 0)) == expected
+
+
+def test_bad_window_is_refused(tiny_reference):
+    model, processor = tiny_reference
+    with pytest.raises(ValueError):
+        E.encoder_shapes(model, 0.001, processor)
+    with pytest.raises(E.EncoderInputError):
+        E.gate_inputs(E.encoder_shapes(model, WINDOW_S, processor), clips=[np.zeros((7, 10), np.float32)])
