@@ -14,8 +14,8 @@ warnings.filterwarnings("ignore")
 
 
 def convert_torch(module, example_inputs, path, precision="fp32", input_dtypes=None, states=None,
-                  output_names=None):
-    """Trace ``module`` and save an iOS18 ML program package to ``path``; returns ``path``."""
+                  output_names=None, target=None):
+    """Trace ``module`` and save an ML program package (default iOS18) to ``path``; returns ``path``."""
     import coremltools as ct
 
     module = module.eval()
@@ -36,7 +36,7 @@ def convert_torch(module, example_inputs, path, precision="fp32", input_dtypes=N
         traced,
         inputs=inputs,
         convert_to="mlprogram",
-        minimum_deployment_target=ct.target.macOS15,
+        minimum_deployment_target=target or ct.target.macOS15,
         compute_precision=ct.precision.FLOAT32 if precision == "fp32" else ct.precision.FLOAT16,
         skip_model_load=True,
         **kwargs,

@@ -47,6 +47,10 @@ def numpy_dtype(name: str):
     return _REPR[name][1]
 
 
+def is_known(name: str) -> bool:
+    return name in _REPR
+
+
 def is_float(name: str) -> bool:
     return name in ("fp16", "fp32", "fp64")
 

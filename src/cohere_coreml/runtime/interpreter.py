@@ -269,6 +269,9 @@ class MilModel(RuntimeModel):
         arr = np.asarray(val)
         if arr.size <= 64:
             self._pycache[name] = arr.tolist()
+        if not dtypes.is_known(mil_dtype):  # sub-byte ints etc. (inputs of constexpr ops)
+            self._consts[name] = torch.from_numpy(arr.astype(np.int32))
+            return
         self._consts[name] = dtypes.from_numpy(arr, mil_dtype)
 
     # ------------------------------------------------------------------ interface
