@@ -272,3 +272,37 @@ def test_bad_window_is_refused(tiny_reference):
         E.encoder_shapes(model, 0.001, processor)
     with pytest.raises(E.EncoderInputError):
         E.gate_inputs(E.encoder_shapes(model, WINDOW_S, processor), clips=[np.zeros((7, 10), np.float32)])
+
+
+def test_cli_export_writes_gated_package_and_skips_existing(tiny_checkpoint, tmp_path, capsys):
+    from cohere_coreml import cli
+
+    out = tmp_path / "out"
+    argv = ["export", "--model", str(tiny_checkpoint), "--out", str(out), "--components", "encoder",
+            "--window-seconds", str(WINDOW_S), "--precision", "fp32"]
+    assert cli.main(argv) == 0
+    assert (out / "encoder.mlpackage" / "Manifest.json").exists()
+    report = json.loads((out / "encoder.parity.json").read_text())
+    assert report["passed"] and report["worst_psnr_db"] >= 60.0
+    assert "PASS" in capsys.readouterr().out
+    assert cli.main(argv) == 0
+    assert "skipped" in capsys.readouterr().out
+
+
+def test_cli_failing_gate_exits_nonzero_and_writes_no_package(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    from cohere_coreml import cli
+
+    def broken_trace(model, shapes):
+        wrapper = _IgnoresLength(model, shapes).eval()
+        example = (torch.zeros(1, shapes.n_mels, shapes.frames), torch.tensor([150], dtype=torch.int32))
+        with torch.no_grad():
+            return torch.jit.trace(wrapper, example, check_trace=False, strict=False)
+
+    monkeypatch.setattr(E, "trace_encoder", broken_trace)
+    out = tmp_path / "out"
+    code = cli.main(["export", "--model", str(tiny_checkpoint), "--out", str(out), "--components", "encoder",
+                     "--window-seconds", str(WINDOW_S), "--precision", "fp32"])
+    assert code != 0
+    assert "parity gate refused" in capsys.readouterr().err
+    assert not (out / "encoder.mlpackage").exists()
+    assert not any(p.suffix == ".mlpackage" for p in out.iterdir())
