@@ -281,7 +281,8 @@ def export_decoder_bundle(model, processor, settings, max_new_tokens: int = 256,
 
     The encoder side (`cohere_coreml.encoder.convert_encoder`) decides the window; its shapes
     (window frames F, encoder frames T, padded Tp) are recomputed here the same way so the two
-    packages fit each other. Returns {"decoder": convert_decoder result, "manifest": path}.
+    packages fit each other. Returns the `convert_decoder` result (path, shapes, parity, written)
+    plus "manifest" (its path).
     """
     from .decoder import convert_decoder, default_capacity
     from .encoder import encoder_shapes
@@ -311,4 +312,4 @@ def export_decoder_bundle(model, processor, settings, max_new_tokens: int = 256,
         revision=settings.revision or getattr(source, "revision", None), precision=settings.precision,
         window_frames=enc_shapes.frames,
     )
-    return {"decoder": result, "manifest": str(manifest)}
+    return {**result, "manifest": str(manifest)}

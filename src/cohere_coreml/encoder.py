@@ -22,6 +22,7 @@ Contract (see docs/contract.md):
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -42,6 +43,7 @@ from cohere_coreml.convert import (
     save_package_atomic,
     window_frames,
     write_json_atomic,
+    write_package_atomic,
 )
 
 logger = logging.getLogger(__name__)
@@ -97,7 +99,13 @@ def encoder_output_length(model, frames) -> torch.Tensor:
     return model.model.encoder._get_subsampling_output_length(lengths).to(torch.int32)
 
 
-def encoder_shapes(model, window_seconds: float = 35.0, processor=None, frames: int | None = None) -> EncoderShapes:
+def encoder_shapes(model, window_seconds: float = 35.0, processor=None, frames: int | None = None,
+                   memory_frames: int | None = None) -> EncoderShapes:
+    """Shapes of the exported encoder for a window.
+
+    `memory_frames` (length buckets): pad the memory to this many frames instead of
+    round_up(T, 32), so a shorter window's outputs have the full window's shapes.
+    """
     config = model.config
     enc = config.encoder_config
     sample_rate, hop_length = _front_end_params(processor)
@@ -106,11 +114,14 @@ def encoder_shapes(model, window_seconds: float = 35.0, processor=None, frames: 
     t = int(encoder_output_length(model, frames)[0])
     if t < 1:
         raise EncoderInputError(f"a window of {frames} mel frames gives no encoder frame")
+    padded = round_up(t, TIME_MULTIPLE) if memory_frames is None else int(memory_frames)
+    if padded < t:
+        raise EncoderInputError(f"memory of {padded} frames cannot hold the {t} encoder frames of {frames} mel frames")
     return EncoderShapes(
         n_mels=int(enc.num_mel_bins),
         frames=int(frames),
         encoder_frames=t,
-        padded_frames=round_up(t, TIME_MULTIPLE),
+        padded_frames=padded,
         encoder_hidden_size=int(enc.hidden_size),
         decoder_hidden_size=int(config.hidden_size),
         num_layers=int(config.num_hidden_layers),
@@ -410,11 +421,12 @@ def gate_inputs(shapes: EncoderShapes, clips: list[np.ndarray] | None = None, se
     return cases
 
 
-def run_gate(package: Path, model, shapes: EncoderShapes, settings: ExportSettings, cases) -> dict:
+def run_gate(package: Path, model, shapes: EncoderShapes, settings: ExportSettings, cases,
+             function_name: str | None = None) -> dict:
     """Run the package through `cohere_coreml.runtime` on each case, compare with PyTorch."""
     from cohere_coreml.runtime import load_model
 
-    loaded = load_model(str(package), backend="auto")
+    loaded = load_model(str(package), backend="auto", function_name=function_name)
     results = []
     passed = True
     worst = float("inf")
@@ -428,13 +440,15 @@ def run_gate(package: Path, model, shapes: EncoderShapes, settings: ExportSettin
         report = report_correctness(ref, produced, settings.gate_psnr_db, exact=("encoder_length",))
         report.extra.update({"case": i, "feature_length": int(n), "predict_seconds": round(seconds, 3)})
         logger.debug("encoder gate case %d (feature_length %d):\n%s", i, n, report.summary())
-        print(f"[encoder gate] case {i} feature_length={n}\n{report.summary()}", flush=True)
+        where = f" function {function_name}" if function_name else ""
+        print(f"[encoder gate]{where} case {i} feature_length={n}\n{report.summary()}", flush=True)
         results.append(report)
         passed = passed and report.passed
         worst = min(worst, report.worst_psnr_db)
     summary = {
         "component": COMPONENT,
-        "package": Path(package).name,
+        "package": f"{COMPONENT}.mlpackage",
+        "function": function_name or "main",
         "precision": settings.precision,
         "min_psnr_db": settings.gate_psnr_db,
         "passed": passed,
@@ -495,6 +509,103 @@ def convert_encoder(
         write_json_atomic(failed, settings.report_path(COMPONENT))
         raise
     gate["shapes"] = shapes.to_dict()
+    write_json_atomic(gate, settings.report_path(COMPONENT))
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Length buckets: one package, one function per window, weights shared
+# --------------------------------------------------------------------------------------------
+
+
+def bucket_function_name(window_seconds: float) -> str:
+    return "window_" + f"{window_seconds:g}".replace(".", "_") + "s"
+
+
+def convert_encoder_buckets(
+    model,
+    settings: ExportSettings,
+    bucket_seconds,
+    processor=None,
+    gate_audio=None,
+    extra_metadata: dict | None = None,
+) -> Path | None:
+    """Export `encoder.mlpackage` as a multifunction package with one function per window.
+
+    The default function `main` is the full window (`settings.window_seconds`); each shorter
+    bucket (e.g. 10 s, 20 s) is a function `window_<s>s` whose input has that bucket's frames but
+    whose outputs are padded to the FULL window's memory length Tp, so the decoder (and the
+    contract) are unchanged: a short clip only pays for its bucket's encoder compute. Identical
+    weights are stored once (`coremltools.utils.save_multifunction`). Every function is gated.
+    """
+    import shutil
+    import tempfile
+
+    import coremltools as ct
+
+    path = settings.package_path(COMPONENT)
+    if path.exists() and not settings.force:
+        logger.info("%s exists, skipping (use --force to overwrite)", path)
+        print(f"{path} exists, skipping (use --force to overwrite)")
+        return None
+    full = encoder_shapes(model, settings.window_seconds, processor)
+    buckets = sorted({float(b) for b in bucket_seconds if float(b) != float(settings.window_seconds)})
+    too_long = [b for b in buckets if b > settings.window_seconds]
+    if too_long:
+        raise EncoderInputError(f"bucket(s) {too_long} s are longer than the window ({settings.window_seconds} s)")
+    windows = [(None, settings.window_seconds)] + [(bucket_function_name(b), b) for b in buckets]
+    shapes_by_fn: dict[str, EncoderShapes] = {}
+    settings.out_dir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".encoder-buckets-", dir=settings.out_dir))
+    gate: dict[str, Any] = {"component": COMPONENT, "functions": {}}
+    try:
+        descriptor = None
+        for fn_name, seconds in windows:
+            fn = fn_name or "main"
+            shapes = encoder_shapes(model, seconds, processor, memory_frames=full.padded_frames)
+            shapes_by_fn[fn] = shapes
+            logger.info("bucket %s: %s", fn, shapes)
+            single = scratch / f"{fn}.mlpackage"
+            traced = trace_encoder(model, shapes)
+            convert_traced_encoder(traced, shapes, settings.replace(window_seconds=seconds), extra_metadata).save(
+                str(single)
+            )
+            del traced
+            if descriptor is None:
+                descriptor = ct.utils.MultiFunctionDescriptor()
+            descriptor.add_function(str(single), src_function_name="main", target_function_name=fn)
+        descriptor.default_function_name = "main"
+
+        buckets_meta = {fn: {"window_seconds": sh.window_seconds, "frames": sh.frames,
+                             "encoder_frames": sh.encoder_frames, "padded_frames": sh.padded_frames}
+                        for fn, sh in shapes_by_fn.items()}
+
+        def write(tmp: Path):
+            merged = scratch / "merged.mlpackage"
+            ct.utils.save_multifunction(descriptor, str(merged))
+            mlmodel = ct.models.MLModel(str(merged), skip_model_load=True)
+            mlmodel.user_defined_metadata["com.cohere_coreml.buckets"] = json.dumps(buckets_meta, sort_keys=True)
+            mlmodel.save(str(tmp))
+
+        def verify(tmp: Path):
+            if settings.skip_verify:
+                gate["skipped"] = True
+                return
+            for fn, shapes in shapes_by_fn.items():
+                cases = gate_inputs(shapes, gate_features(processor, shapes, gate_audio) if processor else None)
+                gate["functions"][fn] = run_gate(tmp, model, shapes, settings.replace(window_seconds=shapes.window_seconds),
+                                                 cases, function_name=fn)
+
+        try:
+            write_package_atomic(write, path, force=settings.force, verify=verify)
+        except ParityError as err:
+            failed = {"component": COMPONENT, "passed": False, "error": str(err), **gate}
+            write_json_atomic(failed, settings.report_path(COMPONENT))
+            raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    gate["passed"] = not gate.get("skipped") and all(g["passed"] for g in gate["functions"].values())
+    gate["buckets"] = buckets_meta
     write_json_atomic(gate, settings.report_path(COMPONENT))
     return path
 
@@ -562,6 +673,7 @@ def export_all(
     revision: str | None = None,
     components=EXPORT_COMPONENTS,
     gate_audio=None,
+    max_new_tokens: int = 256,
 ) -> dict[str, Any]:
     """Load a checkpoint and export the requested components into `settings.out_dir`.
 
@@ -591,11 +703,10 @@ def export_all(
                 logger.warning("no speech clips found for the encoder gate: using synthetic features")
         results["encoder"] = convert_encoder(model, settings, processor, clips=clips)
     if "decoder" in components:
-        from cohere_coreml import decoder as decoder_module
+        # decoder.mlpackage + manifest.json / vocab.json / tokenizer files (cohere_coreml.bundle)
+        from cohere_coreml.bundle import export_decoder_bundle
 
-        if not hasattr(decoder_module, "convert_decoder"):
-            raise ExportError("this version of cohere_coreml has no decoder export")
-        results["decoder"] = decoder_module.convert_decoder(model, settings, window_frames=shapes.frames)
+        results["decoder"] = export_decoder_bundle(model, processor, settings, max_new_tokens=max_new_tokens)
     return results
 
 
@@ -616,6 +727,9 @@ def add_export_arguments(parser) -> None:
                         help="comma-separated components to export (default: encoder,decoder)")
     parser.add_argument("--gate-audio", nargs="+", default=None,
                         help="speech files for the encoder parity gate (default: the committed test clips)")
+    parser.add_argument("--max-tokens", type=int, default=256,
+                        help="new tokens one window can decode; the decoder cache holds round_up(10 + N, 32) "
+                        "slots (default: %(default)s, the upstream limit)")
     parser.add_argument("--force", action="store_true", help="overwrite packages that already exist")
     parser.add_argument("--skip-verify", action="store_true",
                         help="do not run the parity gates (packages are written unchecked)")
@@ -636,7 +750,7 @@ def cmd_export(args) -> int:
     settings = settings_from_args(args)
     components = tuple(c.strip() for c in args.components.split(",") if c.strip())
     results = export_all(args.model, settings, revision=args.revision, components=components,
-                         gate_audio=args.gate_audio)
+                         gate_audio=args.gate_audio, max_new_tokens=args.max_tokens)
     for name, result in results.items():
         path = result.get("path") if isinstance(result, dict) else result
         print(f"{name}: {path if path else 'exists, skipped (use --force)'}")

@@ -239,3 +239,55 @@ class Transcriber:
                                                   start_s=start / sr))
         text = join_windows([w.text for w in windows], language)
         return TranscriptionResult(text=text, language=language, punctuation=punctuation, windows=windows)
+
+
+# --------------------------------------------------------------------------------------------
+# `cohere-coreml transcribe` (registered by cli.py's stage-command hook)
+# --------------------------------------------------------------------------------------------
+
+
+def cmd_transcribe(args) -> int:
+    import json
+
+    transcriber = Transcriber(args.bundle, backend=args.backend)
+    results = []
+    for path in args.audio:
+        result = transcriber.transcribe(path, language=args.language, punctuation=not args.no_punctuation,
+                                        max_new_tokens=args.max_new_tokens, progress=not args.json)
+        results.append((path, result))
+    if args.json:
+        data = [{"audio": str(p), **r.to_dict()} for p, r in results]
+        print(json.dumps(data[0] if len(data) == 1 else data, indent=2, ensure_ascii=False))
+        return 0
+    for path, result in results:
+        if len(results) > 1:
+            print(f"== {path}")
+        print(result.text)
+        for w in result.windows:
+            t = w.timings
+            flag = "  TRUNCATED" if w.truncated else ""
+            logger.info("window %d (%.1f-%.1f s): %d tokens, encoder %.2f s, decoder %d calls %.1f ms/call%s",
+                        w.index, w.start_s, w.start_s + w.duration_s, len(w.token_ids), t["encoder_s"],
+                        t["decoder_calls"], t["ms_per_decoder_call"], flag)
+    return 0
+
+
+def add_transcribe_command(subparsers) -> None:
+    p = subparsers.add_parser(
+        "transcribe",
+        help="transcribe audio with an exported bundle (encoder + decoder packages)",
+        description="Greedy transcription with an export folder written by `cohere-coreml export` "
+        "(encoder.mlpackage, decoder.mlpackage, manifest.json, tokenizer). Audio longer than 30 s is "
+        "split into windows as the reference processor splits it. Runs Core ML on macOS and the "
+        "project's MIL interpreter elsewhere (--backend).",
+    )
+    p.add_argument("audio", nargs="+", help="audio file(s) (wav, flac, ...); resampled to 16 kHz mono")
+    p.add_argument("--bundle", required=True, nargs="+", help="export folder(s) holding manifest.json and the packages")
+    p.add_argument("--language", required=True, help="language code: ar de el en es fr it ja ko nl pl pt vi zh")
+    p.add_argument("--no-punctuation", action="store_true", help="prompt with <|nopnc|> (no punctuation/casing)")
+    p.add_argument("--backend", default="auto", choices=("auto", "coreml", "mil"),
+                   help="auto: Core ML when available, else the MIL interpreter (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="stop a window after N new tokens (default: the decoder cache capacity)")
+    p.add_argument("--json", action="store_true", help="print JSON: text, token ids, timings, truncation per window")
+    p.set_defaults(func=cmd_transcribe)

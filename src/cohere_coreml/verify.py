@@ -1,0 +1,289 @@
+"""Stage-by-stage parity of an exported bundle against the `transformers` reference.
+
+For every clip and every window of it (the same split points as the reference extractor):
+
+1. mel      : our front end (cohere_coreml.audio) vs `CohereAsrFeatureExtractor` (dither 0), PSNR
+              over the valid frames;
+2. encoder  : encoder.mlpackage outputs (cross_k, cross_v, encoder_hidden_states) vs the PyTorch
+              encoder + `decoder.proj` + each layer's cross k/v projections, PSNR over valid frames;
+3. decoder  : decoder.mlpackage under teacher forcing (fed the reference greedy sequence, with the
+              PyTorch cross memory, so this stage is measured alone): per-step log-prob PSNR and
+              KL(PyTorch || package), argmax agreement;
+4. end to end: the Transcriber's greedy tokens (encoder + decoder packages) vs
+              `model.generate(...)` with the same prompt and `max_new_tokens`, and the texts.
+
+`verify_bundle(...)` returns a JSON-ready dict; `format_table(...)` renders it for people.
+The same code runs against Core ML on a Mac (`backend="coreml"`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+class VerifyError(RuntimeError):
+    """The bundle and the checkpoint do not belong together (shapes, vocabulary, prompts)."""
+
+
+def _f(x: float):
+    return x if math.isfinite(x) else str(x)
+
+
+def _check_compatible(model, tokenizer, bundle) -> None:
+    m = bundle.manifest
+    dec = m["decoder"]
+    cfg = model.config
+    problems = []
+    for key, value in (("vocab_size", cfg.vocab_size), ("num_layers", cfg.num_hidden_layers),
+                       ("num_key_value_heads", cfg.num_key_value_heads), ("head_dim", cfg.head_dim),
+                       ("hidden_size", cfg.hidden_size)):
+        if int(dec[key]) != int(value):
+            problems.append(f"decoder {key}: bundle {dec[key]} vs checkpoint {value}")
+    from .tokens import prompt_ids
+
+    if bundle.prompt("en") != prompt_ids(tokenizer, "en"):
+        problems.append("the English prompt ids differ (different tokenizer)")
+    if problems:
+        raise VerifyError("bundle and checkpoint do not match: " + "; ".join(problems))
+
+
+def verify_bundle(model, processor, bundle_dirs, audio: Sequence, language: str = "en", punctuation: bool = True,
+                  backend: str = "auto", max_new_tokens: int | None = None, languages: Sequence[str] | None = None,
+                  progress: bool = False) -> dict:
+    """Run every stage for every clip; returns {"clips": [...], "summary": {...}}.
+
+    audio: file paths or float32 arrays at the bundle's sample rate; `languages` (same length)
+    overrides `language` per clip.
+    """
+    import torch
+
+    from .audio import load_audio, log_mel, split_points
+    from .convert import psnr
+    from .decoder import TeacherForcingCase, cross_memory_from_model, run_teacher_forcing, teacher_forcing_report
+    from .transcribe import Transcriber
+
+    torch.set_grad_enabled(False)
+    transcriber = Transcriber(bundle_dirs, backend=backend)
+    bundle = transcriber.bundle
+    tokenizer = processor.tokenizer
+    _check_compatible(model, tokenizer, bundle)
+    fe = processor.feature_extractor
+    fe.dither = 0.0
+    front_end = transcriber.front_end
+    sr = front_end.sampling_rate
+    memory_len = int(bundle.manifest["encoder"]["memory_len"])
+    precision = bundle.manifest.get("precision", "fp16")
+    if languages is not None and len(languages) != len(audio):
+        raise VerifyError(f"{len(languages)} languages for {len(audio)} clips")
+
+    clips = []
+    items = list(enumerate(audio))
+    if progress:
+        from tqdm import tqdm
+
+        items = tqdm(items, desc="verify", unit="clip")
+    for ci, source in items:
+        lang = languages[ci] if languages is not None else language
+        name = str(source) if isinstance(source, (str, Path)) else f"array[{ci}]"
+        wav = load_audio(source, target_rate=sr) if isinstance(source, (str, Path)) else np.asarray(source, np.float32)
+        prompt = bundle.prompt(lang, punctuation)
+        windows = []
+        for wi, (start, end) in enumerate(split_points(wav, front_end)):
+            piece = wav[start:end]
+            w: dict = {"window": wi, "start_s": start / sr, "seconds": (end - start) / sr}
+            # 1. mel
+            ref = fe(piece, sampling_rate=sr, return_tensors="np", return_attention_mask=True)
+            ref_feats = ref["input_features"][0].T  # (M, frames)
+            n_ref = int(ref["attention_mask"].sum())
+            ours, n_valid = log_mel(piece, front_end)
+            w["mel"] = {"frames": n_valid, "reference_frames": n_ref,
+                        "psnr_db": _f(psnr(ref_feats[:, :n_ref], ours[:, :n_ref])) if n_ref == n_valid else "-inf",
+                        "max_abs_err": float(np.max(np.abs(ref_feats[:, :n_ref] - ours[:, :n_ref])))
+                        if n_ref == n_valid else float("inf")}
+            # 2. encoder
+            feats_t = torch.from_numpy(ref["input_features"])
+            mask_t = torch.from_numpy(ref["attention_mask"]).long()
+            enc = model.model.encoder(feats_t, attention_mask=mask_t)
+            enc_valid = int(enc.attention_mask.sum())
+            ref_k, ref_v, _ = cross_memory_from_model(model, enc.last_hidden_state, memory_len, enc_valid)
+            from .audio import pad_to_window
+
+            window, _ = pad_to_window(ours, n_valid, frames=transcriber.window_frames)
+            t0 = time.perf_counter()
+            enc_out = transcriber.encode(window, n_valid)
+            enc_s = time.perf_counter() - t0
+            pkg_len = int(np.asarray(enc_out.get("encoder_length", [enc_valid])).reshape(-1)[0])
+            ref_hidden = model.model.decoder.proj(enc.last_hidden_state)[0, :enc_valid].numpy()
+            w["encoder"] = {
+                "seconds": enc_s,
+                "encoder_length": pkg_len,
+                "reference_length": enc_valid,
+                "cross_k_psnr_db": _f(psnr(ref_k[:, :, :enc_valid].numpy(),
+                                           np.asarray(enc_out["cross_k"], np.float32)[:, :, :enc_valid])),
+                "cross_v_psnr_db": _f(psnr(ref_v[:, :, :enc_valid].numpy(),
+                                           np.asarray(enc_out["cross_v"], np.float32)[:, :, :enc_valid])),
+            }
+            if "encoder_hidden_states" in enc_out:
+                w["encoder"]["hidden_psnr_db"] = _f(psnr(
+                    ref_hidden, np.asarray(enc_out["encoder_hidden_states"], np.float32)[0, :enc_valid]))
+            # 4 (reference part). greedy tokens from generate()
+            limit = bundle.capacity - len(prompt) + 1
+            n_new = min(limit, max_new_tokens) if max_new_tokens else limit
+            gen = model.generate(input_features=feats_t, attention_mask=mask_t,
+                                 decoder_input_ids=torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False)
+            ref_ids = [int(t) for t in gen[0, len(prompt):]]
+            # 3. decoder under teacher forcing with the reference memory
+            fed = list(prompt) + ref_ids[:-1]
+            from transformers.models.parakeet.modeling_parakeet import ParakeetEncoderModelOutput
+
+            enc_obj = ParakeetEncoderModelOutput(last_hidden_state=enc.last_hidden_state,
+                                                 attention_mask=enc.attention_mask)
+            logits = model(encoder_outputs=enc_obj, decoder_input_ids=torch.tensor([fed])).logits[0]
+            ref_lp = torch.log_softmax(logits, dim=-1).numpy()
+            _, _, ref_mask = cross_memory_from_model(model, enc.last_hidden_state, memory_len, enc_valid)
+            case = TeacherForcingCase(cross_k=ref_k.numpy(), cross_v=ref_v.numpy(), cross_mask=ref_mask.numpy(),
+                                      ids=fed, log_probs=ref_lp, prompt_len=len(prompt))
+            produced = run_teacher_forcing(transcriber.decoder, case)
+            tf = teacher_forcing_report(case, produced, precision)
+            w["decoder"] = {k: tf[k] for k in ("steps", "worst_psnr_db", "mean_kl", "max_kl", "argmax_agree", "passed")}
+            w["decoder"]["per_step"] = [{k: s[k] for k in ("position", "psnr_db", "kl")} for s in tf["per_step"]]
+            # 4. end to end through the packages
+            dec = transcriber.decode(enc_out, prompt, max_new_tokens=n_new)
+            from .tokens import decode_ids
+
+            eos = transcriber.eos_ids
+            w["tokens"] = {
+                "reference": ref_ids,
+                "bundle": dec["token_ids"],
+                "identical": dec["token_ids"] == ref_ids,
+                "common_prefix": _common_prefix(dec["token_ids"], ref_ids),
+                "truncated": dec["truncated"],
+                "reference_text": decode_ids(tokenizer, [t for t in ref_ids if t not in eos]),
+                "bundle_text": decode_ids(tokenizer, [t for t in dec["token_ids"] if t not in eos]),
+            }
+            windows.append(w)
+        clips.append({"clip": name, "language": lang, "windows": windows})
+    return {"bundle": [str(d) for d in bundle.dirs], "backend": transcriber.decoder.backend,
+            "precision": precision, "clips": clips, "summary": summarize(clips)}
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _num(x) -> float:
+    return float(x)  # also parses the "inf" / "-inf" strings JSON needs
+
+
+def summarize(clips: list[dict]) -> dict:
+    windows = [w for c in clips for w in c["windows"]]
+    if not windows:
+        return {}
+    return {
+        "clips": len(clips),
+        "windows": len(windows),
+        "mel_worst_psnr_db": min(_num(w["mel"]["psnr_db"]) for w in windows),
+        "encoder_worst_psnr_db": min(min(_num(w["encoder"]["cross_k_psnr_db"]), _num(w["encoder"]["cross_v_psnr_db"]))
+                                     for w in windows),
+        "decoder_worst_psnr_db": min(w["decoder"]["worst_psnr_db"] for w in windows),
+        "decoder_mean_kl": float(np.mean([w["decoder"]["mean_kl"] for w in windows])),
+        "decoder_max_kl": max(w["decoder"]["max_kl"] for w in windows),
+        "decoder_steps": sum(w["decoder"]["steps"] for w in windows),
+        "tokens_identical_windows": sum(bool(w["tokens"]["identical"]) for w in windows),
+        "tokens_compared": sum(len(w["tokens"]["reference"]) for w in windows),
+        "tokens_matching_prefix": sum(w["tokens"]["common_prefix"] for w in windows),
+    }
+
+
+def format_table(report: dict) -> str:
+    lines = [f"bundle {', '.join(report['bundle'])}  backend {report['backend']}  precision {report['precision']}",
+             f"{'clip':<28} {'win':>3} {'mel dB':>7} {'enc dB':>7} {'dec dB':>7} {'mean KL':>9} {'argmax':>7} "
+             f"{'tokens':>9}  text"]
+    for c in report["clips"]:
+        for w in c["windows"]:
+            enc_db = min(_num(w["encoder"]["cross_k_psnr_db"]), _num(w["encoder"]["cross_v_psnr_db"]))
+            tok = w["tokens"]
+            same = "same" if tok["identical"] else f"{tok['common_prefix']}/{len(tok['reference'])}"
+            d = w["decoder"]
+            lines.append(
+                f"{Path(c['clip']).name[:28]:<28} {w['window']:>3} {_num(w['mel']['psnr_db']):>7.1f} {enc_db:>7.1f} "
+                f"{d['worst_psnr_db']:>7.1f} {d['mean_kl']:>9.2e} {d['argmax_agree']:>3}/{d['steps']:<3} "
+                f"{same:>9}  {tok['bundle_text'][:40]!r}"
+            )
+    s = report["summary"]
+    if s:
+        lines.append(
+            f"summary: {s['windows']} windows, mel >= {s['mel_worst_psnr_db']:.1f} dB, encoder >= "
+            f"{s['encoder_worst_psnr_db']:.1f} dB, decoder >= {s['decoder_worst_psnr_db']:.1f} dB, mean KL "
+            f"{s['decoder_mean_kl']:.2e} (max {s['decoder_max_kl']:.2e}) over {s['decoder_steps']} steps, "
+            f"identical token windows {s['tokens_identical_windows']}/{s['windows']} "
+            f"({s['tokens_matching_prefix']}/{s['tokens_compared']} tokens)"
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# `cohere-coreml verify` (registered by cli.py's stage-command hook)
+# --------------------------------------------------------------------------------------------
+
+
+def cmd_verify(args) -> int:
+    import json
+
+    from .checkpoint import load_reference
+    from .convert import write_json_atomic
+
+    model, processor = load_reference(args.model, revision=args.revision)
+    languages = None
+    if args.languages:
+        languages = [s.strip() for s in args.languages.split(",")]
+    report = verify_bundle(model, processor, args.bundle, args.audio, language=args.language,
+                           punctuation=not args.no_punctuation, backend=args.backend,
+                           max_new_tokens=args.max_new_tokens, languages=languages, progress=not args.json)
+    if args.out:
+        write_json_atomic(report, args.out)
+    if args.json:
+        print(json.dumps(report, indent=2, ensure_ascii=False))
+    else:
+        print(format_table(report))
+    s = report["summary"]
+    ok = s.get("tokens_identical_windows") == s.get("windows")
+    return 0 if ok or not args.strict else 1
+
+
+def add_verify_command(subparsers) -> None:
+    p = subparsers.add_parser(
+        "verify",
+        help="compare an exported bundle with the PyTorch checkpoint stage by stage",
+        description="Stage-by-stage parity of a bundle against transformers: mel features (PSNR), encoder "
+        "cross K/V (PSNR), every decoder step's log-probs under teacher forcing (PSNR, KL), and the final "
+        "greedy tokens/text vs model.generate(). Prints a table (or JSON). On a Mac, --backend coreml "
+        "checks the Core ML runtime itself.",
+    )
+    p.add_argument("--model", required=True, help="checkpoint (Hub id or folder) the bundle was exported from")
+    p.add_argument("--revision", default=None, help="Hub revision of --model")
+    p.add_argument("--bundle", required=True, nargs="+", help="export folder(s) with manifest.json and the packages")
+    p.add_argument("--audio", required=True, nargs="+", help="audio files to check")
+    p.add_argument("--language", default="en", help="language of the clips (default: %(default)s)")
+    p.add_argument("--languages", default=None, help="comma-separated language per clip (overrides --language)")
+    p.add_argument("--no-punctuation", action="store_true", help="prompt with <|nopnc|>")
+    p.add_argument("--backend", default="auto", choices=("auto", "coreml", "mil"), help="runtime backend")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="new tokens compared per window (default: the decoder capacity)")
+    p.add_argument("--out", default=None, help="also write the JSON report to this file")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--strict", action="store_true", help="exit 1 unless every window's tokens are identical")
+    p.set_defaults(func=cmd_verify)

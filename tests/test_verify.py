@@ -1,0 +1,129 @@
+"""verify (stage-by-stage parity), the bundle manifest, and the transcribe/verify/export CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from .conftest import AUDIO_DIR
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A tiny GQA checkpoint (encoder width != decoder width) exported through the CLI (fp32)."""
+    from cohere_coreml.checkpoint import make_tiny_checkpoint
+    from cohere_coreml.cli import main
+
+    root = tmp_path_factory.mktemp("verify")
+    ckpt = make_tiny_checkpoint(root / "ckpt", seed=7, num_key_value_heads=2, encoder_hidden_size=48,
+                                encoder_num_attention_heads=4)
+    out = root / "bundle"
+    assert main(["export", "--model", str(ckpt), "--out", str(out), "--precision", "fp32", "--max-tokens", "40",
+                 "--gate-audio", str(AUDIO_DIR / "en_medium.wav")]) == 0
+    return ckpt, out
+
+
+def test_manifest(exported):
+    from transformers import AutoProcessor
+
+    from cohere_coreml.bundle import Bundle
+    from cohere_coreml.tokens import LANGUAGES
+
+    ckpt, out = exported
+    processor = AutoProcessor.from_pretrained(ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    bundle = Bundle.load(out)
+    m = bundle.manifest
+    assert m["format"] == "cohere-coreml-bundle" and m["precision"] == "fp32"
+    for name in ("encoder.mlpackage", "decoder.mlpackage", "vocab.json", "tokenizer.json"):
+        assert (out / name).exists()
+    assert set(m["languages"]) == set(LANGUAGES)
+    for lang in LANGUAGES:
+        assert m["languages"][lang]["punctuation"] == processor.get_decoder_prompt_ids(lang, punctuation=True)
+        assert m["languages"][lang]["no_punctuation"] == processor.get_decoder_prompt_ids(lang, punctuation=False)
+    assert m["tokens"]["eos_token_id"] == config["eos_token_id"]
+    assert m["decoder"]["capacity"] == 64  # round_up(10 + 40, 32)
+    assert m["decoder"]["max_new_tokens"] == 64 - 10 + 1
+    assert m["decoder"]["num_key_value_heads"] == 2 and m["decoder"]["vocab_size"] == config["vocab_size"]
+    assert m["decoder"]["io"]["states"]["self_k"]["shape"] == m["decoder"]["cache_shape"]
+    enc_out = m["encoder"]["io"]["outputs"]
+    assert enc_out["cross_k"]["shape"] == m["decoder"]["memory_shape"] == m["decoder"]["io"]["inputs"]["cross_k"]["shape"]
+    assert m["encoder"]["window_frames"] == 3500 and m["encoder"]["memory_len"] == 448
+    assert m["audio"]["sampling_rate"] == 16000 and m["audio"]["dither"] == 0.0
+    vocab = json.loads((out / "vocab.json").read_text())
+    assert vocab[str(m["tokens"]["eos_token_id"])] == "<|endoftext|>"
+
+
+def test_verify_bundle_stages(exported):
+    from cohere_coreml.checkpoint import load_reference
+    from cohere_coreml.verify import format_table, verify_bundle
+
+    ckpt, out = exported
+    model, processor = load_reference(ckpt)
+    clips = [AUDIO_DIR / "en_short.wav", AUDIO_DIR / "fr_medium.wav"]
+    report = verify_bundle(model, processor, out, clips, languages=["en", "fr"], backend="mil", max_new_tokens=6)
+    s = report["summary"]
+    assert s["clips"] == 2 and s["windows"] == 2
+    assert s["mel_worst_psnr_db"] > 100  # same arithmetic as the extractor, float32 noise only
+    assert s["encoder_worst_psnr_db"] > 60
+    assert s["decoder_worst_psnr_db"] > 60 and s["decoder_max_kl"] < 1e-4
+    assert s["tokens_identical_windows"] == 2 and s["tokens_compared"] == 12
+    for clip in report["clips"]:
+        w = clip["windows"][0]
+        assert w["decoder"]["steps"] == 10 + 5  # prompt + fed generated tokens
+        assert w["tokens"]["bundle_text"] == w["tokens"]["reference_text"]
+    json.dumps(report)
+    table = format_table(report)
+    assert "fr_medium.wav" in table and "identical token windows 2/2" in table
+
+
+def test_verify_detects_a_different_checkpoint(exported, tmp_path):
+    """Same shapes, other weights: the decoder stage and the tokens must show the mismatch."""
+    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint
+    from cohere_coreml.verify import verify_bundle
+
+    ckpt, out = exported
+    other = make_tiny_checkpoint(tmp_path / "other", seed=8, num_key_value_heads=2, encoder_hidden_size=48,
+                                 encoder_num_attention_heads=4)
+    model, processor = load_reference(other)
+    report = verify_bundle(model, processor, out, [AUDIO_DIR / "en_short.wav"], backend="mil", max_new_tokens=6)
+    s = report["summary"]
+    assert s["encoder_worst_psnr_db"] < 30
+    assert s["decoder_worst_psnr_db"] < 30
+    assert s["tokens_identical_windows"] == 0
+
+
+def test_verify_refuses_incompatible_checkpoint(exported, tmp_path):
+    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint
+    from cohere_coreml.verify import VerifyError, verify_bundle
+
+    ckpt, out = exported
+    model, processor = load_reference(make_tiny_checkpoint(tmp_path / "wide", seed=0, hidden_size=32))
+    with pytest.raises(VerifyError, match="hidden_size"):
+        verify_bundle(model, processor, out, [AUDIO_DIR / "en_short.wav"], backend="mil", max_new_tokens=2)
+
+
+def test_cli_transcribe_and_verify(exported, capsys):
+    from cohere_coreml.cli import main
+
+    ckpt, out = exported
+    clip = str(AUDIO_DIR / "de_short.wav")
+    assert main(["transcribe", clip, "--bundle", str(out), "--language", "de", "--backend", "mil",
+                 "--max-new-tokens", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["windows"]) == 1 and len(data["windows"][0]["token_ids"]) == 4
+    assert data["language"] == "de" and data["windows"][0]["truncated"] is True
+
+    assert main(["transcribe", clip, "--bundle", str(out), "--language", "xx"]) == 2
+    assert "Unsupported language" in capsys.readouterr().err
+    assert main(["transcribe", clip, "--bundle", str(ckpt), "--language", "de"]) == 2
+    assert "manifest.json" in capsys.readouterr().err
+
+    assert main(["verify", "--model", str(ckpt), "--bundle", str(out), "--audio", clip, "--language", "de",
+                 "--backend", "mil", "--max-new-tokens", "3", "--strict"]) == 0
+    table = capsys.readouterr().out
+    assert "de_short.wav" in table and "identical token windows 1/1" in table
