@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     components = tuple(c.strip() for c in args.components.split(",") if c.strip())
     try:
         results = export_all(args.model, settings_from_args(args), revision=args.revision,
-                             components=components, gate_audio=args.gate_audio)
+                             components=components, gate_audio=args.gate_audio, buckets=tuple(args.buckets))
     except (ExportError, ValueError) as err:
         print(f"export_encoder: error: {err}", file=sys.stderr)
         return 2

@@ -306,3 +306,38 @@ def test_cli_failing_gate_exits_nonzero_and_writes_no_package(tiny_checkpoint, t
     assert "parity gate refused" in capsys.readouterr().err
     assert not (out / "encoder.mlpackage").exists()
     assert not any(p.suffix == ".mlpackage" for p in out.iterdir())
+
+
+def test_length_buckets_share_weights_and_keep_the_contract(tiny_reference, tmp_path):
+    """Multifunction encoder: `main` = 3 s window, `window_2s` = 2 s bucket padded to main's memory."""
+    from cohere_coreml.convert import weight_file_bytes
+    from cohere_coreml.runtime import load_model
+
+    model, processor = tiny_reference
+    settings = ExportSettings(out_dir=tmp_path / "b", precision="fp32", window_seconds=3.0)
+    path = E.convert_encoder_buckets(model, settings, [2.0], processor)
+    report = json.loads(settings.report_path("encoder").read_text())
+    assert report["passed"] and set(report["functions"]) == {"main", "window_2s"}
+    assert report["buckets"]["window_2s"]["frames"] == 200 and report["buckets"]["main"]["frames"] == 300
+    full = E.encoder_shapes(model, 3.0, processor)
+    small = E.encoder_shapes(model, 2.0, processor, memory_frames=full.padded_frames)
+
+    single = E.convert_encoder(model, settings.replace(out_dir=tmp_path / "s", skip_verify=True), processor)
+    # weights are stored once: two functions cost far less than two packages
+    assert weight_file_bytes(path) < 1.25 * weight_file_bytes(single)
+
+    assert load_model(path).predict  # default function is `main`
+    rt = load_model(path, function_name="window_2s")
+    feats = _speech_features(small.n_mels, small.frames, processor)
+    n = 150
+    out = _run(rt, _window(feats, n, small.frames), n)
+    assert out["encoder_hidden_states"].shape == (1, full.padded_frames, model.config.hidden_size)
+    assert out["cross_k"].shape[2] == full.padded_frames
+    ref = E.unpadded_reference(model, feats[None, :, :n])
+    t = ref.shape[1]
+    assert int(out["encoder_length"][0]) == t
+    assert psnr(ref, np.asarray(out["encoder_hidden_states"])[:, :t]) >= 60.0
+    mask = np.asarray(out["cross_mask"]).reshape(-1)
+    assert np.all(mask[:t] == 0) and np.all(mask[t:] == E.MASK_VALUE)
+    with pytest.raises(E.EncoderInputError):
+        E.convert_encoder_buckets(model, settings.replace(out_dir=tmp_path / "c"), [5.0], processor)

@@ -305,6 +305,17 @@ def save_package_atomic(
     Returns:
         True when written, False when `path` already exists and `force` is False (skipped).
     """
+    return write_package_atomic(lambda tmp: mlmodel.save(str(tmp)), path, force=force, verify=verify)
+
+
+def write_package_atomic(
+    write: Callable[[Path], Any],
+    path: str | Path,
+    force: bool = False,
+    verify: Callable[[Path], Any] | None = None,
+) -> bool:
+    """`save_package_atomic` for any writer: `write(tmp_path)` creates the package (e.g.
+    `coremltools.utils.save_multifunction(descriptor, tmp_path)`)."""
     path = Path(path)
     if path.suffix != ".mlpackage":
         raise ExportSettingsError(f"package path must end with .mlpackage, got {path}")
@@ -317,7 +328,7 @@ def save_package_atomic(
     old = path.with_name(f".{path.stem}.old-{os.getpid()}.mlpackage")
     _remove(tmp)
     try:
-        mlmodel.save(str(tmp))
+        write(tmp)
         if verify is not None:
             verify(tmp)
         if path.exists():

@@ -674,6 +674,7 @@ def export_all(
     components=EXPORT_COMPONENTS,
     gate_audio=None,
     max_new_tokens: int = 256,
+    buckets=(),
 ) -> dict[str, Any]:
     """Load a checkpoint and export the requested components into `settings.out_dir`.
 
@@ -701,7 +702,10 @@ def export_all(
             clips = gate_features(processor, shapes, gate_audio)
             if not clips:
                 logger.warning("no speech clips found for the encoder gate: using synthetic features")
-        results["encoder"] = convert_encoder(model, settings, processor, clips=clips)
+        if buckets:  # one multifunction package: `main` = full window, `window_<s>s` = shorter buckets
+            results["encoder"] = convert_encoder_buckets(model, settings, buckets, processor, gate_audio)
+        else:
+            results["encoder"] = convert_encoder(model, settings, processor, clips=clips)
     if "decoder" in components:
         # decoder.mlpackage + manifest.json / vocab.json / tokenizer files (cohere_coreml.bundle)
         from cohere_coreml.bundle import export_decoder_bundle
@@ -730,6 +734,9 @@ def add_export_arguments(parser) -> None:
     parser.add_argument("--max-tokens", type=int, default=256,
                         help="new tokens one window can decode; the decoder cache holds round_up(10 + N, 32) "
                         "slots (default: %(default)s, the upstream limit)")
+    parser.add_argument("--buckets", type=float, nargs="+", default=(),
+                        help="extra shorter encoder windows in seconds (e.g. --buckets 10 20): encoder.mlpackage "
+                        "gets one function per window (weights shared, outputs padded to the full window)")
     parser.add_argument("--force", action="store_true", help="overwrite packages that already exist")
     parser.add_argument("--skip-verify", action="store_true",
                         help="do not run the parity gates (packages are written unchecked)")
@@ -750,7 +757,8 @@ def cmd_export(args) -> int:
     settings = settings_from_args(args)
     components = tuple(c.strip() for c in args.components.split(",") if c.strip())
     results = export_all(args.model, settings, revision=args.revision, components=components,
-                         gate_audio=args.gate_audio, max_new_tokens=args.max_tokens)
+                         gate_audio=args.gate_audio, max_new_tokens=args.max_tokens,
+                         buckets=tuple(getattr(args, "buckets", ()) or ()))
     for name, result in results.items():
         path = result.get("path") if isinstance(result, dict) else result
         print(f"{name}: {path if path else 'exists, skipped (use --force)'}")
