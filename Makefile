@@ -27,8 +27,21 @@ bootstrap:
 sync: bootstrap
 	$(UV) sync --frozen
 
+# demo: export the built-in default checkpoint (encoder + stateful decoder + manifest), then transcribe
+# the committed sample clips through the MIL interpreter and print texts and parity figures vs PyTorch.
+DEMO_OUT ?= out/demo
+DEMO_CLIPS ?= en_medium.wav de_medium.wav es_medium.wav fr_medium.wav en_long_75s.flac
+DEMO_LANGUAGES ?= en,de,es,fr,en
+DEMO_MAX_NEW_TOKENS ?= 96
+
 demo: sync
-	$(RUN) cohere-coreml prepare-default --describe
+	@set -e; model=$$($(RUN) cohere-coreml prepare-default | tail -n 1); \
+	out="$(DEMO_OUT)/$$(basename "$$model")-$(PRECISION)"; \
+	echo "== default checkpoint: $$model -> $$out"; \
+	$(RUN) cohere-coreml export --model "$$model" --out "$$out" --precision $(PRECISION); \
+	$(RUN) cohere-coreml verify --model "$$model" --bundle "$$out" --backend mil \
+		--max-new-tokens $(DEMO_MAX_NEW_TOKENS) --out "$$out/verify.json" \
+		--audio $(addprefix tests/data/audio/,$(DEMO_CLIPS)) --languages $(DEMO_LANGUAGES)
 
 test: sync
 	$(RUN) pytest

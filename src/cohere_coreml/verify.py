@@ -153,7 +153,8 @@ def verify_bundle(model, processor, bundle_dirs, audio: Sequence, language: str 
                                       ids=fed, log_probs=ref_lp, prompt_len=len(prompt))
             produced = run_teacher_forcing(transcriber.decoder, case)
             tf = teacher_forcing_report(case, produced, precision)
-            w["decoder"] = {k: tf[k] for k in ("steps", "worst_psnr_db", "mean_kl", "max_kl", "argmax_agree", "passed")}
+            w["decoder"] = {k: tf[k] for k in ("steps", "worst_psnr_db", "mean_kl", "max_kl", "argmax_agree",
+                                               "argmax_steps", "passed")}
             w["decoder"]["per_step"] = [{k: s[k] for k in ("position", "psnr_db", "kl")} for s in tf["per_step"]]
             # 4. end to end through the packages
             dec = transcriber.decode(enc_out, prompt, max_new_tokens=n_new)
@@ -170,7 +171,11 @@ def verify_bundle(model, processor, bundle_dirs, audio: Sequence, language: str 
                 "bundle_text": decode_ids(tokenizer, [t for t in dec["token_ids"] if t not in eos]),
             }
             windows.append(w)
-        clips.append({"clip": name, "language": lang, "windows": windows})
+        from .tokens import join_windows
+
+        clips.append({"clip": name, "language": lang, "windows": windows,
+                      "text": join_windows([w["tokens"]["bundle_text"] for w in windows], lang),
+                      "reference_text": join_windows([w["tokens"]["reference_text"] for w in windows], lang)})
     return {"bundle": [str(d) for d in bundle.dirs], "backend": transcriber.decoder.backend,
             "precision": precision, "clips": clips, "summary": summarize(clips)}
 
@@ -220,9 +225,14 @@ def format_table(report: dict) -> str:
             d = w["decoder"]
             lines.append(
                 f"{Path(c['clip']).name[:28]:<28} {w['window']:>3} {_num(w['mel']['psnr_db']):>7.1f} {enc_db:>7.1f} "
-                f"{d['worst_psnr_db']:>7.1f} {d['mean_kl']:>9.2e} {d['argmax_agree']:>3}/{d['steps']:<3} "
+                f"{d['worst_psnr_db']:>7.1f} {d['mean_kl']:>9.2e} {d['argmax_agree']:>3}/{d['argmax_steps']:<3} "
                 f"{same:>9}  {tok['bundle_text'][:40]!r}"
             )
+    lines.append("transcripts (bundle, windows joined as the processor joins them):")
+    for c in report["clips"]:
+        lines.append(f"  {Path(c['clip']).name} [{c['language']}]: {c.get('text', '')}")
+        if c.get("text") != c.get("reference_text"):
+            lines.append(f"  {'':{len(Path(c['clip']).name)}}  reference: {c.get('reference_text', '')}")
     s = report["summary"]
     if s:
         lines.append(
