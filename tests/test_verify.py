@@ -127,3 +127,24 @@ def test_cli_transcribe_and_verify(exported, capsys):
                  "--backend", "mil", "--max-new-tokens", "3", "--strict"]) == 0
     table = capsys.readouterr().out
     assert "de_short.wav" in table and "identical token windows 1/1" in table
+
+
+def test_bundle_split_over_folders(exported, tmp_path):
+    """Bundle.load searches several folders; a missing package is named in the error."""
+    import shutil
+
+    from cohere_coreml.bundle import Bundle, BundleError
+
+    ckpt, out = exported
+    first, second = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(out, first, ignore=shutil.ignore_patterns("decoder.mlpackage"))
+    second.mkdir()
+    with pytest.raises(BundleError, match="decoder.mlpackage"):
+        Bundle.load(first)
+    shutil.copytree(out / "decoder.mlpackage", second / "decoder.mlpackage")
+    bundle = Bundle.load([first, second])
+    assert bundle.paths["decoder"] == second / "decoder.mlpackage"
+    assert bundle.paths["encoder"] == first / "encoder.mlpackage"
+    (first / "manifest.json").write_text("{not json")
+    with pytest.raises(BundleError, match="not readable JSON"):
+        Bundle.load([first, second])
