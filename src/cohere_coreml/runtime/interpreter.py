@@ -34,8 +34,27 @@ class Step:
     fn: object
     ins: dict  # input name -> var name (str) or list of var names (tuple inputs)
     in_dtypes: dict  # input name -> MIL dtype name (or list)
-    outs: list  # [(var name, MIL dtype name)]
+    outs: list  # [(var name, MIL dtype name or None: already exact, no conversion)]
     free: list = field(default_factory=list)  # var names dead after this step
+
+
+# Ops whose fp16 results are, value for value, fp16 inputs (or fp16 constants): when every
+# float input is fp16 the result needs no rounding (it would be the identity).
+_VALUE_PRESERVING = {
+    "reshape", "transpose", "expand_dims", "squeeze", "flatten2d", "slice_by_index", "slice_by_size",
+    "concat", "split", "stack", "tile", "gather", "gather_along_axis", "gather_nd", "pad", "relu",
+    "relu6", "maximum", "minimum", "abs", "select", "identity", "read_state", "slice_update", "reverse",
+    "sliding_windows", "pixel_shuffle", "pixel_unshuffle", "band_part", "clip", "threshold",
+    "reduce_max", "reduce_min", "reshape_like",
+}
+
+
+def _all_float_inputs_fp16(in_dtypes: dict) -> bool:
+    for dt in in_dtypes.values():
+        for d in dt if isinstance(dt, list) else [dt]:
+            if d in ("fp32", "fp64"):
+                return False
+    return True
 
 
 class Args:
@@ -184,6 +203,7 @@ class MilModel(RuntimeModel):
         # 3. Constants (const once, constexpr decompressed once) and the step list.
         self._consts: dict[str, object] = {}
         self._pycache: dict[str, object] = {}
+        self._var_dtypes: dict[str, str | None] = {}  # op output var -> MIL dtype name
         const_np: dict[str, np.ndarray] = {}
         steps: list[Step] = []
         n_default = 0
@@ -226,6 +246,10 @@ class MilModel(RuntimeModel):
                 ins[k] = cname
                 in_dtypes[k] = None
             outs = [(o.name, self._var_dtype(o)) for o in op.outputs]
+            for o_name, o_dtype in outs:
+                self._var_dtypes[o_name] = o_dtype
+            if op.op_type in _VALUE_PRESERVING and _all_float_inputs_fp16(in_dtypes):
+                outs = [(n, None if dt == "fp16" else dt) for n, dt in outs]
             steps.append(Step(op.op_type, op.name, OPS[op.op_type], ins, in_dtypes, outs))
         del const_np
 
@@ -290,8 +314,9 @@ class MilModel(RuntimeModel):
         env = self._run(inputs, state, keep_all=True)
         out = {}
         for step in self._steps:
-            for name, mil_dtype in step.outs:
+            for name, _ in step.outs:
                 value = env.get(name)
+                mil_dtype = self._var_dtypes.get(name)
                 if isinstance(value, torch.Tensor):
                     np_dtype = dtypes.numpy_dtype(mil_dtype) if mil_dtype else None
                     out[name] = dtypes.to_numpy(value, np_dtype) if np_dtype else value.numpy()
