@@ -33,6 +33,9 @@ def main(argv=None) -> int:
     parser.add_argument("--window-seconds", type=float, default=35.0)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--keep", action="store_true", help="keep the package")
+    parser.add_argument("--gate", action="store_true",
+                        help="run the parity gate (MIL interpreter, committed speech clips) instead of a bare "
+                        "export; needs the PyTorch model in memory too (use with --encoder-layers on this machine)")
     parser.add_argument("--encoder-layers", type=int, default=None,
                         help="override encoder num_hidden_layers (smoke runs only; default: the config's 48)")
     args = parser.parse_args(argv)
@@ -66,6 +69,26 @@ def main(argv=None) -> int:
     figures["exported_parameters"] = exported_params
     print(f"model built in {figures['build_s']} s; exported parameters {exported_params:,}; shapes {shapes}",
           flush=True)
+
+    if args.gate:
+        settings = ExportSettings(out_dir=out, precision=args.precision, window_seconds=args.window_seconds,
+                                  force=True, model_id="random-weights:CohereAsrConfig()")
+        t1 = time.perf_counter()
+        clips = E.gate_features(None, shapes)
+        path = E.convert_encoder(model, settings, None, clips=clips)  # raises ParityError if the gate fails
+        figures["export_and_gate_s"] = round(time.perf_counter() - t1, 1)
+        gate = json.loads(settings.report_path("encoder").read_text())
+        figures["gate_passed"] = gate["passed"]
+        figures["gate_worst_psnr_db"] = gate["worst_psnr_db"]
+        figures["gate_psnr_db"] = {
+            f"case{c['case']}:{o['name']}": o["psnr_db"] for c in gate["cases"] for o in c["outputs"]
+            if o["name"] not in ("cross_mask", "encoder_length")
+        }
+        figures["peak_rss_gb"] = round(peak_rss_gb(), 2)
+        print(json.dumps(figures, indent=2))
+        if not args.keep:
+            shutil.rmtree(path, ignore_errors=True)
+        return 0
 
     t1 = time.perf_counter()
     traced = E.trace_encoder(model, shapes)
