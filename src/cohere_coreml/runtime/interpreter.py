@@ -150,6 +150,21 @@ def _const_value(var):
     return val
 
 
+def _feeds_constexpr(var) -> bool:
+    return any(op.op_type.startswith("constexpr_") for op in var.child_ops)
+
+
+def _release_const(op) -> None:
+    """Drop PyMIL's numpy copy of a (large) const once converted (best effort)."""
+    try:
+        op.outputs[0]._sym_val = None
+        inner = op.inputs.get("val")
+        if inner is not None:
+            inner._sym_val = None
+    except Exception:  # noqa: BLE001 - PyMIL internals; only memory is at stake
+        pass
+
+
 def supported_op_types() -> list[str]:
     """Every op type the interpreter can run (``const`` and ``constexpr_*`` included)."""
     return sorted(set(OPS) | set(CONSTEXPR_OPS) | {"const"})
@@ -213,6 +228,9 @@ class MilModel(RuntimeModel):
                 val = _const_value(var)
                 self._add_const(var.name, val, dtypes.mil_dtype_name(var.sym_type) if not isinstance(val, str) else "str")
                 const_np[var.name] = val
+                if isinstance(val, np.ndarray) and val.size > 4096 and not _feeds_constexpr(var):
+                    del const_np[var.name]
+                    _release_const(op)  # the torch copy is all we keep: halve the peak at load
                 continue
             if op.op_type in CONSTEXPR_OPS:
                 in_vals = {}
