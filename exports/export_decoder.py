@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     components = tuple(c.strip() for c in args.components.split(",") if c.strip())
     try:
         results = export_all(args.model, settings_from_args(args), revision=args.revision, components=components,
-                             gate_audio=args.gate_audio, max_new_tokens=args.max_tokens)
+                             gate_audio=args.gate_audio, max_new_tokens=args.max_tokens, prefill=args.prefill)
     except (ExportError, ValueError) as err:
         print(f"export_decoder: error: {err}", file=sys.stderr)
         return 2

@@ -24,14 +24,14 @@ SHAPES = {
 }
 
 
-def export_bundle(model, processor, out_dir, max_new_tokens=MAX_NEW):
+def export_bundle(model, processor, out_dir, max_new_tokens=MAX_NEW, prefill=False):
     from cohere_coreml.bundle import export_decoder_bundle
     from cohere_coreml.convert import ExportSettings
     from cohere_coreml.encoder import convert_encoder
 
     settings = ExportSettings(out_dir=out_dir, precision="fp32", model_id="tiny-test")
     convert_encoder(model, settings, processor)
-    export_decoder_bundle(model, processor, settings, max_new_tokens=max_new_tokens)
+    export_decoder_bundle(model, processor, settings, max_new_tokens=max_new_tokens, prefill=prefill)
     return out_dir
 
 
@@ -230,3 +230,32 @@ def test_window_stops_at_eos(eos_setup):
     from cohere_coreml.tokens import decode_ids
 
     assert window.text == decode_ids(processor.tokenizer, ref[:-1])
+
+
+def test_prefill_function_gives_the_same_tokens(tmp_path):
+    """A bundle with the prompt prefill function: 1 call instead of 10 for the prompt, same tokens."""
+    from cohere_coreml.audio import load_audio
+    from cohere_coreml.bundle import Bundle
+    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint
+    from cohere_coreml.runtime import read_package
+    from cohere_coreml.transcribe import Transcriber
+
+    model, processor = load_reference(make_tiny_checkpoint(tmp_path / "ckpt", seed=4, **SHAPES["gqa"]))
+    processor.feature_extractor.dither = 0.0
+    bundle = export_bundle(model, processor, tmp_path / "bundle", prefill=True)
+    assert set(read_package(bundle / "decoder.mlpackage").function_names) == {"main", "prefill"}
+    parity = json.loads((bundle / "decoder.parity.json").read_text())
+    assert parity["passed"] and parity["prefill"]["passed"] and parity["prefill"]["argmax_agree"] >= 2
+    manifest = Bundle.load(bundle).manifest["decoder"]
+    assert manifest["functions"] == {"step": "main", "prefill": "prefill"} and manifest["prefill_length"] == 10
+    with_prefill = Transcriber(bundle, backend="mil")
+    without = Transcriber(bundle, backend="mil", use_prefill=False)
+    assert with_prefill.prefill is not None and without.prefill is None
+    for clip, lang in (("en_medium.wav", "en"), ("de_short.wav", "de"), ("zh_medium.wav", "zh")):
+        wav = load_audio(AUDIO_DIR / clip)
+        a = with_prefill.transcribe(wav, lang, max_new_tokens=N_COMPARE).windows[0]
+        b = without.transcribe(wav, lang, max_new_tokens=N_COMPARE).windows[0]
+        ref = reference_ids(model, processor, wav, with_prefill.bundle.prompt(lang), N_COMPARE)
+        assert a.token_ids == b.token_ids == ref, clip
+        assert a.timings["decoder_calls"] == 1 + (N_COMPARE - 1)
+        assert b.timings["decoder_calls"] == 10 + (N_COMPARE - 1)

@@ -148,6 +148,10 @@ def build_manifest(
             "cache_shape": [shapes["num_layers"], shapes["num_kv_heads"], shapes["capacity"], shapes["head_dim"]],
             "memory_shape": [shapes["num_layers"], shapes["num_kv_heads"], shapes["memory_len"], shapes["head_dim"]],
             "output": "log_probs",
+            # functions of decoder.mlpackage: "step" is the default function; "prefill" (optional)
+            # takes the whole prompt (1, prefill_length) in one call and shares the step's state
+            "functions": decoder_info.get("functions") or {"step": "main", "prefill": None},
+            "prefill_length": decoder_info.get("prefill_length"),
             "io": decoder_io,
         },
         "tokens": {
@@ -276,12 +280,13 @@ class Bundle:
 
 
 def export_decoder_bundle(model, processor, settings, max_new_tokens: int = 256, capacity: int | None = None,
-                          backend: str = "mil") -> dict:
+                          backend: str = "mil", prefill: bool = False) -> dict:
     """Export decoder.mlpackage (parity-gated) and write manifest.json, vocab.json and tokenizer files.
 
     The encoder side (`cohere_coreml.encoder.convert_encoder`) decides the window; its shapes
     (window frames F, encoder frames T, padded Tp) are recomputed here the same way so the two
-    packages fit each other. Returns the `convert_decoder` result (path, shapes, parity, written)
+    packages fit each other. `prefill` adds the one-call prompt function (multifunction package).
+    Returns the `convert_decoder` result (path, shapes, parity, written)
     plus "manifest" (its path).
     """
     from .decoder import convert_decoder, default_capacity
@@ -300,11 +305,19 @@ def export_decoder_bundle(model, processor, settings, max_new_tokens: int = 256,
         existing = package_io(dec_path)["states"]["self_k"]["shape"]
         if existing[2] != capacity or package_io(dec_path)["inputs"]["cross_k"]["shape"][2] != enc_shapes.padded_frames:
             raise BundleError(f"{dec_path} has other shapes than requested; use --force to re-export")
-        result = {"path": str(dec_path), "shapes": shapes, "parity": None, "written": False}
+        from .runtime import read_package
+
+        from .decoder import PREFILL_FUNCTION
+
+        has_prefill = PREFILL_FUNCTION in read_package(dec_path).function_names
+        result = {"path": str(dec_path), "shapes": shapes, "parity": None, "written": False,
+                  "functions": {"step": "main", "prefill": PREFILL_FUNCTION if has_prefill else None},
+                  "prefill_length": len(prompt) if has_prefill else None}
     else:
         result = convert_decoder(model, settings, capacity=capacity, memory_len=enc_shapes.padded_frames,
-                                 prompt=prompt, backend=backend)
-    decoder_info = {"shapes": result["shapes"], "encoder_frames": enc_shapes.encoder_frames}
+                                 prompt=prompt, backend=backend, prefill=prefill)
+    decoder_info = {"shapes": result["shapes"], "encoder_frames": enc_shapes.encoder_frames,
+                    "functions": result.get("functions"), "prefill_length": result.get("prefill_length")}
     source = getattr(model, "source", None)
     manifest = write_bundle_files(
         settings.out_dir, model, processor, decoder_info,

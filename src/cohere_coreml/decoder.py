@@ -143,56 +143,90 @@ class DecoderStep(nn.Module):
         cross_v: torch.Tensor,  # (L, Hkv, Tp, Dh)
         cross_mask: torch.Tensor,  # (1, 1, 1, Tp) additive
     ) -> torch.Tensor:
+        return self.run_tokens(input_ids, position, cross_k, cross_v, cross_mask)
+
+    def run_tokens(
+        self,
+        input_ids: torch.Tensor,  # (1, S) int32
+        positions: torch.Tensor,  # (S,) int32, consecutive slots
+        cross_k: torch.Tensor,  # (L, Hkv, Tp, Dh)
+        cross_v: torch.Tensor,  # (L, Hkv, Tp, Dh)
+        cross_mask: torch.Tensor,  # (1, 1, 1, Tp) additive
+    ) -> torch.Tensor:
+        """Feed S consecutive tokens; returns the log-probs after the last one, (1, V)."""
         s = self.shapes
         dec = self.decoder
         dtype = cross_mask.dtype
-        p = position[0]
+        n = input_ids.shape[1]  # S (static under tracing)
+        p = positions[0]
 
         # token + learned absolute position, then layer norm (as CohereAsrDecoder.forward)
-        hidden = dec.embed_tokens(input_ids)  # (1, 1, D)
-        hidden = dec.embedding_layernorm(hidden + dec.pos_emb(position).unsqueeze(0))  # (1, 1, D)
+        hidden = dec.embed_tokens(input_ids)  # (1, S, D)
+        hidden = dec.embedding_layernorm(hidden + dec.pos_emb(positions).unsqueeze(0))  # (1, S, D)
 
-        # causal mask over the static cache: slots <= position attend, later slots get MASK_VALUE
+        # causal mask over the static cache: slot j is visible to the token at position q iff j <= q
         self_mask = torch.where(
-            self.slots <= position.view(1, 1, 1, 1),
+            self.slots <= positions.view(1, 1, n, 1),
             torch.zeros((), dtype=dtype),
             torch.full((), MASK_VALUE, dtype=dtype),
-        )  # (1, 1, 1, C)
+        )  # (1, 1, S, C)
 
         for i, layer in enumerate(dec.layers):
             # --- self attention with the static cache ---
             residual = hidden
             x = layer.input_layernorm(hidden)
             attn = layer.self_attn
-            q = attn.q_proj(x).view(1, 1, s.num_heads, s.head_dim).transpose(1, 2)  # (1, H, 1, Dh)
-            k = attn.k_proj(x).view(1, 1, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (1, Hkv, 1, Dh)
-            v = attn.v_proj(x).view(1, 1, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (1, Hkv, 1, Dh)
+            q = attn.q_proj(x).view(1, n, s.num_heads, s.head_dim).transpose(1, 2)  # (1, H, S, Dh)
+            k = attn.k_proj(x).view(1, n, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (1, Hkv, S, Dh)
+            v = attn.v_proj(x).view(1, n, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (1, Hkv, S, Dh)
             # slice update with a tensor start (index assignment would be dropped by the tracer)
-            self.self_k[i : i + 1, :, p : p + 1, :] = k.to(self.self_k.dtype)
-            self.self_v[i : i + 1, :, p : p + 1, :] = v.to(self.self_v.dtype)
+            self.self_k[i : i + 1, :, p : p + n, :] = k.to(self.self_k.dtype)
+            self.self_v[i : i + 1, :, p : p + n, :] = v.to(self.self_v.dtype)
             keys = self.self_k[i : i + 1].to(dtype)  # (1, Hkv, C, Dh)
             values = self.self_v[i : i + 1].to(dtype)  # (1, Hkv, C, Dh)
             out, _ = eager_attention_forward(attn, q, keys, values, self_mask, scaling=attn.scaling)
-            out = attn.o_proj(out.reshape(1, 1, s.num_heads * s.head_dim))  # (1, 1, D)
+            out = attn.o_proj(out.reshape(1, n, s.num_heads * s.head_dim))  # (1, S, D)
             hidden = residual + out
 
             # --- cross attention over the precomputed encoder memory ---
             residual = hidden
             x = layer.post_attention_layernorm(hidden)
             attn = layer.encoder_attn
-            q = attn.q_proj(x).view(1, 1, s.num_heads, s.head_dim).transpose(1, 2)  # (1, H, 1, Dh)
+            q = attn.q_proj(x).view(1, n, s.num_heads, s.head_dim).transpose(1, 2)  # (1, H, S, Dh)
             ck, cv = self._cross_kv(i, cross_k, cross_v)  # (1, Hkv, Tp, Dh)
             out, _ = eager_attention_forward(attn, q, ck, cv, cross_mask, scaling=attn.scaling)
-            out = attn.o_proj(out.reshape(1, 1, s.num_heads * s.head_dim))
+            out = attn.o_proj(out.reshape(1, n, s.num_heads * s.head_dim))
             hidden = residual + out
 
             # --- MLP ---
             residual = hidden
             hidden = residual + layer.mlp(layer.final_layernorm(hidden))
 
-        hidden = dec.norm(hidden)  # (1, 1, D)
+        hidden = dec.norm(hidden[:, -1:, :])  # (1, 1, D): only the last token's prediction is used
         logits = self.proj_out(hidden[:, 0, :])  # (1, V)
         return torch.log_softmax(logits, dim=-1)  # (1, V)
+
+
+class DecoderPrefill(DecoderStep):
+    """The whole prompt in one call: writes cache slots 0..P-1, returns the log-probs after the last
+    prompt token. Same states as `DecoderStep`, so both can live in one multifunction package and
+    share weights and the state object."""
+
+    def __init__(self, model, capacity: int, memory_len: int, prompt_len: int):
+        super().__init__(model, capacity, memory_len)
+        if not 1 <= prompt_len <= capacity:
+            raise DecoderExportError(f"prompt length {prompt_len} does not fit a cache of {capacity} slots")
+        self.prompt_len = int(prompt_len)
+        self.register_buffer("prompt_positions", torch.arange(prompt_len, dtype=torch.int32), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (1, P) int32
+        cross_k: torch.Tensor,
+        cross_v: torch.Tensor,
+        cross_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.run_tokens(input_ids, self.prompt_positions, cross_k, cross_v, cross_mask)
 
 
 @torch.no_grad()
@@ -240,6 +274,30 @@ def trace_decoder_step(step: DecoderStep):
         traced = torch.jit.trace(step, example_inputs(step.shapes), check_trace=False)
     step.reset()
     return traced
+
+
+PREFILL_FUNCTION = "prefill"
+
+
+def trace_decoder_prefill(prefill: "DecoderPrefill"):
+    prefill = prefill.eval()
+    ex = example_inputs(prefill.shapes)
+    ids = torch.zeros((1, prefill.prompt_len), dtype=torch.int32)
+    with torch.no_grad():
+        traced = torch.jit.trace(prefill, (ids, ex[2], ex[3], ex[4]), check_trace=False)
+    prefill.reset()
+    return traced
+
+
+def coreml_prefill_io(shapes: DecoderShapes, prompt_len: int):
+    """Declarations of the prefill function: the step's minus `position`, `input_ids` (1, P)."""
+    import coremltools as ct
+
+    inputs, states, outputs = coreml_io(shapes)
+    inputs = [ct.TensorType(name="input_ids", shape=(1, prompt_len), dtype=np.int32)] + [
+        t for t in inputs if t.name not in ("input_ids", "position")
+    ]
+    return inputs, states, outputs
 
 
 def coreml_io(shapes: DecoderShapes, recompute_cross_kv: bool = False):
@@ -461,7 +519,7 @@ def teacher_forcing_report(case: TeacherForcingCase, produced: np.ndarray, preci
 
 def convert_decoder(model, settings, capacity: int | None = None, memory_len: int | None = None,
                     window_frames: int | None = None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                    prompt: list[int] | None = None, backend: str = "mil") -> dict:
+                    prompt: list[int] | None = None, backend: str = "mil", prefill: bool = False) -> dict:
     """Export `decoder.mlpackage` into `settings.out_dir` with a teacher-forcing parity gate.
 
     Args:
@@ -471,6 +529,8 @@ def convert_decoder(model, settings, capacity: int | None = None, memory_len: in
         memory_len: Tp; default from `window_frames` (or the settings' window at the model's hop).
         prompt: decoder prompt ids for the gate (default: 10 tokens from the config's start id).
         backend: runtime backend running the gate ("mil" interpreter on Linux, "auto" elsewhere).
+        prefill: also add a `prefill` function (the whole prompt in one call, same states, weights
+            shared) and make the package multifunction; `main` stays the step function.
 
     Returns a dict: package path, shapes, parity report (also written to `decoder.parity.json`).
     Raises `ParityError` (package not written) when the gate fails.
@@ -503,20 +563,41 @@ def convert_decoder(model, settings, capacity: int | None = None, memory_len: in
         short_description="Cohere Transcribe decoder step (stateful KV cache, log-softmax output)",
     )
     path = settings.package_path("decoder")
-    result = {"path": str(path), "shapes": shapes.to_dict(), "parity": None}
+    if prompt is None:
+        start = model.config.decoder_start_token_id
+        gate_prompt = [int(start)] + [int(model.config.bos_token_id)] * (DEFAULT_PROMPT_LEN - 1)
+    else:
+        gate_prompt = list(prompt)
+    result = {"path": str(path), "shapes": shapes.to_dict(), "parity": None,
+              "functions": {"step": "main", "prefill": PREFILL_FUNCTION if prefill else None},
+              "prefill_length": len(gate_prompt) if prefill else None}
+    prefill_mlmodel = None
+    if prefill:
+        pre = DecoderPrefill(model, capacity, memory_len, prompt_len=len(gate_prompt)).eval()
+        p_inputs, p_states, p_outputs = coreml_prefill_io(shapes, len(gate_prompt))
+        prefill_mlmodel = convert_module(
+            trace_decoder_prefill(pre), p_inputs, p_outputs, settings, states=p_states,
+            metadata={**meta, "com.cohere_coreml.component": "decoder_prefill"},
+            short_description="Cohere Transcribe decoder prompt prefill (stateful KV cache)",
+        )
 
     def verify(tmp_path: Path):
         from .runtime import load_model
 
-        if prompt is None:
-            start = model.config.decoder_start_token_id
-            gate_prompt = [int(start)] + [int(model.config.bos_token_id)] * 9
-        else:
-            gate_prompt = list(prompt)
         case = teacher_forcing_case(model, shapes.memory_len, gate_prompt,
                                     new_tokens=min(16, shapes.capacity - len(gate_prompt)))
-        produced = run_teacher_forcing(load_model(str(tmp_path), backend=backend), case)
+        step_model = load_model(str(tmp_path), backend=backend)
+        produced = run_teacher_forcing(step_model, case)
         report = teacher_forcing_report(case, produced, settings.precision, settings.min_psnr_db)
+        if prefill:
+            pre_model = load_model(str(tmp_path), backend=backend, function_name=PREFILL_FUNCTION)
+            trimmed, rows = run_prefill_teacher_forcing(step_model, pre_model, case)
+            pre_report = teacher_forcing_report(trimmed, rows, settings.precision, settings.min_psnr_db)
+            report["prefill"] = {k: v for k, v in pre_report.items() if k != "per_step"}
+            for key in ("worst_psnr_db", "mean_kl"):
+                report[key] = min(report[key], pre_report[key]) if key == "worst_psnr_db" else max(
+                    report[key], pre_report[key])
+            report["passed"] = bool(report["passed"] and pre_report["passed"])
         result["parity"] = report
         logger.info("decoder parity: worst PSNR %.1f dB, mean KL %.3g, argmax %d/%d decoding steps -> %s",
                     report["worst_psnr_db"], report["mean_kl"], report["argmax_agree"], report["argmax_steps"],
@@ -529,12 +610,68 @@ def convert_decoder(model, settings, capacity: int | None = None, memory_len: in
                 f"{report['argmax_agree']}/{report['argmax_steps']} decoding steps"
             )
 
-    written = save_package_atomic(mlmodel, path, force=settings.force,
-                                  verify=None if settings.skip_verify else verify)
+    if prefill_mlmodel is None:
+        written = save_package_atomic(mlmodel, path, force=settings.force,
+                                      verify=None if settings.skip_verify else verify)
+    else:
+        written = _save_with_prefill(mlmodel, prefill_mlmodel, path, settings,
+                                     verify=None if settings.skip_verify else verify)
     result["written"] = written
     if result["parity"] is not None:
         write_json_atomic(result["parity"], settings.report_path("decoder"))
     return result
+
+
+def _save_with_prefill(step_mlmodel, prefill_mlmodel, path: Path, settings, verify) -> bool:
+    """Merge step (`main`) and prefill into one multifunction package (weights stored once)."""
+    import shutil
+    import tempfile
+
+    import coremltools as ct
+
+    from .convert import write_package_atomic
+
+    scratch = Path(tempfile.mkdtemp(prefix="decoder-mf-"))
+    try:
+        step_path, pre_path = scratch / "step.mlpackage", scratch / "prefill.mlpackage"
+        step_mlmodel.save(str(step_path))
+        prefill_mlmodel.save(str(pre_path))
+        descriptor = ct.utils.MultiFunctionDescriptor()
+        descriptor.add_function(str(step_path), src_function_name="main", target_function_name="main")
+        descriptor.add_function(str(pre_path), src_function_name="main", target_function_name=PREFILL_FUNCTION)
+        descriptor.default_function_name = "main"
+
+        def write(tmp: Path):
+            merged = scratch / "merged.mlpackage"
+            ct.utils.save_multifunction(descriptor, str(merged))
+            merged_model = ct.models.MLModel(str(merged), skip_model_load=True)
+            merged_model.user_defined_metadata.update(dict(step_mlmodel.user_defined_metadata))
+            merged_model.user_defined_metadata["com.cohere_coreml.functions"] = f"main (step), {PREFILL_FUNCTION}"
+            merged_model.save(str(tmp))
+
+        return write_package_atomic(write, path, force=settings.force, verify=verify)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run_prefill_teacher_forcing(step_model, prefill_model, case: TeacherForcingCase):
+    """Prompt through `prefill_model` in one call, then the rest step by step with the SAME state.
+
+    Returns (trimmed case, rows): rows are the log-probs after positions P-1 .. S-1, the trimmed
+    case holds the matching reference rows (its prompt_len is 1: every row is a decoding row).
+    """
+    p = case.prompt_len
+    cross = {"cross_k": case.cross_k, "cross_v": case.cross_v, "cross_mask": case.cross_mask}
+    state = step_model.make_state()
+    out = prefill_model.predict({"input_ids": np.array([case.ids[:p]], dtype=np.int32), **cross}, state=state)
+    rows = [np.asarray(out["log_probs"], dtype=np.float32).reshape(-1)]
+    for pos in range(p, len(case.ids)):
+        out = step_model.predict({"input_ids": np.array([[case.ids[pos]]], dtype=np.int32),
+                                  "position": np.array([pos], dtype=np.int32), **cross}, state=state)
+        rows.append(np.asarray(out["log_probs"], dtype=np.float32).reshape(-1))
+    trimmed = TeacherForcingCase(cross_k=case.cross_k, cross_v=case.cross_v, cross_mask=case.cross_mask,
+                                 ids=case.ids[p - 1:], log_probs=case.log_probs[p - 1:], prompt_len=1)
+    return trimmed, np.stack(rows)
 
 
 # --------------------------------------------------------------------------------------------

@@ -675,6 +675,7 @@ def export_all(
     gate_audio=None,
     max_new_tokens: int = 256,
     buckets=(),
+    prefill: bool = False,
 ) -> dict[str, Any]:
     """Load a checkpoint and export the requested components into `settings.out_dir`.
 
@@ -710,7 +711,8 @@ def export_all(
         # decoder.mlpackage + manifest.json / vocab.json / tokenizer files (cohere_coreml.bundle)
         from cohere_coreml.bundle import export_decoder_bundle
 
-        results["decoder"] = export_decoder_bundle(model, processor, settings, max_new_tokens=max_new_tokens)
+        results["decoder"] = export_decoder_bundle(model, processor, settings, max_new_tokens=max_new_tokens,
+                                                   prefill=prefill)
     return results
 
 
@@ -737,6 +739,9 @@ def add_export_arguments(parser) -> None:
     parser.add_argument("--buckets", type=float, nargs="+", default=(),
                         help="extra shorter encoder windows in seconds (e.g. --buckets 10 20): encoder.mlpackage "
                         "gets one function per window (weights shared, outputs padded to the full window)")
+    parser.add_argument("--prefill", action="store_true",
+                        help="add a prompt prefill function to decoder.mlpackage (one call for the 10 prompt "
+                        "tokens; multifunction package sharing weights and state with the step)")
     parser.add_argument("--force", action="store_true", help="overwrite packages that already exist")
     parser.add_argument("--skip-verify", action="store_true",
                         help="do not run the parity gates (packages are written unchecked)")
@@ -758,7 +763,7 @@ def cmd_export(args) -> int:
     components = tuple(c.strip() for c in args.components.split(",") if c.strip())
     results = export_all(args.model, settings, revision=args.revision, components=components,
                          gate_audio=args.gate_audio, max_new_tokens=args.max_tokens,
-                         buckets=tuple(getattr(args, "buckets", ()) or ()))
+                         buckets=tuple(getattr(args, "buckets", ()) or ()), prefill=args.prefill)
     for name, result in results.items():
         path = result.get("path") if isinstance(result, dict) else result
         print(f"{name}: {path if path else 'exists, skipped (use --force)'}")

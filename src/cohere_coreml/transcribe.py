@@ -80,9 +80,11 @@ class Transcriber:
         bundle: bundle folder (or several folders searched in order) with manifest.json.
         backend: runtime backend: "auto" (Core ML on macOS, the MIL interpreter elsewhere),
             "coreml" or "mil".
+        use_prefill: feed the prompt in one call when the decoder package has a prefill function.
     """
 
-    def __init__(self, bundle: str | os.PathLike | Sequence[str | os.PathLike] | Bundle, backend: str = "auto"):
+    def __init__(self, bundle: str | os.PathLike | Sequence[str | os.PathLike] | Bundle, backend: str = "auto",
+                 use_prefill: bool = True):
         from transformers import PreTrainedTokenizerFast
 
         from .audio import FrontEndConfig
@@ -99,6 +101,12 @@ class Transcriber:
         t0 = time.perf_counter()
         self.encoder = load_model(str(self.bundle.paths["encoder"]), backend=backend)
         self.decoder = load_model(str(self.bundle.paths["decoder"]), backend=backend)
+        dec = m["decoder"]
+        prefill_fn = (dec.get("functions") or {}).get("prefill")
+        self.prefill = None
+        self.prefill_length = dec.get("prefill_length")
+        if use_prefill and prefill_fn:
+            self.prefill = load_model(str(self.bundle.paths["decoder"]), backend=backend, function_name=prefill_fn)
         self.load_s = time.perf_counter() - t0
         self.capacity = self.bundle.capacity
         self.window_frames = self.bundle.window_frames
@@ -152,8 +160,17 @@ class Transcriber:
             return lp
 
         t0 = time.perf_counter()
-        for position, token in enumerate(prompt):
-            log_probs = step(token, position)
+        calls = 0
+        if self.prefill is not None and len(prompt) == self.prefill_length:
+            out = self.prefill.predict({"input_ids": np.array([prompt], dtype=np.int32), **cross}, state=state)
+            log_probs = np.asarray(out["log_probs"]).reshape(-1)
+            if return_log_probs:
+                all_log_probs.append(log_probs.astype(np.float32))
+            calls += 1
+        else:
+            for position, token in enumerate(prompt):
+                log_probs = step(token, position)
+                calls += 1
         t1 = time.perf_counter()
         generated: list[int] = []
         position = len(prompt)
@@ -171,6 +188,7 @@ class Transcriber:
                 break
             log_probs = step(token, position)
             position += 1
+            calls += 1
         t2 = time.perf_counter()
         result = {
             "token_ids": generated,
@@ -178,7 +196,8 @@ class Transcriber:
             "truncated": stop_reason != "eos",
             "prompt_s": t1 - t0,
             "decode_s": t2 - t1,
-            "steps": position,
+            "steps": position,  # cache slots filled
+            "calls": calls,  # decoder predictions made (prompt + steps, or 1 prefill + steps)
         }
         if return_log_probs:
             result["log_probs"] = all_log_probs
@@ -197,14 +216,14 @@ class Transcriber:
         t2 = time.perf_counter()
         dec = self.decode(enc, prompt, max_new_tokens)
         text = decode_ids(self.tokenizer, [t for t in dec["token_ids"] if t not in self.eos_ids])
-        steps = max(dec["steps"], 1)
+        calls = max(dec["calls"], 1)
         timings = {
             "features_s": t1 - t0,
             "encoder_s": t2 - t1,
             "prompt_s": dec["prompt_s"],
             "decode_s": dec["decode_s"],
-            "decoder_calls": dec["steps"],
-            "ms_per_decoder_call": 1000.0 * (dec["prompt_s"] + dec["decode_s"]) / steps,
+            "decoder_calls": dec["calls"],
+            "ms_per_decoder_call": 1000.0 * (dec["prompt_s"] + dec["decode_s"]) / calls,
         }
         sr = self.front_end.sampling_rate
         if dec["truncated"]:
@@ -249,7 +268,7 @@ class Transcriber:
 def cmd_transcribe(args) -> int:
     import json
 
-    transcriber = Transcriber(args.bundle, backend=args.backend)
+    transcriber = Transcriber(args.bundle, backend=args.backend, use_prefill=not args.no_prefill)
     results = []
     for path in args.audio:
         result = transcriber.transcribe(path, language=args.language, punctuation=not args.no_punctuation,
@@ -289,5 +308,7 @@ def add_transcribe_command(subparsers) -> None:
                    help="auto: Core ML when available, else the MIL interpreter (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="stop a window after N new tokens (default: the decoder cache capacity)")
+    p.add_argument("--no-prefill", action="store_true",
+                   help="feed the prompt token by token even if the decoder package has a prefill function")
     p.add_argument("--json", action="store_true", help="print JSON: text, token ids, timings, truncation per window")
     p.set_defaults(func=cmd_transcribe)
