@@ -32,7 +32,19 @@ CONFIGS = {
         num_hidden_layers=3,
         num_mel_bins=80,
     ),
+    # x4 subsampling, kernel 5, 6-head decoder with 3 kv heads and head_dim 8, one layer each
+    "subsample4": dict(
+        encoder_subsampling_factor=4,
+        encoder_conv_kernel_size=5,
+        encoder_num_hidden_layers=1,
+        hidden_size=48,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        num_hidden_layers=1,
+    ),
 }
+# encoder frames for the 200-frame test window: ceil(200 / subsampling factor)
+EXPECTED_T = {"same_width": 25, "gqa_wide_encoder": 25, "subsample4": 50}
 
 
 def _speech_features(n_mels: int, frames: int, processor) -> np.ndarray:
@@ -72,6 +84,7 @@ def exported(request, tmp_path_factory):
     report = json.loads(settings.report_path("encoder").read_text())
     assert report["passed"] is True and report["min_psnr_db"] == 60.0
     assert len(report["cases"]) >= 2
+    model.test_config_name = request.param
     return model, processor, shapes, load_model(path, backend="auto"), path
 
 
@@ -83,7 +96,9 @@ def test_shapes_follow_the_config(exported):
     model, _, s, _, path = exported
     cfg = model.config
     assert s.frames == 200 and s.n_mels == cfg.encoder_config.num_mel_bins
-    assert s.encoder_frames == 25 and s.padded_frames == 32  # ceil x8 subsampling; padded to 32
+    t = EXPECTED_T[model.test_config_name]
+    assert s.encoder_frames == t and s.padded_frames == -(-t // 32) * 32  # padded to a multiple of 32
+    tp = s.padded_frames
     assert (s.num_layers, s.num_kv_heads, s.head_dim) == (cfg.num_hidden_layers, cfg.num_key_value_heads,
                                                            cfg.head_dim)
     import coremltools as ct
@@ -93,15 +108,15 @@ def test_shapes_follow_the_config(exported):
     outs = {o.name: tuple(o.type.multiArrayType.shape) for o in spec.description.output}
     assert ins == {"input_features": (1, s.n_mels, 200), "feature_length": (1,)}
     assert outs == {
-        "encoder_hidden_states": (1, 32, cfg.hidden_size),
-        "cross_k": (cfg.num_hidden_layers, cfg.num_key_value_heads, 32, cfg.head_dim),
-        "cross_v": (cfg.num_hidden_layers, cfg.num_key_value_heads, 32, cfg.head_dim),
-        "cross_mask": (1, 1, 1, 32),
+        "encoder_hidden_states": (1, tp, cfg.hidden_size),
+        "cross_k": (cfg.num_hidden_layers, cfg.num_key_value_heads, tp, cfg.head_dim),
+        "cross_v": (cfg.num_hidden_layers, cfg.num_key_value_heads, tp, cfg.head_dim),
+        "cross_mask": (1, 1, 1, tp),
         "encoder_length": (1,),
     }
     meta = dict(spec.description.metadata.userDefined)
     assert meta["com.cohere_coreml.component"] == "encoder"
-    assert json.loads(meta["com.cohere_coreml.shapes"])["padded_frames"] == 32
+    assert json.loads(meta["com.cohere_coreml.shapes"])["padded_frames"] == tp
     assert meta["com.cohere_coreml.window_frames"] == "200"
     assert all(f.shortDescription for f in list(spec.description.input) + list(spec.description.output))
 
