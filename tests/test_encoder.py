@@ -356,3 +356,36 @@ def test_length_buckets_share_weights_and_keep_the_contract(tiny_reference, tmp_
     assert np.all(mask[:t] == 0) and np.all(mask[t:] == E.MASK_VALUE)
     with pytest.raises(E.EncoderInputError):
         E.convert_encoder_buckets(model, settings.replace(out_dir=tmp_path / "c"), [5.0], processor)
+
+
+def test_fp16_needs_the_finite_attention_mask(tiny_reference, tmp_path):
+    """Traced WITHOUT `fp16_safe_encoder_attention`, the fp16 program turns transformers'
+    finfo(float32).min mask into -inf and padded rows into NaN that reach the valid frames;
+    `trace_encoder` (with the clamp) stays finite on the same input."""
+    from cohere_coreml.runtime import load_model
+
+    model, processor = tiny_reference
+    s = E.encoder_shapes(model, WINDOW_S, processor)
+    settings = ExportSettings(out_dir=tmp_path, precision="fp16", window_seconds=WINDOW_S)
+    feats = np.random.default_rng(0).standard_normal((1, s.n_mels, s.frames)).astype(np.float32)
+    example = (torch.zeros(1, s.n_mels, s.frames), torch.tensor([150], dtype=torch.int32))
+
+    results = {}
+    for name in ("unsafe", "safe"):
+        if name == "unsafe":
+            previous = model.config.encoder_config._attn_implementation
+            model.config.encoder_config._attn_implementation = "eager"
+            try:
+                with torch.no_grad():
+                    traced = torch.jit.trace(E.EncoderForCoreML(model, s).eval(), example, check_trace=False,
+                                             strict=False)
+            finally:
+                model.config.encoder_config._attn_implementation = previous
+        else:
+            traced = E.trace_encoder(model, s)
+        path = tmp_path / f"{name}.mlpackage"
+        E.convert_traced_encoder(traced, s, settings).save(str(path))
+        out = load_model(path).predict({"input_features": feats, "feature_length": np.array([60], np.int32)})
+        results[name] = np.asarray(out["encoder_hidden_states"], dtype=np.float32)
+    assert not np.all(np.isfinite(results["unsafe"]))
+    assert np.all(np.isfinite(results["safe"]))
