@@ -22,6 +22,7 @@ def main(argv=None) -> int:
     parser.add_argument("--precision", nargs="+", default=["fp16"], choices=("fp16", "fp32"))
     parser.add_argument("--out", default="/tmp/decoder_fullsize", help="scratch folder for the packages")
     parser.add_argument("--backend", default="auto", choices=("auto", "coreml", "mil"))
+    parser.add_argument("--prefill", action="store_true", help="also export and time the prompt prefill function")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("coremltools", "transformers", "torch"):
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
         settings = ExportSettings(out_dir=out, precision=precision, force=True, model_id="random-full-size")
         t0 = time.perf_counter()
         result = convert_decoder(model, settings, capacity=default_capacity(), window_frames=3500, prompt=prompt,
-                                 backend=args.backend)
+                                 backend=args.backend, prefill=args.prefill)
         export_s = time.perf_counter() - t0
         runtime = load_model(result["path"], backend=args.backend)
         shapes = result["shapes"]
@@ -59,10 +60,25 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             runtime.predict({**inputs, "position": np.array([pos], np.int32)}, state=state)
             times.append(time.perf_counter() - t)
+        prompt_s = {}
+        if args.prefill:
+            pre = load_model(result["path"], backend=args.backend, function_name="prefill")
+            cross = {k: v for k, v in inputs.items() if k != "input_ids"}
+            t = time.perf_counter()
+            pre.predict({"input_ids": np.array([prompt], np.int32), **cross}, state=runtime.make_state())
+            prompt_s["prefill_1_call_s"] = time.perf_counter() - t
+            st = runtime.make_state()
+            t = time.perf_counter()
+            for pos, tok in enumerate(prompt):
+                runtime.predict({"input_ids": np.array([[tok]], np.int32), "position": np.array([pos], np.int32),
+                                 **cross}, state=st)
+            prompt_s["prompt_10_step_calls_s"] = time.perf_counter() - t
         p = result["parity"]
         rows.append({"precision": precision, "export_s": export_s, "worst_psnr_db": p["worst_psnr_db"],
                      "mean_kl": p["mean_kl"], "max_kl": p["max_kl"], "argmax": f"{p['argmax_agree']}/{p['argmax_steps']}",
-                     "ms_per_call": 1000 * float(np.median(times[2:])), "backend": runtime.backend})
+                     "ms_per_call": 1000 * float(np.median(times[2:])), "backend": runtime.backend,
+                     "prefill_parity": {k: p["prefill"][k] for k in ("worst_psnr_db", "mean_kl", "argmax_agree")}
+                     if "prefill" in p else None, **prompt_s})
     print(json.dumps(rows, indent=2))
     return 0
 
