@@ -371,6 +371,22 @@ def _cases():
                lambda c, x: (-np.sort(-x, -1)[..., :2], np.argsort(-x, -1, kind="stable")[..., :2].astype(np.int32)))
     shape_case("argsort", lambda mb, c, x: mb.argsort(x=x, axis=1, ascending=True), lambda c, x: np.argsort(x, 1, kind="stable").astype(np.int32))
 
+    shape_case("pixel_unshuffle", lambda mb, c, x: mb.pixel_unshuffle(x=x, downscale_factor=np.uint32(2)),
+               lambda c, x: x.reshape(1, 2, 3, 2, 2, 2).transpose(0, 1, 3, 5, 2, 4).reshape(1, 8, 3, 2), shapes={"x": (1, 2, 6, 4)})
+    shape_case("reshape_like", lambda mb, c, x, y: mb.reshape_like(x=x, ref_tensors=(y, x), begins=(0, 1), ends=(2, 2), end_masks=(False, True)),
+               lambda c, x, y: x.reshape(2, 3, 4), shapes={"x": (6, 4), "y": (2, 3)})
+    qscale, qzp = np.float32(0.05), np.int8(3)
+
+    def quant_ref(c, x):
+        s = c(qscale)
+        q = np.clip(np.round(x / s) + 3, -128, 127)
+        return (q - 3) * s
+
+    shape_case("quantize_dequantize", lambda mb, c, x: mb.dequantize(input=mb.quantize(input=x, scale=c(qscale), zero_point=qzp, output_dtype="int8"),
+                                                                     scale=c(qscale), zero_point=qzp),
+               quant_ref, ops=("quantize", "dequantize"))
+    cases[-1].domain = (-8.0, 8.0)
+
     def sdpa_ref(c, x, y, z):
         q, k, v = x, y, z
         s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
@@ -496,8 +512,7 @@ def test_zoo_covers_every_supported_op(zoo32):
     not_state_or_const = {
         t for t in supported_op_types()
         if not t.startswith("constexpr_")
-        and t not in ("const", "read_state", "coreml_update_state", "write_state", "non_zero", "reshape_like",
-                      "quantize", "dequantize", "local_response_norm", "pixel_unshuffle")
+        and t not in ("const", "read_state", "coreml_update_state", "write_state")  # states: test_stateful.py
     }
     missing = not_state_or_const - used
     assert not missing, f"ops without an op-zoo case: {sorted(missing)}"

@@ -91,6 +91,11 @@ class Args:
             if default is _MISSING:
                 raise RuntimeBackendError(f"op {self.step.name} ({self.step.op_type}): missing input {name!r}")
             return default
+        if isinstance(ref, list):  # tuple input of scalars (e.g. reshape_like's begins)
+            return [self._py(r) for r in ref]
+        return self._py(ref)
+
+    def _py(self, ref: str):
         if ref in self.pycache:
             return self.pycache[ref]
         value = self.env[ref]

@@ -425,12 +425,6 @@ def _l2_norm(a):
     return x / norm
 
 
-@op("local_response_norm")
-def _lrn(a):
-    x = a.t("x")
-    return F.local_response_norm(x, a.v("size"), alpha=a.v("alpha", 1e-4), beta=a.v("beta", 0.75), k=a.v("k", 1.0))
-
-
 # ---------------------------------------------------------------- reductions
 def _reduce(fn):
     def impl(a):
@@ -899,11 +893,6 @@ def _argsort(a):
     x = a.t("x")
     return torch.argsort(x, dim=_axis(a.v("axis", -1), x.dim()), descending=not a.v("ascending", False),
                          stable=True)
-
-
-@op("non_zero")
-def _non_zero(a):
-    return torch.nonzero(a.t("x"))
 
 
 @op("scaled_dot_product_attention")
