@@ -357,6 +357,14 @@ def test_length_buckets_share_weights_and_keep_the_contract(tiny_reference, tmp_
     with pytest.raises(E.EncoderInputError):
         E.convert_encoder_buckets(model, settings.replace(out_dir=tmp_path / "c"), [5.0], processor)
 
+    buckets = E.package_buckets(path)
+    assert buckets == {"main": 300, "window_2s": 200}
+    assert E.package_buckets(single) == {"main": 300}
+    assert E.choose_bucket(buckets, 1) == "window_2s" and E.choose_bucket(buckets, 200) == "window_2s"
+    assert E.choose_bucket(buckets, 201) == "main" and E.choose_bucket(buckets, 300) == "main"
+    with pytest.raises(E.EncoderInputError):
+        E.choose_bucket(buckets, 301)
+
 
 def test_fp16_needs_the_finite_attention_mask(tiny_reference, tmp_path):
     """Traced WITHOUT `fp16_safe_encoder_attention`, the fp16 program turns transformers'

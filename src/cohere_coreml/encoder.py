@@ -610,6 +610,30 @@ def convert_encoder_buckets(
     return path
 
 
+def package_buckets(path) -> dict[str, int]:
+    """{function name: mel frames} of an exported encoder package (one entry without buckets)."""
+    import coremltools as ct
+
+    spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
+    meta = dict(spec.description.metadata.userDefined)
+    if "com.cohere_coreml.buckets" in meta:
+        return {fn: int(b["frames"]) for fn, b in json.loads(meta["com.cohere_coreml.buckets"]).items()}
+    frames = meta.get("com.cohere_coreml.window_frames")
+    if frames is None:
+        frames = next(tuple(i.type.multiArrayType.shape)[-1] for i in spec.description.input
+                      if i.name == "input_features")
+    return {"main": int(frames)}
+
+
+def choose_bucket(buckets: dict[str, int], n_frames: int) -> str:
+    """The function with the smallest window that holds `n_frames` valid mel frames."""
+    fitting = [(frames, fn) for fn, frames in buckets.items() if frames >= n_frames]
+    if not fitting:
+        raise EncoderInputError(f"{n_frames} mel frames do not fit any encoder window {sorted(buckets.values())}; "
+                                "split the audio first")
+    return min(fitting)[1]
+
+
 # --------------------------------------------------------------------------------------------
 # Real speech for the gate
 # --------------------------------------------------------------------------------------------
