@@ -45,7 +45,7 @@ _VALUE_PRESERVING = {
     "concat", "split", "stack", "tile", "gather", "gather_along_axis", "gather_nd", "pad", "relu",
     "relu6", "maximum", "minimum", "abs", "select", "identity", "read_state", "slice_update", "reverse",
     "sliding_windows", "pixel_shuffle", "pixel_unshuffle", "band_part", "clip", "threshold",
-    "reduce_max", "reduce_min", "reshape_like",
+    "reduce_max", "reduce_min", "reshape_like", "coreml_update_state", "write_state",
 }
 
 

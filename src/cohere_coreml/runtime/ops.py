@@ -948,6 +948,9 @@ def _update_state(a):
     value = a.t("value") if a.has("value") else a.t("data")
     from .dtypes import coerce
 
-    stored = coerce(value, a.dtype("state") if "state" in a.step.ins else a.dtype("input"))
+    state_dtype = a.dtype("state") if "state" in a.step.ins else a.dtype("input")
+    value_dtype = a.dtype("value") if a.has("value") else a.dtype("data")
+    # values of an fp16 var are already exact fp16: storing them needs no conversion
+    stored = value if value_dtype == state_dtype else coerce(value, state_dtype)
     a.env[ref] = stored
     return stored
