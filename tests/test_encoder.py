@@ -84,6 +84,9 @@ def exported(request, tmp_path_factory):
     report = json.loads(settings.report_path("encoder").read_text())
     assert report["passed"] is True and report["min_psnr_db"] == 60.0
     assert len(report["cases"]) >= 2
+    # a partial-window case whose right answer is far from the "padding as speech" answer
+    partial = [c for c in report["cases"] if c["feature_length"] < shapes.frames]
+    assert partial and all(c["discriminates_masking"] for c in partial)
     model.test_config_name = request.param
     return model, processor, shapes, load_model(path, backend="auto"), path
 

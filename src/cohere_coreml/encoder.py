@@ -38,6 +38,7 @@ from cohere_coreml.convert import (
     ExportSettings,
     ParityError,
     convert_module,
+    psnr,
     report_correctness,
     round_up,
     save_package_atomic,
@@ -439,6 +440,19 @@ def run_gate(package: Path, model, shapes: EncoderShapes, settings: ExportSettin
         seconds = time.perf_counter() - t0
         report = report_correctness(ref, produced, settings.gate_psnr_db, exact=("encoder_length",))
         report.extra.update({"case": i, "feature_length": int(n), "predict_seconds": round(seconds, 3)})
+        if n < shapes.frames:
+            # Discriminating power: how far is the right answer from the published ports' bug (the
+            # padding treated as speech)? If that is above the threshold, this case could not tell
+            # an export that ignores its length from a correct one.
+            t = int(ref["encoder_length"][0])
+            wrong = reference_outputs(model, shapes, features, shapes.frames)["encoder_hidden_states"]
+            effect = psnr(ref["encoder_hidden_states"][:, :t], wrong[:, :t])
+            report.extra["unmasked_reference_psnr_db"] = effect if np.isfinite(effect) else str(effect)
+            report.extra["discriminates_masking"] = bool(effect < settings.gate_psnr_db)
+            if effect >= settings.gate_psnr_db:
+                logger.warning("encoder gate case %d: the unmasked reference is %.1f dB from the masked one "
+                               "(>= %.0f dB): this case cannot detect ignored masking", i, effect,
+                               settings.gate_psnr_db)
         logger.debug("encoder gate case %d (feature_length %d):\n%s", i, n, report.summary())
         where = f" function {function_name}" if function_name else ""
         print(f"[encoder gate]{where} case {i} feature_length={n}\n{report.summary()}", flush=True)
