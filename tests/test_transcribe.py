@@ -259,3 +259,27 @@ def test_prefill_function_gives_the_same_tokens(tmp_path):
         assert a.token_ids == b.token_ids == ref, clip
         assert a.timings["decoder_calls"] == 1 + (N_COMPARE - 1)
         assert b.timings["decoder_calls"] == 10 + (N_COMPARE - 1)
+
+
+def test_length_bucketed_encoder(tmp_path):
+    """A multifunction encoder (35 s + 5 s windows): short clips use the 5 s function, same tokens."""
+    from cohere_coreml.audio import load_audio
+    from cohere_coreml.bundle import export_decoder_bundle
+    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint
+    from cohere_coreml.convert import ExportSettings
+    from cohere_coreml.encoder import convert_encoder_buckets
+    from cohere_coreml.transcribe import Transcriber
+
+    model, processor = load_reference(make_tiny_checkpoint(tmp_path / "ckpt", seed=6, **SHAPES["gqa"]))
+    processor.feature_extractor.dither = 0.0
+    settings = ExportSettings(out_dir=tmp_path / "bundle", precision="fp32")
+    convert_encoder_buckets(model, settings, [5.0], processor)
+    export_decoder_bundle(model, processor, settings, max_new_tokens=MAX_NEW)
+    tr = Transcriber(tmp_path / "bundle", backend="mil")
+    assert tr.encoder_buckets == [(500, "window_5s"), (3500, "main")]
+    for clip, lang, expected_fn in (("en_short.wav", "en", "window_5s"), ("es_medium.wav", "es", "window_5s"),
+                                    ("en_long.wav", "en", "main")):
+        wav = load_audio(AUDIO_DIR / clip)
+        window = tr.transcribe(wav, lang, max_new_tokens=N_COMPARE).windows[0]
+        assert window.timings["encoder_function"] == expected_fn, clip
+        assert window.token_ids == reference_ids(model, processor, wav, tr.bundle.prompt(lang), N_COMPARE), clip

@@ -84,6 +84,20 @@ def package_io(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     return io
 
 
+def encoder_buckets(path: str | os.PathLike) -> dict | None:
+    """{function: {"frames", "window_seconds"}} of a length-bucketed encoder package, else None."""
+    import coremltools as ct
+
+    raw = ct.utils.load_spec(str(path)).description.metadata.userDefined.get("com.cohere_coreml.buckets")
+    if not raw:
+        return None
+    try:
+        data = json.loads(raw)
+        return {fn: {"frames": int(v["frames"]), "window_seconds": float(v["window_seconds"])} for fn, v in data.items()}
+    except (ValueError, KeyError, TypeError) as err:
+        raise BundleError(f"{path}: unreadable bucket metadata: {err}") from err
+
+
 def build_manifest(
     model,
     tokenizer,
@@ -96,6 +110,7 @@ def build_manifest(
     precision: str = "fp16",
     window_frames: int | None = None,
     extra: dict | None = None,
+    encoder_functions: dict | None = None,
 ) -> dict:
     """The manifest dict (see docs/bundle.md). Every id and size is read from `model`/`tokenizer`."""
     from . import __version__
@@ -131,6 +146,9 @@ def build_manifest(
             "encoder_frames": decoder_info.get("encoder_frames"),
             "memory_len": shapes["memory_len"],
             "num_mel_bins": int(config.encoder_config.num_mel_bins),
+            # length buckets of a multifunction encoder: function -> {"frames", "window_seconds"}
+            # (outputs of every function are padded to the full window's memory_len)
+            "functions": encoder_functions or {"main": {"frames": window_frames}},
             "io": encoder_io,
         },
         "decoder": {
@@ -200,6 +218,7 @@ def write_bundle_files(out_dir: str | os.PathLike, model, processor, decoder_inf
     enc_pkg, dec_pkg = out_dir / ENCODER_FILE, out_dir / DECODER_FILE
     manifest = build_manifest(
         model, tokenizer, front_end, decoder_info,
+        encoder_functions=encoder_buckets(enc_pkg) if enc_pkg.exists() else None,
         encoder_io=package_io(enc_pkg) if enc_pkg.exists() else None,
         decoder_io=package_io(dec_pkg) if dec_pkg.exists() else None,
         model_id=model_id, revision=revision, precision=precision, window_frames=window_frames,

@@ -45,7 +45,7 @@ class WindowResult:
     text: str
     truncated: bool  # True when the window stopped without eos
     stop_reason: str  # "eos" | "max_new_tokens" | "capacity"
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)  # seconds, call counts, encoder function used
 
 
 @dataclass
@@ -100,6 +100,10 @@ class Transcriber:
             raise BundleError(f"cannot load the bundle's tokenizer: {err}") from err
         t0 = time.perf_counter()
         self.encoder = load_model(str(self.bundle.paths["encoder"]), backend=backend)
+        # length buckets (multifunction encoder): frames -> function name, smallest first
+        functions = m["encoder"].get("functions") or {"main": {"frames": m["encoder"]["window_frames"]}}
+        self.encoder_buckets = sorted((int(v["frames"]), fn) for fn, v in functions.items())
+        self._encoders = {"main": self.encoder}
         self.decoder = load_model(str(self.bundle.paths["decoder"]), backend=backend)
         dec = m["decoder"]
         prefill_fn = (dec.get("functions") or {}).get("prefill")
@@ -113,12 +117,27 @@ class Transcriber:
         self.eos_ids = self.bundle.eos_ids
 
     # -- one window -----------------------------------------------------------------------------
+    def bucket_for(self, n_valid: int) -> tuple[int, str]:
+        """(frames, encoder function) of the smallest window holding `n_valid` mel frames."""
+        for frames, fn in self.encoder_buckets:
+            if n_valid <= frames:
+                return frames, fn
+        return self.window_frames, "main"  # pad_to_window raises the clear error
+
     def encode(self, features: np.ndarray, n_valid: int) -> dict[str, np.ndarray]:
-        """features (M, F) or (1, M, F) float32 window -> encoder outputs."""
+        """features (M, F) or (1, M, F) float32 window -> encoder outputs.
+
+        F selects the encoder function (the full window, or a length bucket of that many frames).
+        """
+        from .runtime import load_model
+
         features = np.asarray(features, dtype=np.float32)
         if features.ndim == 2:
             features = features[None]
-        out = self.encoder.predict(
+        fn = next((f for frames, f in self.encoder_buckets if frames == features.shape[-1]), "main")
+        if fn not in self._encoders:
+            self._encoders[fn] = load_model(str(self.bundle.paths["encoder"]), backend=self.backend, function_name=fn)
+        out = self._encoders[fn].predict(
             {"input_features": features, "feature_length": np.array([int(n_valid)], dtype=np.int32)}
         )
         missing = [k for k in DECODER_INPUTS if k not in out]
@@ -210,7 +229,8 @@ class Transcriber:
 
         t0 = time.perf_counter()
         feats, n_valid = log_mel(waveform, self.front_end)
-        feats, n_valid = pad_to_window(feats, n_valid, frames=self.window_frames)
+        frames, encoder_function = self.bucket_for(n_valid)
+        feats, n_valid = pad_to_window(feats, n_valid, frames=frames)
         t1 = time.perf_counter()
         enc = self.encode(feats, n_valid)
         t2 = time.perf_counter()
@@ -220,6 +240,7 @@ class Transcriber:
         timings = {
             "features_s": t1 - t0,
             "encoder_s": t2 - t1,
+            "encoder_function": encoder_function,
             "prompt_s": dec["prompt_s"],
             "decode_s": dec["decode_s"],
             "decoder_calls": dec["calls"],
