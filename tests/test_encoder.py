@@ -231,8 +231,8 @@ def test_broken_export_is_refused(exported, broken, tmp_path):
     with pytest.raises(ParityError, match="refused"):
         E.convert_encoder(model, settings, processor, clips=E.gate_features(processor, shapes), _wrapper_hook=hook)
     assert not settings.package_path("encoder").exists()
-    assert [p.name for p in tmp_path.iterdir()] == ["encoder.parity.json"]
-    assert json.loads(settings.report_path("encoder").read_text())["passed"] is False
+    assert [p.name for p in tmp_path.iterdir()] == ["encoder.parity-failed.json"]
+    assert json.loads(settings.failed_report_path("encoder").read_text())["passed"] is False
 
 
 def test_existing_package_is_skipped_unless_forced(exported):
@@ -323,7 +323,7 @@ def test_cli_failing_gate_exits_nonzero_and_writes_no_package(tiny_checkpoint, t
     assert code != 0
     assert "parity gate refused" in capsys.readouterr().err
     assert not (out / "encoder.mlpackage").exists()
-    assert not any(p.suffix == ".mlpackage" for p in out.iterdir())
+    assert sorted(p.name for p in out.iterdir()) == ["encoder.parity-failed.json"]
 
 
 def test_length_buckets_share_weights_and_keep_the_contract(tiny_reference, tmp_path):
@@ -400,3 +400,28 @@ def test_fp16_needs_the_finite_attention_mask(tiny_reference, tmp_path):
         results[name] = np.asarray(out["encoder_hidden_states"], dtype=np.float32)
     assert not np.all(np.isfinite(results["unsafe"]))
     assert np.all(np.isfinite(results["safe"]))
+
+
+def test_refused_forced_reexport_keeps_the_old_package_and_report(exported, tmp_path):
+    import shutil
+
+    model, processor, shapes, _, path = exported
+    out = tmp_path / "copy"
+    shutil.copytree(path.parent, out)
+    manifest = (out / "encoder.mlpackage" / "Manifest.json").read_bytes()
+    report = (out / "encoder.parity.json").read_bytes()
+
+    def hook(model, shapes):
+        wrapper = _IgnoresLength(model, shapes).eval()
+        example = (torch.zeros(1, shapes.n_mels, shapes.frames), torch.tensor([150], dtype=torch.int32))
+        with torch.no_grad():
+            return torch.jit.trace(wrapper, example, check_trace=False, strict=False)
+
+    settings = ExportSettings(out_dir=out, precision="fp32", window_seconds=WINDOW_S, force=True)
+    with pytest.raises(ParityError):
+        E.convert_encoder(model, settings, processor, clips=E.gate_features(processor, shapes), _wrapper_hook=hook)
+    assert (out / "encoder.mlpackage" / "Manifest.json").read_bytes() == manifest
+    assert (out / "encoder.parity.json").read_bytes() == report
+    assert json.loads((out / "encoder.parity-failed.json").read_text())["passed"] is False
+    assert sorted(p.name for p in out.iterdir()) == ["encoder.mlpackage", "encoder.parity-failed.json",
+                                                      "encoder.parity.json"]

@@ -125,7 +125,13 @@ class ExportSettings:
         return self.out_dir / f"{component}.mlpackage"
 
     def report_path(self, component: str) -> Path:
+        """Gate figures of the package in place (written only with the package)."""
         return self.out_dir / f"{component}.parity.json"
+
+    def failed_report_path(self, component: str) -> Path:
+        """Gate figures of a refused export (no package was written; an older package and its
+        report, if any, are left untouched)."""
+        return self.out_dir / f"{component}.parity-failed.json"
 
     def replace(self, **changes) -> ExportSettings:
         return dataclasses.replace(self, **changes)

@@ -520,10 +520,11 @@ def convert_encoder(
         failed = {"component": COMPONENT, "passed": False, "error": str(err)}
         if err.report is not None:
             failed["report"] = err.report.to_dict()
-        write_json_atomic(failed, settings.report_path(COMPONENT))
+        write_json_atomic(failed, settings.failed_report_path(COMPONENT))
         raise
     gate["shapes"] = shapes.to_dict()
     write_json_atomic(gate, settings.report_path(COMPONENT))
+    settings.failed_report_path(COMPONENT).unlink(missing_ok=True)
     return path
 
 
@@ -614,13 +615,14 @@ def convert_encoder_buckets(
             write_package_atomic(write, path, force=settings.force, verify=verify)
         except ParityError as err:
             failed = {"component": COMPONENT, "passed": False, "error": str(err), **gate}
-            write_json_atomic(failed, settings.report_path(COMPONENT))
+            write_json_atomic(failed, settings.failed_report_path(COMPONENT))
             raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     gate["passed"] = not gate.get("skipped") and all(g["passed"] for g in gate["functions"].values())
     gate["buckets"] = buckets_meta
     write_json_atomic(gate, settings.report_path(COMPONENT))
+    settings.failed_report_path(COMPONENT).unlink(missing_ok=True)
     return path
 
 
