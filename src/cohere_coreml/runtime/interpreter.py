@@ -163,8 +163,8 @@ def _release_const(op) -> None:
     """Drop PyMIL's numpy copy of a (large) const once converted (best effort)."""
     try:
         op.outputs[0]._sym_val = None
-        inner = op.inputs.get("val")
-        if inner is not None:
+        inner = getattr(op, "val", None)  # the const's internal input var holds a 2nd reference
+        if inner is not None and hasattr(inner, "_sym_val"):
             inner._sym_val = None
     except Exception:  # noqa: BLE001 - PyMIL internals; only memory is at stake
         pass

@@ -612,16 +612,6 @@ def _slices(shape, begin, end, stride, begin_mask, end_mask, squeeze_mask):
     return slices, squeezed
 
 
-def _apply_slices(x, slices):
-    """x[slices] with numpy semantics (negative strides included)."""
-    if all(s.step is None or s.step > 0 for s in slices):
-        return x[tuple(slices)]
-    for dim, s in enumerate(slices):
-        idx = torch.arange(x.shape[dim])[s]  # numpy-style on a 1-D range (negative step ok)
-        x = x.index_select(dim, idx)
-    return x
-
-
 def _slice_args(a, x):
     return _slices(
         list(x.shape),
@@ -642,13 +632,17 @@ def _range_index(s: slice, n: int) -> torch.Tensor:
 def _slice_by_index(a):
     x = a.t("x")
     slices, squeezed = _slice_args(a, x)
-    out = _apply_slices(x, slices) if not any(s.step is not None and s.step < 0 for s in slices) else _neg_slice(x, slices)
+    if all(s.step > 0 for s in slices):
+        out = x[tuple(slices)]  # a view, numpy semantics for positive strides
+    else:
+        out = _neg_slice(x, slices)
     if squeezed:
         out = out.reshape([d for i, d in enumerate(out.shape) if i not in set(squeezed)])
     return out
 
 
 def _neg_slice(x, slices):
+    """x[slices] with numpy semantics when some strides are negative (torch has no such views)."""
     for dim, s in enumerate(slices):
         x = x.index_select(dim, _range_index(s, x.shape[dim]))
     return x
@@ -670,7 +664,7 @@ def _slice_update(a):
     x, update = a.t("x"), a.t("update")
     slices, _ = _slice_args(a, x)
     out = x.clone()
-    if all(s.step is None or s.step > 0 for s in slices):
+    if all(s.step > 0 for s in slices):
         view = out[tuple(slices)]
         view.copy_(update.reshape(view.shape).to(out.dtype))
     else:
