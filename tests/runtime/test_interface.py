@@ -83,6 +83,8 @@ def test_input_validation(simple):
         model.predict({"x": x, "ids": np.full((2, 3), 2**40)})
     with pytest.raises(InputValidationError, match="has no state"):
         model.predict({"x": x, "ids": ids}, state=object())
+    with pytest.raises(InputValidationError, match="has no state"):
+        model.make_state()
     assert isinstance(InputValidationError("m"), ValueError)
 
 

@@ -323,6 +323,8 @@ class MilModel(RuntimeModel):
 
     # ------------------------------------------------------------------ interface
     def make_state(self) -> MilState:
+        if not self.state_description:
+            raise InputValidationError(f"function {self.function_name!r} has no state")
         return MilState(self.state_description)
 
     def predict(self, inputs: dict, state: MilState | None = None) -> dict[str, np.ndarray]:
