@@ -657,8 +657,6 @@ def choose_bucket(buckets: dict[str, int], n_frames: int) -> str:
 
 def default_gate_audio(max_clips: int = 2) -> list[Path]:
     """Committed speech clips of the repository (`tests/data/audio`), medium-length ones first."""
-    import json
-
     from cohere_coreml.config import REPO_ROOT
 
     audio_dir = REPO_ROOT / "tests" / "data" / "audio"
