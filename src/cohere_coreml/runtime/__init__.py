@@ -32,6 +32,7 @@ def load_model(
     backend: str = "auto",
     function_name: str | None = None,
     compute_units: str = "all",
+    num_threads: int | None = None,
 ) -> RuntimeModel:
     """Load one function of an ML program package.
 
@@ -42,6 +43,9 @@ def load_model(
         function_name: function of a multifunction package (default: its default function).
         compute_units: Core ML compute units: "all", "cpu_only", "cpu_and_gpu", "cpu_and_ne"
             (ignored by the interpreter).
+        num_threads: interpreter only: torch threads for the large ops (default: the caller's
+            ``torch.get_num_threads()``); small ops always run on one thread. Restored after
+            each ``predict``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -50,7 +54,7 @@ def load_model(
     pkg = read_package(path, function_name)
     if backend == "coreml":
         return CoreMLModel(pkg, compute_units=compute_units)
-    return MilModel(pkg)
+    return MilModel(pkg, num_threads=num_threads)
 
 
 __all__ = [
