@@ -161,3 +161,15 @@ def test_coreml_backend_matches_interpreter(simple, multifunction):
     cm_plus = load_model(path, backend="coreml", function_name="plus_one", compute_units="cpu_only")
     mil_plus = load_model(path, backend="mil", function_name="plus_one")
     np.testing.assert_allclose(cm_plus.predict({"x": x})["y"], mil_plus.predict({"x": x})["y"], rtol=1e-6)
+
+
+def test_num_threads_restored_and_validated(simple):
+    import torch
+
+    before = torch.get_num_threads()
+    model = load_model(simple, backend="mil", num_threads=1)
+    out = model.predict({"x": np.ones((2, 3)), "ids": np.zeros((2, 3), np.int32)})
+    np.testing.assert_array_equal(out["y"], np.full((2, 3), 2.0))
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="num_threads"):
+        load_model(simple, backend="mil", num_threads=0)
