@@ -64,16 +64,11 @@ def _time(fn, warmup: int, repeats: int) -> tuple[float, object]:
     return min(times), out
 
 
-def _phase_reference(cfg: BenchConfig) -> dict:
+def _build_reference(cfg: BenchConfig):
+    """(wrapper module, features, n_params, build seconds): the same weights for a given seed."""
     import torch
     from transformers import AutoModel
 
-    from .interpreter import logger as _  # noqa: F401  (import check before the heavy work)
-
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     enc_cfg = _encoder_config(cfg.layers)
     t0 = time.perf_counter()
@@ -89,11 +84,36 @@ def _phase_reference(cfg: BenchConfig) -> dict:
         def forward(self, features):  # (1, F, n_mels) -> (1, T, hidden)
             return self.encoder(features).last_hidden_state
 
-    wrapper = Wrapper(encoder).eval()
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     features = torch.randn(1, cfg.frames, enc_cfg.num_mel_bins, generator=gen)
     if cfg.precision == "fp16":
         features = features.half().float()  # the same values reach both runtimes
+    return Wrapper(encoder).eval(), features, n_params, build_s
+
+
+def _phase_torch(cfg: BenchConfig) -> dict:
+    """Re-time eager torch on the reference weights (checks they are the same weights)."""
+    import torch
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    wrapper, features, _, _ = _build_reference(cfg)
+    with torch.inference_mode():
+        torch_s, ref = _time(lambda: wrapper(features), cfg.warmup, cfg.repeats)
+    stored = np.load(Path(cfg.out_dir) / "reference.npy")
+    if not np.allclose(ref.numpy(), stored, rtol=1e-4, atol=1e-5):
+        raise RuntimeError("rebuilt reference differs from the stored one: different weights?")
+    return {"torch_s": torch_s, "torch_threads": torch.get_num_threads()}
+
+
+def _phase_reference(cfg: BenchConfig) -> dict:
+    import torch
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    wrapper, features, n_params, build_s = _build_reference(cfg)
     with torch.inference_mode():
         torch_s, ref = _time(lambda: wrapper(features), cfg.warmup, cfg.repeats)
     np.save(out / "features.npy", features.numpy())
@@ -114,7 +134,7 @@ def _phase_reference(cfg: BenchConfig) -> dict:
         compute_precision=ct.precision.FLOAT16 if cfg.precision == "fp16" else ct.precision.FLOAT32,
         skip_model_load=True,
     )
-    del traced, wrapper, encoder
+    del traced, wrapper
     package = out / "encoder.mlpackage"
     tmp = out / "encoder.tmp.mlpackage"
     if tmp.exists():
@@ -182,6 +202,7 @@ def run_benchmark(cfg: BenchConfig) -> dict:
     have = (out / "encoder.mlpackage").exists() and (out / "reference.npy").exists()
     if cfg.reuse_package and have:
         meta = json.loads((out / "reference.json").read_text())
+        meta.update(_run_child(_phase_torch, cfg))  # fresh torch time, same machine state
     else:
         meta = _run_child(_phase_reference, cfg)
         (out / "reference.json").write_text(json.dumps(meta, indent=2))

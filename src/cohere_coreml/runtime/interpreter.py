@@ -36,16 +36,16 @@ class Step:
     in_dtypes: dict  # input name -> MIL dtype name (or list)
     outs: list  # [(var name, MIL dtype name or None: already exact, no conversion)]
     free: list = field(default_factory=list)  # var names dead after this step
-    small: bool = False  # output small enough that one thread beats several (see _SMALL_OP)
+    heavy: bool = False  # runs on the caller's torch threads (see _HEAVY_OPS), else on one
 
 
-# Ops whose outputs have at most this many elements run on one torch thread: for them (e.g. a
-# decoder step's matrix-vector products) thread hand-off costs more than it saves, and on a
-# loaded machine much more (full-size decoder step, 2 shared cores: 1.1 s -> 0.26 s).
-_SMALL_OP = 1 << 17
-# Pure copies are memory-bound: one thread streams as fast as two and does not wait for a
-# busy second core (16 KV-cache slice_updates of a decoder step: 0.22 s -> 0.05 s).
-_COPY_OPS = {"slice_update", "concat", "stack", "tile", "pad", "gather", "gather_along_axis"}
+# Threading: only compute-bound ops (matrix products, convolutions) with large outputs use the
+# caller's torch threads; everything else (elementwise, copies, reductions, the fp16 rounding)
+# runs on one thread. Measured on the shared 2-core box: elementwise ops and depthwise convs are
+# 5-8x slower on two threads when the other core is busy, a full-size decoder step goes from
+# 1.1 s to 0.13 s.
+_HEAVY_OPS = {"linear", "matmul", "conv", "conv_transpose", "einsum", "scaled_dot_product_attention"}
+_SMALL_OP = 1 << 17  # outputs up to this many elements are not worth a thread hand-off
 
 
 # Ops whose fp16 results are, value for value, fp16 inputs (or fp16 constants): when every
@@ -286,12 +286,13 @@ class MilModel(RuntimeModel):
                 self._var_dtypes[o_name] = o_dtype
             if op.op_type in _VALUE_PRESERVING and _all_float_inputs_fp16(in_dtypes):
                 outs = [(n, None if dt == "fp16" else dt) for n, dt in outs]
-            small = op.op_type in _COPY_OPS or all(
+            small = all(
                 all(isinstance(d, (int, np.integer)) for d in o.shape) and int(np.prod(o.shape)) <= _SMALL_OP
                 for o in op.outputs
                 if hasattr(o, "shape") and o.shape is not None
             )
-            steps.append(Step(op.op_type, op.name, OPS[op.op_type], ins, in_dtypes, outs, small=small))
+            heavy = op.op_type in _HEAVY_OPS and not small
+            steps.append(Step(op.op_type, op.name, OPS[op.op_type], ins, in_dtypes, outs, heavy=heavy))
         del const_np
 
         # 4. Liveness: free every intermediate after its last use.
@@ -401,9 +402,9 @@ class MilModel(RuntimeModel):
         return env
 
     def _walk(self, env: dict, threads: int, current: int, keep_all: bool) -> None:
-        """Execute the steps in order (torch threads: 1 for small ops, ``threads`` otherwise)."""
+        """Execute the steps in order (torch threads: ``threads`` for heavy steps, else 1)."""
         for step in self._steps:
-            want = 1 if step.small else threads
+            want = threads if step.heavy else 1
             if want != current:
                 torch.set_num_threads(want)
                 current = want
@@ -419,6 +420,9 @@ class MilModel(RuntimeModel):
                 result = (result,)
             for (name, mil_dtype), value in zip(step.outs, result):
                 if mil_dtype is not None and isinstance(value, torch.Tensor):
+                    if current != 1:  # the rounding is memory-bound: one thread
+                        torch.set_num_threads(1)
+                        current = 1
                     value = dtypes.coerce(value, mil_dtype)
                 env[name] = value
             if not keep_all:
