@@ -358,11 +358,11 @@ def train(cfg: TrainConfig) -> TrainResult:
             optimizer.step()
             step += 1
             seen += len(batch)
-            losses.append(float(ce))
+            losses.append(float(ce.detach()))
             if step % 50 == 0:
                 logger.info(
                     "step %d epoch %.2f %.1f min: ce %.3f ctc %.3f lr %.2e (%.2f s/step)",
-                    step, seen / len(utts), elapsed / 60, float(np.mean(losses[-50:])), float(ctc),
+                    step, seen / len(utts), elapsed / 60, float(np.mean(losses[-50:])), float(ctc.detach()),
                     optimizer.param_groups[0]["lr"], elapsed / step,
                 )
             if time.time() - t_train >= next_eval:
