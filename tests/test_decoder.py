@@ -212,3 +212,29 @@ def test_gate_refuses_a_step_that_ignores_the_memory_mask(tiny_reference, tmp_pa
     with pytest.raises(ParityError, match="teacher forcing"):
         convert_decoder(model, settings, capacity=32, memory_len=32, prompt=_prompt(processor))
     assert not any(tmp_path.iterdir()), "nothing may be left behind by a failed gate"
+
+
+def test_fp16_program_keeps_small_log_probs(tiny_reference, tmp_path):
+    """Peaked distributions (log-probs down to -40): the fp16 program must not floor them at log(1e-45).
+
+    coremltools lowers torch.log_softmax to log(softmax(x)), which underflows in fp16; the step uses
+    an explicit max-shifted form instead.
+    """
+    import copy
+
+    from cohere_coreml.convert import psnr
+    from cohere_coreml.runtime import load_model
+
+    model, processor = tiny_reference
+    peaked = copy.deepcopy(model)
+    with torch.no_grad():
+        peaked.proj_out.bias.copy_(torch.linspace(0.0, -40.0, peaked.config.vocab_size))
+    mlmodel, shapes = build_step_mlmodel(peaked, capacity=32, memory_len=32, precision="fp16")
+    mlmodel.save(str(tmp_path / "step.mlpackage"))
+    rt = load_model(str(tmp_path / "step.mlpackage"), backend="mil")
+    case = teacher_forcing_case(peaked, 32, _prompt(processor), new_tokens=3)
+    produced = run_teacher_forcing(rt, case)
+    assert case.log_probs.min() < -35
+    assert np.all(np.isfinite(produced))
+    assert abs(produced.min() - case.log_probs.min()) < 0.1
+    assert min(psnr(case.log_probs[i], produced[i]) for i in range(len(case.ids))) > 35
