@@ -19,7 +19,8 @@ help:
 	@echo "make demo      main job on the built-in default checkpoint"
 	@echo "make test      run the test suite"
 	@echo "make export    MODEL=<hub id|folder> OUT=<dir> PRECISION=fp16|fp32: export Core ML packages"
-	@echo "make quantize | verify | bench | upload: later stages (see docs/)"
+	@echo "make verify    MODEL=<hub id|folder> OUT=<bundle dir> AUDIO='a.wav b.wav' LANGUAGES=en,de: parity report"
+	@echo "make quantize | bench | upload: later stages (not available yet)"
 
 bootstrap:
 	@command -v uv >/dev/null 2>&1 || $(PYTHON) -m uv --version >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet uv
@@ -30,8 +31,9 @@ sync: bootstrap
 # demo: export the built-in default checkpoint (encoder + stateful decoder + manifest), then transcribe
 # the committed sample clips through the MIL interpreter and print texts and parity figures vs PyTorch.
 DEMO_OUT ?= out/demo
-DEMO_CLIPS ?= en_medium.wav de_medium.wav es_medium.wav fr_medium.wav en_long_75s.flac
-DEMO_LANGUAGES ?= en,de,es,fr,en
+# clips in the default model's languages (it was trained on en/de/es only)
+DEMO_CLIPS ?= en_medium.wav de_medium.wav es_medium.wav en_long_75s.flac
+DEMO_LANGUAGES ?= en,de,es,en
 DEMO_MAX_NEW_TOKENS ?= 96
 
 demo: sync
@@ -50,7 +52,15 @@ export: sync
 	model="$(MODEL)"; [ -n "$$model" ] || model=$$($(RUN) cohere-coreml prepare-default | tail -n 1); \
 	$(RUN) cohere-coreml export --model "$$model" --out "$(OUT)" --precision $(PRECISION)
 
-quantize verify bench upload:
+# verify: stage-by-stage parity of an exported bundle (OUT) against its checkpoint (MODEL), on AUDIO.
+AUDIO ?= tests/data/audio/en_medium.wav tests/data/audio/de_medium.wav tests/data/audio/es_medium.wav
+LANGUAGES ?= en,de,es
+
+verify: sync
+	model="$(MODEL)"; [ -n "$$model" ] || model=$$($(RUN) cohere-coreml prepare-default | tail -n 1); \
+	$(RUN) cohere-coreml verify --model "$$model" --bundle "$(OUT)" --audio $(AUDIO) --languages $(LANGUAGES)
+
+quantize bench upload:
 	@echo "make $@: not available yet (tracked in the project's issues)"; exit 2
 
 clean:

@@ -195,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2) if args.verbose else logging.INFO
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("coremltools", "transformers", "huggingface_hub", "torch"):
+    for noisy in ("transformers", "huggingface_hub", "torch"):
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+    # coremltools warns at import that its Core ML runtime is missing, on every Linux run: expected here
+    logging.getLogger("coremltools").setLevel(logging.ERROR if args.verbose < 2 else logging.DEBUG)
     try:
         return int(args.func(args) or 0)
     except Exception as err:  # noqa: BLE001 - only the package's own error types are reported briefly

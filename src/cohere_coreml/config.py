@@ -22,6 +22,9 @@ PROMPT_LENGTH = 10
 DEFAULT_MAX_NEW_TOKENS = 256
 # Static shapes the Neural Engine likes: encoder memory and KV-cache lengths are multiples of this.
 ANE_MULTIPLE = 32
+# Additive attention-mask value for masked positions: finite in fp16 (exp(-1e4) == 0), whereas
+# finfo(float32).min or -1e9 become -inf in an fp16 program and fully masked rows then give NaN.
+FP16_MASK_VALUE = -1e4
 
 
 def round_up(n: int, multiple: int = ANE_MULTIPLE) -> int:

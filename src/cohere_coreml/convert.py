@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from cohere_coreml.config import DEFAULT_WINDOW_SECONDS, SAMPLE_RATE, round_up  # noqa: F401 (round_up re-exported)
+
 logger = logging.getLogger(__name__)
 
 PRECISIONS = ("fp16", "fp32")
@@ -42,7 +44,7 @@ PRECISIONS = ("fp16", "fp32")
 MIN_PSNR_DB = {"fp32": 60.0, "fp16": 35.0}
 # Deployment targets accepted by name (attribute names of `coremltools.target`).
 DEPLOYMENT_TARGETS = ("macOS15", "iOS18", "macOS26", "iOS26")
-DEFAULT_SAMPLE_RATE = 16000
+DEFAULT_SAMPLE_RATE = SAMPLE_RATE
 
 
 class ExportError(RuntimeError):
@@ -84,7 +86,7 @@ class ExportSettings:
     out_dir: Path = Path("out")
     precision: str = "fp16"
     deployment_target: str = "macOS15"
-    window_seconds: float = 35.0
+    window_seconds: float = DEFAULT_WINDOW_SECONDS
     force: bool = False
     skip_verify: bool = False
     min_psnr_db: float | None = None
@@ -150,10 +152,6 @@ def window_frames(window_seconds: float, sample_rate: int, hop_length: int) -> i
             f"window of {window_seconds} s is shorter than one mel frame (hop {hop_length} at {sample_rate} Hz)"
         )
     return frames
-
-
-def round_up(value: int, multiple: int) -> int:
-    return ((int(value) + multiple - 1) // multiple) * multiple
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ here. The step contains no projection of the encoder memory: cross K/V come prec
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,20 +26,17 @@ import torch
 import torch.nn as nn
 from transformers.models.cohere_asr.modeling_cohere_asr import eager_attention_forward
 
+from .config import ANE_MULTIPLE, DEFAULT_MAX_NEW_TOKENS, FP16_MASK_VALUE, PROMPT_LENGTH, round_up
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_PROMPT_LEN = 10
-DEFAULT_MAX_NEW_TOKENS = 256
-CACHE_MULTIPLE = 32
-MASK_VALUE = -1e4  # fp16-safe additive mask value (finfo.min / -1e9 overflow to -inf in fp16)
+DEFAULT_PROMPT_LEN = PROMPT_LENGTH
+CACHE_MULTIPLE = ANE_MULTIPLE
+MASK_VALUE = FP16_MASK_VALUE
 
 
 class DecoderExportError(RuntimeError):
     """Raised when the decoder cannot be exported or fails its parity gate."""
-
-
-def round_up(x: int, multiple: int) -> int:
-    return int(math.ceil(x / multiple) * multiple)
 
 
 def default_capacity(max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, prompt_len: int = DEFAULT_PROMPT_LEN) -> int:

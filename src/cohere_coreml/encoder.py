@@ -47,13 +47,15 @@ from cohere_coreml.convert import (
     write_package_atomic,
 )
 
+from cohere_coreml.config import ANE_MULTIPLE, FP16_MASK_VALUE
+
 logger = logging.getLogger(__name__)
 
 COMPONENT = "encoder"
 # Additive mask value for padded encoder frames: finite in fp16 (finfo(fp32).min or -1e9 become -inf).
-MASK_VALUE = -1e4
+MASK_VALUE = FP16_MASK_VALUE
 # The memory's time axis is padded to a multiple of this (Neural Engine friendly; 438 -> 448).
-TIME_MULTIPLE = 32
+TIME_MULTIPLE = ANE_MULTIPLE
 # Name under which the fp16-safe eager attention is registered in transformers' AttentionInterface.
 _SAFE_ATTENTION = "cohere_coreml_fp16_safe_eager"
 
