@@ -58,7 +58,8 @@ def reference_ids(model, processor, piece, prompt, max_new_tokens):
 
 
 def speech_clips():
-    return [c for c in audio_manifest() if c["path"].is_file()]
+    """Committed clips with something to transcribe (silence is refused; see test_bad_inputs)."""
+    return [c for c in audio_manifest() if c["path"].is_file() and c.get("purpose") != "silence"]
 
 
 def test_tokens_identical_to_generate(setup):
@@ -181,8 +182,19 @@ def test_bad_inputs(setup, tmp_path):
     name, model, processor, tr = setup
     with pytest.raises(ValueError, match="Unsupported language"):
         tr.transcribe(np.zeros(16000, np.float32), "xx")
+    speech_like = (0.1 * np.sin(np.arange(16000) * 0.07)).astype(np.float32)
     with pytest.raises(TranscriptionError, match="max_new_tokens"):
-        tr.transcribe(np.zeros(16000, np.float32), "en", max_new_tokens=0)
+        tr.transcribe(speech_like, "en", max_new_tokens=0)
+    from cohere_coreml.audio import AudioError
+
+    with pytest.raises(AudioError, match="silent"):
+        tr.transcribe(np.zeros(16000, np.float32), "en")
+    with pytest.raises(AudioError, match="silent"):
+        tr.transcribe(AUDIO_DIR / "silence_2s.wav", "en")
+    with pytest.raises(AudioError, match="NaN"):
+        tr.transcribe(np.full(16000, np.nan, np.float32), "en")
+    with pytest.raises(AudioError, match="empty"):
+        tr.transcribe(np.zeros(0, np.float32), "en")
     with pytest.raises(BundleError, match="manifest.json"):
         Transcriber(tmp_path)
     with pytest.raises(BundleError, match="does not exist"):

@@ -257,16 +257,18 @@ class Transcriber:
     def transcribe(self, audio, language: str = "en", punctuation: bool = True,
                    max_new_tokens: int | None = None, progress: bool = False) -> TranscriptionResult:
         """Transcribe a file path or a float32 mono array at the bundle's sample rate."""
-        from .audio import check_waveform, load_audio, split_points
+        from .audio import check_speech, load_audio, split_points
         from .tokens import join_windows
 
         prompt = self.bundle.prompt(language, punctuation)
         sr = self.front_end.sampling_rate
         if isinstance(audio, (str, os.PathLike)):
             waveform = load_audio(audio, target_rate=sr)
+            name = str(audio)
         else:
             waveform = np.asarray(audio, dtype=np.float32)
-            check_waveform(waveform)
+            name = "audio array"
+        check_speech(waveform, name)  # empty, NaN/inf or silent: an error, never a made-up transcript
         pieces = split_points(waveform, self.front_end)
         iterator = pieces
         if progress and len(pieces) > 1:
