@@ -807,6 +807,12 @@ def cmd_export(args) -> int:
     for name, result in results.items():
         path = result.get("path") if isinstance(result, dict) else result
         print(f"{name}: {path if path else 'exists, skipped (use --force)'}")
+        if isinstance(result, dict) and result.get("parity") and "mean_kl" in result["parity"]:
+            p = result["parity"]
+            print(f"  parity: worst PSNR {p['worst_psnr_db']:.1f} dB, mean KL {p['mean_kl']:.3g}, "
+                  f"argmax {p['argmax_agree']}/{p['argmax_steps']} decoding steps")
+        if isinstance(result, dict) and result.get("manifest"):
+            print(f"  manifest: {result['manifest']}")
     return 0
 
 
