@@ -316,13 +316,14 @@ def export_decoder_bundle(model, processor, settings, max_new_tokens: int = 256,
     prompt = prompt_ids(processor.tokenizer, "en")
     capacity = int(capacity) if capacity else default_capacity(max_new_tokens, prompt_len=len(prompt))
     dec_path = settings.package_path("decoder")
-    if dec_path.exists() and not settings.force:
-        logger.info("%s exists, skipping (use --force to overwrite)", dec_path)
+    from .convert import skip_existing
+
+    if skip_existing(dec_path, settings.force):
         from .decoder import DecoderShapes
 
         shapes = DecoderShapes.from_config(model.config, capacity, enc_shapes.padded_frames).to_dict()
-        existing = package_io(dec_path)["states"]["self_k"]["shape"]
-        if existing[2] != capacity or package_io(dec_path)["inputs"]["cross_k"]["shape"][2] != enc_shapes.padded_frames:
+        io = package_io(dec_path)
+        if io["states"]["self_k"]["shape"][2] != capacity or io["inputs"]["cross_k"]["shape"][2] != enc_shapes.padded_frames:
             raise BundleError(f"{dec_path} has other shapes than requested; use --force to re-export")
         from .runtime import read_package
 

@@ -312,6 +312,14 @@ def save_package_atomic(
     return write_package_atomic(lambda tmp: mlmodel.save(str(tmp)), path, force=force, verify=verify)
 
 
+def skip_existing(path: Path, force: bool) -> bool:
+    """True (and one log line) when the package at `path` exists and `force` is off: skip its export."""
+    if Path(path).exists() and not force:
+        logger.info("%s exists, skipping (use --force to overwrite)", path)
+        return True
+    return False
+
+
 def write_package_atomic(
     write: Callable[[Path], Any],
     path: str | Path,
@@ -323,8 +331,7 @@ def write_package_atomic(
     path = Path(path)
     if path.suffix != ".mlpackage":
         raise ExportSettingsError(f"package path must end with .mlpackage, got {path}")
-    if path.exists() and not force:
-        logger.info("%s exists, skipping (use --force to overwrite)", path)
+    if skip_existing(path, force):
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
     # coremltools insists on the .mlpackage extension, so the temporary name keeps it

@@ -42,6 +42,7 @@ from cohere_coreml.convert import (
     report_correctness,
     round_up,
     save_package_atomic,
+    skip_existing,
     window_frames,
     write_json_atomic,
     write_package_atomic,
@@ -493,9 +494,7 @@ def convert_encoder(
     `_wrapper_hook(wrapper_cls)` is for tests that deliberately break the export.
     """
     path = settings.package_path(COMPONENT)
-    if path.exists() and not settings.force:
-        logger.info("%s exists, skipping (use --force to overwrite)", path)
-        print(f"{path} exists, skipping (use --force to overwrite)")
+    if skip_existing(path, settings.force):
         return None
     shapes = encoder_shapes(model, settings.window_seconds, processor)
     logger.info("encoder shapes: %s", shapes)
@@ -561,9 +560,7 @@ def convert_encoder_buckets(
     import coremltools as ct
 
     path = settings.package_path(COMPONENT)
-    if path.exists() and not settings.force:
-        logger.info("%s exists, skipping (use --force to overwrite)", path)
-        print(f"{path} exists, skipping (use --force to overwrite)")
+    if skip_existing(path, settings.force):
         return None
     full = encoder_shapes(model, settings.window_seconds, processor)
     buckets = sorted({float(b) for b in bucket_seconds if float(b) != float(settings.window_seconds)})
@@ -806,7 +803,8 @@ def cmd_export(args) -> int:
                          buckets=tuple(getattr(args, "buckets", ()) or ()), prefill=args.prefill)
     for name, result in results.items():
         path = result.get("path") if isinstance(result, dict) else result
-        print(f"{name}: {path if path else 'exists, skipped (use --force)'}")
+        skipped = not path or (isinstance(result, dict) and result.get("written") is False)
+        print(f"{name}: {'exists, skipped (use --force)' if skipped else path}")
         if isinstance(result, dict) and result.get("parity") and "mean_kl" in result["parity"]:
             p = result["parity"]
             print(f"  parity: worst PSNR {p['worst_psnr_db']:.1f} dB, mean KL {p['mean_kl']:.3g}, "
