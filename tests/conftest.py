@@ -39,3 +39,52 @@ def tiny_reference(tiny_checkpoint):
     from cohere_coreml.checkpoint import load_reference
 
     return load_reference(tiny_checkpoint)
+
+
+# The committed trained model: its transcripts depend on the audio and on the prompt, so it is
+# the fixture for end-to-end checks. Exported once per test run, as users run it (fp16, a length
+# bucket, the prefill function), with a short window: the held-out clips are 1.6-4 s long.
+TRAINED_MODEL = Path(__file__).resolve().parents[1] / "models" / "cohere-tiny-synth"
+HELDOUT_DIR = DATA_DIR / "heldout"
+TRAINED_WINDOW_S = 4.0
+TRAINED_BUCKETS = (2.0,)
+TRAINED_MAX_NEW_TOKENS = 54  # -> cache capacity round_up(10 + 54, 32) = 64
+
+
+@pytest.fixture(scope="session")
+def trained_reference():
+    """(model, processor) of models/cohere-tiny-synth, dither 0."""
+    from cohere_coreml.checkpoint import load_reference
+
+    model, processor = load_reference(TRAINED_MODEL)
+    processor.feature_extractor.dither = 0.0
+    return model, processor
+
+
+@pytest.fixture(scope="session")
+def trained_bundle(trained_reference, tmp_path_factory) -> Path:
+    """fp16 bundle of the trained model: 4 s encoder window + 2 s bucket, decoder with prefill."""
+    import torch
+
+    from cohere_coreml.bundle import export_decoder_bundle
+    from cohere_coreml.convert import ExportSettings
+    from cohere_coreml.encoder import convert_encoder_buckets
+
+    torch.set_num_threads(1)
+    model, processor = trained_reference
+    out = tmp_path_factory.mktemp("trained") / "bundle"
+    settings = ExportSettings(out_dir=out, precision="fp16", model_id="cohere-tiny-synth",
+                              window_seconds=TRAINED_WINDOW_S)
+    convert_encoder_buckets(model, settings, list(TRAINED_BUCKETS), processor)
+    export_decoder_bundle(model, processor, settings, max_new_tokens=TRAINED_MAX_NEW_TOKENS, prefill=True)
+    return out
+
+
+def heldout_utterances(per_language: int) -> list[dict]:
+    """The first `per_language` held-out utterances of each language (tests/data/heldout)."""
+    data = json.loads((HELDOUT_DIR / "manifest.json").read_text())
+    picked: dict[str, list[dict]] = {}
+    for u in data["utterances"]:
+        if len(picked.setdefault(u["language"], [])) < per_language:
+            picked[u["language"]].append(dict(u, path=HELDOUT_DIR / u["file"]))
+    return [u for lang in sorted(picked) for u in picked[lang]]

@@ -312,8 +312,11 @@ def export_decoder_bundle(model, processor, settings, max_new_tokens: int = 256,
     from .encoder import encoder_shapes
     from .tokens import prompt_ids
 
+    from .config import CONTROL_LANGUAGE, GATE_LANGUAGE
+
     enc_shapes = encoder_shapes(model, settings.window_seconds, processor)
-    prompt = prompt_ids(processor.tokenizer, "en")
+    prompt = prompt_ids(processor.tokenizer, GATE_LANGUAGE)
+    control_prompt = prompt_ids(processor.tokenizer, CONTROL_LANGUAGE, punctuation=False)
     capacity = int(capacity) if capacity else default_capacity(max_new_tokens, prompt_len=len(prompt))
     dec_path = settings.package_path("decoder")
     from .convert import skip_existing
@@ -335,7 +338,7 @@ def export_decoder_bundle(model, processor, settings, max_new_tokens: int = 256,
                   "prefill_length": len(prompt) if has_prefill else None}
     else:
         result = convert_decoder(model, settings, capacity=capacity, memory_len=enc_shapes.padded_frames,
-                                 prompt=prompt, backend=backend, prefill=prefill)
+                                 prompt=prompt, backend=backend, prefill=prefill, control_prompt=control_prompt)
     decoder_info = {"shapes": result["shapes"], "encoder_frames": enc_shapes.encoder_frames,
                     "functions": result.get("functions"), "prefill_length": result.get("prefill_length")}
     source = getattr(model, "source", None)

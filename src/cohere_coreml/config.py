@@ -20,6 +20,10 @@ DEFAULT_WINDOW_SECONDS = 35.0
 # Decoding (upstream defaults)
 PROMPT_LENGTH = 10
 DEFAULT_MAX_NEW_TOKENS = 256
+# Prompt of the decoder export gate, and the other prompt of its "wrong prompt" negative control
+# (a language the built-in default model was trained on, the other punctuation mode).
+GATE_LANGUAGE = "en"
+CONTROL_LANGUAGE = "de"
 # Static shapes the Neural Engine likes: encoder memory and KV-cache lengths are multiples of this.
 ANE_MULTIPLE = 32
 # Additive attention-mask value for masked positions: finite in fp16 (exp(-1e4) == 0), whereas

@@ -525,9 +525,88 @@ def teacher_forcing_report(case: TeacherForcingCase, produced: np.ndarray, preci
     return report
 
 
+class TorchStepRuntime:
+    """A PyTorch `DecoderStep` behind the runtime interface (make_state / predict): the gate's
+    negative controls run through it, and tests use it as the PyTorch twin of a package."""
+
+    backend = "torch"
+
+    def __init__(self, step: DecoderStep):
+        self.step = step.eval()
+
+    def make_state(self):
+        self.step.reset()
+        return self.step
+
+    def predict(self, inputs: dict, state=None) -> dict:
+        args = [torch.from_numpy(np.asarray(inputs[k])) for k in ("input_ids", "position", "cross_k", "cross_v",
+                                                                   "cross_mask")]
+        with torch.no_grad():
+            return {"log_probs": self.step(*args).numpy()}
+
+
+# Deliberately wrong inputs the gate must be able to refuse. Each is a package defect class: the
+# cross memory not reaching the step (zeros), cross K and V swapped, the layers' K/V in another
+# order, and the prompt ids of another language / punctuation mode.
+NEGATIVE_CONTROLS = ("zero_memory", "swapped_kv", "permuted_layers", "wrong_prompt")
+
+
+def control_case(case: TeacherForcingCase, name: str, control_prompt: list[int] | None = None):
+    """`case` with the inputs a broken package would see (None when the break changes nothing)."""
+    ck, cv, ids = case.cross_k, case.cross_v, list(case.ids)
+    if name == "zero_memory":
+        ck, cv = np.zeros_like(ck), np.zeros_like(cv)
+    elif name == "swapped_kv":
+        ck, cv = cv, ck
+    elif name == "permuted_layers":
+        if ck.shape[0] < 2:
+            return None  # one layer: nothing to permute
+        ck, cv = ck[::-1].copy(), cv[::-1].copy()
+    elif name == "wrong_prompt":
+        if control_prompt is None or len(control_prompt) != case.prompt_len:
+            return None
+        if list(control_prompt) == ids[: case.prompt_len]:
+            return None
+        ids[: case.prompt_len] = [int(t) for t in control_prompt]
+    else:
+        raise ValueError(f"unknown negative control {name!r}; choose from {NEGATIVE_CONTROLS}")
+    return TeacherForcingCase(cross_k=ck, cross_v=cv, cross_mask=case.cross_mask, ids=ids,
+                              log_probs=case.log_probs, prompt_len=case.prompt_len)
+
+
+def negative_controls(model, case: TeacherForcingCase, precision: str, min_psnr_db: float | None = None,
+                      control_prompt: list[int] | None = None) -> dict:
+    """Can this gate case tell a right package from a broken one?
+
+    Each control runs the PyTorch step on the broken inputs (`control_case`) and scores it against
+    the case's reference exactly as the gate scores a package. `discriminates` is True when the
+    gate would refuse it. On random weights the output barely depends on the cross memory (the
+    tiny test checkpoints: zero memory moves log-probs by ~2e-3, PSNR 81 dB, argmax unchanged), so
+    the gate passes broken packages; this records that instead of leaving it unnoticed.
+    """
+    capacity = round_up(len(case.ids), CACHE_MULTIPLE)
+    runtime = TorchStepRuntime(DecoderStep(model, capacity, case.cross_k.shape[2]))
+    results = {}
+    for name in NEGATIVE_CONTROLS:
+        broken = control_case(case, name, control_prompt)
+        if broken is None:
+            results[name] = {"applicable": False, "discriminates": None}
+            continue
+        rep = teacher_forcing_report(case, run_teacher_forcing(runtime, broken), precision, min_psnr_db)
+        results[name] = {"applicable": True, "discriminates": not rep["passed"],
+                         **{k: rep[k] for k in ("worst_psnr_db", "mean_kl", "argmax_agree", "argmax_steps")}}
+        if rep["passed"]:
+            logger.warning("decoder gate: a package with %s would pass (worst PSNR %.1f dB, mean KL %.2g, argmax "
+                           "%d/%d): this gate case cannot detect that defect (weights whose output barely "
+                           "depends on it, e.g. random ones)", name.replace("_", " "), rep["worst_psnr_db"],
+                           rep["mean_kl"], rep["argmax_agree"], rep["argmax_steps"])
+    return results
+
+
 def convert_decoder(model, settings, capacity: int | None = None, memory_len: int | None = None,
                     window_frames: int | None = None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                    prompt: list[int] | None = None, backend: str = "mil", prefill: bool = False) -> dict:
+                    prompt: list[int] | None = None, backend: str = "mil", prefill: bool = False,
+                    control_prompt: list[int] | None = None) -> dict:
     """Export `decoder.mlpackage` into `settings.out_dir` with a teacher-forcing parity gate.
 
     Args:
@@ -539,6 +618,8 @@ def convert_decoder(model, settings, capacity: int | None = None, memory_len: in
         backend: runtime backend running the gate ("mil" interpreter on Linux, "auto" elsewhere).
         prefill: also add a `prefill` function (the whole prompt in one call, same states, weights
             shared) and make the package multifunction; `main` stays the step function.
+        control_prompt: another prompt of the same length (other language / punctuation) for the
+            gate's "wrong prompt" negative control (default: `prompt` reversed).
 
     Returns a dict: package path, shapes, parity report (also written to `decoder.parity.json`).
     Raises `ParityError` (package not written) when the gate fails.
@@ -576,6 +657,8 @@ def convert_decoder(model, settings, capacity: int | None = None, memory_len: in
         gate_prompt = [int(start)] + [int(model.config.bos_token_id)] * (DEFAULT_PROMPT_LEN - 1)
     else:
         gate_prompt = list(prompt)
+    if control_prompt is None:
+        control_prompt = gate_prompt[::-1]
     result = {"path": str(path), "shapes": shapes.to_dict(), "parity": None,
               "functions": {"step": "main", "prefill": PREFILL_FUNCTION if prefill else None},
               "prefill_length": len(gate_prompt) if prefill else None}
@@ -606,10 +689,15 @@ def convert_decoder(model, settings, capacity: int | None = None, memory_len: in
                 report[key] = min(report[key], pre_report[key]) if key == "worst_psnr_db" else max(
                     report[key], pre_report[key])
             report["passed"] = bool(report["passed"] and pre_report["passed"])
+        # negative controls: would this case refuse a broken package? (warns when it cannot)
+        report["controls"] = negative_controls(model, case, settings.precision, settings.min_psnr_db,
+                                               control_prompt=control_prompt)
+        report["discriminates"] = all(c["discriminates"] for c in report["controls"].values() if c["applicable"])
         result["parity"] = report
-        logger.info("decoder parity: worst PSNR %.1f dB, mean KL %.3g, argmax %d/%d decoding steps -> %s",
-                    report["worst_psnr_db"], report["mean_kl"], report["argmax_agree"], report["argmax_steps"],
-                    "PASS" if report["passed"] else "FAIL")
+        logger.info("decoder parity: worst PSNR %.1f dB, mean KL %.3g, argmax %d/%d decoding steps -> %s "
+                    "(negative controls %s)", report["worst_psnr_db"], report["mean_kl"], report["argmax_agree"],
+                    report["argmax_steps"], "PASS" if report["passed"] else "FAIL",
+                    "refused" if report["discriminates"] else "NOT all refused")
         if not report["passed"]:
             raise ParityError(
                 f"decoder.mlpackage does not match PyTorch under teacher forcing: worst PSNR "

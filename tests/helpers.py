@@ -1,0 +1,131 @@
+"""Shared test helpers: tiny-checkpoint setup, sensitive fixtures, references, deliberately broken exports.
+
+A comparison with a reference is only evidence when the compared output depends on what is
+compared. Random tiny checkpoints barely listen to the audio (their cross-attention contributes
+~1e-3 to the log-probs: the same greedy tokens for every clip and for an all-zero memory), so
+tests that are about the encoder-to-decoder path use `sensitize` (or the trained default model)
+and check `assert_audio_sensitive` first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .conftest import AUDIO_DIR
+
+# grouped kv heads, encoder width != decoder width (the shape most tests use)
+GQA = dict(num_key_value_heads=2, encoder_hidden_size=48, encoder_num_attention_heads=4)
+# cross-attention scales of `sensitize`: on seed 3 of the GQA and MQA tiny shapes, six committed
+# clips in six languages give six different 8-token greedy outputs (one single output at scale 1);
+# every test using it still checks its own fixture (`assert_audio_sensitive`)
+SENSITIVE_QK_SCALE = 4.0
+SENSITIVE_VO_SCALE = 16.0
+
+
+def tiny_model(path: Path, seed: int = 0, sensitive: bool = False, **overrides):
+    """(model, processor) of a fresh random tiny checkpoint at `path`; dither 0 (parity work).
+
+    `sensitive`: scale the cross-attention projections (`sensitize`) so the output depends on the
+    audio; the checkpoint folder is rewritten with the scaled weights (CLI paths load it).
+    """
+    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint, save_checkpoint
+
+    ckpt = make_tiny_checkpoint(path, seed=seed, **overrides)
+    model, processor = load_reference(ckpt)
+    if sensitive:
+        sensitize(model)
+        save_checkpoint(model, processor.tokenizer, ckpt, feature_extractor=processor.feature_extractor)
+        model, processor = load_reference(ckpt)
+    processor.feature_extractor.dither = 0.0
+    return model, processor
+
+
+@torch.no_grad()
+def sensitize(model, qk: float = SENSITIVE_QK_SCALE, vo: float = SENSITIVE_VO_SCALE):
+    """Scale every decoder layer's cross-attention (q, k by `qk`: sharper attention over frames; v, o
+    by `vo`: a larger contribution to the residual stream). In place; returns the model."""
+    for layer in model.model.decoder.layers:
+        attn = layer.encoder_attn
+        for linear in (attn.q_proj, attn.k_proj):
+            linear.weight.mul_(qk)
+        for linear in (attn.v_proj, attn.o_proj):
+            linear.weight.mul_(vo)
+    return model
+
+
+@torch.no_grad()
+def reference_ids(model, processor, piece, prompt, max_new_tokens, zero_memory=False) -> list[int]:
+    """generate() on one window, as the reference pipeline runs it; new ids only.
+
+    `zero_memory`: the encoder output replaced by zeros (what a decoder that never sees the
+    audio would produce), the control of `assert_audio_sensitive`.
+    """
+    f = processor.feature_extractor(piece, sampling_rate=16000, return_tensors="pt", return_attention_mask=True)
+    kwargs = dict(attention_mask=f["attention_mask"], decoder_input_ids=torch.tensor([list(prompt)]),
+                  max_new_tokens=max_new_tokens, do_sample=False)
+    if zero_memory:
+        enc = model.model.encoder(f["input_features"], attention_mask=f["attention_mask"])
+        enc.last_hidden_state = torch.zeros_like(enc.last_hidden_state)
+        out = model.generate(encoder_outputs=enc, **kwargs)
+    else:
+        out = model.generate(input_features=f["input_features"], **kwargs)
+    return [int(t) for t in out[0, len(prompt):]]
+
+
+def assert_audio_sensitive(model, processor, clips, max_new_tokens=8, language="en"):
+    """The fixture's greedy tokens depend on the audio: different for different clips, and
+    different from a zero-memory run. `clips`: waveforms (16 kHz float32)."""
+    from cohere_coreml.tokens import prompt_ids
+
+    prompt = prompt_ids(processor.tokenizer, language)
+    outputs = [tuple(reference_ids(model, processor, w, prompt, max_new_tokens)) for w in clips]
+    assert len(set(outputs)) == len(outputs), f"fixture gives the same tokens for different clips: {outputs}"
+    for wav, out in zip(clips, outputs):
+        assert list(out) != reference_ids(model, processor, wav, prompt, max_new_tokens, zero_memory=True), \
+            "fixture gives the same tokens with an all-zero encoder memory"
+
+
+def sensitivity_clips():
+    """Three committed clips of different lengths and languages for `assert_audio_sensitive`."""
+    from cohere_coreml.audio import load_audio
+
+    return [load_audio(AUDIO_DIR / name) for name in ("en_short.wav", "de_medium.wav", "zh_medium.wav")]
+
+
+def broken_encoder_trace(wrapper_cls, length: int = 150):
+    """A `trace_encoder` replacement (signature (model, shapes)) that traces `wrapper_cls` instead
+    of `EncoderForCoreML`: a deliberately broken export for gate tests."""
+
+    def trace(model, shapes):
+        wrapper = wrapper_cls(model, shapes).eval()
+        example = (torch.zeros(1, shapes.n_mels, shapes.frames), torch.tensor([length], dtype=torch.int32))
+        with torch.no_grad():
+            return torch.jit.trace(wrapper, example, check_trace=False, strict=False)
+
+    return trace
+
+
+class RecordingRuntime:
+    """Wraps a loaded package (runtime interface) and records every `input_ids` it is given."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls: list[list[int]] = []
+
+    def make_state(self):
+        return self.inner.make_state()
+
+    def predict(self, inputs, state=None):
+        self.calls.append([int(t) for t in np.asarray(inputs["input_ids"]).reshape(-1)])
+        return self.inner.predict(inputs, state=state)
+
+
+def record_decoder_inputs(transcriber) -> tuple[RecordingRuntime, RecordingRuntime | None]:
+    """Make `transcriber` record what its decoder step (and prefill) functions receive."""
+    transcriber.decoder = RecordingRuntime(transcriber.decoder)
+    if transcriber.prefill is not None:
+        transcriber.prefill = RecordingRuntime(transcriber.prefill)
+    return transcriber.decoder, transcriber.prefill
