@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from .conftest import AUDIO_DIR, audio_manifest
+from .conftest import AUDIO_DIR, TRAINED_MAX_NEW_TOKENS, audio_manifest, heldout_utterances
+from .helpers import GQA, assert_audio_sensitive, record_decoder_inputs, reference_ids, sensitivity_clips, tiny_model
 
 torch.set_num_threads(1)
 
@@ -17,7 +18,7 @@ N_COMPARE = 8  # new tokens compared with generate() per window (random weights 
 
 SHAPES = {
     # grouped kv heads, encoder width != decoder width
-    "gqa": dict(num_key_value_heads=2, encoder_hidden_size=48, encoder_num_attention_heads=4),
+    "gqa": GQA,
     # one kv head, 3 layers, narrow decoder, wide encoder
     "mqa3": dict(num_hidden_layers=3, hidden_size=32, num_attention_heads=4, num_key_value_heads=1,
                  intermediate_size=64, encoder_hidden_size=80, encoder_num_attention_heads=4),
@@ -37,24 +38,15 @@ def export_bundle(model, processor, out_dir, max_new_tokens=MAX_NEW, prefill=Fal
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def setup(request, tmp_path_factory):
-    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint
+    """A sensitised random tiny checkpoint of each shape (checked: its tokens depend on the audio)
+    and a Transcriber over its FP32 bundle."""
     from cohere_coreml.transcribe import Transcriber
 
     root = tmp_path_factory.mktemp(f"tr_{request.param}")
-    ckpt = make_tiny_checkpoint(root / "ckpt", seed=3, **SHAPES[request.param])
-    model, processor = load_reference(ckpt)
-    processor.feature_extractor.dither = 0.0
+    model, processor = tiny_model(root / "ckpt", seed=3, sensitive=True, **SHAPES[request.param])
+    assert_audio_sensitive(model, processor, sensitivity_clips())
     bundle = export_bundle(model, processor, root / "bundle")
     return request.param, model, processor, Transcriber(bundle, backend="mil")
-
-
-def reference_ids(model, processor, piece, prompt, max_new_tokens):
-    """generate() on one window, as the reference pipeline runs it; new ids only."""
-    f = processor.feature_extractor(piece, sampling_rate=16000, return_tensors="pt", return_attention_mask=True)
-    with torch.no_grad():
-        out = model.generate(input_features=f["input_features"], attention_mask=f["attention_mask"],
-                             decoder_input_ids=torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
-    return [int(t) for t in out[0, len(prompt):]]
 
 
 def speech_clips():
@@ -94,13 +86,14 @@ def test_tokens_identical_to_generate(setup):
         assert len(languages) >= 3 and len(lengths) >= 10
 
 
+@pytest.mark.parametrize("setup", [pytest.param("gqa")], indirect=True)  # one shape is enough
 def test_long_audio_windows_and_join(setup):
-    """> 30 s audio: windows at the reference split points; texts joined like CohereAsrProcessor.decode."""
-    from cohere_coreml.audio import load_audio
+    """> 30 s audio: windows at the reference split points, in order (each window's ids are
+    generate()'s on that piece, and the pieces give different ids); texts joined like
+    CohereAsrProcessor.decode."""
+    from cohere_coreml.audio import load_audio, split_points
 
     name, model, processor, tr = setup
-    if name != "gqa":
-        pytest.skip("one shape is enough")
     for lang, wav in (("en", load_audio(AUDIO_DIR / "en_long_75s.flac")),
                       ("zh", np.tile(load_audio(AUDIO_DIR / "zh_medium.wav"), 10))):
         result = tr.transcribe(wav, lang, max_new_tokens=4)
@@ -108,6 +101,11 @@ def test_long_audio_windows_and_join(setup):
         chunk_index = inputs["audio_chunk_index"]
         assert len(result.windows) == len(chunk_index) > 1
         ids = [w.token_ids for w in result.windows]
+        if lang == "en":
+            prompt = tr.bundle.prompt(lang)
+            pieces = [wav[a:b] for a, b in split_points(wav, tr.front_end)]
+            assert ids == [reference_ids(model, processor, p, prompt, 4) for p in pieces]
+            assert len({tuple(i) for i in ids}) == len(ids), "windows must differ to show their order"
         expected = processor.decode(ids, skip_special_tokens=True, audio_chunk_index=chunk_index, language=lang)[0]
         assert result.text == expected.strip()
         if lang == "zh":
@@ -141,8 +139,8 @@ def test_cross_memory_masking(setup):
     unmasked = dict(garbage, cross_mask=np.zeros_like(np.asarray(enc["cross_mask"])))
     control = tr.decode(unmasked, prompt, max_new_tokens=N_COMPARE, return_log_probs=True)
     ref = tr.decode(garbage, prompt, max_new_tokens=N_COMPARE, return_log_probs=True)
-    assert control["token_ids"] != clean or not np.allclose(control["log_probs"][0], ref["log_probs"][0], atol=1e-2)
     assert control["token_ids"] != clean, "the unmasked garbage should change the greedy tokens"
+    assert not np.allclose(control["log_probs"][0], ref["log_probs"][0], atol=1e-2)
 
 
 def test_capacity_truncates_to_reference_prefix(setup):
@@ -248,12 +246,10 @@ def test_prefill_function_gives_the_same_tokens(tmp_path):
     """A bundle with the prompt prefill function: 1 call instead of 10 for the prompt, same tokens."""
     from cohere_coreml.audio import load_audio
     from cohere_coreml.bundle import Bundle
-    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint
     from cohere_coreml.runtime import read_package
     from cohere_coreml.transcribe import Transcriber
 
-    model, processor = load_reference(make_tiny_checkpoint(tmp_path / "ckpt", seed=4, **SHAPES["gqa"]))
-    processor.feature_extractor.dither = 0.0
+    model, processor = tiny_model(tmp_path / "ckpt", seed=4, sensitive=True, **GQA)
     bundle = export_bundle(model, processor, tmp_path / "bundle", prefill=True)
     assert set(read_package(bundle / "decoder.mlpackage").function_names) == {"main", "prefill"}
     parity = json.loads((bundle / "decoder.parity.json").read_text())
@@ -263,6 +259,7 @@ def test_prefill_function_gives_the_same_tokens(tmp_path):
     with_prefill = Transcriber(bundle, backend="mil")
     without = Transcriber(bundle, backend="mil", use_prefill=False)
     assert with_prefill.prefill is not None and without.prefill is None
+    refs = set()
     for clip, lang in (("en_medium.wav", "en"), ("de_short.wav", "de"), ("zh_medium.wav", "zh")):
         wav = load_audio(AUDIO_DIR / clip)
         a = with_prefill.transcribe(wav, lang, max_new_tokens=N_COMPARE).windows[0]
@@ -271,27 +268,99 @@ def test_prefill_function_gives_the_same_tokens(tmp_path):
         assert a.token_ids == b.token_ids == ref, clip
         assert a.timings["decoder_calls"] == 1 + (N_COMPARE - 1)
         assert b.timings["decoder_calls"] == 10 + (N_COMPARE - 1)
+        refs.add(tuple(ref))
+    assert len(refs) == 3, "the fixture's tokens must depend on the clip"
 
 
 def test_length_bucketed_encoder(tmp_path):
     """A multifunction encoder (35 s + 5 s windows): short clips use the 5 s function, same tokens."""
     from cohere_coreml.audio import load_audio
     from cohere_coreml.bundle import export_decoder_bundle
-    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint
     from cohere_coreml.convert import ExportSettings
     from cohere_coreml.encoder import convert_encoder_buckets
     from cohere_coreml.transcribe import Transcriber
 
-    model, processor = load_reference(make_tiny_checkpoint(tmp_path / "ckpt", seed=6, **SHAPES["gqa"]))
-    processor.feature_extractor.dither = 0.0
+    model, processor = tiny_model(tmp_path / "ckpt", seed=6, sensitive=True, **GQA)
     settings = ExportSettings(out_dir=tmp_path / "bundle", precision="fp32")
     convert_encoder_buckets(model, settings, [5.0], processor)
     export_decoder_bundle(model, processor, settings, max_new_tokens=MAX_NEW)
     tr = Transcriber(tmp_path / "bundle", backend="mil")
     assert tr.encoder_buckets == [(500, "window_5s"), (3500, "main")]
+    refs = set()
     for clip, lang, expected_fn in (("en_short.wav", "en", "window_5s"), ("es_medium.wav", "es", "window_5s"),
                                     ("en_long.wav", "en", "main")):
         wav = load_audio(AUDIO_DIR / clip)
         window = tr.transcribe(wav, lang, max_new_tokens=N_COMPARE).windows[0]
         assert window.timings["encoder_function"] == expected_fn, clip
-        assert window.token_ids == reference_ids(model, processor, wav, tr.bundle.prompt(lang), N_COMPARE), clip
+        ref = reference_ids(model, processor, wav, tr.bundle.prompt(lang), N_COMPARE)
+        assert window.token_ids == ref, clip
+        refs.add(tuple(ref))
+    assert len(refs) == 3, "the fixture's tokens must depend on the clip"
+
+
+# --- the trained default model, exported fp16 once per run (conftest.trained_bundle) ------------
+
+
+@pytest.fixture(scope="module")
+def trained(trained_reference, trained_bundle):
+    from cohere_coreml.transcribe import Transcriber
+
+    model, processor = trained_reference
+    return model, processor, Transcriber(trained_bundle, backend="mil")
+
+
+def test_trained_heldout_tokens_identical_to_generate(trained):
+    """Held-out clips (3 per language) through the fp16 bundle with buckets and prefill, as users run
+    it: ids identical to generate() with the processor's own prompt. Sensitivity first: the
+    transcripts differ from clip to clip and from a zero-memory run."""
+    from cohere_coreml.audio import load_audio
+
+    model, processor, tr = trained
+    utterances = heldout_utterances(per_language=3)
+    waves = [load_audio(u["path"]) for u in utterances]
+    assert_audio_sensitive(model, processor, waves[:3], language="en")
+    parity = json.loads((tr.bundle.paths["decoder"].parent / "decoder.parity.json").read_text())
+    assert parity["passed"] and parity["discriminates"], parity["controls"]
+    assert tr.prefill is not None and [fn for _, fn in tr.encoder_buckets] == ["window_2s", "main"]
+    functions, matched = set(), 0
+    for u, wav in zip(utterances, waves):
+        prompt = processor.get_decoder_prompt_ids(language=u["language"], punctuation=True)
+        window = tr.transcribe(wav, u["language"]).windows[0]
+        ref = reference_ids(model, processor, wav, prompt, TRAINED_MAX_NEW_TOKENS + 1)
+        assert window.token_ids == ref, u["file"]
+        assert window.stop_reason == "eos" and window.timings["decoder_calls"] == len(ref)  # 1 prefill + fed
+        functions.add(window.timings["encoder_function"])
+        matched += window.text == u["text"]
+    assert functions == {"window_2s", "main"}
+    assert matched >= len(utterances) // 2  # real transcripts, not just agreeing noise
+
+
+@pytest.mark.parametrize("use_prefill", [True, False])
+def test_decoder_receives_the_processor_prompt(trained_bundle, trained_reference, use_prefill):
+    """The ids the decoder package is fed equal CohereAsrProcessor.get_decoder_prompt_ids for the
+    requested language and punctuation mode (the reference is transformers', not our prompt code),
+    and the prompt changes the output."""
+    from cohere_coreml.audio import load_audio
+    from cohere_coreml.transcribe import Transcriber
+
+    _, processor = trained_reference
+    tr = Transcriber(trained_bundle, backend="mil", use_prefill=use_prefill)
+    step, prefill = record_decoder_inputs(tr)
+    wav = load_audio(heldout_utterances(per_language=1)[0]["path"])
+    outputs = set()
+    for lang in ("en", "de", "es", "fr", "ja", "zh"):
+        for punctuation in (True, False):
+            step.calls.clear()
+            if prefill is not None:
+                prefill.calls.clear()
+            result = tr.transcribe(wav, lang, punctuation=punctuation, max_new_tokens=4)
+            expected = processor.get_decoder_prompt_ids(language=lang, punctuation=punctuation)
+            if use_prefill:
+                assert prefill.calls == [expected], (lang, punctuation)
+                fed = step.calls
+            else:
+                assert [c for c in step.calls[:len(expected)]] == [[t] for t in expected], (lang, punctuation)
+                fed = step.calls[len(expected):]
+            assert [c[0] for c in fed] == result.windows[0].token_ids[:len(fed)]  # then its own predictions
+            outputs.add(tuple(result.windows[0].token_ids))
+    assert len(outputs) >= 3, "the prompt must change the transcript for this check to mean anything"
