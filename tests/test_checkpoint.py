@@ -26,6 +26,7 @@ def test_load_reference_gives_eval_model_and_processor(tiny_reference):
 
 
 def test_same_seed_same_weights_and_generate_runs(tmp_path, tiny_reference):
+    """Same seed: same weights and the same generate() output; another seed: other weights."""
     a = make_tiny_checkpoint(tmp_path / "a", seed=3)
     b = make_tiny_checkpoint(tmp_path / "b", seed=3)
     c = make_tiny_checkpoint(tmp_path / "c", seed=4)
@@ -35,6 +36,13 @@ def test_same_seed_same_weights_and_generate_runs(tmp_path, tiny_reference):
     wa = ma.proj_out.weight
     assert torch.equal(wa, mb.proj_out.weight)
     assert not torch.equal(wa, mc.proj_out.weight)
+    feats = torch.randn(1, 200, ma.config.encoder_config.num_mel_bins, generator=torch.Generator().manual_seed(0))
+    start = torch.tensor([[ma.config.decoder_start_token_id]])
+    with torch.no_grad():
+        out_a, out_b = (m.generate(input_features=feats, decoder_input_ids=start, max_new_tokens=5, do_sample=False)
+                        for m in (ma, mb))
+    assert out_a.shape == (1, 6) and torch.equal(out_a, out_b)
+    assert out_a.max() < ma.config.vocab_size
 
 
 def test_overrides_reach_every_config_field(tmp_path):

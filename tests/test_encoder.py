@@ -14,6 +14,8 @@ import torch
 from cohere_coreml import encoder as E
 from cohere_coreml.convert import ExportSettings, ParityError, psnr
 
+from .helpers import broken_encoder_trace
+
 WINDOW_S = 2.0
 
 # name -> make_tiny_checkpoint overrides
@@ -221,15 +223,10 @@ def nn_pad(x, pad):
 def test_broken_export_is_refused(exported, broken, tmp_path):
     model, processor, shapes, _, _ = exported
 
-    def hook(model, shapes):
-        wrapper = broken(model, shapes).eval()
-        example = (torch.zeros(1, shapes.n_mels, shapes.frames), torch.tensor([150], dtype=torch.int32))
-        with torch.no_grad():
-            return torch.jit.trace(wrapper, example, check_trace=False, strict=False)
-
     settings = ExportSettings(out_dir=tmp_path, precision="fp32", window_seconds=WINDOW_S)
     with pytest.raises(ParityError, match="refused"):
-        E.convert_encoder(model, settings, processor, clips=E.gate_features(processor, shapes), _wrapper_hook=hook)
+        E.convert_encoder(model, settings, processor, clips=E.gate_features(processor, shapes),
+                          _wrapper_hook=broken_encoder_trace(broken))
     assert not settings.package_path("encoder").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["encoder.parity-failed.json"]
     assert json.loads(settings.failed_report_path("encoder").read_text())["passed"] is False
@@ -310,13 +307,7 @@ def test_cli_export_writes_gated_package_and_skips_existing(tiny_checkpoint, tmp
 def test_cli_failing_gate_exits_nonzero_and_writes_no_package(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     from cohere_coreml import cli
 
-    def broken_trace(model, shapes):
-        wrapper = _IgnoresLength(model, shapes).eval()
-        example = (torch.zeros(1, shapes.n_mels, shapes.frames), torch.tensor([150], dtype=torch.int32))
-        with torch.no_grad():
-            return torch.jit.trace(wrapper, example, check_trace=False, strict=False)
-
-    monkeypatch.setattr(E, "trace_encoder", broken_trace)
+    monkeypatch.setattr(E, "trace_encoder", broken_encoder_trace(_IgnoresLength))
     out = tmp_path / "out"
     code = cli.main(["export", "--model", str(tiny_checkpoint), "--out", str(out), "--components", "encoder",
                      "--window-seconds", str(WINDOW_S), "--precision", "fp32"])
@@ -344,10 +335,13 @@ def test_length_buckets_share_weights_and_keep_the_contract(tiny_reference, tmp_
     # weights are stored once: two functions cost far less than two packages
     assert weight_file_bytes(path) < 1.25 * weight_file_bytes(single)
 
-    assert load_model(path).predict  # default function is `main`
-    rt = load_model(path, function_name="window_2s")
-    feats = _speech_features(small.n_mels, small.frames, processor)
+    feats = _speech_features(small.n_mels, full.frames, processor)
     n = 150
+    # the default function is `main` (the 3 s window): it takes 300 frames and gives the reference
+    main_out = _run(load_model(path), _window(feats, n, full.frames), n)
+    ref_main = E.unpadded_reference(model, feats[None, :, :n])
+    assert psnr(ref_main, np.asarray(main_out["encoder_hidden_states"])[:, :ref_main.shape[1]]) >= 60.0
+    rt = load_model(path, function_name="window_2s")
     out = _run(rt, _window(feats, n, small.frames), n)
     assert out["encoder_hidden_states"].shape == (1, full.padded_frames, model.config.hidden_size)
     assert out["cross_k"].shape[2] == full.padded_frames
@@ -411,15 +405,10 @@ def test_refused_forced_reexport_keeps_the_old_package_and_report(exported, tmp_
     manifest = (out / "encoder.mlpackage" / "Manifest.json").read_bytes()
     report = (out / "encoder.parity.json").read_bytes()
 
-    def hook(model, shapes):
-        wrapper = _IgnoresLength(model, shapes).eval()
-        example = (torch.zeros(1, shapes.n_mels, shapes.frames), torch.tensor([150], dtype=torch.int32))
-        with torch.no_grad():
-            return torch.jit.trace(wrapper, example, check_trace=False, strict=False)
-
     settings = ExportSettings(out_dir=out, precision="fp32", window_seconds=WINDOW_S, force=True)
     with pytest.raises(ParityError):
-        E.convert_encoder(model, settings, processor, clips=E.gate_features(processor, shapes), _wrapper_hook=hook)
+        E.convert_encoder(model, settings, processor, clips=E.gate_features(processor, shapes),
+                          _wrapper_hook=broken_encoder_trace(_IgnoresLength))
     assert (out / "encoder.mlpackage" / "Manifest.json").read_bytes() == manifest
     assert (out / "encoder.parity.json").read_bytes() == report
     assert json.loads((out / "encoder.parity-failed.json").read_text())["passed"] is False

@@ -98,3 +98,52 @@ def test_join_windows():
     assert join_windows(["hello there ", " world"], "en") == "hello there world"
     assert join_windows(["こんにちは", "世界"], "ja") == "こんにちは世界"
     assert join_windows(["", "  ", "a"], "en") == "a"
+
+
+def reordered_tokenizer(tokenizer):
+    """The same pieces with another id layout: the vocabulary reversed (so "▁", the control and the
+    language tokens all get other ids than the project's `build_tokenizer` gives them)."""
+    import json as _json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    data = _json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = data["model"]["vocab"]  # [[piece, score], ...] in id order
+    new_id = {piece: len(vocab) - 1 - i for i, (piece, _) in enumerate(vocab)}
+    data["model"]["vocab"] = vocab[::-1]
+    data["model"]["unk_id"] = new_id[vocab[data["model"]["unk_id"]][0]]
+    for added in data["added_tokens"]:
+        added["id"] = new_id[added["content"]]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_json.dumps(data)), unk_token="<unk>", pad_token="<pad>",
+        eos_token="<|endoftext|>", bos_token="<|startoftranscript|>",
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<unk>", "<pad>", "<|endoftext|>",
+                                                                      "<|startoftranscript|>")], split_special_tokens=True,
+    )
+
+
+def test_manifest_prompts_follow_the_tokenizer_layout(tiny_reference):
+    """Hard-coded prompt ids would be caught: with another id layout the manifest's prompts change
+    and still equal what CohereAsrProcessor builds from that tokenizer."""
+    from transformers import CohereAsrProcessor
+
+    from cohere_coreml.bundle import build_manifest
+    from cohere_coreml.decoder import DecoderShapes
+
+    model, processor = tiny_reference
+    other = reordered_tokenizer(processor.tokenizer)
+    other_processor = CohereAsrProcessor(feature_extractor=processor.feature_extractor, tokenizer=other)
+    info = {"shapes": DecoderShapes.from_config(model.config, 32, 32).to_dict()}
+    manifests = {name: build_manifest(model, tok, {}, info, window_frames=200)
+                 for name, tok in (("default", processor.tokenizer), ("reordered", other))}
+    for lang in LANGUAGES:
+        for punctuation, key in ((True, "punctuation"), (False, "no_punctuation")):
+            default = manifests["default"]["languages"][lang][key]
+            reordered = manifests["reordered"]["languages"][lang][key]
+            assert default == processor.get_decoder_prompt_ids(language=lang, punctuation=punctuation)
+            assert reordered == other_processor.get_decoder_prompt_ids(language=lang, punctuation=punctuation)
+            assert all(a != b for a, b in zip(default, reordered)), (lang, default, reordered)
+    # same pieces, other ids: decoding is unchanged
+    ids = other.encode("set a timer", add_special_tokens=False)
+    assert decode_ids(other, ids) == "set a timer"

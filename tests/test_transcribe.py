@@ -94,17 +94,21 @@ def test_long_audio_windows_and_join(setup):
     from cohere_coreml.audio import load_audio, split_points
 
     name, model, processor, tr = setup
-    for lang, wav in (("en", load_audio(AUDIO_DIR / "en_long_75s.flac")),
+    # en_long_75s repeats its speech (two windows give the same ids); the mixed clip has other
+    # speech in each window, so a swapped window order shows
+    mixed = np.concatenate([np.tile(load_audio(AUDIO_DIR / name), reps)
+                            for name, reps in (("en_long.wav", 3), ("fr_medium.wav", 6))])  # 2 windows
+    for lang, wav in (("en", load_audio(AUDIO_DIR / "en_long_75s.flac")), ("fr", mixed),
                       ("zh", np.tile(load_audio(AUDIO_DIR / "zh_medium.wav"), 10))):
-        result = tr.transcribe(wav, lang, max_new_tokens=4)
+        result = tr.transcribe(wav, lang, max_new_tokens=N_COMPARE)
         inputs = processor(wav, sampling_rate=16000, language=lang, return_tensors="pt")
         chunk_index = inputs["audio_chunk_index"]
         assert len(result.windows) == len(chunk_index) > 1
         ids = [w.token_ids for w in result.windows]
-        if lang == "en":
+        if lang == "fr":
             prompt = tr.bundle.prompt(lang)
             pieces = [wav[a:b] for a, b in split_points(wav, tr.front_end)]
-            assert ids == [reference_ids(model, processor, p, prompt, 4) for p in pieces]
+            assert ids == [reference_ids(model, processor, p, prompt, N_COMPARE) for p in pieces]
             assert len({tuple(i) for i in ids}) == len(ids), "windows must differ to show their order"
         expected = processor.decode(ids, skip_special_tokens=True, audio_chunk_index=chunk_index, language=lang)[0]
         assert result.text == expected.strip()

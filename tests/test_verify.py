@@ -8,19 +8,21 @@ import pytest
 import torch
 
 from .conftest import AUDIO_DIR
+from .helpers import GQA, assert_audio_sensitive, sensitivity_clips, tiny_model
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """A tiny GQA checkpoint (encoder width != decoder width) exported through the CLI (fp32)."""
-    from cohere_coreml.checkpoint import make_tiny_checkpoint
+    """A sensitised tiny GQA checkpoint (encoder width != decoder width; its tokens depend on the
+    audio, checked) exported through the CLI (fp32)."""
     from cohere_coreml.cli import main
 
     root = tmp_path_factory.mktemp("verify")
-    ckpt = make_tiny_checkpoint(root / "ckpt", seed=7, num_key_value_heads=2, encoder_hidden_size=48,
-                                encoder_num_attention_heads=4)
+    model, processor = tiny_model(root / "ckpt", seed=7, sensitive=True, **GQA)
+    assert_audio_sensitive(model, processor, sensitivity_clips())
+    ckpt = root / "ckpt"
     out = root / "bundle"
     assert main(["export", "--model", str(ckpt), "--out", str(out), "--precision", "fp32", "--max-tokens", "40",
                  "--gate-audio", str(AUDIO_DIR / "en_medium.wav")]) == 0
@@ -83,13 +85,10 @@ def test_verify_bundle_stages(exported):
 
 def test_verify_detects_a_different_checkpoint(exported, tmp_path):
     """Same shapes, other weights: the decoder stage and the tokens must show the mismatch."""
-    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint
     from cohere_coreml.verify import verify_bundle
 
     ckpt, out = exported
-    other = make_tiny_checkpoint(tmp_path / "other", seed=8, num_key_value_heads=2, encoder_hidden_size=48,
-                                 encoder_num_attention_heads=4)
-    model, processor = load_reference(other)
+    model, processor = tiny_model(tmp_path / "other", seed=8, sensitive=True, **GQA)
     report = verify_bundle(model, processor, out, [AUDIO_DIR / "en_short.wav"], backend="mil", max_new_tokens=6)
     s = report["summary"]
     assert s["encoder_worst_psnr_db"] < 30

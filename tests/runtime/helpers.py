@@ -67,9 +67,3 @@ def max_rel_err(y, ref) -> float:
     return float(np.abs(y - ref).max() / scale)
 
 
-def psnr(y, ref) -> float:
-    y = np.asarray(y, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    mse = np.mean((y - ref) ** 2)
-    peak = np.abs(ref).max()
-    return float("inf") if mse == 0 else float(10 * np.log10(peak**2 / mse))

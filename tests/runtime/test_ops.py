@@ -18,7 +18,9 @@ from scipy import special as _special  # noqa: F401  (scipy ships with librosa)
 
 from cohere_coreml.runtime import load_model, supported_op_types
 
-from .helpers import max_rel_err, psnr
+from cohere_coreml.convert import psnr
+
+from .helpers import max_rel_err
 
 ERF = np.vectorize(__import__("math").erf)
 
@@ -503,7 +505,7 @@ def test_op_fp16(zoo16, name):
             continue
         assert got.dtype == np.float16
         err = max_rel_err(got, ref)
-        print(f"fp16 {name}: max rel err {err:.2e}, PSNR {psnr(got, ref):.1f} dB")
+        print(f"fp16 {name}: max rel err {err:.2e}, PSNR {psnr(ref, got):.1f} dB")
         assert err <= 2**-10, (name, err)
 
 

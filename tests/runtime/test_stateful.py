@@ -8,7 +8,7 @@ import torch
 
 from cohere_coreml.runtime import InputValidationError, load_model
 
-from .helpers import psnr
+from cohere_coreml.convert import psnr
 
 D, L, STEPS = 16, 8, 8
 
@@ -101,7 +101,7 @@ def test_toy_decoder_8_steps_matches_eager(toy):
             # rows not written yet are exactly zero; written rows equal within one fp16 ulp
             assert not got[:, step + 1 :].any()
             np.testing.assert_allclose(got, want, rtol=2**-10, atol=2**-24)
-        assert psnr(out["y"], ref_y.numpy()) > 50
+        assert psnr(ref_y.numpy(), out["y"]) > 50
         # log-softmax: -1e4 at masked positions in both, visible ones within fp16 rounding
         np.testing.assert_allclose(out["logp"][..., : step + 1], ref_logp.numpy()[..., : step + 1], atol=2e-2)
 

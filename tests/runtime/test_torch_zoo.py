@@ -15,7 +15,9 @@ import torch.nn.functional as F
 
 from cohere_coreml.runtime import load_model
 
-from .helpers import convert_torch, max_rel_err, psnr
+from cohere_coreml.convert import psnr
+
+from .helpers import convert_torch, max_rel_err
 
 OUTPUTS = [
     "conv2d_strided_grouped", "conv1d_depthwise", "batch_norm", "gelu_exact", "gelu_tanh", "layer_norm",
@@ -102,6 +104,6 @@ def test_torch_zoo(zoo_results, name):
         print(f"torch zoo fp32 {name}: max rel err {err:.2e}")
         assert err <= 1e-4
     else:
-        value = psnr(got, ref)
+        value = psnr(ref, got)
         print(f"torch zoo fp16 {name}: PSNR {value:.1f} dB, max rel err {max_rel_err(got, ref):.2e}")
         assert value > 40
