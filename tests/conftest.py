@@ -28,7 +28,7 @@ def audio_manifest() -> list[dict]:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """A random-weight tiny checkpoint in the released Hugging Face format (default shape)."""
-    from cohere_coreml.checkpoint import make_tiny_checkpoint
+    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
 
@@ -66,17 +66,16 @@ def trained_bundle(trained_reference, tmp_path_factory) -> Path:
     """fp16 bundle of the trained model: 4 s encoder window + 2 s bucket, decoder with prefill."""
     import torch
 
-    from cohere_coreml.bundle import export_decoder_bundle
     from cohere_coreml.convert import ExportSettings
-    from cohere_coreml.encoder import convert_encoder_buckets
+    from cohere_coreml.export import export_model
 
     torch.set_num_threads(1)
     model, processor = trained_reference
     out = tmp_path_factory.mktemp("trained") / "bundle"
     settings = ExportSettings(out_dir=out, precision="fp16", model_id="cohere-tiny-synth",
                               window_seconds=TRAINED_WINDOW_S)
-    convert_encoder_buckets(model, settings, list(TRAINED_BUCKETS), processor)
-    export_decoder_bundle(model, processor, settings, max_new_tokens=TRAINED_MAX_NEW_TOKENS, prefill=True)
+    export_model(model, processor, settings, max_new_tokens=TRAINED_MAX_NEW_TOKENS, buckets=TRAINED_BUCKETS,
+                 prefill=True)
     return out
 
 

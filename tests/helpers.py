@@ -31,7 +31,8 @@ def tiny_model(path: Path, seed: int = 0, sensitive: bool = False, **overrides):
     `sensitive`: scale the cross-attention projections (`sensitize`) so the output depends on the
     audio; the checkpoint folder is rewritten with the scaled weights (CLI paths load it).
     """
-    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint, save_checkpoint
+    from cohere_coreml.checkpoint import load_reference
+    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint, save_checkpoint
 
     ckpt = make_tiny_checkpoint(path, seed=seed, **overrides)
     model, processor = load_reference(ckpt)

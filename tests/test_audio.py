@@ -100,7 +100,10 @@ def test_valid_frames_and_padding():
 
 
 def test_window_frames_for_35_seconds():
-    assert FrontEndConfig().frames_for_seconds(35.0) == 3500
+    from cohere_coreml.shapes import window_frames
+
+    config = FrontEndConfig()
+    assert window_frames(35.0, config.sampling_rate, config.hop_length) == 3500
 
 
 def test_clip_longer_than_window_is_an_error():

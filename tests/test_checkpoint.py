@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from cohere_coreml.checkpoint import CheckpointError, describe, load_reference, make_tiny_checkpoint
+from cohere_coreml.checkpoint import CheckpointError, describe, load_reference
+from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
 
 
 def test_tiny_checkpoint_is_a_complete_hf_folder(tiny_checkpoint):

@@ -22,8 +22,8 @@ from cohere_coreml.convert import (
     round_up,
     save_package_atomic,
     weight_file_bytes,
-    window_frames,
 )
+from cohere_coreml.shapes import window_frames
 
 
 class _Small(torch.nn.Module):

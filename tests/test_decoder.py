@@ -14,13 +14,13 @@ from cohere_coreml.decoder import (
     build_step_mlmodel,
     convert_decoder,
     count_macs,
-    cross_memory_from_model,
-    default_capacity,
     negative_controls,
     run_teacher_forcing,
     teacher_forcing_case,
     teacher_forcing_report,
 )
+from cohere_coreml.reference import cross_memory
+from cohere_coreml.shapes import ShapeError, cache_capacity
 
 from .helpers import GQA, tiny_model
 
@@ -50,14 +50,14 @@ def _prompt(processor, lang="en", punctuation=True):
 
 
 def test_default_capacity_and_limits(tiny_reference):
-    assert default_capacity() == 288  # round_up(10 + 256, 32)
-    assert default_capacity(100) == 128
-    assert default_capacity(22) == 32
+    assert cache_capacity() == 288  # round_up(10 + 256, 32)
+    assert cache_capacity(100) == 128
+    assert cache_capacity(22) == 32
     model, _ = tiny_reference
-    with pytest.raises(DecoderExportError, match="position table"):
+    with pytest.raises(ShapeError, match="position table"):
         DecoderStep(model, capacity=model.config.max_position_embeddings + 32, memory_len=32)
-    with pytest.raises(DecoderExportError):
-        default_capacity(0)
+    with pytest.raises(ShapeError):
+        cache_capacity(0)
 
 
 def test_pytorch_step_matches_generate(reference):
@@ -74,7 +74,8 @@ def test_pytorch_step_matches_generate(reference):
             ref = model.generate(input_features=feats, attention_mask=mask, decoder_input_ids=torch.tensor([prompt]),
                                  max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
             enc = model.model.encoder(feats, attention_mask=mask)
-        ck, cv, cm = cross_memory_from_model(model, enc.last_hidden_state, 32, int(enc.attention_mask.sum()))
+        memory = cross_memory(model, enc.last_hidden_state, int(enc.attention_mask.sum()), 32)
+        ck, cv, cm = (torch.from_numpy(memory[k]) for k in ("cross_k", "cross_v", "cross_mask"))
         rt = TorchStepRuntime(DecoderStep(model, capacity=32, memory_len=32).eval())
         state = rt.make_state()
         ids = []
@@ -204,7 +205,7 @@ def test_gate_refuses_a_step_that_ignores_the_memory_mask(tiny_reference, tmp_pa
     settings = ExportSettings(out_dir=tmp_path, precision="fp32")
     with pytest.raises(ParityError, match="teacher forcing"):
         convert_decoder(model, settings, capacity=32, memory_len=32, prompt=_prompt(processor))
-    assert not any(tmp_path.iterdir()), "nothing may be left behind by a failed gate"
+    assert [p.name for p in tmp_path.iterdir()] == ["decoder.parity-failed.json"], "only the refused gate's figures"
 
 
 def test_fp16_program_keeps_small_log_probs(tiny_reference, tmp_path):

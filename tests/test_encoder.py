@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from cohere_coreml import encoder as E
+from cohere_coreml.bundle import encoder_package_info
 from cohere_coreml.convert import ExportSettings, ParityError, psnr
+from cohere_coreml.shapes import ShapeError, choose_bucket, encoder_frames
 
 from .helpers import broken_encoder_trace
 
@@ -53,8 +55,10 @@ def _speech_features(n_mels: int, frames: int, processor) -> np.ndarray:
     """Real speech log-mel (n_mels, >= frames) from the committed clips (dither 0)."""
     from cohere_coreml.audio import FrontEndConfig, load_audio, log_mel
 
-    clips = E.default_gate_audio(max_clips=3)
-    assert clips, "tests/data/audio has no speech clips"
+    from cohere_coreml.gate import default_gate_audio
+
+    clips = default_gate_audio()
+    assert clips, "the package ships no gate audio"
     config = FrontEndConfig.from_processor(processor, dither=0.0)
     assert config.n_mels == n_mels
     feats = [log_mel(load_audio(p), config) for p in clips]
@@ -71,7 +75,8 @@ def _window(feats: np.ndarray, n: int, frames: int, fill: float = 0.0) -> np.nda
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def exported(request, tmp_path_factory):
     """(model, processor, shapes, runtime model, package path) of an FP32 export of each config."""
-    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint
+    from cohere_coreml.checkpoint import load_reference
+    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
     from cohere_coreml.runtime import load_model
 
     torch.set_num_threads(1)
@@ -242,7 +247,8 @@ def test_existing_package_is_skipped_unless_forced(exported):
 
 def test_fp16_export_passes_gate_and_masks_finitely(tmp_path):
     """fp16 program: the finfo.min attention mask must not become -inf/NaN on padded rows."""
-    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint
+    from cohere_coreml.checkpoint import load_reference
+    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
     from cohere_coreml.runtime import load_model
 
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", seed=5, **CONFIGS["gqa_wide_encoder"])
@@ -262,7 +268,8 @@ def test_fp16_export_passes_gate_and_masks_finitely(tmp_path):
 
 def test_fp16_length_arithmetic_is_exact_above_2048(tmp_path):
     """Odd lengths > 2048 are not representable in fp16; encoder_length must still be exact."""
-    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint
+    from cohere_coreml.checkpoint import load_reference
+    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
     from cohere_coreml.runtime import load_model
 
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", seed=1, encoder_num_hidden_layers=1, num_hidden_layers=1)
@@ -274,7 +281,7 @@ def test_fp16_length_arithmetic_is_exact_above_2048(tmp_path):
     shapes = E.encoder_shapes(model, window, processor)
     feats = np.random.default_rng(0).standard_normal((1, shapes.n_mels, shapes.frames)).astype(np.float32)
     for n in (2049, 2051, 2097, 2100):
-        expected = int(E.encoder_output_length(model, n)[0])
+        expected = encoder_frames(model, n)
         out = _run(rt, feats, n)
         assert int(out["encoder_length"][0]) == expected, n
         mask = np.asarray(out["cross_mask"]).reshape(-1)
@@ -351,16 +358,19 @@ def test_length_buckets_share_weights_and_keep_the_contract(tiny_reference, tmp_
     assert psnr(ref, np.asarray(out["encoder_hidden_states"])[:, :t]) >= 60.0
     mask = np.asarray(out["cross_mask"]).reshape(-1)
     assert np.all(mask[:t] == 0) and np.all(mask[t:] == E.MASK_VALUE)
-    with pytest.raises(E.EncoderInputError):
+    with pytest.raises(ShapeError):
         E.convert_encoder_buckets(model, settings.replace(out_dir=tmp_path / "c"), [5.0], processor)
 
-    buckets = E.package_buckets(path)
+    def package_buckets(package):
+        return {fn: v["frames"] for fn, v in encoder_package_info(package)["functions"].items()}
+
+    buckets = package_buckets(path)
     assert buckets == {"main": 300, "window_2s": 200}
-    assert E.package_buckets(single) == {"main": 300}
-    assert E.choose_bucket(buckets, 1) == "window_2s" and E.choose_bucket(buckets, 200) == "window_2s"
-    assert E.choose_bucket(buckets, 201) == "main" and E.choose_bucket(buckets, 300) == "main"
-    with pytest.raises(E.EncoderInputError):
-        E.choose_bucket(buckets, 301)
+    assert package_buckets(single) == {"main": 300}
+    assert choose_bucket(buckets, 1) == "window_2s" and choose_bucket(buckets, 200) == "window_2s"
+    assert choose_bucket(buckets, 201) == "main" and choose_bucket(buckets, 300) == "main"
+    with pytest.raises(ShapeError):
+        choose_bucket(buckets, 301)
 
 
 def test_fp16_needs_the_finite_attention_mask(tiny_reference, tmp_path):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from cohere_coreml.evaluate import (
+from cohere_coreml_dev.evaluate import (
     Decoded,
     EvaluationError,
     features_batch,
@@ -48,7 +48,8 @@ def test_summarise_margins_and_wer():
 
 def test_greedy_decode_matches_manual_greedy(tmp_path):
     """greedy_decode (batched generate) gives the same ids as a plain step-by-step argmax loop."""
-    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint
+    from cohere_coreml.checkpoint import load_reference
+    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
     from cohere_coreml.tokens import prompt_ids
 
     path = make_tiny_checkpoint(tmp_path / "tiny", seed=3)

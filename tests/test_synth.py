@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from cohere_coreml import synth
-from cohere_coreml.synth import (
+from cohere_coreml_dev import synth
+from cohere_coreml_dev.synth import (
     CORPUS_LANGUAGES,
     SynthError,
     is_heldout,

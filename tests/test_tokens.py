@@ -6,12 +6,12 @@ from cohere_coreml.tokens import (
     LANGUAGES,
     SPECIAL_TOKENS,
     UnknownLanguageError,
-    build_tokenizer,
     decode_ids,
     export_vocab,
     join_windows,
     prompt_ids,
 )
+from cohere_coreml_dev.tokenizer import build_tokenizer
 
 
 @pytest.mark.parametrize("punctuation", [True, False])
@@ -129,13 +129,11 @@ def test_manifest_prompts_follow_the_tokenizer_layout(tiny_reference):
     from transformers import CohereAsrProcessor
 
     from cohere_coreml.bundle import build_manifest
-    from cohere_coreml.decoder import DecoderShapes
 
     model, processor = tiny_reference
     other = reordered_tokenizer(processor.tokenizer)
     other_processor = CohereAsrProcessor(feature_extractor=processor.feature_extractor, tokenizer=other)
-    info = {"shapes": DecoderShapes.from_config(model.config, 32, 32).to_dict()}
-    manifests = {name: build_manifest(model, tok, {}, info, window_frames=200)
+    manifests = {name: build_manifest(model, tok, {}, encoder=None, decoder=None)
                  for name, tok in (("default", processor.tokenizer), ("reordered", other))}
     for lang in LANGUAGES:
         for punctuation, key in ((True, "punctuation"), (False, "no_punctuation")):

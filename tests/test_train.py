@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from cohere_coreml.synth import sample_sentences
-from cohere_coreml.train import TrainConfig, lr_factor, make_batches, train_sentencepiece
+from cohere_coreml_dev.synth import sample_sentences
+from cohere_coreml_dev.train import TrainConfig, lr_factor, make_batches, train_sentencepiece
 
 
 def _cfg(**kw):
@@ -34,7 +34,8 @@ def test_batches_cover_everything_once_within_frame_cap():
 
 
 def test_sentencepiece_tokenizer_covers_corpus_and_round_trips():
-    from cohere_coreml.tokens import build_tokenizer, prompt_ids
+    from cohere_coreml.tokens import prompt_ids
+    from cohere_coreml_dev.tokenizer import build_tokenizer
 
     texts = sum((sample_sentences(l, 300, split="train", seed=0) for l in ("en", "de", "es")), [])
     pieces = train_sentencepiece(texts, 200)

@@ -67,7 +67,7 @@ def test_tokenizer_has_real_special_tokens(reference):
 def test_transcribes_heldout_clips(reference):
     """A real behavioural check: unseen sentences, four per language, greedy PyTorch decoding."""
     from cohere_coreml.audio import FrontEndConfig
-    from cohere_coreml.evaluate import greedy_decode, load_eval_set, summarise
+    from cohere_coreml_dev.evaluate import greedy_decode, load_eval_set, summarise
 
     model, processor = reference
     feats, texts, langs, _ = load_eval_set(HELDOUT, FrontEndConfig.from_processor(processor, dither=0.0), 4)
@@ -87,7 +87,7 @@ def test_transformers_processor_path_agrees(reference):
     import torch
 
     from cohere_coreml.audio import FrontEndConfig, load_audio, log_mel
-    from cohere_coreml.evaluate import greedy_decode
+    from cohere_coreml_dev.evaluate import greedy_decode
 
     model, processor = reference
     processor.feature_extractor.dither = 0.0

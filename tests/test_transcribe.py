@@ -26,13 +26,11 @@ SHAPES = {
 
 
 def export_bundle(model, processor, out_dir, max_new_tokens=MAX_NEW, prefill=False):
-    from cohere_coreml.bundle import export_decoder_bundle
     from cohere_coreml.convert import ExportSettings
-    from cohere_coreml.encoder import convert_encoder
+    from cohere_coreml.export import export_model
 
     settings = ExportSettings(out_dir=out_dir, precision="fp32", model_id="tiny-test")
-    convert_encoder(model, settings, processor)
-    export_decoder_bundle(model, processor, settings, max_new_tokens=max_new_tokens, prefill=prefill)
+    export_model(model, processor, settings, max_new_tokens=max_new_tokens, prefill=prefill)
     return out_dir
 
 
@@ -206,7 +204,8 @@ def test_bad_inputs(setup, tmp_path):
 @pytest.fixture(scope="module")
 def eos_setup(tmp_path_factory):
     """A tiny checkpoint whose eos logit is raised until greedy decoding ends with eos after a few tokens."""
-    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint, save_checkpoint
+    from cohere_coreml.checkpoint import load_reference
+    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint, save_checkpoint
     from cohere_coreml.audio import load_audio
     from cohere_coreml.tokens import prompt_ids
     from cohere_coreml.transcribe import Transcriber
@@ -279,15 +278,13 @@ def test_prefill_function_gives_the_same_tokens(tmp_path):
 def test_length_bucketed_encoder(tmp_path):
     """A multifunction encoder (35 s + 5 s windows): short clips use the 5 s function, same tokens."""
     from cohere_coreml.audio import load_audio
-    from cohere_coreml.bundle import export_decoder_bundle
     from cohere_coreml.convert import ExportSettings
-    from cohere_coreml.encoder import convert_encoder_buckets
+    from cohere_coreml.export import export_model
     from cohere_coreml.transcribe import Transcriber
 
     model, processor = tiny_model(tmp_path / "ckpt", seed=6, sensitive=True, **GQA)
     settings = ExportSettings(out_dir=tmp_path / "bundle", precision="fp32")
-    convert_encoder_buckets(model, settings, [5.0], processor)
-    export_decoder_bundle(model, processor, settings, max_new_tokens=MAX_NEW)
+    export_model(model, processor, settings, max_new_tokens=MAX_NEW, buckets=[5.0])
     tr = Transcriber(tmp_path / "bundle", backend="mil")
     assert tr.encoder_buckets == [(500, "window_5s"), (3500, "main")]
     refs = set()

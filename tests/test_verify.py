@@ -97,7 +97,8 @@ def test_verify_detects_a_different_checkpoint(exported, tmp_path):
 
 
 def test_verify_refuses_incompatible_checkpoint(exported, tmp_path):
-    from cohere_coreml.checkpoint import load_reference, make_tiny_checkpoint
+    from cohere_coreml.checkpoint import load_reference
+    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
     from cohere_coreml.verify import VerifyError, verify_bundle
 
     ckpt, out = exported

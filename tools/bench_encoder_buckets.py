@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     from transformers import CohereAsrConfig, CohereAsrForConditionalGeneration
 
     from cohere_coreml import encoder as E
+    from cohere_coreml.shapes import bucket_function_name, encoder_shapes
     from cohere_coreml.convert import ExportSettings, weight_file_bytes
 
     torch.set_num_threads(1)
@@ -72,10 +73,10 @@ def main(argv=None) -> int:
             from cohere_coreml.runtime import load_model
 
             run["predict_s"] = {}
-            seconds = {"main": args.window_seconds, **{E.bucket_function_name(b): b for b in args.buckets}}
+            seconds = {"main": args.window_seconds, **{bucket_function_name(b): b for b in args.buckets}}
             for fn in run["macs"]:
                 rt = load_model(path, function_name=fn)
-                frames = E.encoder_shapes(model, seconds[fn]).frames
+                frames = encoder_shapes(model, seconds[fn]).frames
                 feats = np.random.default_rng(0).standard_normal((1, config.encoder_config.num_mel_bins, frames))
                 t1 = time.perf_counter()
                 rt.predict({"input_features": feats.astype(np.float32),

@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     from transformers import CohereAsrConfig, CohereAsrForConditionalGeneration
 
     from cohere_coreml import encoder as E
+    from cohere_coreml.shapes import encoder_shapes
     from cohere_coreml.convert import ExportSettings, package_size_bytes, save_package_atomic, weight_file_bytes
 
     torch.set_num_threads(args.threads)
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
     figures["encoder_layers"] = config.encoder_config.num_hidden_layers
     model = CohereAsrForConditionalGeneration(config).eval()
     figures["build_s"] = round(time.perf_counter() - t0, 1)
-    shapes = E.encoder_shapes(model, args.window_seconds)
+    shapes = encoder_shapes(model, args.window_seconds)
     wrapper = E.EncoderForCoreML(model, shapes)
     exported_params = sum(p.numel() for p in wrapper.parameters())
     figures["shapes"] = shapes.to_dict()

@@ -31,14 +31,15 @@ def main(argv=None) -> int:
     import torch
     from transformers import CohereAsrConfig, CohereAsrForConditionalGeneration
 
-    from cohere_coreml.decoder import CACHE_MULTIPLE, build_step_mlmodel, count_macs, default_capacity, round_up
+    from cohere_coreml.decoder import build_step_mlmodel, count_macs
+    from cohere_coreml.shapes import cache_capacity, memory_len
 
     torch.set_num_threads(1)
     # full-size decoder; a 1-layer encoder (the encoder is not part of the decode step)
     config = CohereAsrConfig(encoder_config={"num_hidden_layers": 1})
     model = CohereAsrForConditionalGeneration(config).eval()
-    capacity = args.capacity or default_capacity()
-    padded = round_up(args.frames, CACHE_MULTIPLE)
+    capacity = args.capacity or cache_capacity()
+    padded = memory_len(args.frames)
 
     exported, shapes = build_step_mlmodel(model, capacity, padded, precision="fp16")
     ours = count_macs(exported._mil_program)

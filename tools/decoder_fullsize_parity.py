@@ -33,7 +33,8 @@ def main(argv=None) -> int:
     from transformers import CohereAsrConfig, CohereAsrForConditionalGeneration
 
     from cohere_coreml.convert import ExportSettings
-    from cohere_coreml.decoder import convert_decoder, default_capacity
+    from cohere_coreml.decoder import convert_decoder
+    from cohere_coreml.shapes import cache_capacity, encoder_shapes
     from cohere_coreml.runtime import load_model
 
     torch.set_num_threads(1)
@@ -46,7 +47,8 @@ def main(argv=None) -> int:
         out = Path(args.out) / precision
         settings = ExportSettings(out_dir=out, precision=precision, force=True, model_id="random-full-size")
         t0 = time.perf_counter()
-        result = convert_decoder(model, settings, capacity=default_capacity(), window_frames=3500, prompt=prompt,
+        memory = encoder_shapes(model, settings.window_seconds).padded_frames  # 448 for the 35 s window
+        result = convert_decoder(model, settings, capacity=cache_capacity(), memory_len=memory, prompt=prompt,
                                  backend=args.backend, prefill=args.prefill)
         export_s = time.perf_counter() - t0
         runtime = load_model(result["path"], backend=args.backend)

@@ -30,8 +30,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     from cohere_coreml.checkpoint import CheckpointError
-    from cohere_coreml.evaluate import EvaluationError, evaluate_checkpoint, format_reports
-    from cohere_coreml.synth import SynthError
+    from cohere_coreml_dev.evaluate import EvaluationError, evaluate_checkpoint, format_reports
+    from cohere_coreml_dev.synth import SynthError
 
     try:
         reports = evaluate_checkpoint(args.model, args.data, limit_per_language=args.limit_per_language)

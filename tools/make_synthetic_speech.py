@@ -15,7 +15,7 @@ import argparse
 import logging
 import sys
 
-from cohere_coreml.synth import CORPUS_LANGUAGES, SynthError, make_corpus
+from cohere_coreml_dev.synth import CORPUS_LANGUAGES, SynthError, make_corpus
 
 
 def main(argv=None) -> int:

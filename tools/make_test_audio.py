@@ -6,7 +6,7 @@ import logging
 import sys
 from pathlib import Path
 
-from cohere_coreml.synth import SynthError, make_test_audio
+from cohere_coreml_dev.synth import SynthError, make_test_audio
 
 
 def main(argv=None) -> int:

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv=None) -> int:
-    from cohere_coreml.train import TrainConfig
+    from cohere_coreml_dev.train import TrainConfig
 
     defaults = TrainConfig(train_dir="", heldout_dir="", out_dir="")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,9 +40,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from cohere_coreml.evaluate import evaluate_checkpoint, format_reports
-    from cohere_coreml.synth import SynthError, make_corpus
-    from cohere_coreml.train import TrainingError, folder_size_bytes, train, write_model_card
+    from cohere_coreml_dev.evaluate import evaluate_checkpoint, format_reports
+    from cohere_coreml_dev.synth import SynthError, make_corpus
+    from cohere_coreml_dev.train import TrainingError, folder_size_bytes, train, write_model_card
 
     languages = [l.strip() for l in args.languages.split(",") if l.strip()]
     try:
@@ -63,9 +63,9 @@ def main(argv=None) -> int:
     import numpy as np
 
     from cohere_coreml.checkpoint import load_reference
-    from cohere_coreml.evaluate import greedy_decode, load_eval_set
+    from cohere_coreml_dev.evaluate import greedy_decode, load_eval_set
     from cohere_coreml.audio import FrontEndConfig
-    from cohere_coreml.synth import read_manifest
+    from cohere_coreml_dev.synth import read_manifest
     from cohere_coreml.tokens import BYTE_TOKENS, SPECIAL_TOKENS
 
     model, processor = load_reference(args.out)

@@ -90,10 +90,6 @@ class FrontEndConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def frames_for_seconds(self, seconds: float) -> int:
-        """Mel frames of a window of `seconds` (35 s -> 3500 at hop 160)."""
-        return int(round(seconds * self.sampling_rate)) // self.hop_length
-
 
 # --------------------------------------------------------------------------------------------------
 # Loading
@@ -317,7 +313,7 @@ def normalize(features: np.ndarray, n_valid: int) -> np.ndarray:
     return np.ascontiguousarray(out[0].T.numpy(), dtype=np.float32)
 
 
-def pad_to_window(features: np.ndarray, n_valid: int, frames: int = 3500) -> tuple[np.ndarray, int]:
+def pad_to_window(features: np.ndarray, n_valid: int, frames: int) -> tuple[np.ndarray, int]:
     """Zero-pad (n_mels, t) features to a fixed (n_mels, frames) window, keeping the valid length.
 
     Raises `AudioError` if the clip has more valid frames than the window (split it first).
@@ -335,8 +331,9 @@ def pad_to_window(features: np.ndarray, n_valid: int, frames: int = 3500) -> tup
     return out, n_valid
 
 
-def window_features(waveform: np.ndarray, config: FrontEndConfig | None = None, frames: int = 3500):
-    """(1, n_mels, frames) float32 window and the valid frame count, for one clip that fits a window."""
+def window_features(waveform: np.ndarray, frames: int, config: FrontEndConfig | None = None):
+    """(1, n_mels, frames) float32 window and the valid frame count, for one clip that fits a window
+    of `frames` mel frames (`cohere_coreml.shapes.window_frames`)."""
     features, n_valid = log_mel(waveform, config)
     window, n_valid = pad_to_window(features, n_valid, frames)
     return window[None], n_valid
@@ -401,3 +398,32 @@ def _quietest(x: np.ndarray, start: int, end: int, window: int) -> int:
 def split_long_audio(waveform: np.ndarray, config: FrontEndConfig | None = None) -> list[np.ndarray]:
     """Pieces of `waveform` at the reference extractor's split points (one piece if short)."""
     return [waveform[s:e] for s, e in split_points(waveform, config)]
+
+
+# --------------------------------------------------------------------------------------------------
+# `cohere-coreml mel`
+# --------------------------------------------------------------------------------------------------
+
+
+def cmd_mel(args) -> int:
+    config = FrontEndConfig.from_pretrained(args.model) if args.model else FrontEndConfig()
+    wav = load_audio(args.audio)
+    pieces = split_points(wav, config)
+    for start, end in pieces:
+        features, n_valid = log_mel(wav[start:end], config)
+        print(
+            f"{start / config.sampling_rate:8.2f}s-{end / config.sampling_rate:8.2f}s  features {features.shape} "
+            f"valid {n_valid}  mean {features[:, :n_valid].mean():+.4f} std {features[:, :n_valid].std():.4f}"
+        )
+        if args.save:
+            np.save(args.save, features)
+    return 0
+
+
+def add_command(subparsers) -> None:
+    """Register `cohere-coreml mel`."""
+    p = subparsers.add_parser("mel", help="compute the model's log-mel features of an audio file (stats per window)")
+    p.add_argument("audio", help="audio file (wav, flac, mp3, ...); resampled to 16 kHz mono")
+    p.add_argument("--model", default=None, help="checkpoint folder whose preprocessor config to use")
+    p.add_argument("--save", default=None, help="save the (last window's) features as .npy")
+    p.set_defaults(func=cmd_mel)

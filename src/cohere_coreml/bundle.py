@@ -1,6 +1,8 @@
-"""Bundle: everything a client needs next to the two `.mlpackage`s, without our Python checkpoint.
+"""Bundle: everything a client needs next to the `.mlpackage`s, without our Python checkpoint.
 
-An export folder ("bundle") holds
+The manifest is written last, by `write_bundle`, from the packages on disk (their specs and
+metadata) and the checkpoint's tokenizer and config: exporting any one component refreshes it,
+and it never describes a package that is not there. An export folder ("bundle") holds
 
     encoder.mlpackage        features -> cross-attention memory (see docs/contract.md)
     decoder.mlpackage        stateful decode step (see docs/decoder.md)
@@ -25,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .config import BUCKETS_METADATA_KEY, PREFILL_FUNCTION
+
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
@@ -33,6 +37,7 @@ FORMAT_VERSION = 1
 ENCODER_FILE = "encoder.mlpackage"
 DECODER_FILE = "decoder.mlpackage"
 VOCAB_FILE = "vocab.json"
+FILES = {"encoder": ENCODER_FILE, "decoder": DECODER_FILE}
 
 
 class BundleError(ValueError):
@@ -64,31 +69,30 @@ def language_prompts(tokenizer) -> dict[str, dict[str, list[int]]]:
 
 
 def package_io(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
-    """{"inputs"|"outputs"|"states": {name: {"shape": [...], "dtype": str}}} read from a package spec."""
-    import coremltools as ct
+    """{"inputs"|"outputs"|"states": {name: {"shape": [...], "dtype": str}}} of a package's default
+    function, read from its spec (`cohere_coreml.runtime.package.describe`)."""
+    import numpy as np
 
-    spec = ct.utils.load_spec(str(path))
-    dtypes = {65568: "float32", 65552: "float16", 131104: "int32", 65600: "float64"}
+    from .runtime.package import describe, read_package
 
-    def arr(t):
-        return {"shape": [int(d) for d in t.shape], "dtype": dtypes.get(int(t.dataType), str(t.dataType))}
+    described = describe(read_package(path))
+    return {
+        kind: {name: {"shape": [int(d) for d in shape], "dtype": np.dtype(dtype).name}
+               for name, (shape, dtype) in features.items()}
+        for kind, features in zip(("inputs", "outputs", "states"), described)
+    }
 
-    desc = spec.description
-    io: dict[str, dict[str, Any]] = {"inputs": {}, "outputs": {}, "states": {}}
-    for f in desc.input:
-        io["inputs"][f.name] = arr(f.type.multiArrayType)
-    for f in desc.output:
-        io["outputs"][f.name] = arr(f.type.multiArrayType)
-    for f in getattr(desc, "state", []):
-        io["states"][f.name] = arr(f.type.stateType.arrayType)
-    return io
+
+def package_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The package's user-defined metadata (`com.cohere_coreml.*`, written by `convert_module`)."""
+    from .runtime.package import read_package
+
+    return dict(read_package(path).spec.description.metadata.userDefined)
 
 
 def encoder_buckets(path: str | os.PathLike) -> dict | None:
     """{function: {"frames", "window_seconds"}} of a length-bucketed encoder package, else None."""
-    import coremltools as ct
-
-    raw = ct.utils.load_spec(str(path)).description.metadata.userDefined.get("com.cohere_coreml.buckets")
+    raw = package_metadata(path).get(BUCKETS_METADATA_KEY)
     if not raw:
         return None
     try:
@@ -98,31 +102,71 @@ def encoder_buckets(path: str | os.PathLike) -> dict | None:
         raise BundleError(f"{path}: unreadable bucket metadata: {err}") from err
 
 
-def build_manifest(
-    model,
-    tokenizer,
-    front_end: dict,
-    decoder_info: dict,
-    encoder_io: dict | None = None,
-    decoder_io: dict | None = None,
-    model_id: str = "unknown",
-    revision: str | None = None,
-    precision: str = "fp16",
-    window_frames: int | None = None,
-    extra: dict | None = None,
-    encoder_functions: dict | None = None,
-) -> dict:
-    """The manifest dict (see docs/bundle.md). Every id and size is read from `model`/`tokenizer`."""
+def encoder_package_info(path: str | os.PathLike) -> dict:
+    """Window, encoder frames, memory length, functions and I/O of an exported encoder package."""
+    meta = package_metadata(path)
+    buckets = encoder_buckets(path)
+    try:
+        if buckets is not None:
+            main = json.loads(meta[BUCKETS_METADATA_KEY])["main"]
+            frames, t, tp = int(main["frames"]), int(main["encoder_frames"]), int(main["padded_frames"])
+        else:
+            frames = int(meta["com.cohere_coreml.window_frames"])
+            t = int(meta["com.cohere_coreml.encoder_frames"])
+            tp = int(meta["com.cohere_coreml.padded_encoder_frames"])
+    except (KeyError, ValueError, TypeError) as err:
+        raise BundleError(f"{path} lacks the encoder metadata of cohere-coreml ({err}): re-export it") from err
+    return {"window_frames": frames, "encoder_frames": t, "memory_len": tp,
+            "functions": buckets or {"main": {"frames": frames}}, "precision": meta.get("com.cohere_coreml.precision"),
+            "io": package_io(path)}
+
+
+def decoder_package_info(path: str | os.PathLike) -> dict:
+    """Shapes, functions and I/O of an exported decoder package."""
+    from .runtime.package import describe, read_package
+
+    meta = package_metadata(path)
+    try:
+        shapes = json.loads(meta["com.cohere_coreml.decoder_shapes"])
+    except (KeyError, ValueError) as err:
+        raise BundleError(f"{path} lacks the decoder metadata of cohere-coreml ({err}): re-export it") from err
+    functions = read_package(path).function_names
+    prefill = PREFILL_FUNCTION if PREFILL_FUNCTION in functions else None
+    prefill_length = None
+    if prefill:
+        inputs, _, _ = describe(read_package(path, function_name=PREFILL_FUNCTION))
+        prefill_length = int(inputs["input_ids"][0][1])
+    return {"shapes": shapes, "functions": {"step": "main", "prefill": prefill}, "prefill_length": prefill_length,
+            "precision": meta.get("com.cohere_coreml.precision"), "io": package_io(path)}
+
+
+def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, decoder: dict | None,
+                   model_id: str = "unknown", revision: str | None = None) -> dict:
+    """The manifest dict (see docs/bundle.md) of the packages described by `encoder`/`decoder`
+    (`encoder_package_info` / `decoder_package_info`, None when absent). Every id and size is
+    read from the packages, `model` and `tokenizer`."""
     from . import __version__
     from .convert import git_hash
     from .tokens import NO_SPACE_LANGUAGES
 
     config = model.config
-    shapes = decoder_info["shapes"]
+    packages = {name: info for name, info in (("encoder", encoder), ("decoder", decoder)) if info is not None}
+    precisions = {info["precision"] for info in packages.values()}
+    if len(precisions) > 1:
+        raise BundleError(f"the packages have different precisions {sorted(map(str, precisions))}: re-export one")
+    if encoder is not None and decoder is not None and encoder["memory_len"] != decoder["shapes"]["memory_len"]:
+        raise BundleError(
+            f"decoder.mlpackage reads a memory of {decoder['shapes']['memory_len']} frames but encoder.mlpackage "
+            f"gives {encoder['memory_len']}: export both with the same window (use --force)"
+        )
     prompts = language_prompts(tokenizer)
     prompt_len = len(next(iter(prompts.values()))["punctuation"])
     gen = getattr(model, "generation_config", None)
     upstream_max_new = int(getattr(gen, "max_new_tokens", None) or 256)
+    window_frames = encoder["window_frames"] if encoder is not None else None
+    files = {name: FILES[name] for name in packages}
+    files.update({"vocab": VOCAB_FILE, "tokenizer": "tokenizer.json", "tokenizer_config": "tokenizer_config.json",
+                  "processor_config": "processor_config.json"})
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -131,27 +175,24 @@ def build_manifest(
         "tool_version": __version__,
         "tool_git_hash": git_hash(),
         "created_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "precision": precision,
-        "files": {
-            "encoder": ENCODER_FILE,
-            "decoder": DECODER_FILE,
-            "vocab": VOCAB_FILE,
-            "tokenizer": "tokenizer.json",
-            "tokenizer_config": "tokenizer_config.json",
-            "processor_config": "processor_config.json",
-        },
+        "precision": next(iter(precisions), None),
+        "files": files,
         "audio": {**front_end, "window_frames": window_frames},
-        "encoder": {
+    }
+    if encoder is not None:
+        manifest["encoder"] = {
             "window_frames": window_frames,
-            "encoder_frames": decoder_info.get("encoder_frames"),
-            "memory_len": shapes["memory_len"],
+            "encoder_frames": encoder["encoder_frames"],
+            "memory_len": encoder["memory_len"],
             "num_mel_bins": int(config.encoder_config.num_mel_bins),
             # length buckets of a multifunction encoder: function -> {"frames", "window_seconds"}
             # (outputs of every function are padded to the full window's memory_len)
-            "functions": encoder_functions or {"main": {"frames": window_frames}},
-            "io": encoder_io,
-        },
-        "decoder": {
+            "functions": encoder["functions"],
+            "io": encoder["io"],
+        }
+    if decoder is not None:
+        shapes = decoder["shapes"]
+        manifest["decoder"] = {
             "capacity": shapes["capacity"],
             "prompt_length": prompt_len,
             # most tokens one window can emit: every cache slot holds a fed token, the last
@@ -168,38 +209,35 @@ def build_manifest(
             "output": "log_probs",
             # functions of decoder.mlpackage: "step" is the default function; "prefill" (optional)
             # takes the whole prompt (1, prefill_length) in one call and shares the step's state
-            "functions": decoder_info.get("functions") or {"step": "main", "prefill": None},
-            "prefill_length": decoder_info.get("prefill_length"),
-            "io": decoder_io,
-        },
-        "tokens": {
-            "eos_token_ids": _eos_ids(model),
-            "eos_token_id": _eos_ids(model)[0],
-            "pad_token_id": config.pad_token_id,
-            "bos_token_id": config.bos_token_id,
-            "decoder_start_token_id": config.decoder_start_token_id,
-            "vocab_size": int(config.vocab_size),
-        },
-        "generation": {
-            "strategy": "greedy",
-            "upstream_max_new_tokens": upstream_max_new,
-            "no_space_languages": sorted(NO_SPACE_LANGUAGES),
-        },
-        "languages": prompts,
+            "functions": decoder["functions"],
+            "prefill_length": decoder["prefill_length"],
+            "io": decoder["io"],
+        }
+    manifest["tokens"] = {
+        "eos_token_ids": _eos_ids(model),
+        "eos_token_id": _eos_ids(model)[0],
+        "pad_token_id": config.pad_token_id,
+        "bos_token_id": config.bos_token_id,
+        "decoder_start_token_id": config.decoder_start_token_id,
+        "vocab_size": int(config.vocab_size),
     }
-    if extra:
-        manifest.update(extra)
+    manifest["generation"] = {
+        "strategy": "greedy",
+        "upstream_max_new_tokens": upstream_max_new,
+        "no_space_languages": sorted(NO_SPACE_LANGUAGES),
+    }
+    manifest["languages"] = prompts
     return manifest
 
 
-def write_bundle_files(out_dir: str | os.PathLike, model, processor, decoder_info: dict,
-                       model_id: str = "unknown", revision: str | None = None, precision: str = "fp16",
-                       window_frames: int | None = None) -> Path:
-    """Write tokenizer files, vocab.json and manifest.json into `out_dir` (each atomically).
+def write_bundle(out_dir: str | os.PathLike, model, processor) -> Path:
+    """Write tokenizer files, vocab.json and, last, manifest.json into `out_dir` (each atomically).
 
-    The packages are expected in `out_dir` already (their I/O is read into the manifest).
+    The manifest describes the packages found in `out_dir` (read from their specs and metadata)
+    and the checkpoint `model`/`processor` they were exported from.
     """
     from .audio import FrontEndConfig
+    from .convert import write_json_atomic
     from .tokens import export_vocab
 
     out_dir = Path(out_dir)
@@ -216,15 +254,18 @@ def write_bundle_files(out_dir: str | os.PathLike, model, processor, decoder_inf
     export_vocab(tokenizer, out_dir / VOCAB_FILE)
     front_end = FrontEndConfig.from_processor(processor, dither=0.0).to_dict()
     enc_pkg, dec_pkg = out_dir / ENCODER_FILE, out_dir / DECODER_FILE
-    manifest = build_manifest(
-        model, tokenizer, front_end, decoder_info,
-        encoder_functions=encoder_buckets(enc_pkg) if enc_pkg.exists() else None,
-        encoder_io=package_io(enc_pkg) if enc_pkg.exists() else None,
-        decoder_io=package_io(dec_pkg) if dec_pkg.exists() else None,
-        model_id=model_id, revision=revision, precision=precision, window_frames=window_frames,
-    )
-    from .convert import write_json_atomic
-
+    source = getattr(model, "source", None)
+    try:
+        manifest = build_manifest(
+            model, tokenizer, front_end,
+            encoder=encoder_package_info(enc_pkg) if enc_pkg.exists() else None,
+            decoder=decoder_package_info(dec_pkg) if dec_pkg.exists() else None,
+            model_id=str(getattr(source, "model_id", "unknown")), revision=getattr(source, "revision", None),
+        )
+    except BundleError:
+        # packages that do not fit each other: no manifest at all rather than one describing other packages
+        (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
+        raise
     write_json_atomic(manifest, out_dir / MANIFEST_NAME)
     logger.info("wrote %s", out_dir / MANIFEST_NAME)
     return out_dir / MANIFEST_NAME
@@ -265,7 +306,9 @@ class Bundle:
             )
         bundle = cls(dirs=dirs, manifest=manifest)
         for key in ("encoder", "decoder", "vocab", "tokenizer"):
-            name = manifest["files"][key]
+            name = manifest["files"].get(key)
+            if name is None:
+                raise BundleError(f"{manifest_path} describes no {key}: export it (`cohere-coreml export`)")
             found = next((d / name for d in dirs if (d / name).exists()), None)
             if found is None:
                 raise BundleError(f"bundle is missing {name} (looked in {', '.join(map(str, dirs))})")
@@ -296,56 +339,3 @@ class Bundle:
         if language not in self.manifest["languages"]:
             raise UnknownLanguageError(language)
         return [int(i) for i in self.manifest["languages"][language]["punctuation" if punctuation else "no_punctuation"]]
-
-
-def export_decoder_bundle(model, processor, settings, max_new_tokens: int = 256, capacity: int | None = None,
-                          backend: str = "mil", prefill: bool = False) -> dict:
-    """Export decoder.mlpackage (parity-gated) and write manifest.json, vocab.json and tokenizer files.
-
-    The encoder side (`cohere_coreml.encoder.convert_encoder`) decides the window; its shapes
-    (window frames F, encoder frames T, padded Tp) are recomputed here the same way so the two
-    packages fit each other. `prefill` adds the one-call prompt function (multifunction package).
-    Returns the `convert_decoder` result (path, shapes, parity, written)
-    plus "manifest" (its path).
-    """
-    from .decoder import convert_decoder, default_capacity
-    from .encoder import encoder_shapes
-    from .tokens import prompt_ids
-
-    from .config import CONTROL_LANGUAGE, GATE_LANGUAGE
-
-    enc_shapes = encoder_shapes(model, settings.window_seconds, processor)
-    prompt = prompt_ids(processor.tokenizer, GATE_LANGUAGE)
-    control_prompt = prompt_ids(processor.tokenizer, CONTROL_LANGUAGE, punctuation=False)
-    capacity = int(capacity) if capacity else default_capacity(max_new_tokens, prompt_len=len(prompt))
-    dec_path = settings.package_path("decoder")
-    from .convert import skip_existing
-
-    if skip_existing(dec_path, settings.force):
-        from .decoder import DecoderShapes
-
-        shapes = DecoderShapes.from_config(model.config, capacity, enc_shapes.padded_frames).to_dict()
-        io = package_io(dec_path)
-        if io["states"]["self_k"]["shape"][2] != capacity or io["inputs"]["cross_k"]["shape"][2] != enc_shapes.padded_frames:
-            raise BundleError(f"{dec_path} has other shapes than requested; use --force to re-export")
-        from .runtime import read_package
-
-        from .decoder import PREFILL_FUNCTION
-
-        has_prefill = PREFILL_FUNCTION in read_package(dec_path).function_names
-        result = {"path": str(dec_path), "shapes": shapes, "parity": None, "written": False,
-                  "functions": {"step": "main", "prefill": PREFILL_FUNCTION if has_prefill else None},
-                  "prefill_length": len(prompt) if has_prefill else None}
-    else:
-        result = convert_decoder(model, settings, capacity=capacity, memory_len=enc_shapes.padded_frames,
-                                 prompt=prompt, backend=backend, prefill=prefill, control_prompt=control_prompt)
-    decoder_info = {"shapes": result["shapes"], "encoder_frames": enc_shapes.encoder_frames,
-                    "functions": result.get("functions"), "prefill_length": result.get("prefill_length")}
-    source = getattr(model, "source", None)
-    manifest = write_bundle_files(
-        settings.out_dir, model, processor, decoder_info,
-        model_id=settings.model_id if settings.model_id != "unknown" else str(getattr(source, "model_id", "unknown")),
-        revision=settings.revision or getattr(source, "revision", None), precision=settings.precision,
-        window_frames=enc_shapes.frames,
-    )
-    return {**result, "manifest": str(manifest)}

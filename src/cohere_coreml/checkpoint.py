@@ -1,11 +1,11 @@
-"""Checkpoints: load a Cohere Transcribe checkpoint, and make small ones in the same format.
+"""Checkpoints: load a Cohere Transcribe checkpoint and describe it (`cohere-coreml info`).
 
 `load_reference` is the one way the project reads a checkpoint (a Hugging Face Hub id, optionally at
 a revision, or a local folder): the `transformers` reference model `CohereAsrForConditionalGeneration`
 plus its `CohereAsrProcessor`, in eval mode, weights from safetensors only, never remote code.
 
-`make_tiny_checkpoint` writes a complete Hugging Face folder with the exact architecture at small
-widths, so every later stage can be tested here on checkpoints of any shape.
+Small checkpoints for tests and the demo model are made by the dev package
+(`tools/cohere_coreml_dev/checkpoints.py`), not here.
 """
 
 from __future__ import annotations
@@ -14,12 +14,10 @@ import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import DEFAULT_HUB_ID, round_up
+from .config import DEFAULT_HUB_ID
 
 logger = logging.getLogger(__name__)
 
@@ -132,156 +130,6 @@ def load_reference(model: str | os.PathLike = DEFAULT_HUB_ID, revision: str | No
     return reference, processor
 
 
-# --------------------------------------------------------------------------------------------------
-# Small checkpoints in the released format
-# --------------------------------------------------------------------------------------------------
-
-# Decoder (top-level CohereAsrConfig) fields of the default tiny checkpoint.
-TINY_DECODER = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    intermediate_size=128,
-    max_position_embeddings=1024,
-)
-# Encoder (parakeet_encoder) fields; overridable as `encoder_<field>=...`.
-TINY_ENCODER = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=128,
-    conv_kernel_size=9,
-    subsampling_factor=8,
-    subsampling_conv_channels=16,
-    num_mel_bins=128,
-)
-
-# A small fixed piece inventory for random-weight tokenizers (bytes cover everything else).
-_TINY_WORDS = (
-    "the a to and of set timer for minutes seconds hours turn on off lights alarm at am pm one two three "
-    "four five six seven eight nine ten eleven twelve twenty thirty forty fifty hundred what is plus "
-    "minus red green blue call play stop next is it the de la el en le der die das und"
-).split()
-
-
-def tiny_pieces() -> list[tuple[str, float]]:
-    pieces = [("\u2581" + w, -3.0 - 0.01 * i) for i, w in enumerate(dict.fromkeys(_TINY_WORDS))]
-    pieces += [(c, -6.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789.,?!'-:"]
-    pieces += [("\u2581" + c, -5.5) for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
-    return pieces
-
-
-def build_config(tokenizer, vocab_size: int | None = None, **overrides):
-    """A `CohereAsrConfig` whose special ids come from `tokenizer`.
-
-    `overrides`: any top-level CohereAsrConfig field, any encoder field as `encoder_<field>`, and
-    `num_mel_bins` (the encoder's input width and the feature extractor's mel count).
-    """
-    from transformers import CohereAsrConfig
-
-    encoder = dict(TINY_ENCODER)
-    decoder = dict(TINY_DECODER)
-    for key, value in overrides.items():
-        if key == "num_mel_bins":
-            encoder["num_mel_bins"] = value
-        elif key.startswith("encoder_"):
-            encoder[key[len("encoder_"):]] = value
-        else:
-            decoder[key] = value
-    known_decoder = set(CohereAsrConfig.__dataclass_fields__) if hasattr(CohereAsrConfig, "__dataclass_fields__") else None
-    if known_decoder is not None:
-        unknown = sorted(k for k in decoder if k not in known_decoder)
-        if unknown:
-            raise CheckpointError(f"unknown CohereAsrConfig field(s): {', '.join(unknown)}")
-    n_tokens = len(tokenizer)
-    vocab_size = vocab_size or decoder.pop("vocab_size", None) or round_up(n_tokens, 64)
-    decoder.pop("vocab_size", None)
-    if vocab_size < n_tokens:
-        raise CheckpointError(f"vocab_size {vocab_size} is smaller than the tokenizer's {n_tokens} tokens")
-    return CohereAsrConfig(
-        encoder_config=encoder,
-        vocab_size=vocab_size,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        decoder_start_token_id=tokenizer.convert_tokens_to_ids("\u2581"),
-        **decoder,
-    )
-
-
-def init_subsampling(model, generator=None) -> None:
-    """Kaiming re-initialisation of the encoder's conv subsampling (see docs/training).
-
-    With the default normal(0.02) init the subsampling stack outputs activations of std ~3e-7, so a
-    random or freshly trained encoder effectively ignores its input. ReLU gain for the regular and
-    pointwise convs, gain 1 for the depthwise ones, zero biases, fresh linear layer.
-    """
-    import torch
-    from torch import nn
-
-    subsampling = model.model.encoder.subsampling
-    with torch.no_grad():
-        for layer in subsampling.layers:
-            if isinstance(layer, nn.Conv2d):
-                depthwise = layer.groups > 1 and layer.groups == layer.in_channels
-                nonlinearity = "linear" if depthwise else "relu"
-                nn.init.kaiming_normal_(layer.weight, nonlinearity=nonlinearity, generator=generator)
-                if layer.bias is not None:
-                    layer.bias.zero_()
-        subsampling.linear.reset_parameters()
-
-
-def save_checkpoint(model, tokenizer, out_dir: str | os.PathLike, feature_extractor=None, force: bool = True) -> Path:
-    """Write model + processor as a Hugging Face folder, atomically (temp folder, then rename)."""
-    from transformers import CohereAsrFeatureExtractor, CohereAsrProcessor, GenerationConfig
-
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not force:
-        raise CheckpointError(f"{out_dir} exists")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    if feature_extractor is None:
-        feature_extractor = CohereAsrFeatureExtractor(feature_size=model.config.encoder_config.num_mel_bins)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        model.generation_config = GenerationConfig(
-            decoder_start_token_id=model.config.decoder_start_token_id,
-            bos_token_id=model.config.bos_token_id,
-            eos_token_id=model.config.eos_token_id,
-            pad_token_id=model.config.pad_token_id,
-            max_new_tokens=256,
-        )
-        model.save_pretrained(tmp)
-        CohereAsrProcessor(feature_extractor=feature_extractor, tokenizer=tokenizer).save_pretrained(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
-
-
-def make_tiny_checkpoint(out_dir: str | os.PathLike, seed: int = 0, **config_overrides) -> Path:
-    """Write a complete random-weight Cohere Transcribe checkpoint folder with small widths.
-
-    Loadable by `load_reference` and `AutoProcessor`. Its tokenizer carries the real special-token
-    set and byte fallback. `config_overrides` reach every config field (see `build_config`).
-    """
-    import torch
-    from transformers import CohereAsrForConditionalGeneration
-
-    from .tokens import build_tokenizer
-
-    tokenizer = build_tokenizer(tiny_pieces())
-    config = build_config(tokenizer, **config_overrides)
-    torch.manual_seed(seed)
-    model = CohereAsrForConditionalGeneration(config)
-    init_subsampling(model)
-    model.eval()
-    return save_checkpoint(model, tokenizer, out_dir)
-
-
 def describe(model, processor) -> dict:
     """Shapes and ids of a loaded checkpoint (what `cohere-coreml info` prints)."""
     from .tokens import LANGUAGES, prompt_ids
@@ -329,3 +177,52 @@ def describe(model, processor) -> dict:
             "dither": fe.dither,
         },
     }
+
+
+# --------------------------------------------------------------------------------------------------
+# `cohere-coreml info`, `cohere-coreml vocab`
+# --------------------------------------------------------------------------------------------------
+
+
+def cmd_info(args) -> int:
+    model, processor = load_reference(args.model, revision=args.revision)
+    info = describe(model, processor)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"checkpoint   {info['source']}")
+    print(f"parameters   {info['parameters']:,} (encoder {info['encoder_parameters']:,})")
+    for part in ("encoder", "decoder", "tokens", "front_end"):
+        print(f"{part:<12} " + ", ".join(f"{k}={v}" for k, v in info[part].items()))
+    return 0
+
+
+def cmd_vocab(args) -> int:
+    from transformers import AutoTokenizer
+
+    from .tokens import export_vocab
+
+    source = resolve_checkpoint(args.model, args.revision)
+    check_checkpoint_dir(source.local_dir)
+    tokenizer = AutoTokenizer.from_pretrained(source.local_dir)
+    print(export_vocab(tokenizer, args.out))
+    return 0
+
+
+def _add_model_args(p) -> None:
+    p.add_argument("--model", required=True,
+                   help=f"Hugging Face Hub id (e.g. {DEFAULT_HUB_ID}) or a local checkpoint folder")
+    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of --model")
+
+
+def add_commands(subparsers) -> None:
+    """Register `cohere-coreml info` and `cohere-coreml vocab`."""
+    p = subparsers.add_parser("info", help="describe a checkpoint: widths, layers, token ids, front end")
+    _add_model_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_info)
+
+    p = subparsers.add_parser("vocab", help="write vocab.json (id -> piece) of a checkpoint's tokenizer")
+    _add_model_args(p)
+    p.add_argument("--out", required=True, help="output path of vocab.json")
+    p.set_defaults(func=cmd_vocab)

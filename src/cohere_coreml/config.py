@@ -7,11 +7,8 @@ from pathlib import Path
 
 # Checkpoint
 DEFAULT_HUB_ID = "CohereLabs/cohere-transcribe-03-2026"
-REPO_ROOT = Path(__file__).resolve().parents[2]
-# The project's own small trained model (committed), the built-in default of `make demo`.
-DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "cohere-tiny-synth"
-# Where build outputs go by default (git-ignored).
-DEFAULT_OUT_DIR = REPO_ROOT / "out"
+# Where build outputs go by default, relative to the working directory (git-ignored in the checkout).
+DEFAULT_OUT_DIR = Path("out")
 
 # Audio window of the exported encoder
 SAMPLE_RATE = 16000
@@ -29,6 +26,12 @@ ANE_MULTIPLE = 32
 # Additive attention-mask value for masked positions: finite in fp16 (exp(-1e4) == 0), whereas
 # finfo(float32).min or -1e9 become -inf in an fp16 program and fully masked rows then give NaN.
 FP16_MASK_VALUE = -1e4
+
+# Package format: names written by the exporters (encoder, decoder) and read by bundle/transcribe.
+# Metadata key of a length-bucketed encoder: {function: {window_seconds, frames, encoder_frames, padded_frames}}
+BUCKETS_METADATA_KEY = "com.cohere_coreml.buckets"
+# Function of decoder.mlpackage that feeds the whole prompt in one call
+PREFILL_FUNCTION = "prefill"
 
 
 def round_up(n: int, multiple: int = ANE_MULTIPLE) -> int:

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from cohere_coreml.config import DEFAULT_WINDOW_SECONDS, SAMPLE_RATE, round_up  # noqa: F401 (round_up re-exported)
+from cohere_coreml.config import DEFAULT_WINDOW_SECONDS
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,6 @@ PRECISIONS = ("fp16", "fp32")
 MIN_PSNR_DB = {"fp32": 60.0, "fp16": 35.0}
 # Deployment targets accepted by name (attribute names of `coremltools.target`).
 DEPLOYMENT_TARGETS = ("macOS15", "iOS18", "macOS26", "iOS26")
-DEFAULT_SAMPLE_RATE = SAMPLE_RATE
 
 
 class ExportError(RuntimeError):
@@ -58,7 +57,7 @@ class ExportSettingsError(ValueError):
 class ParityError(ExportError):
     """The exported program does not match PyTorch (the parity gate refused it)."""
 
-    def __init__(self, message: str, report: CorrectnessReport | None = None):
+    def __init__(self, message: str, report=None):  # report: the GateReport (or CorrectnessReport) refused
         super().__init__(message)
         self.report = report
 
@@ -137,21 +136,6 @@ class ExportSettings:
 
     def replace(self, **changes) -> ExportSettings:
         return dataclasses.replace(self, **changes)
-
-
-def window_frames(window_seconds: float, sample_rate: int, hop_length: int) -> int:
-    """Mel frames of a window, as `CohereAsrFeatureExtractor` counts them for a full window.
-
-    valid frames = (samples + 2 * (n_fft // 2) - n_fft) // hop = samples // hop (n_fft even).
-    35 s at 16 kHz, hop 160 -> 3500.
-    """
-    samples = int(round(window_seconds * sample_rate))
-    frames = samples // hop_length
-    if frames < 1:
-        raise ExportSettingsError(
-            f"window of {window_seconds} s is shorter than one mel frame (hop {hop_length} at {sample_rate} Hz)"
-        )
-    return frames
 
 
 # --------------------------------------------------------------------------------------------

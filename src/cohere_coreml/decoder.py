@@ -18,7 +18,7 @@ here. The step contains no projection of the encoder memory: cross K/V come prec
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,70 +26,20 @@ import torch
 import torch.nn as nn
 from transformers.models.cohere_asr.modeling_cohere_asr import eager_attention_forward
 
-from .config import ANE_MULTIPLE, DEFAULT_MAX_NEW_TOKENS, FP16_MASK_VALUE, PROMPT_LENGTH, round_up
+from .config import ANE_MULTIPLE, FP16_MASK_VALUE, PREFILL_FUNCTION, PROMPT_LENGTH, round_up
+from .convert import MIN_PSNR_DB, ExportSettings, convert_module, psnr, skip_existing
+from .gate import GateReport, export_gated
+from .reference import cross_memory
+from .shapes import DecoderShapes, cache_capacity
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PROMPT_LEN = PROMPT_LENGTH
-CACHE_MULTIPLE = ANE_MULTIPLE
+COMPONENT = "decoder"
 MASK_VALUE = FP16_MASK_VALUE
 
 
 class DecoderExportError(RuntimeError):
     """Raised when the decoder cannot be exported or fails its parity gate."""
-
-
-def default_capacity(max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, prompt_len: int = DEFAULT_PROMPT_LEN) -> int:
-    """Cache slots: prompt + new tokens, rounded up to a multiple of 32 (288 for 10 + 256)."""
-    if max_new_tokens < 1:
-        raise DecoderExportError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    return round_up(prompt_len + max_new_tokens, CACHE_MULTIPLE)
-
-
-@dataclass(frozen=True)
-class DecoderShapes:
-    """Static shapes of the decode-step program, all read from the checkpoint config."""
-
-    num_layers: int  # L
-    num_heads: int  # H (query heads)
-    num_kv_heads: int  # Hkv
-    head_dim: int  # Dh
-    hidden_size: int  # Ddec
-    vocab_size: int  # V
-    capacity: int  # C (self-attention cache slots)
-    memory_len: int  # Tp (padded encoder frames)
-    max_positions: int  # decoder position table size
-
-    @classmethod
-    def from_config(cls, config, capacity: int, memory_len: int) -> "DecoderShapes":
-        shapes = cls(
-            num_layers=config.num_hidden_layers,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim,
-            hidden_size=config.hidden_size,
-            vocab_size=config.vocab_size,
-            capacity=int(capacity),
-            memory_len=int(memory_len),
-            max_positions=config.max_position_embeddings,
-        )
-        if shapes.capacity > shapes.max_positions:
-            raise DecoderExportError(
-                f"cache capacity {shapes.capacity} exceeds the decoder's position table "
-                f"({shapes.max_positions} positions); lower --max-tokens"
-            )
-        return shapes
-
-    @property
-    def cache_shape(self) -> tuple[int, int, int, int]:
-        return (self.num_layers, self.num_kv_heads, self.capacity, self.head_dim)
-
-    @property
-    def memory_shape(self) -> tuple[int, int, int, int]:
-        return (self.num_layers, self.num_kv_heads, self.memory_len, self.head_dim)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def stable_log_softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -237,35 +187,6 @@ class DecoderPrefill(DecoderStep):
         return self.run_tokens(input_ids, self.prompt_positions, cross_k, cross_v, cross_mask)
 
 
-@torch.no_grad()
-def cross_memory_from_model(model, encoder_hidden: torch.Tensor, memory_len: int, n_valid: int | None = None):
-    """PyTorch reference of the encoder package's cross-memory outputs.
-
-    encoder_hidden: (1, T, Denc) raw encoder output (before `decoder.proj`).
-    Returns cross_k, cross_v (L, Hkv, Tp, Dh) and cross_mask (1, 1, 1, Tp) float32.
-    """
-    dec = model.model.decoder
-    config = model.config
-    mem = dec.proj(encoder_hidden)  # (1, T, D)
-    t = mem.shape[1]
-    if t > memory_len:
-        raise DecoderExportError(f"encoder memory has {t} frames, more than the padded length {memory_len}")
-    n_valid = t if n_valid is None else int(n_valid)
-    mem = torch.nn.functional.pad(mem, (0, 0, 0, memory_len - t))
-    ks, vs = [], []
-    for layer in dec.layers:
-        attn = layer.encoder_attn
-        k = attn.k_proj(mem).view(1, memory_len, config.num_key_value_heads, config.head_dim).transpose(1, 2)
-        v = attn.v_proj(mem).view(1, memory_len, config.num_key_value_heads, config.head_dim).transpose(1, 2)
-        ks.append(k[0])
-        vs.append(v[0])
-    cross_k = torch.stack(ks)  # (L, Hkv, Tp, Dh)
-    cross_v = torch.stack(vs)
-    valid = torch.arange(memory_len) < n_valid
-    cross_mask = torch.where(valid, 0.0, MASK_VALUE).view(1, 1, 1, memory_len).float()
-    return cross_k, cross_v, cross_mask
-
-
 def example_inputs(shapes: DecoderShapes, dtype=torch.float32):
     return (
         torch.zeros((1, 1), dtype=torch.int32),
@@ -284,7 +205,6 @@ def trace_decoder_step(step: DecoderStep):
     return traced
 
 
-PREFILL_FUNCTION = "prefill"
 
 
 def trace_decoder_prefill(prefill: "DecoderPrefill"):
@@ -382,17 +302,6 @@ DECODER_DESCRIPTIONS = {
 }
 
 
-def encoder_frames_for(model, window_frames: int) -> int:
-    """Encoder frames T the encoder produces for `window_frames` mel frames (438 for 3500)."""
-    lengths = model.model.encoder._get_subsampling_output_length(torch.tensor([int(window_frames)]))
-    return int(lengths[0])
-
-
-def memory_len_for(model, window_frames: int) -> int:
-    """Tp: encoder frames rounded up to a multiple of 32 (448 for 3500 mel frames)."""
-    return round_up(encoder_frames_for(model, window_frames), CACHE_MULTIPLE)
-
-
 @dataclass
 class TeacherForcingCase:
     """PyTorch reference for one teacher-forced decode: cross memory, token sequence, log-probs."""
@@ -446,7 +355,8 @@ def teacher_forcing_case(model, memory_len: int, prompt: list[int], encoder_hidd
         ids = ids[:-1]  # the last prediction is not fed
         logits = model(encoder_outputs=enc_out, decoder_input_ids=torch.tensor([ids])).logits
         log_probs = torch.log_softmax(logits[0], dim=-1).numpy()  # (S, V)
-        cross_k, cross_v, cross_mask = cross_memory_from_model(model, encoder_hidden, memory_len, n_valid)
+        memory = cross_memory(model, encoder_hidden, n_valid, memory_len)
+        cross_k, cross_v, cross_mask = (torch.from_numpy(memory[k]) for k in ("cross_k", "cross_v", "cross_mask"))
         if tail_garbage and n_valid < memory_len:
             g = torch.Generator().manual_seed(seed + 1)
             for mem in (cross_k, cross_v):
@@ -489,8 +399,6 @@ def run_teacher_forcing(runtime_model, case: TeacherForcingCase) -> np.ndarray:
 def teacher_forcing_report(case: TeacherForcingCase, produced: np.ndarray, precision: str,
                            min_psnr_db: float | None = None) -> dict:
     """Per-step PSNR / KL figures and the argmax agreement of a teacher-forced run."""
-    from .convert import MIN_PSNR_DB, psnr
-
     min_psnr = MIN_PSNR_DB[precision] if min_psnr_db is None else float(min_psnr_db)
     kls = kl_rows(case.log_probs, produced)
     psnrs = [psnr(case.log_probs[i], produced[i]) for i in range(len(case.ids))]
@@ -584,7 +492,7 @@ def negative_controls(model, case: TeacherForcingCase, precision: str, min_psnr_
     tiny test checkpoints: zero memory moves log-probs by ~2e-3, PSNR 81 dB, argmax unchanged), so
     the gate passes broken packages; this records that instead of leaving it unnoticed.
     """
-    capacity = round_up(len(case.ids), CACHE_MULTIPLE)
+    capacity = round_up(len(case.ids), ANE_MULTIPLE)
     runtime = TorchStepRuntime(DecoderStep(model, capacity, case.cross_k.shape[2]))
     results = {}
     for name in NEGATIVE_CONTROLS:
@@ -603,8 +511,20 @@ def negative_controls(model, case: TeacherForcingCase, precision: str, min_psnr_
     return results
 
 
-def convert_decoder(model, settings, capacity: int | None = None, memory_len: int | None = None,
-                    window_frames: int | None = None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+def teacher_forcing_gate(report: dict) -> GateReport:
+    """The decoder's `GateReport` from a `teacher_forcing_report` dict (figures kept as they are)."""
+    headline = (f"worst PSNR {report['worst_psnr_db']:.1f} dB, mean KL {report['mean_kl']:.3g}, "
+                f"argmax {report['argmax_agree']}/{report['argmax_steps']} decoding steps")
+    text = "" if report["passed"] else (
+        f"decoder.mlpackage does not match PyTorch under teacher forcing: worst PSNR "
+        f"{report['worst_psnr_db']:.1f} dB (need {report['min_psnr_db_required']}), mean KL "
+        f"{report['mean_kl']:.3g} (max {report['max_kl_allowed']}), argmax "
+        f"{report['argmax_agree']}/{report['argmax_steps']} decoding steps")
+    details = {k: v for k, v in report.items() if k != "passed"}
+    return GateReport(component=COMPONENT, passed=bool(report["passed"]), headline=headline, details=details, text=text)
+
+
+def convert_decoder(model, settings: ExportSettings, capacity: int | None = None, memory_len: int | None = None,
                     prompt: list[int] | None = None, backend: str = "mil", prefill: bool = False,
                     control_prompt: list[int] | None = None) -> dict:
     """Export `decoder.mlpackage` into `settings.out_dir` with a teacher-forcing parity gate.
@@ -612,8 +532,9 @@ def convert_decoder(model, settings, capacity: int | None = None, memory_len: in
     Args:
         model: `CohereAsrForConditionalGeneration` (eval, float32).
         settings: `cohere_coreml.convert.ExportSettings` (precision, target, out_dir, force, ...).
-        capacity: cache slots C; default round_up(10 + max_new_tokens, 32).
-        memory_len: Tp; default from `window_frames` (or the settings' window at the model's hop).
+        capacity: cache slots C (`shapes.cache_capacity`; default for 256 new tokens).
+        memory_len: Tp, the padded encoder frames of the encoder package this decoder reads
+            (`shapes.export_plan` computes it from the window).
         prompt: decoder prompt ids for the gate (default: 10 tokens from the config's start id).
         backend: runtime backend running the gate ("mil" interpreter on Linux, "auto" elsewhere).
         prefill: also add a `prefill` function (the whole prompt in one call, same states, weights
@@ -621,21 +542,31 @@ def convert_decoder(model, settings, capacity: int | None = None, memory_len: in
         control_prompt: another prompt of the same length (other language / punctuation) for the
             gate's "wrong prompt" negative control (default: `prompt` reversed).
 
-    Returns a dict: package path, shapes, parity report (also written to `decoder.parity.json`).
+    Returns a dict: package path, shapes, parity report (`GateReport.to_dict()`, also written to
+    `decoder.parity.json`; None when skipped or unchecked), written (False: the package existed).
     Raises `ParityError` (package not written) when the gate fails.
     """
-    from .convert import ParityError, convert_module, save_package_atomic, write_json_atomic
-
-    capacity = int(capacity) if capacity else default_capacity(max_new_tokens)
-    if capacity % CACHE_MULTIPLE:
-        logger.warning("capacity %d is not a multiple of %d (Neural Engine prefers multiples of 32)",
-                       capacity, CACHE_MULTIPLE)
+    capacity = int(capacity) if capacity else cache_capacity()
     if memory_len is None:
-        if window_frames is None:
-            raise DecoderExportError("give memory_len or window_frames")
-        memory_len = memory_len_for(model, window_frames)
+        raise DecoderExportError("give memory_len: the padded encoder frames of the encoder package")
+    if capacity % ANE_MULTIPLE:
+        logger.warning("capacity %d is not a multiple of %d (Neural Engine prefers multiples of 32)",
+                       capacity, ANE_MULTIPLE)
     step = DecoderStep(model, capacity, memory_len).eval()
     shapes = step.shapes
+    path = settings.package_path(COMPONENT)
+    if prompt is None:
+        start = model.config.decoder_start_token_id
+        gate_prompt = [int(start)] + [int(model.config.bos_token_id)] * (PROMPT_LENGTH - 1)
+    else:
+        gate_prompt = list(prompt)
+    if control_prompt is None:
+        control_prompt = gate_prompt[::-1]
+    result = {"path": str(path), "shapes": shapes.to_dict(), "parity": None, "written": False,
+              "functions": {"step": "main", "prefill": PREFILL_FUNCTION if prefill else None},
+              "prefill_length": len(gate_prompt) if prefill else None}
+    if skip_existing(path, settings.force):
+        return result
     logger.info("decoder: tracing (L=%d Hkv=%d C=%d Tp=%d Dh=%d V=%d)", shapes.num_layers,
                 shapes.num_kv_heads, shapes.capacity, shapes.memory_len, shapes.head_dim, shapes.vocab_size)
     traced = trace_decoder_step(step)
@@ -651,17 +582,6 @@ def convert_decoder(model, settings, capacity: int | None = None, memory_len: in
         traced, inputs, outputs, settings, states=states, metadata=meta, descriptions=DECODER_DESCRIPTIONS,
         short_description="Cohere Transcribe decoder step (stateful KV cache, log-softmax output)",
     )
-    path = settings.package_path("decoder")
-    if prompt is None:
-        start = model.config.decoder_start_token_id
-        gate_prompt = [int(start)] + [int(model.config.bos_token_id)] * (DEFAULT_PROMPT_LEN - 1)
-    else:
-        gate_prompt = list(prompt)
-    if control_prompt is None:
-        control_prompt = gate_prompt[::-1]
-    result = {"path": str(path), "shapes": shapes.to_dict(), "parity": None,
-              "functions": {"step": "main", "prefill": PREFILL_FUNCTION if prefill else None},
-              "prefill_length": len(gate_prompt) if prefill else None}
     prefill_mlmodel = None
     if prefill:
         pre = DecoderPrefill(model, capacity, memory_len, prompt_len=len(gate_prompt)).eval()
@@ -672,7 +592,7 @@ def convert_decoder(model, settings, capacity: int | None = None, memory_len: in
             short_description="Cohere Transcribe decoder prompt prefill (stateful KV cache)",
         )
 
-    def verify(tmp_path: Path):
+    def gate(tmp_path: Path) -> GateReport:
         from .runtime import load_model
 
         case = teacher_forcing_case(model, shapes.memory_len, gate_prompt,
@@ -693,39 +613,24 @@ def convert_decoder(model, settings, capacity: int | None = None, memory_len: in
         report["controls"] = negative_controls(model, case, settings.precision, settings.min_psnr_db,
                                                control_prompt=control_prompt)
         report["discriminates"] = all(c["discriminates"] for c in report["controls"].values() if c["applicable"])
-        result["parity"] = report
-        logger.info("decoder parity: worst PSNR %.1f dB, mean KL %.3g, argmax %d/%d decoding steps -> %s "
-                    "(negative controls %s)", report["worst_psnr_db"], report["mean_kl"], report["argmax_agree"],
-                    report["argmax_steps"], "PASS" if report["passed"] else "FAIL",
-                    "refused" if report["discriminates"] else "NOT all refused")
-        if not report["passed"]:
-            raise ParityError(
-                f"decoder.mlpackage does not match PyTorch under teacher forcing: worst PSNR "
-                f"{report['worst_psnr_db']:.1f} dB (need {report['min_psnr_db_required']}), mean KL "
-                f"{report['mean_kl']:.3g} (max {report['max_kl_allowed']}), argmax "
-                f"{report['argmax_agree']}/{report['argmax_steps']} decoding steps"
-            )
+        return teacher_forcing_gate(report)
 
     if prefill_mlmodel is None:
-        written = save_package_atomic(mlmodel, path, force=settings.force,
-                                      verify=None if settings.skip_verify else verify)
+        write = lambda tmp: mlmodel.save(str(tmp))  # noqa: E731
+        report = export_gated(COMPONENT, settings, write, gate)
     else:
-        written = _save_with_prefill(mlmodel, prefill_mlmodel, path, settings,
-                                     verify=None if settings.skip_verify else verify)
-    result["written"] = written
-    if result["parity"] is not None:
-        write_json_atomic(result["parity"], settings.report_path("decoder"))
+        report = _save_with_prefill(mlmodel, prefill_mlmodel, settings, gate)
+    result["written"] = True
+    result["parity"] = None if report.skipped else report.to_dict()
     return result
 
 
-def _save_with_prefill(step_mlmodel, prefill_mlmodel, path: Path, settings, verify) -> bool:
+def _save_with_prefill(step_mlmodel, prefill_mlmodel, settings: ExportSettings, gate) -> GateReport:
     """Merge step (`main`) and prefill into one multifunction package (weights stored once)."""
     import shutil
     import tempfile
 
     import coremltools as ct
-
-    from .convert import write_package_atomic
 
     scratch = Path(tempfile.mkdtemp(prefix="decoder-mf-"))
     try:
@@ -745,7 +650,7 @@ def _save_with_prefill(step_mlmodel, prefill_mlmodel, path: Path, settings, veri
             merged_model.user_defined_metadata["com.cohere_coreml.functions"] = f"main (step), {PREFILL_FUNCTION}"
             merged_model.save(str(tmp))
 
-        return write_package_atomic(write, path, force=settings.force, verify=verify)
+        return export_gated(COMPONENT, settings, write, gate)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

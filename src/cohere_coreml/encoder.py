@@ -24,117 +24,37 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shutil
+import tempfile
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from cohere_coreml.convert import (
-    ExportError,
-    ExportSettings,
-    ParityError,
-    convert_module,
-    psnr,
-    report_correctness,
-    round_up,
-    save_package_atomic,
-    skip_existing,
-    window_frames,
-    write_json_atomic,
-    write_package_atomic,
-)
-
-from cohere_coreml.config import ANE_MULTIPLE, FP16_MASK_VALUE
+from .config import BUCKETS_METADATA_KEY, FP16_MASK_VALUE
+from .convert import ExportError, ExportSettings, convert_module, psnr, skip_existing
+from .gate import GateCase, GateReport, compare_cases, default_gate_audio, export_gated
+from .reference import cross_memory
+from .shapes import EncoderShapes, ShapeError, bucket_shapes, encoder_shapes
 
 logger = logging.getLogger(__name__)
 
 COMPONENT = "encoder"
 # Additive mask value for padded encoder frames: finite in fp16 (finfo(fp32).min or -1e9 become -inf).
 MASK_VALUE = FP16_MASK_VALUE
-# The memory's time axis is padded to a multiple of this (Neural Engine friendly; 438 -> 448).
-TIME_MULTIPLE = ANE_MULTIPLE
 # Name under which the fp16-safe eager attention is registered in transformers' AttentionInterface.
 _SAFE_ATTENTION = "cohere_coreml_fp16_safe_eager"
+# Speech clips the gate uses by default (the packaged gate audio)
+DEFAULT_GATE_CLIPS = 2
 
 INPUT_NAMES = ("input_features", "feature_length")
 OUTPUT_NAMES = ("encoder_hidden_states", "cross_k", "cross_v", "cross_mask", "encoder_length")
 
 
-class EncoderInputError(ValueError):
+class EncoderInputError(ShapeError):
     """Features or lengths that do not fit the exported encoder's window."""
-
-
-@dataclass(frozen=True)
-class EncoderShapes:
-    """All sizes of the exported encoder, read from the model config and the front end."""
-
-    n_mels: int  # M
-    frames: int  # F, mel frames of one window
-    encoder_frames: int  # T, encoder frames for F frames
-    padded_frames: int  # Tp, T rounded up to TIME_MULTIPLE
-    encoder_hidden_size: int
-    decoder_hidden_size: int  # Ddec
-    num_layers: int  # L (decoder layers)
-    num_kv_heads: int  # Hkv
-    head_dim: int  # Dh
-    sample_rate: int
-    hop_length: int
-    window_seconds: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _front_end_params(processor) -> tuple[int, int]:
-    """(sample_rate, hop_length) of the feature extractor (defaults of CohereAsrFeatureExtractor)."""
-    fe = getattr(processor, "feature_extractor", processor)
-    sample_rate = int(getattr(fe, "sampling_rate", 16000) or 16000)
-    hop_length = int(getattr(fe, "hop_length", 160) or 160)
-    return sample_rate, hop_length
-
-
-def encoder_output_length(model, frames) -> torch.Tensor:
-    """Encoder frames for `frames` mel frames, with transformers' own subsampling arithmetic."""
-    lengths = torch.as_tensor(frames).reshape(-1)
-    return model.model.encoder._get_subsampling_output_length(lengths).to(torch.int32)
-
-
-def encoder_shapes(model, window_seconds: float = 35.0, processor=None, frames: int | None = None,
-                   memory_frames: int | None = None) -> EncoderShapes:
-    """Shapes of the exported encoder for a window.
-
-    `memory_frames` (length buckets): pad the memory to this many frames instead of
-    round_up(T, 32), so a shorter window's outputs have the full window's shapes.
-    """
-    config = model.config
-    enc = config.encoder_config
-    sample_rate, hop_length = _front_end_params(processor)
-    if frames is None:
-        frames = window_frames(window_seconds, sample_rate, hop_length)
-    t = int(encoder_output_length(model, frames)[0])
-    if t < 1:
-        raise EncoderInputError(f"a window of {frames} mel frames gives no encoder frame")
-    padded = round_up(t, TIME_MULTIPLE) if memory_frames is None else int(memory_frames)
-    if padded < t:
-        raise EncoderInputError(f"memory of {padded} frames cannot hold the {t} encoder frames of {frames} mel frames")
-    return EncoderShapes(
-        n_mels=int(enc.num_mel_bins),
-        frames=int(frames),
-        encoder_frames=t,
-        padded_frames=padded,
-        encoder_hidden_size=int(enc.hidden_size),
-        decoder_hidden_size=int(config.hidden_size),
-        num_layers=int(config.num_hidden_layers),
-        num_kv_heads=int(config.num_key_value_heads),
-        head_dim=int(config.head_dim),
-        sample_rate=sample_rate,
-        hop_length=hop_length,
-        window_seconds=float(window_seconds),
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,6 +145,54 @@ class EncoderForCoreML(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------
+# The traced wrapper
+# --------------------------------------------------------------------------------------------
+
+class EncoderForCoreML(nn.Module):
+    """Traceable encoder: (features, length) -> decoder memory, cross K/V and mask.
+
+    Only wraps the transformers modules; no layer of the model is re-implemented.
+    """
+
+    def __init__(self, model, shapes: EncoderShapes):
+        super().__init__()
+        self.shapes = shapes
+        self.encoder = model.model.encoder
+        self.proj = model.model.decoder.proj
+        self.k_proj = nn.ModuleList([layer.encoder_attn.k_proj for layer in model.model.decoder.layers])
+        self.v_proj = nn.ModuleList([layer.encoder_attn.v_proj for layer in model.model.decoder.layers])
+
+    def forward(self, input_features: torch.Tensor, feature_length: torch.Tensor):
+        s = self.shapes
+        # input_features: (1, M, F) float; feature_length: (1,) int32
+        length = feature_length.to(torch.int64).clamp(1, s.frames)  # (1,)
+        frame_ids = torch.arange(s.frames, dtype=torch.int64)  # (F,)
+        attention_mask = (frame_ids[None, :] < length[:, None]).to(torch.int64)  # (1, F), 1 = valid
+        features = input_features.transpose(1, 2)  # (1, F, M), the layout transformers uses
+        features = features * attention_mask[:, :, None].to(features.dtype)  # padding is zero by contract
+
+        encoded = self.encoder(input_features=features, attention_mask=attention_mask)
+        hidden = encoded.last_hidden_state  # (1, T, He)
+        valid = encoded.attention_mask.to(hidden.dtype)  # (1, T), 1 for valid encoder frames
+        encoder_length = encoded.attention_mask.to(torch.int32).sum(-1)  # (1,)
+
+        pad = s.padded_frames - s.encoder_frames
+        memory = self.proj(hidden)  # (1, T, Ddec)
+        memory = nn.functional.pad(memory * valid[:, :, None], (0, 0, 0, pad))  # (1, Tp, Ddec)
+        valid_p = nn.functional.pad(valid, (0, pad))  # (1, Tp)
+        cross_mask = ((1.0 - valid_p) * MASK_VALUE)[:, None, None, :]  # (1, 1, 1, Tp)
+
+        keys, values = [], []
+        for k_proj, v_proj in zip(self.k_proj, self.v_proj):
+            # (1, Tp, Hkv * Dh) -> (Hkv, Tp, Dh)
+            keys.append(k_proj(memory).view(s.padded_frames, s.num_kv_heads, s.head_dim).transpose(0, 1))
+            values.append(v_proj(memory).view(s.padded_frames, s.num_kv_heads, s.head_dim).transpose(0, 1))
+        cross_k = torch.stack(keys, dim=0)  # (L, Hkv, Tp, Dh)
+        cross_v = torch.stack(values, dim=0)  # (L, Hkv, Tp, Dh)
+        return memory, cross_k, cross_v, cross_mask, encoder_length
+
+
+# --------------------------------------------------------------------------------------------
 # Reference (plain transformers, eager PyTorch)
 # --------------------------------------------------------------------------------------------
 
@@ -233,8 +201,9 @@ def reference_outputs(model, shapes: EncoderShapes, input_features: np.ndarray, 
     """What the exported encoder must produce, computed with transformers' public forward.
 
     Independent of `EncoderForCoreML`: builds the feature extractor's attention mask, runs
-    `model.model.encoder(features, attention_mask=...)`, then `decoder.proj` and each layer's
-    cross-attention `k_proj`/`v_proj` (the decoder's own code path), then the contract's padding.
+    `model.model.encoder(features, attention_mask=...)`, then the contract's cross memory
+    (`cohere_coreml.reference.cross_memory`: `decoder.proj`, each layer's cross-attention
+    `k_proj`/`v_proj`, padding).
     """
     s = shapes
     feats = np.asarray(input_features, dtype=np.float32).reshape(1, s.n_mels, s.frames)
@@ -245,25 +214,7 @@ def reference_outputs(model, shapes: EncoderShapes, input_features: np.ndarray, 
     mask[:, :n] = 1
     with torch.no_grad():
         out = model.model.encoder(input_features=x, attention_mask=mask)
-        t_valid = int(out.attention_mask.sum())
-        memory = model.model.decoder.proj(out.last_hidden_state)  # (1, T, Ddec)
-        memory[:, t_valid:, :] = 0.0
-        memory = nn.functional.pad(memory, (0, 0, 0, s.padded_frames - s.encoder_frames))
-        ks, vs = [], []
-        for layer in model.model.decoder.layers:
-            attn = layer.encoder_attn
-            # exactly CohereAsrCrossAttention's projection: (1, Tp, -1, Dh).transpose(1, 2)
-            ks.append(attn.k_proj(memory).view(1, s.padded_frames, -1, attn.head_dim).transpose(1, 2)[0])
-            vs.append(attn.v_proj(memory).view(1, s.padded_frames, -1, attn.head_dim).transpose(1, 2)[0])
-    cross_mask = np.full((1, 1, 1, s.padded_frames), MASK_VALUE, dtype=np.float32)
-    cross_mask[..., :t_valid] = 0.0
-    return {
-        "encoder_hidden_states": memory.numpy(),
-        "cross_k": torch.stack(ks).numpy(),
-        "cross_v": torch.stack(vs).numpy(),
-        "cross_mask": cross_mask,
-        "encoder_length": np.array([t_valid], dtype=np.int32),
-    }
+    return cross_memory(model, out.last_hidden_state, int(out.attention_mask.sum()), s.padded_frames)
 
 
 def unpadded_reference(model, input_features: np.ndarray) -> np.ndarray:
@@ -275,7 +226,7 @@ def unpadded_reference(model, input_features: np.ndarray) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
-# Conversion and gate
+# Conversion
 # --------------------------------------------------------------------------------------------
 
 
@@ -400,6 +351,11 @@ def _check_output_dtypes(mlmodel) -> None:
             raise ExportError("encoder_length is not int32 in the converted program")
 
 
+# --------------------------------------------------------------------------------------------
+# Gate
+# --------------------------------------------------------------------------------------------
+
+
 def gate_inputs(shapes: EncoderShapes, clips: list[np.ndarray] | None = None, seed: int = 0) -> list[tuple[np.ndarray, int]]:
     """(features (1, M, F), n_valid) pairs for the parity gate.
 
@@ -425,58 +381,37 @@ def gate_inputs(shapes: EncoderShapes, clips: list[np.ndarray] | None = None, se
     return cases
 
 
-def run_gate(package: Path, model, shapes: EncoderShapes, settings: ExportSettings, cases,
-             function_name: str | None = None) -> dict:
-    """Run the package through `cohere_coreml.runtime` on each case, compare with PyTorch."""
-    from cohere_coreml.runtime import load_model
+def gate_cases(model, shapes: EncoderShapes, windows, min_psnr_db: float) -> list[GateCase]:
+    """`GateCase`s of (features, n_valid) windows, with the reference outputs.
 
-    loaded = load_model(str(package), backend="auto", function_name=function_name)
-    results = []
-    passed = True
-    worst = float("inf")
-    for i, (features, n) in enumerate(cases):
+    A partial window also records its discriminating power: how far the right answer is from the
+    published ports' bug (the padding treated as speech). Above the threshold, the case could not
+    tell an export that ignores its length from a correct one.
+    """
+    cases = []
+    for i, (features, n) in enumerate(windows):
         ref = reference_outputs(model, shapes, features, n)
-        t0 = time.perf_counter()
-        produced = loaded.predict(
-            {"input_features": features.astype(np.float32), "feature_length": np.array([n], dtype=np.int32)}
-        )
-        seconds = time.perf_counter() - t0
-        report = report_correctness(ref, produced, settings.gate_psnr_db, exact=("encoder_length",))
-        report.extra.update({"case": i, "feature_length": int(n), "predict_seconds": round(seconds, 3)})
+        info = {"feature_length": int(n)}
         if n < shapes.frames:
-            # Discriminating power: how far is the right answer from the published ports' bug (the
-            # padding treated as speech)? If that is above the threshold, this case could not tell
-            # an export that ignores its length from a correct one.
             t = int(ref["encoder_length"][0])
             wrong = reference_outputs(model, shapes, features, shapes.frames)["encoder_hidden_states"]
             effect = psnr(ref["encoder_hidden_states"][:, :t], wrong[:, :t])
-            report.extra["unmasked_reference_psnr_db"] = effect if np.isfinite(effect) else str(effect)
-            report.extra["discriminates_masking"] = bool(effect < settings.gate_psnr_db)
-            if effect >= settings.gate_psnr_db:
+            info["unmasked_reference_psnr_db"] = effect if np.isfinite(effect) else str(effect)
+            info["discriminates_masking"] = bool(effect < min_psnr_db)
+            if effect >= min_psnr_db:
                 logger.warning("encoder gate case %d: the unmasked reference is %.1f dB from the masked one "
-                               "(>= %.0f dB): this case cannot detect ignored masking", i, effect,
-                               settings.gate_psnr_db)
-        logger.debug("encoder gate case %d (feature_length %d):\n%s", i, n, report.summary())
-        where = f" function {function_name}" if function_name else ""
-        print(f"[encoder gate]{where} case {i} feature_length={n}\n{report.summary()}", flush=True)
-        results.append(report)
-        passed = passed and report.passed
-        worst = min(worst, report.worst_psnr_db)
-    summary = {
-        "component": COMPONENT,
-        "package": f"{COMPONENT}.mlpackage",
-        "function": function_name or "main",
-        "precision": settings.precision,
-        "min_psnr_db": settings.gate_psnr_db,
-        "passed": passed,
-        "worst_psnr_db": worst if np.isfinite(worst) else str(worst),
-        "backend": type(loaded).__name__,
-        "cases": [r.to_dict() for r in results],
-    }
-    if not passed:
-        failed = next(r for r in results if not r.passed)
-        raise ParityError(f"encoder parity gate refused {package}:\n{failed.summary()}", report=failed)
-    return summary
+                               "(>= %.0f dB): this case cannot detect ignored masking", i, effect, min_psnr_db)
+        inputs = {"input_features": features.astype(np.float32), "feature_length": np.array([n], dtype=np.int32)}
+        cases.append(GateCase(inputs=inputs, reference=ref, info=info))
+    return cases
+
+
+def run_gate(package: Path, model, shapes: EncoderShapes, settings: ExportSettings, windows,
+             function_name: str | None = None) -> GateReport:
+    """Run the package through `cohere_coreml.runtime` on each window, compare with PyTorch."""
+    cases = gate_cases(model, shapes, windows, settings.gate_psnr_db)
+    return compare_cases(COMPONENT, package, cases, settings.gate_psnr_db, exact=("encoder_length",),
+                         function_name=function_name, details={"precision": settings.precision})
 
 
 def convert_encoder(
@@ -493,8 +428,7 @@ def convert_encoder(
     Raises ParityError (and writes nothing) when the program does not match PyTorch.
     `_wrapper_hook(wrapper_cls)` is for tests that deliberately break the export.
     """
-    path = settings.package_path(COMPONENT)
-    if skip_existing(path, settings.force):
+    if skip_existing(settings.package_path(COMPONENT), settings.force):
         return None
     shapes = encoder_shapes(model, settings.window_seconds, processor)
     logger.info("encoder shapes: %s", shapes)
@@ -505,37 +439,18 @@ def convert_encoder(
     del traced
     logger.info("converted in %.1f s", time.perf_counter() - t0)
 
-    gate: dict[str, Any] = {}
+    def gate(tmp: Path) -> GateReport:
+        report = run_gate(tmp, model, shapes, settings, gate_inputs(shapes, clips))
+        report.details["shapes"] = shapes.to_dict()
+        return report
 
-    def verify(tmp: Path):
-        if settings.skip_verify:
-            logger.warning("parity gate skipped (--skip-verify)")
-            gate.update({"component": COMPONENT, "skipped": True})
-            return
-        cases = gate_inputs(shapes, clips)
-        gate.update(run_gate(tmp, model, shapes, settings, cases))
-
-    try:
-        save_package_atomic(mlmodel, path, force=settings.force, verify=verify)
-    except ParityError as err:
-        failed = {"component": COMPONENT, "passed": False, "error": str(err)}
-        if err.report is not None:
-            failed["report"] = err.report.to_dict()
-        write_json_atomic(failed, settings.failed_report_path(COMPONENT))
-        raise
-    gate["shapes"] = shapes.to_dict()
-    write_json_atomic(gate, settings.report_path(COMPONENT))
-    settings.failed_report_path(COMPONENT).unlink(missing_ok=True)
-    return path
+    export_gated(COMPONENT, settings, lambda tmp: mlmodel.save(str(tmp)), gate)
+    return settings.package_path(COMPONENT)
 
 
 # --------------------------------------------------------------------------------------------
 # Length buckets: one package, one function per window, weights shared
 # --------------------------------------------------------------------------------------------
-
-
-def bucket_function_name(window_seconds: float) -> str:
-    return "window_" + f"{window_seconds:g}".replace(".", "_") + "s"
 
 
 def convert_encoder_buckets(
@@ -554,36 +469,21 @@ def convert_encoder_buckets(
     contract) are unchanged: a short clip only pays for its bucket's encoder compute. Identical
     weights are stored once (`coremltools.utils.save_multifunction`). Every function is gated.
     """
-    import shutil
-    import tempfile
-
     import coremltools as ct
 
-    path = settings.package_path(COMPONENT)
-    if skip_existing(path, settings.force):
+    if skip_existing(settings.package_path(COMPONENT), settings.force):
         return None
-    full = encoder_shapes(model, settings.window_seconds, processor)
-    buckets = sorted({float(b) for b in bucket_seconds if float(b) != float(settings.window_seconds)})
-    too_long = [b for b in buckets if b > settings.window_seconds]
-    if too_long:
-        raise EncoderInputError(f"bucket(s) {too_long} s are longer than the window ({settings.window_seconds} s)")
-    windows = [(None, settings.window_seconds)] + [(bucket_function_name(b), b) for b in buckets]
-    shapes_by_fn: dict[str, EncoderShapes] = {}
+    shapes_by_fn = bucket_shapes(model, settings.window_seconds, bucket_seconds, processor)
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".encoder-buckets-", dir=settings.out_dir))
-    gate: dict[str, Any] = {"component": COMPONENT, "functions": {}}
     try:
         descriptor = None
-        for fn_name, seconds in windows:
-            fn = fn_name or "main"
-            shapes = encoder_shapes(model, seconds, processor, memory_frames=full.padded_frames)
-            shapes_by_fn[fn] = shapes
+        for fn, shapes in shapes_by_fn.items():
             logger.info("bucket %s: %s", fn, shapes)
             single = scratch / f"{fn}.mlpackage"
             traced = trace_encoder(model, shapes)
-            convert_traced_encoder(traced, shapes, settings.replace(window_seconds=seconds), extra_metadata).save(
-                str(single)
-            )
+            convert_traced_encoder(traced, shapes, settings.replace(window_seconds=shapes.window_seconds),
+                                   extra_metadata).save(str(single))
             del traced
             if descriptor is None:
                 descriptor = ct.utils.MultiFunctionDescriptor()
@@ -598,75 +498,26 @@ def convert_encoder_buckets(
             merged = scratch / "merged.mlpackage"
             ct.utils.save_multifunction(descriptor, str(merged))
             mlmodel = ct.models.MLModel(str(merged), skip_model_load=True)
-            mlmodel.user_defined_metadata["com.cohere_coreml.buckets"] = json.dumps(buckets_meta, sort_keys=True)
+            mlmodel.user_defined_metadata[BUCKETS_METADATA_KEY] = json.dumps(buckets_meta, sort_keys=True)
             mlmodel.save(str(tmp))
 
-        def verify(tmp: Path):
-            if settings.skip_verify:
-                gate["skipped"] = True
-                return
+        def gate(tmp: Path) -> GateReport:
+            reports = {}
             for fn, shapes in shapes_by_fn.items():
-                cases = gate_inputs(shapes, gate_features(processor, shapes, gate_audio) if processor else None)
-                gate["functions"][fn] = run_gate(tmp, model, shapes, settings.replace(window_seconds=shapes.window_seconds),
-                                                 cases, function_name=fn)
+                windows = gate_inputs(shapes, gate_features(processor, shapes, gate_audio) if processor else None)
+                reports[fn] = run_gate(tmp, model, shapes, settings.replace(window_seconds=shapes.window_seconds),
+                                       windows, function_name=fn)
+            return GateReport.of_functions(COMPONENT, reports, buckets=buckets_meta)
 
-        try:
-            write_package_atomic(write, path, force=settings.force, verify=verify)
-        except ParityError as err:
-            failed = {"component": COMPONENT, "passed": False, "error": str(err), **gate}
-            write_json_atomic(failed, settings.failed_report_path(COMPONENT))
-            raise
+        export_gated(COMPONENT, settings, write, gate)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    gate["passed"] = not gate.get("skipped") and all(g["passed"] for g in gate["functions"].values())
-    gate["buckets"] = buckets_meta
-    write_json_atomic(gate, settings.report_path(COMPONENT))
-    settings.failed_report_path(COMPONENT).unlink(missing_ok=True)
-    return path
-
-
-def package_buckets(path) -> dict[str, int]:
-    """{function name: mel frames} of an exported encoder package (one entry without buckets)."""
-    import coremltools as ct
-
-    spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
-    meta = dict(spec.description.metadata.userDefined)
-    if "com.cohere_coreml.buckets" in meta:
-        return {fn: int(b["frames"]) for fn, b in json.loads(meta["com.cohere_coreml.buckets"]).items()}
-    frames = meta.get("com.cohere_coreml.window_frames")
-    if frames is None:
-        frames = next(tuple(i.type.multiArrayType.shape)[-1] for i in spec.description.input
-                      if i.name == "input_features")
-    return {"main": int(frames)}
-
-
-def choose_bucket(buckets: dict[str, int], n_frames: int) -> str:
-    """The function with the smallest window that holds `n_frames` valid mel frames."""
-    fitting = [(frames, fn) for fn, frames in buckets.items() if frames >= n_frames]
-    if not fitting:
-        raise EncoderInputError(f"{n_frames} mel frames do not fit any encoder window {sorted(buckets.values())}; "
-                                "split the audio first")
-    return min(fitting)[1]
+    return settings.package_path(COMPONENT)
 
 
 # --------------------------------------------------------------------------------------------
 # Real speech for the gate
 # --------------------------------------------------------------------------------------------
-
-
-def default_gate_audio(max_clips: int = 2) -> list[Path]:
-    """Committed speech clips of the repository (`tests/data/audio`), medium-length ones first."""
-    from cohere_coreml.config import REPO_ROOT
-
-    audio_dir = REPO_ROOT / "tests" / "data" / "audio"
-    manifest = audio_dir / "manifest.json"
-    if not manifest.is_file():
-        return []
-    data = json.loads(manifest.read_text())
-    clips = data["clips"] if isinstance(data, dict) else data
-    speech = [c for c in clips if c.get("purpose") == "speech" and (audio_dir / c["file"]).is_file()]
-    speech.sort(key=lambda c: (not c["file"].endswith("_medium.wav"), c["file"]))
-    return [audio_dir / c["file"] for c in speech[:max_clips]]
 
 
 def gate_features(processor, shapes: EncoderShapes, audio_paths=None) -> list[np.ndarray]:
@@ -675,9 +526,9 @@ def gate_features(processor, shapes: EncoderShapes, audio_paths=None) -> list[np
     One entry per clip (cut to the window), plus one full window made of the clips' frames
     back to back, so the gate sees both a partial and a full `feature_length`.
     """
-    from cohere_coreml.audio import FrontEndConfig, load_audio, log_mel
+    from .audio import FrontEndConfig, load_audio, log_mel
 
-    paths = list(audio_paths) if audio_paths else default_gate_audio()
+    paths = list(audio_paths) if audio_paths else default_gate_audio(max_clips=DEFAULT_GATE_CLIPS)
     if not paths:
         return []
     config = FrontEndConfig.from_processor(processor, dither=0.0) if processor is not None else FrontEndConfig()
@@ -695,133 +546,3 @@ def gate_features(processor, shapes: EncoderShapes, audio_paths=None) -> list[np
         reps = -(-shapes.frames // joined.shape[1])
         clips.append(np.tile(joined, (1, reps))[:, : shapes.frames])
     return clips
-
-
-# --------------------------------------------------------------------------------------------
-# Export command (`cohere-coreml export`, `make export`, exports/export_encoder.py)
-# --------------------------------------------------------------------------------------------
-
-EXPORT_COMPONENTS = ("encoder", "decoder")
-
-
-def export_all(
-    model_ref: str,
-    settings: ExportSettings,
-    revision: str | None = None,
-    components=EXPORT_COMPONENTS,
-    gate_audio=None,
-    max_new_tokens: int = 256,
-    buckets=(),
-    prefill: bool = False,
-) -> dict[str, Any]:
-    """Load a checkpoint and export the requested components into `settings.out_dir`.
-
-    Encoder first (its window fixes the decoder's memory length). Each component is parity
-    gated unless `settings.skip_verify`; a failing gate raises `ParityError` and writes nothing.
-    Returns {component: package path or None (skipped: already present)}.
-    """
-    from cohere_coreml.checkpoint import load_reference
-
-    unknown = sorted(set(components) - set(EXPORT_COMPONENTS))
-    if unknown:
-        raise ExportError(f"unknown component(s) {unknown}; choose from {EXPORT_COMPONENTS}")
-    torch.set_grad_enabled(False)
-    model, processor = load_reference(model_ref, revision=revision)
-    source = getattr(model, "source", None)
-    settings = settings.replace(
-        model_id=source.model_id if source is not None else str(model_ref),
-        revision=(source.revision if source is not None else revision) or settings.revision,
-    )
-    shapes = encoder_shapes(model, settings.window_seconds, processor)
-    results: dict[str, Any] = {}
-    if "encoder" in components:
-        clips = None
-        if not settings.skip_verify:
-            clips = gate_features(processor, shapes, gate_audio)
-            if not clips:
-                logger.warning("no speech clips found for the encoder gate: using synthetic features")
-        if buckets:  # one multifunction package: `main` = full window, `window_<s>s` = shorter buckets
-            results["encoder"] = convert_encoder_buckets(model, settings, buckets, processor, gate_audio)
-        else:
-            results["encoder"] = convert_encoder(model, settings, processor, clips=clips)
-    if "decoder" in components:
-        # decoder.mlpackage + manifest.json / vocab.json / tokenizer files (cohere_coreml.bundle)
-        from cohere_coreml.bundle import export_decoder_bundle
-
-        results["decoder"] = export_decoder_bundle(model, processor, settings, max_new_tokens=max_new_tokens,
-                                                   prefill=prefill)
-    return results
-
-
-def add_export_arguments(parser) -> None:
-    from cohere_coreml.config import DEFAULT_HUB_ID, DEFAULT_OUT_DIR, DEFAULT_WINDOW_SECONDS
-
-    parser.add_argument("--model", default=DEFAULT_HUB_ID, help="Hugging Face Hub id or local checkpoint folder "
-                        f"(default: {DEFAULT_HUB_ID})")
-    parser.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
-    parser.add_argument("--out", default=str(DEFAULT_OUT_DIR / "export"), help="output folder for the packages")
-    parser.add_argument("--precision", choices=("fp16", "fp32"), default="fp16",
-                        help="program precision (fp16 ships; fp32 is reference-grade). Gate: >= 35 dB PSNR for "
-                        "fp16, >= 60 dB for fp32")
-    parser.add_argument("--window-seconds", type=float, default=DEFAULT_WINDOW_SECONDS,
-                        help="encoder audio window in seconds (35 s -> 3500 mel frames)")
-    parser.add_argument("--deployment-target", default="macOS15", help="coremltools target name (macOS15/iOS18)")
-    parser.add_argument("--components", default=",".join(EXPORT_COMPONENTS),
-                        help="comma-separated components to export (default: encoder,decoder)")
-    parser.add_argument("--gate-audio", nargs="+", default=None,
-                        help="speech files for the encoder parity gate (default: the committed test clips)")
-    parser.add_argument("--max-tokens", type=int, default=256,
-                        help="new tokens one window can decode; the decoder cache holds round_up(10 + N, 32) "
-                        "slots (default: %(default)s, the upstream limit)")
-    parser.add_argument("--buckets", type=float, nargs="+", default=(),
-                        help="extra shorter encoder windows in seconds (e.g. --buckets 10 20): encoder.mlpackage "
-                        "gets one function per window (weights shared, outputs padded to the full window)")
-    parser.add_argument("--prefill", action="store_true",
-                        help="add a prompt prefill function to decoder.mlpackage (one call for the 10 prompt "
-                        "tokens; multifunction package sharing weights and state with the step)")
-    parser.add_argument("--force", action="store_true", help="overwrite packages that already exist")
-    parser.add_argument("--skip-verify", action="store_true",
-                        help="do not run the parity gates (packages are written unchecked)")
-
-
-def settings_from_args(args) -> ExportSettings:
-    return ExportSettings(
-        out_dir=Path(args.out),
-        precision=args.precision,
-        deployment_target=args.deployment_target,
-        window_seconds=args.window_seconds,
-        force=args.force,
-        skip_verify=args.skip_verify,
-    )
-
-
-def cmd_export(args) -> int:
-    settings = settings_from_args(args)
-    components = tuple(c.strip() for c in args.components.split(",") if c.strip())
-    results = export_all(args.model, settings, revision=args.revision, components=components,
-                         gate_audio=args.gate_audio, max_new_tokens=args.max_tokens,
-                         buckets=tuple(getattr(args, "buckets", ()) or ()), prefill=args.prefill)
-    for name, result in results.items():
-        path = result.get("path") if isinstance(result, dict) else result
-        skipped = not path or (isinstance(result, dict) and result.get("written") is False)
-        print(f"{name}: {'exists, skipped (use --force)' if skipped else path}")
-        if isinstance(result, dict) and result.get("parity") and "mean_kl" in result["parity"]:
-            p = result["parity"]
-            print(f"  parity: worst PSNR {p['worst_psnr_db']:.1f} dB, mean KL {p['mean_kl']:.3g}, "
-                  f"argmax {p['argmax_agree']}/{p['argmax_steps']} decoding steps")
-        if isinstance(result, dict) and result.get("manifest"):
-            print(f"  manifest: {result['manifest']}")
-    return 0
-
-
-def add_export_command(subparsers) -> None:
-    """Register `cohere-coreml export` (called by cli.py's stage-command hook)."""
-    p = subparsers.add_parser(
-        "export",
-        help="export encoder.mlpackage (+ decoder.mlpackage), parity-gated against PyTorch",
-        description="Convert a Cohere Transcribe checkpoint into Core ML packages. Each package is checked "
-        "through the project's runtime against PyTorch (PSNR gate); a failing gate exits non-zero and "
-        "leaves no package behind. Figures are written next to the package as <component>.parity.json.",
-    )
-    add_export_arguments(p)
-    p.set_defaults(func=cmd_export)

@@ -284,7 +284,7 @@ class Transcriber:
 
 
 # --------------------------------------------------------------------------------------------
-# `cohere-coreml transcribe` (registered by cli.py's stage-command hook)
+# `cohere-coreml transcribe` (registered by cli.py)
 # --------------------------------------------------------------------------------------------
 
 
@@ -314,7 +314,7 @@ def cmd_transcribe(args) -> int:
     return 0
 
 
-def add_transcribe_command(subparsers) -> None:
+def add_command(subparsers) -> None:
     p = subparsers.add_parser(
         "transcribe",
         help="transcribe audio with an exported bundle (encoder + decoder packages)",

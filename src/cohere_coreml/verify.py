@@ -67,7 +67,8 @@ def verify_bundle(model, processor, bundle_dirs, audio: Sequence, language: str 
 
     from .audio import load_audio, log_mel, split_points
     from .convert import psnr
-    from .decoder import TeacherForcingCase, cross_memory_from_model, run_teacher_forcing, teacher_forcing_report
+    from .decoder import TeacherForcingCase, run_teacher_forcing, teacher_forcing_report
+    from .reference import cross_memory
     from .transcribe import Transcriber
 
     torch.set_grad_enabled(False)
@@ -113,7 +114,8 @@ def verify_bundle(model, processor, bundle_dirs, audio: Sequence, language: str 
             mask_t = torch.from_numpy(ref["attention_mask"]).long()
             enc = model.model.encoder(feats_t, attention_mask=mask_t)
             enc_valid = int(enc.attention_mask.sum())
-            ref_k, ref_v, _ = cross_memory_from_model(model, enc.last_hidden_state, memory_len, enc_valid)
+            ref_memory = cross_memory(model, enc.last_hidden_state, enc_valid, memory_len)
+            ref_k, ref_v, ref_mask = ref_memory["cross_k"], ref_memory["cross_v"], ref_memory["cross_mask"]
             from .audio import pad_to_window
 
             window, _ = pad_to_window(ours, n_valid, frames=transcriber.window_frames)
@@ -121,14 +123,14 @@ def verify_bundle(model, processor, bundle_dirs, audio: Sequence, language: str 
             enc_out = transcriber.encode(window, n_valid)
             enc_s = time.perf_counter() - t0
             pkg_len = int(np.asarray(enc_out.get("encoder_length", [enc_valid])).reshape(-1)[0])
-            ref_hidden = model.model.decoder.proj(enc.last_hidden_state)[0, :enc_valid].numpy()
+            ref_hidden = ref_memory["encoder_hidden_states"][0, :enc_valid]
             w["encoder"] = {
                 "seconds": enc_s,
                 "encoder_length": pkg_len,
                 "reference_length": enc_valid,
-                "cross_k_psnr_db": _f(psnr(ref_k[:, :, :enc_valid].numpy(),
+                "cross_k_psnr_db": _f(psnr(ref_k[:, :, :enc_valid],
                                            np.asarray(enc_out["cross_k"], np.float32)[:, :, :enc_valid])),
-                "cross_v_psnr_db": _f(psnr(ref_v[:, :, :enc_valid].numpy(),
+                "cross_v_psnr_db": _f(psnr(ref_v[:, :, :enc_valid],
                                            np.asarray(enc_out["cross_v"], np.float32)[:, :, :enc_valid])),
             }
             if "encoder_hidden_states" in enc_out:
@@ -148,8 +150,7 @@ def verify_bundle(model, processor, bundle_dirs, audio: Sequence, language: str 
                                                  attention_mask=enc.attention_mask)
             logits = model(encoder_outputs=enc_obj, decoder_input_ids=torch.tensor([fed])).logits[0]
             ref_lp = torch.log_softmax(logits, dim=-1).numpy()
-            _, _, ref_mask = cross_memory_from_model(model, enc.last_hidden_state, memory_len, enc_valid)
-            case = TeacherForcingCase(cross_k=ref_k.numpy(), cross_v=ref_v.numpy(), cross_mask=ref_mask.numpy(),
+            case = TeacherForcingCase(cross_k=ref_k, cross_v=ref_v, cross_mask=ref_mask,
                                       ids=fed, log_probs=ref_lp, prompt_len=len(prompt))
             produced = run_teacher_forcing(transcriber.decoder, case)
             tf = teacher_forcing_report(case, produced, precision)
@@ -246,7 +247,7 @@ def format_table(report: dict) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# `cohere-coreml verify` (registered by cli.py's stage-command hook)
+# `cohere-coreml verify` (registered by cli.py)
 # --------------------------------------------------------------------------------------------
 
 
@@ -274,7 +275,7 @@ def cmd_verify(args) -> int:
     return 0 if ok or not args.strict else 1
 
 
-def add_verify_command(subparsers) -> None:
+def add_command(subparsers) -> None:
     p = subparsers.add_parser(
         "verify",
         help="compare an exported bundle with the PyTorch checkpoint stage by stage",

@@ -131,7 +131,7 @@ def train_sentencepiece(texts: list[str], vocab_size: int, seed: int = 0) -> lis
 def _features_of(path: str) -> np.ndarray:
     import torch
 
-    from .audio import FrontEndConfig, load_audio, log_mel
+    from cohere_coreml.audio import FrontEndConfig, load_audio, log_mel
 
     torch.set_num_threads(1)
     feats, n_valid = log_mel(load_audio(path), FrontEndConfig(dither=0.0))
@@ -234,11 +234,11 @@ def train(cfg: TrainConfig) -> TrainResult:
     import torch.nn.functional as F
     from transformers import CohereAsrForConditionalGeneration
 
-    from .checkpoint import build_config, init_subsampling, save_checkpoint
+    from .checkpoints import build_config, init_subsampling, save_checkpoint
     from .evaluate import greedy_decode, load_eval_set, summarise
-    from .audio import FrontEndConfig
+    from cohere_coreml.audio import FrontEndConfig
     from .synth import read_manifest
-    from .tokens import eos_id, prompt_ids
+    from cohere_coreml.tokens import eos_id, prompt_ids
 
     t_start = time.time()
     torch.set_num_threads(1)
@@ -262,7 +262,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         raise TrainingError(f"{len(overlap)} held-out sentences occur in the training set, e.g. {sorted(overlap)[0]!r}")
 
     # tokenizer
-    from .tokens import build_tokenizer
+    from .tokenizer import build_tokenizer
 
     pieces = train_sentencepiece(texts, cfg.sentencepiece_vocab, cfg.seed)
     tokenizer = build_tokenizer(pieces)

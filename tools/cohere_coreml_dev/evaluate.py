@@ -79,7 +79,7 @@ def greedy_decode(
     """Greedy `model.generate` on (n_mels, valid_frames) features, one prompt per clip's language."""
     import torch
 
-    from .tokens import decode_ids, eos_id, prompt_ids
+    from cohere_coreml.tokens import decode_ids, eos_id, prompt_ids
 
     if len(features) != len(languages):
         raise EvaluationError(f"{len(features)} feature arrays but {len(languages)} languages")
@@ -149,7 +149,7 @@ def summarise(refs: list[str], decoded: list[Decoded], languages: list[str]) -> 
 
 def load_eval_set(directory: str | Path, config=None, limit_per_language: int | None = None):
     """(features, n_valid, texts, languages, files) of a manifest folder, via the project front end."""
-    from .audio import load_audio, log_mel
+    from cohere_coreml.audio import load_audio, log_mel
     from .synth import read_manifest
 
     directory = Path(directory)
@@ -175,8 +175,8 @@ def evaluate_checkpoint(
     model_dir: str | Path, data_dir: str | Path, *, limit_per_language: int | None = None, batch_size: int = 16
 ) -> dict[str, LanguageReport]:
     """Load a checkpoint with `load_reference` and evaluate it on a manifest folder."""
-    from .audio import FrontEndConfig
-    from .checkpoint import load_reference
+    from cohere_coreml.audio import FrontEndConfig
+    from cohere_coreml.checkpoint import load_reference
 
     model, processor = load_reference(model_dir)
     config = FrontEndConfig.from_processor(processor, dither=0.0)

@@ -1,0 +1,210 @@
+"""`cohere-coreml export`: a checkpoint in, parity-gated Core ML packages and a bundle out.
+
+The pipeline, in order:
+
+    checkpoint.load_reference          the transformers model + processor
+    shapes.export_plan                 every static shape (window, memory length, cache, buckets)
+    for each requested component       its module converts it; gate.export_gated writes it only
+                                       when its parity gate passes (<component>.parity.json)
+    bundle.write_bundle                last: manifest.json from the packages on disk + tokenizer
+
+Components (`COMPONENTS`) know nothing of each other or of the bundle: each receives the
+`ExportJob` (model, processor, settings, plan, gate audio, options) and returns its package path or
+None (skipped: already present). Adding a component (a front end, a quantized variant) is one
+`Component` entry here plus its module.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import (CONTROL_LANGUAGE, DEFAULT_HUB_ID, DEFAULT_MAX_NEW_TOKENS, DEFAULT_OUT_DIR, DEFAULT_WINDOW_SECONDS,
+                     GATE_LANGUAGE)
+from .convert import MIN_PSNR_DB, ExportError, ExportSettings
+from .shapes import ExportPlan, export_plan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExportJob:
+    """Everything a component's export needs; shapes come from `plan`, never from another component."""
+
+    model: Any  # CohereAsrForConditionalGeneration (eval, float32)
+    processor: Any  # CohereAsrProcessor
+    settings: ExportSettings
+    plan: ExportPlan
+    prompt: list[int]  # decoder prompt of the gates (config.GATE_LANGUAGE, with punctuation)
+    control_prompt: list[int]  # another prompt (config.CONTROL_LANGUAGE, no punctuation): the decoder
+    # gate's "wrong prompt" negative control
+    gate_audio: Sequence[str | Path] | None = None  # speech for the gates (default: the packaged clips)
+    buckets: tuple[float, ...] = ()
+    prefill: bool = False
+    backend: str = "mil"  # runtime backend of stateful gates
+
+
+@dataclass(frozen=True)
+class Component:
+    """One exported package: `<name>.mlpackage`, gated, with `<name>.parity.json`."""
+
+    name: str
+    export: Callable[[ExportJob], Path | None]  # writes the package; None when skipped (present)
+
+
+def _export_encoder(job: ExportJob) -> Path | None:
+    from . import encoder
+
+    if job.buckets:  # one multifunction package: `main` = full window, `window_<s>s` = shorter buckets
+        return encoder.convert_encoder_buckets(job.model, job.settings, job.buckets, job.processor, job.gate_audio)
+    clips = None
+    if not job.settings.skip_verify:
+        clips = encoder.gate_features(job.processor, job.plan.window, job.gate_audio)
+        if not clips:
+            logger.warning("no speech clips for the encoder gate: using synthetic features")
+    return encoder.convert_encoder(job.model, job.settings, job.processor, clips=clips)
+
+
+def _export_decoder(job: ExportJob) -> Path | None:
+    from . import decoder
+    from .bundle import decoder_package_info
+
+    shapes = job.plan.decoder
+    path = job.settings.package_path("decoder")
+    if path.exists() and not job.settings.force:
+        present = decoder_package_info(path)["shapes"]
+        if (present["capacity"], present["memory_len"]) != (shapes.capacity, shapes.memory_len):
+            raise ExportError(f"{path} has cache {present['capacity']} / memory {present['memory_len']}, the export "
+                              f"asks for {shapes.capacity} / {shapes.memory_len}; use --force to re-export")
+    result = decoder.convert_decoder(job.model, job.settings, capacity=shapes.capacity, memory_len=shapes.memory_len,
+                                     prompt=job.prompt, backend=job.backend, prefill=job.prefill,
+                                     control_prompt=job.control_prompt)
+    return path if result["written"] else None
+
+
+# Export order: the encoder fixes nothing the decoder reads (both take their shapes from the plan),
+# but gating the cheaper encoder first fails fast.
+COMPONENTS: dict[str, Component] = {
+    "encoder": Component("encoder", _export_encoder),
+    "decoder": Component("decoder", _export_decoder),
+}
+
+
+@dataclass
+class ExportResult:
+    """Per component: the package path and whether it was written (False: present, skipped), its
+    gate report (the written `<component>.parity.json`, None when skipped); and the manifest."""
+
+    packages: dict[str, dict[str, Any]]
+    manifest: Path
+
+
+def export_model(model, processor, settings: ExportSettings, components: Sequence[str] = tuple(COMPONENTS),
+                 gate_audio=None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, buckets=(), prefill: bool = False,
+                 backend: str = "mil") -> ExportResult:
+    """Export `components` of a loaded checkpoint into `settings.out_dir`, then write the bundle.
+
+    Each component is parity gated unless `settings.skip_verify`; a failing gate raises
+    `ParityError` and leaves that package (and the manifest) as they were.
+    """
+    from .bundle import write_bundle
+    from .tokens import prompt_ids
+
+    unknown = sorted(set(components) - set(COMPONENTS))
+    if unknown:
+        raise ExportError(f"unknown component(s) {unknown}; choose from {tuple(COMPONENTS)}")
+    prompt = prompt_ids(processor.tokenizer, GATE_LANGUAGE)
+    control_prompt = prompt_ids(processor.tokenizer, CONTROL_LANGUAGE, punctuation=False)
+    plan = export_plan(model, processor, settings.window_seconds, max_new_tokens, prompt_len=len(prompt),
+                       bucket_seconds=buckets)
+    job = ExportJob(model=model, processor=processor, settings=settings, plan=plan, prompt=prompt,
+                    control_prompt=control_prompt,
+                    gate_audio=gate_audio, buckets=tuple(buckets), prefill=prefill, backend=backend)
+    packages: dict[str, dict[str, Any]] = {}
+    for name in (c for c in COMPONENTS if c in components):
+        written = COMPONENTS[name].export(job)
+        report_path = settings.report_path(name)
+        packages[name] = {
+            "path": settings.package_path(name),
+            "written": written is not None,
+            "report": json.loads(report_path.read_text()) if written is not None and report_path.is_file() else None,
+        }
+    return ExportResult(packages=packages, manifest=write_bundle(settings.out_dir, model, processor))
+
+
+def export_checkpoint(model_ref: str, settings: ExportSettings, revision: str | None = None, **options) -> ExportResult:
+    """Load a checkpoint (Hub id or folder) and `export_model` it; package metadata records its source."""
+    import torch
+
+    from .checkpoint import load_reference
+
+    torch.set_grad_enabled(False)
+    model, processor = load_reference(model_ref, revision=revision)
+    source = model.source
+    settings = settings.replace(model_id=source.model_id, revision=source.revision or settings.revision)
+    return export_model(model, processor, settings, **options)
+
+
+# --------------------------------------------------------------------------------------------
+# `cohere-coreml export` (also `make export`, exports/*.py)
+# --------------------------------------------------------------------------------------------
+
+
+def cmd_export(args) -> int:
+    settings = ExportSettings(out_dir=Path(args.out), precision=args.precision, deployment_target=args.deployment_target,
+                              window_seconds=args.window_seconds, force=args.force, skip_verify=args.skip_verify)
+    components = tuple(c.strip() for c in args.components.split(",") if c.strip())
+    result = export_checkpoint(args.model, settings, revision=args.revision, components=components,
+                               gate_audio=args.gate_audio, max_new_tokens=args.max_tokens,
+                               buckets=tuple(args.buckets or ()), prefill=args.prefill)
+    for name, package in result.packages.items():
+        print(f"{name}: {package['path'] if package['written'] else 'exists, skipped (use --force)'}")
+        report = package["report"]
+        if report is not None:
+            verdict = "PASS" if report["passed"] else ("SKIPPED" if report.get("skipped") else "FAIL")
+            print(f"  parity: {verdict}, {report['headline']}")
+    print(f"manifest: {result.manifest}")
+    return 0
+
+
+def add_command(subparsers) -> None:
+    """Register `cohere-coreml export`."""
+    p = subparsers.add_parser(
+        "export",
+        help="export encoder.mlpackage + decoder.mlpackage and the bundle, parity-gated against PyTorch",
+        description="Convert a Cohere Transcribe checkpoint into Core ML packages. Each package is checked "
+        "through the project's runtime against PyTorch (parity gate); a failing gate exits non-zero and "
+        "leaves no package behind. Figures are written next to the package as <component>.parity.json; "
+        "manifest.json, vocab.json and the tokenizer files are written last, describing the packages present.",
+    )
+    p.add_argument("--model", default=DEFAULT_HUB_ID, help="Hugging Face Hub id or local checkpoint folder "
+                   f"(default: {DEFAULT_HUB_ID})")
+    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
+    p.add_argument("--out", default=str(DEFAULT_OUT_DIR / "export"), help="output folder (default: %(default)s)")
+    p.add_argument("--precision", choices=("fp16", "fp32"), default="fp16",
+                   help="program precision (fp16 ships; fp32 is reference-grade). Gate: >= "
+                   f"{MIN_PSNR_DB['fp16']:g} dB PSNR for fp16, >= {MIN_PSNR_DB['fp32']:g} dB for fp32")
+    p.add_argument("--window-seconds", type=float, default=DEFAULT_WINDOW_SECONDS,
+                   help="encoder audio window in seconds (default: %(default)s s -> 3500 mel frames at hop 160)")
+    p.add_argument("--deployment-target", default="macOS15", help="coremltools target name (macOS15/iOS18)")
+    p.add_argument("--components", default=",".join(COMPONENTS),
+                   help="comma-separated components to export (default: %(default)s)")
+    p.add_argument("--gate-audio", nargs="+", default=None,
+                   help="speech files for the encoder parity gate (default: the clips shipped with the package)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help="new tokens one window can decode; the decoder cache holds round_up(10 + N, 32) "
+                   "slots (default: %(default)s, the upstream limit)")
+    p.add_argument("--buckets", type=float, nargs="+", default=(),
+                   help="extra shorter encoder windows in seconds (e.g. --buckets 10 20): encoder.mlpackage "
+                   "gets one function per window (weights shared, outputs padded to the full window)")
+    p.add_argument("--prefill", action="store_true",
+                   help="add a prompt prefill function to decoder.mlpackage (one call for the 10 prompt "
+                   "tokens; multifunction package sharing weights and state with the step)")
+    p.add_argument("--force", action="store_true", help="overwrite packages that already exist")
+    p.add_argument("--skip-verify", action="store_true",
+                   help="do not run the parity gates (packages are written unchecked)")
+    p.set_defaults(func=cmd_export)

@@ -1,0 +1,198 @@
+"""One parity gate for every exported component.
+
+A component's gate runs its package (through `cohere_coreml.runtime`) on a set of cases, compares
+with a reference, and returns a `GateReport`: pass/fail, a headline for people, the figures, the
+per-case details. `export_gated` is the one way a package is written: to a temporary path, gated,
+renamed into place only when the gate passes; the report goes next to it as
+`<component>.parity.json` (or `<component>.parity-failed.json` when refused, leaving any older
+package and report untouched).
+
+A new component plugs in with a writer (temp path -> package) and a gate (package path ->
+GateReport). Single-call programs (the encoder, a front end) build `GateCase`s (inputs +
+reference outputs) and use `compare_cases` (PSNR per output, exact integer outputs); stateful or
+sequence programs (the decoder) compute their own figures and wrap them in a `GateReport`.
+Gate audio ships with the package (`default_gate_audio`), so an installed wheel gates on speech.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .convert import ExportSettings, ParityError, report_correctness, skip_existing, write_json_atomic
+from .convert import write_package_atomic
+
+logger = logging.getLogger(__name__)
+
+GATE_AUDIO_PACKAGE_DIR = ("data", "gate_audio")
+
+
+@dataclass
+class GateReport:
+    """The outcome of one component's gate (written as `<component>.parity.json`).
+
+    `details` are the component's figures (thresholds, worst PSNR, KL, ...), flattened into the
+    JSON; `cases` the per-case figures; `functions` one report per function of a multifunction
+    package (the report passes only when every function passes).
+    """
+
+    component: str
+    passed: bool
+    headline: str  # one line for people: the figures that decided pass/fail
+    details: dict[str, Any] = field(default_factory=dict)
+    cases: list[dict[str, Any]] = field(default_factory=list)
+    functions: dict[str, GateReport] = field(default_factory=dict)
+    text: str = ""  # longer human-readable detail (per-output tables), printed by the CLI
+    skipped: bool = False
+
+    @classmethod
+    def skipped_gate(cls, component: str) -> GateReport:
+        return cls(component=component, passed=False, headline="gate skipped (--skip-verify)", skipped=True)
+
+    @classmethod
+    def of_functions(cls, component: str, reports: Mapping[str, GateReport], **details) -> GateReport:
+        """One report for a multifunction package from its functions' reports."""
+        return cls(
+            component=component,
+            passed=bool(reports) and all(r.passed for r in reports.values()),
+            headline="; ".join(f"{fn}: {r.headline}" for fn, r in reports.items()),
+            details=dict(details),
+            functions=dict(reports),
+            text="\n".join(f"[{fn}]\n{r.text}" for fn, r in reports.items() if r.text),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"component": self.component, "passed": self.passed, "headline": self.headline,
+                                **self.details}
+        if self.skipped:
+            data["skipped"] = True
+        if self.cases:
+            data["cases"] = self.cases
+        if self.functions:
+            data["functions"] = {fn: r.to_dict() for fn, r in self.functions.items()}
+        return data
+
+    def summary(self) -> str:
+        return f"{self.component} parity: {'PASS' if self.passed else ('SKIPPED' if self.skipped else 'FAIL')} - {self.headline}"
+
+    def raise_if_failed(self, package: str | Path) -> None:
+        if not self.passed:
+            raise ParityError(f"{self.component} parity gate refused {package}: {self.headline}\n{self.text}".rstrip(),
+                              report=self)
+
+
+# --------------------------------------------------------------------------------------------
+# Writing a gated package
+# --------------------------------------------------------------------------------------------
+
+
+def export_gated(component: str, settings: ExportSettings, write: Callable[[Path], Any],
+                 gate: Callable[[Path], GateReport]) -> GateReport | None:
+    """Write `<component>.mlpackage` with `write(tmp_path)`, gate it, rename it into place.
+
+    Returns the gate report (also written as `<component>.parity.json`), or None when the package
+    exists and `settings.force` is off (skipped). Raises `ParityError` when the gate refuses the
+    package: nothing is renamed into place and the figures go to `<component>.parity-failed.json`.
+    """
+    path = settings.package_path(component)
+    if skip_existing(path, settings.force):
+        return None
+    outcome: dict[str, GateReport] = {}
+
+    def verify(tmp: Path) -> None:
+        if settings.skip_verify:
+            logger.warning("%s parity gate skipped (--skip-verify)", component)
+            outcome["report"] = GateReport.skipped_gate(component)
+            return
+        report = gate(tmp)
+        outcome["report"] = report
+        logger.info("%s", report.summary())
+        report.raise_if_failed(path)
+
+    try:
+        write_package_atomic(write, path, force=settings.force, verify=verify)
+    except ParityError as err:
+        failed = err.report.to_dict() if isinstance(err.report, GateReport) else {"component": component, "passed": False}
+        write_json_atomic({**failed, "error": str(err)}, settings.failed_report_path(component))
+        raise
+    report = outcome["report"]
+    write_json_atomic(report.to_dict(), settings.report_path(component))
+    settings.failed_report_path(component).unlink(missing_ok=True)
+    return report
+
+
+# --------------------------------------------------------------------------------------------
+# Single-call programs: cases of inputs and reference outputs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GateCase:
+    """One call of a program: its inputs, the reference outputs, and figures describing the case."""
+
+    inputs: dict[str, np.ndarray]
+    reference: dict[str, np.ndarray]
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def compare_cases(component: str, package: str | Path, cases: Sequence[GateCase], min_psnr_db: float,
+                  exact: Sequence[str] = (), function_name: str | None = None, backend: str = "auto",
+                  details: Mapping[str, Any] | None = None) -> GateReport:
+    """Run `package` on every case; every reference output must reach `min_psnr_db` (names in
+    `exact` must match exactly). Per-case figures come from `convert.report_correctness`."""
+    from .runtime import load_model
+
+    if not cases:
+        raise ValueError(f"{component} gate has no cases")
+    loaded = load_model(str(package), backend=backend, function_name=function_name)
+    where = f" function {function_name}" if function_name else ""
+    results, texts = [], []
+    for i, case in enumerate(cases):
+        t0 = time.perf_counter()
+        produced = loaded.predict(case.inputs)
+        seconds = time.perf_counter() - t0
+        report = report_correctness(case.reference, produced, min_psnr_db, exact=exact)
+        report.extra.update({"case": i, **case.info, "predict_seconds": round(seconds, 3)})
+        info = " ".join(f"{k}={v}" for k, v in case.info.items() if not isinstance(v, (dict, list)))
+        texts.append(f"[{component} gate]{where} case {i} {info}\n{report.summary()}")
+        logger.info("%s", texts[-1])
+        results.append(report)
+    worst = min(r.worst_psnr_db for r in results)
+    passed = all(r.passed for r in results)
+    return GateReport(
+        component=component,
+        passed=passed,
+        headline=f"worst PSNR {worst:.1f} dB over {len(results)} case(s) (need {min_psnr_db:g} dB)",
+        details={
+            "package": f"{component}.mlpackage",
+            "function": function_name or "main",
+            "min_psnr_db": float(min_psnr_db),
+            "worst_psnr_db": worst if math.isfinite(worst) else str(worst),
+            "backend": type(loaded).__name__,
+            **(details or {}),
+        },
+        cases=[r.to_dict() for r in results],
+        text="\n".join(texts),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Gate audio
+# --------------------------------------------------------------------------------------------
+
+
+def default_gate_audio(max_clips: int | None = None) -> list[Path]:
+    """Speech clips shipped with the package (`cohere_coreml/data/gate_audio`), sorted by name."""
+    from importlib.resources import files
+
+    folder = files("cohere_coreml").joinpath(*GATE_AUDIO_PACKAGE_DIR)
+    clips = sorted((Path(str(f)) for f in folder.iterdir() if f.name.endswith((".flac", ".wav"))),
+                   key=lambda p: p.name)
+    return clips[:max_clips] if max_clips is not None else clips

@@ -1,0 +1,235 @@
+"""Static shapes of the exported programs, in one place.
+
+Every size the packages fix is computed here, from the checkpoint's config and front end:
+
+    window frames   F  = samples of the window // hop                 (35 s -> 3500)
+    encoder frames  T  = the encoder's own subsampling arithmetic(F)  (3500 -> 438)
+    memory length   Tp = round_up(T, 32), or a given length (buckets) (438 -> 448)
+    cache capacity  C  = round_up(prompt + max new tokens, 32)        (10 + 256 -> 288)
+    buckets            shorter windows whose memory is padded to the full window's Tp
+
+`export_plan` gathers them for one export (encoder functions + decoder), so the encoder and
+decoder modules receive their sizes and never compute each other's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .config import ANE_MULTIPLE, DEFAULT_MAX_NEW_TOKENS, PROMPT_LENGTH, round_up
+
+
+class ShapeError(ValueError):
+    """A window, length or capacity that the exported programs cannot have."""
+
+
+# --------------------------------------------------------------------------------------------
+# Single facts
+# --------------------------------------------------------------------------------------------
+
+
+def window_frames(window_seconds: float, sample_rate: int, hop_length: int) -> int:
+    """Mel frames of a window, as `CohereAsrFeatureExtractor` counts them for a full window.
+
+    valid frames = (samples + 2 * (n_fft // 2) - n_fft) // hop = samples // hop (n_fft even).
+    35 s at 16 kHz, hop 160 -> 3500.
+    """
+    samples = int(round(window_seconds * sample_rate))
+    frames = samples // hop_length
+    if frames < 1:
+        raise ShapeError(
+            f"window of {window_seconds} s is shorter than one mel frame (hop {hop_length} at {sample_rate} Hz)"
+        )
+    return frames
+
+
+def encoder_frames(model, frames):
+    """Encoder frames for `frames` mel frames (int -> int, tensor/array -> int32 tensor), with
+    transformers' own subsampling arithmetic."""
+    import torch
+
+    lengths = torch.as_tensor(frames).reshape(-1)
+    out = model.model.encoder._get_subsampling_output_length(lengths).to(torch.int32)
+    return int(out[0]) if isinstance(frames, int) else out
+
+
+def memory_len(n_encoder_frames: int) -> int:
+    """Tp: encoder frames rounded up to a multiple of 32 (448 for 438)."""
+    return round_up(n_encoder_frames, ANE_MULTIPLE)
+
+
+def cache_capacity(max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, prompt_len: int = PROMPT_LENGTH) -> int:
+    """Cache slots: prompt + new tokens, rounded up to a multiple of 32 (288 for 10 + 256)."""
+    if max_new_tokens < 1:
+        raise ShapeError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    return round_up(prompt_len + max_new_tokens, ANE_MULTIPLE)
+
+
+def bucket_function_name(window_seconds: float) -> str:
+    """Function name of a length bucket in a multifunction encoder (10 s -> window_10s)."""
+    return "window_" + f"{window_seconds:g}".replace(".", "_") + "s"
+
+
+def choose_bucket(buckets: dict[str, int], n_frames: int) -> str:
+    """The function with the smallest window that holds `n_frames` valid mel frames."""
+    fitting = [(frames, fn) for fn, frames in buckets.items() if frames >= n_frames]
+    if not fitting:
+        raise ShapeError(f"{n_frames} mel frames do not fit any encoder window {sorted(buckets.values())}; "
+                         "split the audio first")
+    return min(fitting)[1]
+
+
+# --------------------------------------------------------------------------------------------
+# Encoder
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EncoderShapes:
+    """All sizes of the exported encoder, read from the model config and the front end."""
+
+    n_mels: int  # M
+    frames: int  # F, mel frames of one window
+    encoder_frames: int  # T, encoder frames for F frames
+    padded_frames: int  # Tp, T rounded up to ANE_MULTIPLE (or the full window's Tp for a bucket)
+    encoder_hidden_size: int
+    decoder_hidden_size: int  # Ddec
+    num_layers: int  # L (decoder layers)
+    num_kv_heads: int  # Hkv
+    head_dim: int  # Dh
+    sample_rate: int
+    hop_length: int
+    window_seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def encoder_shapes(model, window_seconds: float, processor=None, frames: int | None = None,
+                   memory_frames: int | None = None) -> EncoderShapes:
+    """Shapes of the exported encoder for a window.
+
+    `memory_frames` (length buckets): pad the memory to this many frames instead of
+    round_up(T, 32), so a shorter window's outputs have the full window's shapes.
+    """
+    from .audio import FrontEndConfig
+
+    config = model.config
+    enc = config.encoder_config
+    front_end = FrontEndConfig.from_processor(processor) if processor is not None else FrontEndConfig()
+    if frames is None:
+        frames = window_frames(window_seconds, front_end.sampling_rate, front_end.hop_length)
+    t = encoder_frames(model, int(frames))
+    if t < 1:
+        raise ShapeError(f"a window of {frames} mel frames gives no encoder frame")
+    padded = memory_len(t) if memory_frames is None else int(memory_frames)
+    if padded < t:
+        raise ShapeError(f"memory of {padded} frames cannot hold the {t} encoder frames of {frames} mel frames")
+    return EncoderShapes(
+        n_mels=int(enc.num_mel_bins),
+        frames=int(frames),
+        encoder_frames=t,
+        padded_frames=padded,
+        encoder_hidden_size=int(enc.hidden_size),
+        decoder_hidden_size=int(config.hidden_size),
+        num_layers=int(config.num_hidden_layers),
+        num_kv_heads=int(config.num_key_value_heads),
+        head_dim=int(config.head_dim),
+        sample_rate=front_end.sampling_rate,
+        hop_length=front_end.hop_length,
+        window_seconds=float(window_seconds),
+    )
+
+
+def bucket_shapes(model, window_seconds: float, bucket_seconds=(), processor=None) -> dict[str, EncoderShapes]:
+    """{function: EncoderShapes} of an encoder with length buckets: `main` is the full window, each
+    shorter bucket a function `window_<s>s` whose memory is padded to main's Tp."""
+    full = encoder_shapes(model, window_seconds, processor)
+    buckets = sorted({float(b) for b in bucket_seconds if float(b) != float(window_seconds)})
+    too_long = [b for b in buckets if b > window_seconds]
+    if too_long:
+        raise ShapeError(f"bucket(s) {too_long} s are longer than the window ({window_seconds} s)")
+    shapes = {"main": full}
+    for seconds in buckets:
+        shapes[bucket_function_name(seconds)] = encoder_shapes(model, seconds, processor,
+                                                               memory_frames=full.padded_frames)
+    return shapes
+
+
+# --------------------------------------------------------------------------------------------
+# Decoder
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecoderShapes:
+    """Static shapes of the decode-step program, all read from the checkpoint config."""
+
+    num_layers: int  # L
+    num_heads: int  # H (query heads)
+    num_kv_heads: int  # Hkv
+    head_dim: int  # Dh
+    hidden_size: int  # Ddec
+    vocab_size: int  # V
+    capacity: int  # C (self-attention cache slots)
+    memory_len: int  # Tp (padded encoder frames)
+    max_positions: int  # decoder position table size
+
+    @classmethod
+    def from_config(cls, config, capacity: int, memory_len: int) -> "DecoderShapes":
+        shapes = cls(
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
+            capacity=int(capacity),
+            memory_len=int(memory_len),
+            max_positions=config.max_position_embeddings,
+        )
+        if shapes.capacity > shapes.max_positions:
+            raise ShapeError(
+                f"cache capacity {shapes.capacity} exceeds the decoder's position table "
+                f"({shapes.max_positions} positions); lower --max-tokens"
+            )
+        return shapes
+
+    @property
+    def cache_shape(self) -> tuple[int, int, int, int]:
+        return (self.num_layers, self.num_kv_heads, self.capacity, self.head_dim)
+
+    @property
+    def memory_shape(self) -> tuple[int, int, int, int]:
+        return (self.num_layers, self.num_kv_heads, self.memory_len, self.head_dim)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------------------------
+# One export
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """Every static shape of one export: encoder functions and the decoder that reads their memory."""
+
+    encoder: dict[str, EncoderShapes]  # function name -> shapes; "main" is the full window
+    decoder: DecoderShapes
+    prompt_len: int
+
+    @property
+    def window(self) -> EncoderShapes:
+        return self.encoder["main"]
+
+
+def export_plan(model, processor, window_seconds: float, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                prompt_len: int = PROMPT_LENGTH, bucket_seconds=()) -> ExportPlan:
+    """Shapes of an export: the decoder's memory length is the full window's padded encoder frames."""
+    encoder = bucket_shapes(model, window_seconds, bucket_seconds, processor)
+    capacity = cache_capacity(max_new_tokens, prompt_len)
+    decoder = DecoderShapes.from_config(model.config, capacity, encoder["main"].padded_frames)
+    return ExportPlan(encoder=encoder, decoder=decoder, prompt_len=int(prompt_len))

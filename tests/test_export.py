@@ -1,0 +1,204 @@
+"""The export pipeline's layout: no import cycle, no dev code in the product, the manifest written
+last from the packages on disk, one gate interface (`gate.export_gated`)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import cohere_coreml
+
+PACKAGE_DIR = Path(cohere_coreml.__file__).parent
+
+
+# --------------------------------------------------------------------------------------------
+# Import graph
+# --------------------------------------------------------------------------------------------
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package_dir: Path = PACKAGE_DIR) -> dict[str, set[str]]:
+    """module -> package modules it imports (module level AND inside functions)."""
+    modules = {_module_name(p): p for p in package_dir.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        base = name.split(".") if is_pkg else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                prefix = base[: len(base) - node.level + 1] if node.level else []
+                mod = ".".join(prefix + ([node.module] if node.module else []))
+                # `from pkg import sub` imports the submodule; `from mod import name` the module itself
+                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names]
+            for target in targets:
+                if target in modules and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` as a list of modules, or None."""
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_cycle_finder_sees_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_package_has_no_import_cycle():
+    graph = import_graph()
+    assert "cohere_coreml.export" in graph and "cohere_coreml.encoder" in graph["cohere_coreml.export"]
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def test_encoder_and_decoder_know_nothing_of_each_other_or_the_bundle():
+    graph = import_graph()
+    for module, others in (("encoder", ("decoder", "bundle", "export")), ("decoder", ("encoder", "bundle", "export"))):
+        imported = graph[f"cohere_coreml.{module}"]
+        assert not imported & {f"cohere_coreml.{o}" for o in others}, (module, sorted(imported))
+
+
+# --------------------------------------------------------------------------------------------
+# No demo-model / fixture code in the product
+# --------------------------------------------------------------------------------------------
+
+
+def test_product_imports_no_training_or_synthesis_code():
+    code = (
+        "import importlib, pkgutil, sys, cohere_coreml\n"
+        "for m in pkgutil.walk_packages(cohere_coreml.__path__, 'cohere_coreml.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "import cohere_coreml.cli\n"
+        "print(sorted(sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE_DIR.parent.parent)  # not tools/: the dev package is not on the path
+    loaded = set(json.loads(out.stdout.strip().splitlines()[-1].replace("'", '"')))
+    assert "cohere_coreml.export" in loaded  # the check sees the package's modules
+    dev = sorted(m for m in loaded if m.split(".")[0] in {"cohere_coreml_dev", "sentencepiece", "jiwer"})
+    assert not dev, dev
+    for name in ("train", "synth", "evaluate"):
+        assert f"cohere_coreml.{name}" not in loaded and not (PACKAGE_DIR / f"{name}.py").exists()
+
+
+def test_product_source_never_imports_the_dev_package():
+    offenders = []
+    for path in PACKAGE_DIR.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in {"cohere_coreml_dev", "sentencepiece"}]
+    assert not offenders
+
+
+def test_gate_audio_ships_with_the_package():
+    from cohere_coreml.audio import load_audio
+    from cohere_coreml.gate import default_gate_audio
+
+    clips = default_gate_audio()
+    assert len(clips) >= 2
+    for clip in clips:
+        assert PACKAGE_DIR in clip.resolve().parents  # package data, not the source checkout's tests/
+        wav = load_audio(clip)
+        assert wav.size > 16000 and float(abs(wav).max()) > 0.05  # seconds of speech, not silence
+
+
+# --------------------------------------------------------------------------------------------
+# One gate interface
+# --------------------------------------------------------------------------------------------
+
+
+def _fake_writer(tmp: Path) -> None:
+    tmp.mkdir()
+    (tmp / "Manifest.json").write_text("{}")
+
+
+@pytest.mark.parametrize("passes", [True, False])
+def test_export_gated_writes_only_a_passing_package(tmp_path, passes):
+    from cohere_coreml.convert import ExportSettings, ParityError
+    from cohere_coreml.gate import GateReport, export_gated
+
+    seen = []
+
+    def gate(tmp: Path) -> GateReport:
+        seen.append(tmp)
+        assert (tmp / "Manifest.json").is_file()  # the gate runs on the written temporary package
+        return GateReport(component="thing", passed=passes, headline="figure 1.0", details={"figure": 1.0})
+
+    settings = ExportSettings(out_dir=tmp_path)
+    if passes:
+        report = export_gated("thing", settings, _fake_writer, gate)
+        assert report.passed and (tmp_path / "thing.mlpackage").is_dir()
+        data = json.loads((tmp_path / "thing.parity.json").read_text())
+        assert data == {"component": "thing", "passed": True, "headline": "figure 1.0", "figure": 1.0}
+        assert export_gated("thing", settings, _fake_writer, gate) is None  # present: skipped
+        assert len(seen) == 1
+    else:
+        with pytest.raises(ParityError, match="thing parity gate refused"):
+            export_gated("thing", settings, _fake_writer, gate)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["thing.parity-failed.json"]
+
+
+# --------------------------------------------------------------------------------------------
+# The manifest describes the packages on disk
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_manifest_follows_the_packages_on_disk(tiny_reference, tmp_path):
+    """Exporting one component refreshes the manifest; it never names a package that is not there,
+    and refuses packages that do not fit each other."""
+    from cohere_coreml.bundle import Bundle, BundleError
+    from cohere_coreml.convert import ExportSettings
+    from cohere_coreml.export import export_model
+
+    model, processor = tiny_reference
+    settings = ExportSettings(out_dir=tmp_path, precision="fp32", window_seconds=2.0, skip_verify=True)
+    result = export_model(model, processor, settings, components=("encoder",), max_new_tokens=22)
+    manifest = json.loads(result.manifest.read_text())
+    assert "decoder" not in manifest["files"] and "decoder" not in manifest
+    assert manifest["encoder"]["window_frames"] == 200 and manifest["encoder"]["memory_len"] == 32
+    with pytest.raises(BundleError, match="decoder"):
+        Bundle.load(tmp_path)
+
+    export_model(model, processor, settings, components=("decoder",), max_new_tokens=22)
+    manifest = Bundle.load(tmp_path).manifest
+    assert manifest["decoder"]["capacity"] == 32 and manifest["decoder"]["memory_shape"][2] == 32
+    assert manifest["encoder"]["io"]["outputs"]["cross_k"]["shape"] == manifest["decoder"]["memory_shape"]
+
+    # a 3 s encoder has a 64-frame memory: the 32-frame decoder on disk no longer fits it
+    with pytest.raises(BundleError, match="memory"):
+        export_model(model, processor, settings.replace(window_seconds=3.0, force=True), components=("encoder",),
+                     max_new_tokens=22)
+    assert not (tmp_path / "manifest.json").exists()  # no manifest rather than a stale one
