@@ -19,11 +19,11 @@ from cohere_coreml.convert import (
     kl_divergence,
     psnr,
     report_correctness,
-    round_up,
     save_package_atomic,
     weight_file_bytes,
 )
-from cohere_coreml.shapes import window_frames
+from cohere_coreml.config import round_up
+from cohere_coreml.shapes import ShapeError, window_frames
 
 
 class _Small(torch.nn.Module):
@@ -76,7 +76,7 @@ def test_window_frames_and_round_up():
     assert window_frames(35.0, 16000, 160) == 3500
     assert window_frames(2.0, 16000, 160) == 200
     assert round_up(438, 32) == 448 and round_up(448, 32) == 448 and round_up(1, 32) == 32
-    with pytest.raises(ExportSettingsError):
+    with pytest.raises(ShapeError, match="shorter than one mel frame"):
         window_frames(0.001, 16000, 160)
 
 
