@@ -145,54 +145,6 @@ class EncoderForCoreML(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------
-# The traced wrapper
-# --------------------------------------------------------------------------------------------
-
-class EncoderForCoreML(nn.Module):
-    """Traceable encoder: (features, length) -> decoder memory, cross K/V and mask.
-
-    Only wraps the transformers modules; no layer of the model is re-implemented.
-    """
-
-    def __init__(self, model, shapes: EncoderShapes):
-        super().__init__()
-        self.shapes = shapes
-        self.encoder = model.model.encoder
-        self.proj = model.model.decoder.proj
-        self.k_proj = nn.ModuleList([layer.encoder_attn.k_proj for layer in model.model.decoder.layers])
-        self.v_proj = nn.ModuleList([layer.encoder_attn.v_proj for layer in model.model.decoder.layers])
-
-    def forward(self, input_features: torch.Tensor, feature_length: torch.Tensor):
-        s = self.shapes
-        # input_features: (1, M, F) float; feature_length: (1,) int32
-        length = feature_length.to(torch.int64).clamp(1, s.frames)  # (1,)
-        frame_ids = torch.arange(s.frames, dtype=torch.int64)  # (F,)
-        attention_mask = (frame_ids[None, :] < length[:, None]).to(torch.int64)  # (1, F), 1 = valid
-        features = input_features.transpose(1, 2)  # (1, F, M), the layout transformers uses
-        features = features * attention_mask[:, :, None].to(features.dtype)  # padding is zero by contract
-
-        encoded = self.encoder(input_features=features, attention_mask=attention_mask)
-        hidden = encoded.last_hidden_state  # (1, T, He)
-        valid = encoded.attention_mask.to(hidden.dtype)  # (1, T), 1 for valid encoder frames
-        encoder_length = encoded.attention_mask.to(torch.int32).sum(-1)  # (1,)
-
-        pad = s.padded_frames - s.encoder_frames
-        memory = self.proj(hidden)  # (1, T, Ddec)
-        memory = nn.functional.pad(memory * valid[:, :, None], (0, 0, 0, pad))  # (1, Tp, Ddec)
-        valid_p = nn.functional.pad(valid, (0, pad))  # (1, Tp)
-        cross_mask = ((1.0 - valid_p) * MASK_VALUE)[:, None, None, :]  # (1, 1, 1, Tp)
-
-        keys, values = [], []
-        for k_proj, v_proj in zip(self.k_proj, self.v_proj):
-            # (1, Tp, Hkv * Dh) -> (Hkv, Tp, Dh)
-            keys.append(k_proj(memory).view(s.padded_frames, s.num_kv_heads, s.head_dim).transpose(0, 1))
-            values.append(v_proj(memory).view(s.padded_frames, s.num_kv_heads, s.head_dim).transpose(0, 1))
-        cross_k = torch.stack(keys, dim=0)  # (L, Hkv, Tp, Dh)
-        cross_v = torch.stack(values, dim=0)  # (L, Hkv, Tp, Dh)
-        return memory, cross_k, cross_v, cross_mask, encoder_length
-
-
-# --------------------------------------------------------------------------------------------
 # Reference (plain transformers, eager PyTorch)
 # --------------------------------------------------------------------------------------------
 
