@@ -151,7 +151,8 @@ def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, deco
 
     config = model.config
     packages = {name: info for name, info in (("encoder", encoder), ("decoder", decoder)) if info is not None}
-    precisions = {info["precision"] for info in packages.values()}
+    # (a length-bucketed encoder records no precision of its own: its functions' metadata is per function)
+    precisions = {info["precision"] for info in packages.values() if info["precision"] is not None}
     if len(precisions) > 1:
         raise BundleError(f"the packages have different precisions {sorted(map(str, precisions))}: re-export one")
     if encoder is not None and decoder is not None and encoder["memory_len"] != decoder["shapes"]["memory_len"]:
