@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -309,8 +311,8 @@ def test_gate_refuses_broken_steps(trained_case, broken):
 
 
 def test_gate_refuses_a_packaged_zero_memory_step(trained_reference, tmp_path, monkeypatch):
-    """The same break through the real export path (trace, convert, interpreter): refused, nothing
-    written."""
+    """The same break through the real export path (trace, convert, interpreter): refused, no
+    package written, only the refusal's figures (decoder.parity-failed.json)."""
     import cohere_coreml.decoder as decoder_module
     from cohere_coreml.convert import ExportSettings, ParityError
 
@@ -321,7 +323,9 @@ def test_gate_refuses_a_packaged_zero_memory_step(trained_reference, tmp_path, m
     settings = ExportSettings(out_dir=tmp_path, precision="fp32")
     with pytest.raises(ParityError, match="teacher forcing"):
         convert_decoder(model, settings, capacity=32, memory_len=64, prompt=_prompt(processor))
-    assert not any(tmp_path.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decoder.parity-failed.json"]
+    failed = json.loads((tmp_path / "decoder.parity-failed.json").read_text())
+    assert failed["passed"] is False and failed["component"] == "decoder"
 
 
 def test_gate_warns_when_the_case_cannot_discriminate(tiny_reference, caplog):
