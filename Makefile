@@ -9,18 +9,21 @@ endif
 RUN := $(UV) run --frozen
 
 # export settings (override on the command line: make export MODEL=/path/to/checkpoint OUT=out/f16)
+# default bundle folder: f16/ at the repository root (contents git-ignored), then `make quantize` -> q8/
 MODEL ?=
-OUT ?= out/export
+OUT ?= f16
 PRECISION ?= fp16
 
-.PHONY: help bootstrap sync demo test export quantize verify bench upload clean
+.PHONY: help bootstrap sync demo test export quantize verify bench upload bundle-check clean
 
 help:
 	@echo "make demo      main job on the built-in default checkpoint"
 	@echo "make test      run the test suite"
 	@echo "make export    MODEL=<hub id|folder> OUT=<dir> PRECISION=fp16|fp32: export Core ML packages"
 	@echo "make verify    MODEL=<hub id|folder> OUT=<bundle dir> AUDIO='a.wav b.wav' LANGUAGES=en,de: parity report"
-	@echo "make quantize | bench | upload: later stages (not available yet)"
+	@echo "make quantize  BUNDLE=f16 QOUT=q8 PRESET=q8|q8-hybrid|q4 MODEL=<ckpt>: compress an exported bundle, gated"
+	@echo "make upload    BUNDLE=q8 REPO_ID=org/name [DRY_RUN=1]: verify checksums, upload to the Hub"
+	@echo "make bench: not available yet (tracked in the project's issues)"
 
 bootstrap:
 	@command -v uv >/dev/null 2>&1 || $(PYTHON) -m uv --version >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet uv
@@ -50,7 +53,8 @@ test: sync
 
 export: sync
 	model="$(MODEL)"; [ -n "$$model" ] || model=$$($(RUN) cohere-coreml prepare-default | tail -n 1); \
-	$(RUN) cohere-coreml export --model "$$model" --out "$(OUT)" --precision $(PRECISION)
+	$(RUN) cohere-coreml export --model "$$model" --out "$(OUT)" --precision $(PRECISION) && \
+	$(RUN) cohere-coreml bundle finalize "$(OUT)"
 
 # verify: stage-by-stage parity of an exported bundle (OUT) against its checkpoint (MODEL), on AUDIO.
 AUDIO ?= tests/data/audio/en_medium.wav tests/data/audio/de_medium.wav tests/data/audio/es_medium.wav
@@ -60,7 +64,29 @@ verify: sync
 	model="$(MODEL)"; [ -n "$$model" ] || model=$$($(RUN) cohere-coreml prepare-default | tail -n 1); \
 	$(RUN) cohere-coreml verify --model "$$model" --bundle "$(OUT)" --audio $(AUDIO) --languages $(LANGUAGES)
 
-quantize bench upload:
+# quantize: f16/ -> q8/ at the repository root by default (issue 12); MODEL is only used by the
+# held-out gate (greedy tokens / WER vs PyTorch; default: the built-in default checkpoint).
+BUNDLE ?= f16
+QOUT ?= q8
+PRESET ?= q8
+REPO_ID ?=
+DRY_RUN ?=
+# held-out set of the default model (greedy tokens / WER gate); EVAL_SET=none skips that gate
+EVAL_SET ?= tests/data/heldout
+
+quantize: sync
+	model="$(MODEL)"; [ -n "$$model" ] || model=$$($(RUN) cohere-coreml prepare-default | tail -n 1); \
+	$(RUN) cohere-coreml quantize --bundle "$(BUNDLE)" --out "$(QOUT)" --preset $(PRESET) --model "$$model" \
+		--eval-set "$(EVAL_SET)"
+
+bundle-check: sync
+	$(RUN) cohere-coreml bundle check "$(BUNDLE)"
+
+upload: sync
+	@[ -n "$(REPO_ID)" ] || { echo "make upload: set REPO_ID=org/name (and BUNDLE=f16|q8)"; exit 2; }
+	$(RUN) cohere-coreml upload --bundle "$(BUNDLE)" --repo-id "$(REPO_ID)" $(if $(DRY_RUN),--dry-run,)
+
+bench:
 	@echo "make $@: not available yet (tracked in the project's issues)"; exit 2
 
 clean:

@@ -6,7 +6,9 @@ and it never describes a package that is not there. An export folder ("bundle") 
 
     encoder.mlpackage        features -> cross-attention memory (see docs/contract.md)
     decoder.mlpackage        stateful decode step (see docs/decoder.md)
-    manifest.json            this module: ids, prompts, shapes, capacities, file names
+    manifest.json            this module: ids, prompts, shapes, capacities, file names; and, from
+                             cohere_coreml.integrity, preset, recipe, min_os and the sha256 + size
+                             of every other file (`write_manifest`)
     vocab.json               id -> SentencePiece piece (cohere_coreml.tokens.export_vocab)
     tokenizer.json, tokenizer_config.json, processor_config.json
                              the checkpoint's tokenizer and feature-extractor settings
@@ -28,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from .config import BUCKETS_METADATA_KEY, PREFILL_FUNCTION
+from .integrity import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "cohere-coreml-bundle"
 FORMAT_VERSION = 1
 ENCODER_FILE = "encoder.mlpackage"
@@ -238,7 +240,6 @@ def write_bundle(out_dir: str | os.PathLike, model, processor) -> Path:
     and the checkpoint `model`/`processor` they were exported from.
     """
     from .audio import FrontEndConfig
-    from .convert import write_json_atomic
     from .tokens import export_vocab
 
     out_dir = Path(out_dir)
@@ -267,9 +268,37 @@ def write_bundle(out_dir: str | os.PathLike, model, processor) -> Path:
         # packages that do not fit each other: no manifest at all rather than one describing other packages
         (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
         raise
+    return write_manifest(manifest, out_dir)
+
+
+def write_manifest(manifest: dict, out_dir: str | os.PathLike) -> Path:
+    """Write `manifest` as `out_dir/manifest.json` (atomically, last) with what
+    `integrity.manifest_sections` computes from the files on disk: preset, recipe, min_os and
+    `checksums` (sha256 + size of every other file of the bundle, package contents included).
+
+    The one writer of manifests: `write_bundle` (export), `cohere-coreml quantize` (the f16
+    manifest with the quantized bundle's sections) and `refresh_manifest` (after README.md ...).
+    """
+    from .convert import write_json_atomic
+    from .integrity import manifest_sections
+
+    out_dir = Path(out_dir)
+    manifest = {**manifest, **manifest_sections(out_dir)}
     write_json_atomic(manifest, out_dir / MANIFEST_NAME)
     logger.info("wrote %s", out_dir / MANIFEST_NAME)
     return out_dir / MANIFEST_NAME
+
+
+def refresh_manifest(out_dir: str | os.PathLike) -> Path:
+    """Re-compute the file-derived sections of an existing manifest (after files were added)."""
+    path = Path(out_dir) / MANIFEST_NAME
+    if not path.is_file():
+        raise BundleError(f"{out_dir} has no {MANIFEST_NAME}: export the bundle first (`cohere-coreml export`)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise BundleError(f"{path} is not readable JSON: {err}") from err
+    return write_manifest(manifest, out_dir)
 
 
 @dataclass
@@ -315,6 +344,12 @@ class Bundle:
                 raise BundleError(f"bundle is missing {name} (looked in {', '.join(map(str, dirs))})")
             bundle.paths[key] = found
         bundle.paths["tokenizer_dir"] = bundle.paths["tokenizer"].parent
+        from .integrity import IntegrityError, check_sizes
+
+        try:
+            check_sizes(dirs, manifest)  # presence and size of every file the manifest lists
+        except IntegrityError as err:
+            raise BundleError(str(err)) from err
         return bundle
 
     # convenience accessors ------------------------------------------------------------------

@@ -8,6 +8,8 @@ Each sub-command lives next to the stage it drives and is registered here explic
     export            cohere_coreml.export
     transcribe        cohere_coreml.transcribe
     verify            cohere_coreml.verify
+    quantize          cohere_coreml.quantize
+    bundle, upload    cohere_coreml.publish
 
 `cohere-coreml <command> --help` explains each.
 """
@@ -19,7 +21,7 @@ import logging
 import sys
 from pathlib import Path
 
-from . import __version__, audio, checkpoint, export, transcribe, verify
+from . import __version__, audio, checkpoint, export, publish, quantize, transcribe, verify
 from .config import DEFAULT_HUB_ID
 
 logger = logging.getLogger("cohere_coreml")
@@ -39,6 +41,9 @@ Typical flow:
   cohere-coreml export --model MODEL --out DIR  # encoder.mlpackage + decoder.mlpackage, parity-gated
   cohere-coreml transcribe AUDIO --bundle DIR --language en
   cohere-coreml verify --model MODEL --bundle DIR --audio AUDIO
+  cohere-coreml quantize --bundle f16 --out q8 --preset q8   # compressed weights, gated vs f16
+  cohere-coreml bundle check DIR                # every file's sha256 vs manifest.json
+  cohere-coreml upload --bundle DIR --repo-id ORG/NAME --dry-run
 
 MODEL is a Hugging Face Hub id (default checkpoint: %s) or a local checkpoint folder.
 """ % DEFAULT_HUB_ID
@@ -81,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_command(sub)  # export
     transcribe.add_command(sub)  # transcribe
     verify.add_command(sub)  # verify
+    quantize.add_command(sub)  # quantize
+    publish.add_commands(sub)  # bundle check|finalize, upload
     return parser
 
 

@@ -32,6 +32,9 @@ from .convert import write_package_atomic
 logger = logging.getLogger(__name__)
 
 GATE_AUDIO_PACKAGE_DIR = ("data", "gate_audio")
+# the gate of a whole bundle on a held-out set (greedy tokens / WER vs PyTorch; cohere-coreml
+# quantize): its report follows the same convention, `heldout.parity.json`
+HELDOUT_COMPONENT = "heldout"
 
 
 @dataclass

@@ -9,6 +9,7 @@ last use.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -339,6 +340,28 @@ class MilModel(RuntimeModel):
             self._consts[name] = torch.from_numpy(arr.astype(np.int32))
             return
         self._consts[name] = dtypes.from_numpy(arr, mil_dtype)
+
+    # ------------------------------------------------------------------ constants (sensitivity runs)
+    def constant(self, name: str) -> torch.Tensor:
+        """The loaded (decompressed) value of a constant / constexpr output by its MIL var name."""
+        if name not in self._consts:
+            raise KeyError(f"{name!r} is not a constant of function {self.function_name!r}")
+        return self._consts[name]
+
+    @contextlib.contextmanager
+    def replaced_constants(self, values: dict):
+        """Run with some constants replaced (same shapes), e.g. one weight quantized; restored after."""
+        saved = {}
+        try:
+            for name, val in values.items():
+                old = self.constant(name)
+                if tuple(val.shape) != tuple(old.shape):
+                    raise ValueError(f"constant {name}: shape {tuple(val.shape)} != {tuple(old.shape)}")
+                saved[name] = old
+                self._consts[name] = val
+            yield self
+        finally:
+            self._consts.update(saved)
 
     # ------------------------------------------------------------------ interface
     def make_state(self) -> MilState:

@@ -1,0 +1,163 @@
+"""Bundle integrity: sha256 and size of every file, the manifest sections that record them, checks.
+
+`manifest_sections(bundle_dir)` returns what the manifest gains (preset and recipe, minimum OS
+versions, `checksums`: every file of the bundle with sha256 and size, the files inside each
+`.mlpackage` included), computed from the files on disk; `bundle.write_manifest` (the one manifest
+writer) merges it in last.
+`check_bundle(dir)` re-hashes every file and names each one that is missing, has another size or
+another hash, or is not listed; `check_sizes` is the cheap variant used when a bundle is loaded.
+`cohere-coreml bundle check DIR` runs the full check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.json"  # never listed: it cannot hold its own hash
+COMPRESSION_FILE = "compression.json"  # written by cohere_coreml.quantize; names the preset and recipes
+CHUNK = 1 << 20
+# Core ML specification version -> minimum OS versions (coremltools' _SPECIFICATION_VERSION_IOS_*)
+MIN_OS = {
+    7: {"iOS": "16.0", "macOS": "13.0", "tvOS": "16.0", "watchOS": "9.0", "visionOS": "1.0"},
+    8: {"iOS": "17.0", "macOS": "14.0", "tvOS": "17.0", "watchOS": "10.0", "visionOS": "1.0"},
+    9: {"iOS": "18.0", "macOS": "15.0", "tvOS": "18.0", "watchOS": "11.0", "visionOS": "2.0"},
+    10: {"iOS": "26.0", "macOS": "26.0", "tvOS": "26.0", "watchOS": "26.0", "visionOS": "26.0"},
+}
+
+
+class IntegrityError(ValueError):
+    """A bundle's files do not match its manifest (names every file that differs)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = problems or []
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def bundle_files(bundle_dir: str | os.PathLike) -> list[Path]:
+    """Every file of a bundle (relative paths, sorted), the manifest and hidden temporaries excluded."""
+    root = Path(bundle_dir)
+    out = []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if not path.is_file() or rel.as_posix() == MANIFEST_NAME or any(p.startswith(".") for p in rel.parts):
+            continue
+        out.append(rel)
+    return out
+
+
+def file_table(bundle_dir: str | os.PathLike) -> dict[str, dict]:
+    """{relative posix path: {"sha256", "size"}} of every bundle file, computed from disk."""
+    root = Path(bundle_dir)
+    return {rel.as_posix(): {"sha256": sha256_file(root / rel), "size": (root / rel).stat().st_size}
+            for rel in bundle_files(root)}
+
+
+def min_os(bundle_dir: str | os.PathLike) -> dict[str, str]:
+    """Minimum OS versions: the highest Core ML specification version among the bundle's packages."""
+    import coremltools as ct
+
+    versions = [ct.utils.load_spec(str(p)).specificationVersion for p in sorted(Path(bundle_dir).glob("*.mlpackage"))]
+    if not versions:
+        return {}
+    v = max(versions)
+    return {"spec_version": int(v), **MIN_OS.get(int(v), {})}
+
+
+def manifest_sections(bundle_dir: str | os.PathLike) -> dict:
+    """What the manifest gains from the files on disk: preset, recipe, min_os, checksums.
+
+    Call it last, when every other file of the bundle is written (README.md, compression.json...).
+    """
+    root = Path(bundle_dir)
+    compression = root / COMPRESSION_FILE
+    if compression.is_file():
+        data = json.loads(compression.read_text())
+        preset = data.get("preset", "unknown")
+        recipe = {comp: sec.get("recipe") for comp, sec in data.get("components", {}).items()}
+    else:
+        preset, recipe = "f16", {"encoder": None, "decoder": None}
+    files = file_table(root)
+    return {"preset": preset, "recipe": recipe, "min_os": min_os(root),
+            "checksums": {"algorithm": "sha256", "files": files,
+                          "total_bytes": sum(f["size"] for f in files.values())}}
+
+
+def _listed(manifest: dict, manifest_path: Path) -> dict[str, dict]:
+    files = (manifest.get("checksums") or {}).get("files")
+    if not isinstance(files, dict) or not files:
+        raise IntegrityError(f"{manifest_path} has no checksums (written before integrity records existed): "
+                             "rebuild the bundle or run `cohere-coreml bundle finalize`")
+    return files
+
+
+def _read_manifest(bundle_dir: Path) -> tuple[dict, Path]:
+    path = bundle_dir / MANIFEST_NAME
+    if not path.is_file():
+        raise IntegrityError(f"{bundle_dir} has no {MANIFEST_NAME}", [MANIFEST_NAME + ": missing"])
+    try:
+        return json.loads(path.read_text()), path
+    except json.JSONDecodeError as err:
+        raise IntegrityError(f"{path} is not valid JSON: {err}", [MANIFEST_NAME + ": unreadable"]) from err
+
+
+def check_bundle(bundle_dir: str | os.PathLike, hashes: bool = True) -> dict:
+    """Verify every listed file (size, and sha256 when `hashes`) and that no unlisted file exists.
+
+    Returns {"files": n, "bytes": total} when everything matches; raises IntegrityError naming
+    every file that differs otherwise.
+    """
+    root = Path(bundle_dir)
+    manifest, manifest_path = _read_manifest(root)
+    listed = _listed(manifest, manifest_path)
+    problems = []
+    for rel, want in sorted(listed.items()):
+        path = root / rel
+        if not path.is_file():
+            problems.append(f"{rel}: missing")
+            continue
+        size = path.stat().st_size
+        if size != want["size"]:
+            problems.append(f"{rel}: size {size} != {want['size']} in the manifest")
+        elif hashes and sha256_file(path) != want["sha256"]:
+            problems.append(f"{rel}: sha256 differs from the manifest")
+    for rel in bundle_files(root):
+        if rel.as_posix() not in listed:
+            problems.append(f"{rel.as_posix()}: not listed in the manifest")
+    if problems:
+        raise IntegrityError(f"{root}: {len(problems)} file(s) do not match {MANIFEST_NAME}:\n  " + "\n  ".join(problems),
+                             problems)
+    return {"files": len(listed), "bytes": sum(v["size"] for v in listed.values())}
+
+
+def check_sizes(bundle_dirs, manifest: dict) -> None:
+    """Presence and size of every listed file, searched over one or more folders (cheap; for
+    loading). No-op for manifests without checksums."""
+    listed = (manifest.get("checksums") or {}).get("files")
+    if not listed:
+        return
+    dirs = [Path(bundle_dirs)] if isinstance(bundle_dirs, (str, os.PathLike)) else [Path(d) for d in bundle_dirs]
+    problems = []
+    for rel, want in sorted(listed.items()):
+        path = next((d / rel for d in dirs if (d / rel).is_file()), None)
+        if path is None:
+            problems.append(f"{rel}: missing")
+        elif path.stat().st_size != want["size"]:
+            problems.append(f"{rel}: size {path.stat().st_size} != {want['size']} in the manifest")
+    if problems:
+        where = ", ".join(map(str, dirs))
+        raise IntegrityError(f"{where}: {len(problems)} file(s) do not match {MANIFEST_NAME}:\n  " + "\n  ".join(problems),
+                             problems)

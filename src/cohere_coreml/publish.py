@@ -1,0 +1,368 @@
+"""Published bundles: model card (README.md), example_inference.py, `bundle check|finalize`, Hub upload.
+
+`cohere-coreml upload --bundle q8/ --repo-id ORG/NAME` is a thin layer over
+`huggingface_hub.HfApi.upload_folder`: the bundle's checksums are verified first, the files go to
+one folder per preset in the repository (`f16/`, `q8/`...), the token comes from `HF_TOKEN` or the
+Hugging Face login and is never printed, and an unreachable Hub is a one-line error (requests
+time out after `HF_HUB_ETAG_TIMEOUT`/`--timeout` seconds; `HF_HUB_OFFLINE=1` fails at once).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from .bundle import MANIFEST_NAME, refresh_manifest
+from .gate import HELDOUT_COMPONENT
+from .integrity import IntegrityError, check_bundle, file_table
+
+logger = logging.getLogger(__name__)
+
+README = "README.md"
+EXAMPLE = "example_inference.py"
+PIPELINE_TAG = "automatic-speech-recognition"
+
+
+class PublishError(RuntimeError):
+    """The bundle cannot be published (names the problem)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Model card
+# --------------------------------------------------------------------------------------------
+
+
+def _load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def model_card(bundle_dir: str | os.PathLike) -> str:
+    """README.md of a bundle: Hub metadata header, files and sizes, gate figures, usage."""
+    root = Path(bundle_dir)
+    m = json.loads((root / MANIFEST_NAME).read_text())
+    preset = m.get("preset") or ("f16" if not (root / "compression.json").is_file() else "unknown")
+    languages = sorted(m.get("languages", {}))
+    header = [
+        "---",
+        "license: apache-2.0",
+        "language:", *[f"- {lang}" for lang in languages],
+        f"pipeline_tag: {PIPELINE_TAG}",
+        "library_name: coreml",
+        f"base_model: {m.get('model_id', 'unknown')}",
+        "tags:", "- coreml", "- core-ml", "- apple-neural-engine", "- speech-recognition", "- cohere-transcribe",
+        f"- {preset}",
+        "---",
+    ]
+    sizes = {}
+    for rel, info in file_table(root).items():
+        top = rel.split("/", 1)[0]
+        sizes[top] = sizes.get(top, 0) + info["size"]
+    lines = [*header, "", f"# {m.get('model_id', 'model')} for Core ML ({preset})", "",
+             f"Core ML bundle of `{m.get('model_id')}` (revision `{m.get('revision')}`) made by cohere-coreml "
+             f"{m.get('tool_version')} (`{m.get('tool_git_hash')}`): encoder + stateful decoder (KV cache in Core ML "
+             "state), fp16 activations" + ("" if preset == "f16" else f", weights compressed with preset `{preset}`") + ".",
+             "", "## Files", "", "| file | size |", "|---|---|"]
+    lines += [f"| `{name}` | {_mb(n)} |" for name, n in sorted(sizes.items())]
+    lines += ["", f"Total: {_mb(sum(sizes.values()))}. Every file's sha256 is in `manifest.json` "
+              "(`checksums`); `cohere-coreml bundle check DIR` verifies them.", ""]
+    lines += ["## Parity (measured at build time, through the project's runtime)", "",
+              "| check | reference | figure | threshold | passed |", "|---|---|---|---|---|"]
+    for comp in ("encoder", "decoder"):
+        r = _load(root / f"{comp}.parity.json")
+        if not r:
+            continue
+        ref = r.get("reference", "PyTorch")
+        if r.get("skipped"):
+            lines.append(f"| {comp} | {ref} | gate skipped at build time | | {r.get('passed')} |")
+            continue
+        if "mean_kl" in r:
+            lines.append(f"| {comp} log-prob PSNR / mean KL | {ref} | {float(r['worst_psnr_db']):.1f} dB / "
+                         f"{float(r['mean_kl']):.2e} | {r.get('min_psnr_db', r.get('min_psnr_db_required'))} dB / "
+                         f"{r.get('max_mean_kl', r.get('max_kl_allowed'))} | {r.get('passed')} |")
+        else:
+            # a multifunction package (length buckets) has one report per function: the worst one
+            functions = list(r.get("functions", {}).values())
+            worst = r.get("worst_psnr_db")
+            worst = worst if worst is not None else min(
+                (float(f["worst_psnr_db"]) for f in functions), default=float("nan"))
+            need = r.get("min_psnr_db", max((f.get("min_psnr_db", 0.0) for f in functions), default=""))
+            lines.append(f"| {comp} output PSNR | {ref} | {float(worst):.1f} dB | {need} dB | {r.get('passed')} |")
+        if "abs_error_nats" in r:
+            e, q = r["abs_error_nats"], r["eos_error_nats"]
+            lines.append(f"| {comp} log-prob error (top-{r['top_k']} tokens), nats | f16 decoder | median "
+                         f"{e['median']:.3g}, p99 {e['p99']:.3g}, max {e['max']:.3g}; eos max {q['max']:.3g} | | |")
+    h = _load(root / f"{HELDOUT_COMPONENT}.parity.json")
+    if h and not h.get("skipped"):
+        lines += ["", "## Held-out WER (measured at build time)", "",
+                  f"| set | clips | WER ({h['baseline']}) | WER (this bundle) | identical token sequences |",
+                  "|---|---|---|---|---|",
+                  f"| {h.get('eval_set', 'held-out')} | {h['clips']} | {100 * h['wer_baseline']:.2f} % | "
+                  f"{100 * h['wer']:.2f} % | {h['identical_clips']}/{h['clips']} |"]
+    else:
+        lines += ["", "Held-out WER: not measured for this bundle."]
+    min_os = m.get("min_os") or {}
+    lines += ["", "## Requirements", "",
+              f"iOS {min_os.get('iOS', '18.0')}+ / macOS {min_os.get('macOS', '15.0')}+ (stateful ML programs); Apple "
+              "silicon recommended (Neural Engine). The first Neural Engine load compiles the model and can take "
+              "minutes; later loads use the cache.", "",
+              "## Use it", "", "Python (macOS: Core ML; Linux: needs the cohere-coreml interpreter):", "", "```bash",
+              "pip install coremltools numpy soundfile", "python example_inference.py audio.wav --language en", "```",
+              "", "Swift: load `encoder.mlpackage` and `decoder.mlpackage` with `MLModel`, create the decoder state "
+              "with `makeState()`, and follow the decoding loop in the manifest's documentation (`docs/bundle.md` "
+              "of cohere-coreml): prompt ids from `manifest.json` `languages`, greedy argmax, stop at "
+              "`tokens.eos_token_ids`.", ""]
+    return "\n".join(lines)
+
+
+EXAMPLE_SOURCE = '''#!/usr/bin/env python
+"""Transcribe an audio file with this Core ML bundle (standalone: numpy + coremltools + soundfile).
+
+    python example_inference.py audio.wav --language en
+
+Runs the packages with Core ML (macOS). Uses cohere_coreml (its exact front end and, on Linux,
+its MIL interpreter) when installed; otherwise computes the log-mel features with numpy.
+"""
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+
+
+def log_mel(wave, a):
+    """The model's front end (CohereAsrFeatureExtractor, dither 0) in numpy."""
+    n_fft, hop, win, n_mels, sr = a["n_fft"], a["hop_length"], a["win_length"], a["n_mels"], a["sampling_rate"]
+    n_valid = (len(wave) + 2 * (n_fft // 2) - n_fft) // hop
+    x = np.append(wave[:1], wave[1:] - a["preemphasis"] * wave[:-1]).astype(np.float64)
+    x = np.pad(x, n_fft // 2)
+    w = np.zeros(n_fft)
+    off = (n_fft - win) // 2
+    w[off:off + win] = np.hanning(win)
+    frames = np.lib.stride_tricks.sliding_window_view(x, n_fft)[::hop][: n_valid + 1] * w
+    power = np.abs(np.fft.rfft(frames, axis=-1)) ** 2
+    fft_f = np.linspace(0, sr / 2, n_fft // 2 + 1)
+
+    def hz_to_mel(f):
+        f = np.asarray(f, dtype=np.float64)
+        lin = f / (200.0 / 3)
+        return np.where(f >= 1000, 15 + np.log(np.maximum(f, 1e-10) / 1000) / (np.log(6.4) / 27), lin)
+
+    def mel_to_hz(m):
+        return np.where(m >= 15, 1000 * np.exp((np.log(6.4) / 27) * (m - 15)), m * 200.0 / 3)
+
+    pts = mel_to_hz(np.linspace(hz_to_mel(0), hz_to_mel(sr / 2), n_mels + 2))
+    fb = np.maximum(0, np.minimum((fft_f[None] - pts[:-2, None]) / (pts[1:-1, None] - pts[:-2, None]),
+                                  (pts[2:, None] - fft_f[None]) / (pts[2:, None] - pts[1:-1, None])))
+    fb *= (2.0 / (pts[2:] - pts[:-2]))[:, None]
+    mel = np.log(fb @ power.T + 2.0 ** -24)[:, :n_valid]
+    mean = mel.mean(1, keepdims=True)
+    std = mel.std(1, ddof=1, keepdims=True) if n_valid > 1 else np.zeros_like(mean)
+    return ((mel - mean) / (std + 1e-5)).astype(np.float32), n_valid
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("audio")
+    p.add_argument("--language", default="en")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    args = p.parse_args()
+    m = json.loads((HERE / "manifest.json").read_text())
+    vocab = json.loads((HERE / m["files"]["vocab"]).read_text())
+    try:  # the project's own front end and runtime when installed (exact; works on Linux too)
+        from cohere_coreml.audio import FrontEndConfig, load_audio
+        from cohere_coreml.audio import log_mel as cc_log_mel
+        from cohere_coreml.runtime import load_model
+
+        wave = load_audio(args.audio, target_rate=m["audio"]["sampling_rate"])
+        feats, n = cc_log_mel(wave, FrontEndConfig.from_dict(m["audio"]))
+        feats = feats[:, :n]
+        enc = load_model(str(HERE / m["files"]["encoder"]))
+        dec = load_model(str(HERE / m["files"]["decoder"]))
+    except ImportError:
+        import coremltools as ct
+        import soundfile as sf
+
+        wave, sr = sf.read(args.audio, dtype="float32", always_2d=True)
+        wave = wave.mean(1)
+        if sr != m["audio"]["sampling_rate"]:
+            raise SystemExit(f"resample the audio to {m['audio']['sampling_rate']} Hz first")
+        feats, n = log_mel(wave, m["audio"])
+        enc = ct.models.MLModel(str(HERE / m["files"]["encoder"]))
+        dec = ct.models.MLModel(str(HERE / m["files"]["decoder"]))
+    frames = m["encoder"]["window_frames"]
+    if n > frames:
+        raise SystemExit(f"this example handles one window ({frames} frames); split longer audio")
+    window = np.zeros((1, feats.shape[0], frames), np.float32)
+    window[0, :, :n] = feats[:, :n]
+    out = enc.predict({"input_features": window, "feature_length": np.array([n], np.int32)})
+    cross = {k: out[k] for k in ("cross_k", "cross_v", "cross_mask")}
+    state = dec.make_state()
+    prompt = m["languages"][args.language]["punctuation"]
+    eos = set(m["tokens"]["eos_token_ids"])
+    limit = min(args.max_new_tokens, m["decoder"]["max_new_tokens"])
+    ids, pos = [], 0
+    for pos, tok in enumerate(prompt):
+        lp = dec.predict({"input_ids": np.array([[tok]], np.int32), "position": np.array([pos], np.int32), **cross},
+                         state=state)["log_probs"]
+    pos = len(prompt)
+    while True:
+        tok = int(np.argmax(lp))
+        if tok in eos or len(ids) >= limit:
+            break
+        ids.append(tok)
+        lp = dec.predict({"input_ids": np.array([[tok]], np.int32), "position": np.array([pos], np.int32), **cross},
+                         state=state)["log_probs"]
+        pos += 1
+    pieces = [vocab[str(i)] for i in ids if not (vocab[str(i)].startswith("<") and vocab[str(i)].endswith(">")
+                                                  and not vocab[str(i)].startswith("<0x"))]
+    data = bytearray()
+    for piece in pieces:
+        if piece.startswith("<0x") and piece.endswith(">"):
+            data.append(int(piece[3:-1], 16))
+        else:
+            data += piece.encode()
+    print(data.decode("utf-8", errors="replace").replace("\\u2581", " ").strip())
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def finalize_bundle(bundle_dir: str | os.PathLike) -> Path:
+    """Write README.md and example_inference.py, then the manifest's integrity sections (last)."""
+    root = Path(bundle_dir)
+    if not (root / MANIFEST_NAME).is_file():
+        raise PublishError(f"{root} has no manifest.json: export the bundle first")
+    _write_text_atomic(root / EXAMPLE, EXAMPLE_SOURCE)
+    refresh_manifest(root)  # sizes for the card
+    _write_text_atomic(root / README, model_card(root))
+    return refresh_manifest(root)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------
+# Upload
+# --------------------------------------------------------------------------------------------
+
+
+def upload_plan(bundle_dir: str | os.PathLike) -> tuple[str, list[tuple[str, int]]]:
+    """(preset folder in the repository, [(path in repo, size)]) after verifying every checksum."""
+    root = Path(bundle_dir)
+    check_bundle(root, hashes=True)
+    manifest = json.loads((root / MANIFEST_NAME).read_text())
+    preset = manifest.get("preset")
+    if not preset:
+        raise PublishError(f"{root}/manifest.json names no preset: finalize the bundle first")
+    files = [(f"{preset}/{rel}", info["size"]) for rel, info in manifest["checksums"]["files"].items()]
+    files.append((f"{preset}/{MANIFEST_NAME}", (root / MANIFEST_NAME).stat().st_size))
+    return preset, sorted(files)
+
+
+def upload_bundle(bundle_dir: str | os.PathLike, repo_id: str, revision: str | None = None, private: bool = False,
+                  dry_run: bool = False, timeout: float = 10.0) -> dict:
+    """Upload a verified bundle into `<repo_id>/<preset>/` (thin over `HfApi.upload_folder`)."""
+    root = Path(bundle_dir)
+    if "/" not in repo_id or repo_id.count("/") != 1:
+        raise PublishError(f"--repo-id must be ORG/NAME, got {repo_id!r}")
+    preset, files = upload_plan(root)
+    result = {"repo_id": repo_id, "folder": preset, "files": files, "bytes": sum(s for _, s in files),
+              "dry_run": dry_run}
+    if dry_run:
+        return result
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", str(int(timeout)))
+    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", str(int(timeout)))
+    try:
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+    except ImportError as err:  # pragma: no cover - huggingface_hub is a dependency
+        raise PublishError(f"huggingface_hub is not installed: {err}") from err
+    api = HfApi()  # token: HF_TOKEN or the `hf auth login` file; never read or printed here
+    allow = [path.split("/", 1)[1] for path, _ in files]
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        commit = api.upload_folder(folder_path=str(root), repo_id=repo_id, path_in_repo=preset, revision=revision,
+                                   allow_patterns=allow, commit_message=f"Upload {preset} bundle")
+    except OfflineModeIsEnabled as err:
+        raise PublishError(f"cannot upload: the Hugging Face Hub is disabled here (HF_HUB_OFFLINE=1): {err}") from err
+    except HfHubHTTPError as err:
+        raise PublishError(f"the Hugging Face Hub refused the upload to {repo_id}: {_first_line(err)}") from err
+    except (OSError, ConnectionError) as err:
+        raise PublishError(f"cannot reach the Hugging Face Hub to upload {repo_id}: {_first_line(err)}") from err
+    except Exception as err:  # requests/httpx timeouts and connection errors from the client
+        if "timeout" in type(err).__name__.lower() or "connect" in type(err).__name__.lower():
+            raise PublishError(f"cannot reach the Hugging Face Hub to upload {repo_id}: {_first_line(err)}") from err
+        raise
+    result["commit"] = str(getattr(commit, "commit_url", commit))
+    return result
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+# --------------------------------------------------------------------------------------------
+# Commands: `cohere-coreml bundle check|finalize`, `cohere-coreml upload`
+# --------------------------------------------------------------------------------------------
+
+
+def cmd_bundle(args) -> int:
+    if args.action == "finalize":
+        print(finalize_bundle(args.dir))
+        return 0
+    try:
+        summary = check_bundle(args.dir, hashes=True)
+    except IntegrityError as err:
+        print(str(err))
+        return 1
+    print(f"{args.dir}: {summary['files']} files, {summary['bytes']:,} bytes: every sha256 matches manifest.json")
+    return 0
+
+
+def cmd_upload(args) -> int:
+    result = upload_bundle(args.bundle, args.repo_id, revision=args.revision, private=args.private,
+                           dry_run=args.dry_run, timeout=args.timeout)
+    verb = "would upload" if result["dry_run"] else "uploaded"
+    print(f"{verb} {len(result['files'])} files ({result['bytes']:,} bytes) to {result['repo_id']}/{result['folder']}/")
+    for path, size in result["files"]:
+        print(f"  {size:>14,}  {path}")
+    if result.get("commit"):
+        print(result["commit"])
+    return 0
+
+
+def add_commands(subparsers) -> None:
+    """Register `cohere-coreml bundle check|finalize` and `cohere-coreml upload`."""
+    p = subparsers.add_parser("bundle", help="check a bundle's files against its manifest, or finalize it",
+                              description="check: re-hash every file of the bundle (package contents included) and "
+                              "name each one that is missing, differs or is unlisted (exit 1). finalize: write "
+                              "README.md (model card) and example_inference.py, then the manifest's checksums.")
+    p.add_argument("action", choices=("check", "finalize"))
+    p.add_argument("dir", help="bundle folder")
+    p.set_defaults(func=cmd_bundle)
+
+    p = subparsers.add_parser("upload", help="upload a verified bundle to the Hugging Face Hub (one folder per preset)",
+                              description="Verify every checksum, then upload the bundle's files into "
+                              "ORG/NAME/<preset>/ with huggingface_hub. Token: HF_TOKEN or `hf auth login` "
+                              "(never printed).")
+    p.add_argument("--bundle", required=True, help="bundle folder (f16/, q8/ ...)")
+    p.add_argument("--repo-id", required=True, help="ORG/NAME of the model repository")
+    p.add_argument("--revision", default=None, help="branch to commit to (default: main)")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.add_argument("--dry-run", action="store_true", help="list what would be uploaded, with sizes; upload nothing")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds before an unreachable Hub is an error")
+    p.set_defaults(func=cmd_upload)
