@@ -918,10 +918,6 @@ def build_component(comp: str, f16_package: Path, dst: Path, recipe: Recipe, dat
     return section
 
 
-def recipes_used(report: dict) -> dict:
-    return {comp: sec["recipe"] for comp, sec in report["components"].items()}
-
-
 def packaged_gate_clips() -> list[tuple[Path, str]]:
     """The export gates' speech (shipped with the package), language from the file name (en_medium.flac)."""
     from .gate import default_gate_audio
