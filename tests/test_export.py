@@ -82,9 +82,11 @@ def test_package_has_no_import_cycle():
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
 
 
-def test_encoder_and_decoder_know_nothing_of_each_other_or_the_bundle():
+def test_components_know_nothing_of_each_other_or_the_bundle():
     graph = import_graph()
-    for module, others in (("encoder", ("decoder", "bundle", "export")), ("decoder", ("encoder", "bundle", "export"))):
+    for module, others in (("encoder", ("decoder", "frontend", "bundle", "export")),
+                           ("decoder", ("encoder", "frontend", "bundle", "export")),
+                           ("frontend", ("encoder", "decoder", "bundle", "export"))):
         imported = graph[f"cohere_coreml.{module}"]
         assert not imported & {f"cohere_coreml.{o}" for o in others}, (module, sorted(imported))
 
@@ -202,3 +204,28 @@ def test_manifest_follows_the_packages_on_disk(tiny_reference, tmp_path):
         export_model(model, processor, settings.replace(window_seconds=3.0, force=True), components=("encoder",),
                      max_new_tokens=22)
     assert not (tmp_path / "manifest.json").exists()  # no manifest rather than a stale one
+
+
+@pytest.mark.slow
+def test_front_end_is_a_default_component_described_from_disk(tiny_reference, tmp_path):
+    """`frontend` is exported by default; the manifest's section comes from the package on disk
+    (one function per encoder window); a front end of another window than the encoder's is refused."""
+    from cohere_coreml.bundle import BundleError
+    from cohere_coreml.convert import ExportSettings
+    from cohere_coreml.export import COMPONENTS, export_model
+
+    assert tuple(COMPONENTS) == ("encoder", "frontend", "decoder")
+    model, processor = tiny_reference
+    settings = ExportSettings(out_dir=tmp_path, precision="fp32", window_seconds=2.0, skip_verify=True)
+    result = export_model(model, processor, settings, components=("encoder", "frontend"), buckets=(1.0,))
+    manifest = json.loads(result.manifest.read_text())
+    assert manifest["files"]["frontend"] == "frontend.mlpackage"
+    assert {fn: (v["samples"], v["frames"]) for fn, v in manifest["frontend"]["functions"].items()} == {
+        "main": (32000, 200), "window_1s": (16000, 100)}
+    assert {fn: v["frames"] for fn, v in manifest["encoder"]["functions"].items()} == {"main": 200, "window_1s": 100}
+    assert manifest["frontend"]["compute_units"] == "cpu_and_gpu" and manifest["frontend"]["precision"] == "fp32"
+
+    # the front end re-exported for a 3 s window no longer feeds the 2 s encoder on disk
+    with pytest.raises(BundleError, match="mel frames"):
+        export_model(model, processor, settings.replace(window_seconds=3.0, force=True), components=("frontend",))
+    assert not (tmp_path / "manifest.json").exists()

@@ -4,6 +4,7 @@ The manifest is written last, by `write_bundle`, from the packages on disk (thei
 metadata) and the checkpoint's tokenizer and config: exporting any one component refreshes it,
 and it never describes a package that is not there. An export folder ("bundle") holds
 
+    frontend.mlpackage       16 kHz samples -> the encoder's input_features (cohere_coreml.frontend)
     encoder.mlpackage        features -> cross-attention memory (see docs/contract.md)
     decoder.mlpackage        stateful decode step (see docs/decoder.md)
     manifest.json            this module: ids, prompts, shapes, capacities, file names; and, from
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import BUCKETS_METADATA_KEY, PREFILL_FUNCTION
+from .config import BUCKETS_METADATA_KEY, FRONTEND_FUNCTIONS_METADATA_KEY, PREFILL_FUNCTION
 from .integrity import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
@@ -38,8 +39,9 @@ FORMAT_NAME = "cohere-coreml-bundle"
 FORMAT_VERSION = 1
 ENCODER_FILE = "encoder.mlpackage"
 DECODER_FILE = "decoder.mlpackage"
+FRONTEND_FILE = "frontend.mlpackage"
 VOCAB_FILE = "vocab.json"
-FILES = {"encoder": ENCODER_FILE, "decoder": DECODER_FILE}
+FILES = {"encoder": ENCODER_FILE, "frontend": FRONTEND_FILE, "decoder": DECODER_FILE}
 
 
 class BundleError(ValueError):
@@ -70,14 +72,14 @@ def language_prompts(tokenizer) -> dict[str, dict[str, list[int]]]:
     }
 
 
-def package_io(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
-    """{"inputs"|"outputs"|"states": {name: {"shape": [...], "dtype": str}}} of a package's default
-    function, read from its spec (`cohere_coreml.runtime.package.describe`)."""
+def package_io(path: str | os.PathLike, function_name: str | None = None) -> dict[str, dict[str, Any]]:
+    """{"inputs"|"outputs"|"states": {name: {"shape": [...], "dtype": str}}} of a package's function
+    (default: its default function), read from its spec (`cohere_coreml.runtime.package.describe`)."""
     import numpy as np
 
     from .runtime.package import describe, read_package
 
-    described = describe(read_package(path))
+    described = describe(read_package(path, function_name=function_name))
     return {
         kind: {name: {"shape": [int(d) for d in shape], "dtype": np.dtype(dtype).name}
                for name, (shape, dtype) in features.items()}
@@ -123,6 +125,29 @@ def encoder_package_info(path: str | os.PathLike) -> dict:
             "io": package_io(path)}
 
 
+def frontend_package_info(path: str | os.PathLike) -> dict:
+    """Functions (window seconds, samples, frames, I/O of each), I/O, compute units and precision of
+    an exported front-end package (the manifest's "frontend" section)."""
+    from .runtime.package import read_package
+
+    meta = package_metadata(path)
+    try:
+        raw = json.loads(meta[FRONTEND_FUNCTIONS_METADATA_KEY])
+        functions = {fn: {"window_seconds": float(v["window_seconds"]), "samples": int(v["samples"]),
+                          "frames": int(v["frames"])} for fn, v in raw.items()}
+    except (KeyError, ValueError, TypeError, AttributeError) as err:
+        raise BundleError(f"{path} lacks the front-end metadata of cohere-coreml ({err}): re-export it") from err
+    present = read_package(path).function_names
+    missing = sorted(set(functions) - set(present)) + ([] if "main" in functions else ["main"])
+    if missing:
+        raise BundleError(f"{path}: function(s) {missing} described in its metadata are not in the package "
+                          f"(it has {sorted(present)}): re-export it")
+    for fn in functions:
+        functions[fn]["io"] = package_io(path, function_name=fn)
+    return {"functions": functions, "io": package_io(path), "compute_units": meta.get("com.cohere_coreml.compute_units"),
+            "precision": meta.get("com.cohere_coreml.precision")}
+
+
 def decoder_package_info(path: str | os.PathLike) -> dict:
     """Shapes, functions and I/O of an exported decoder package."""
     from .runtime.package import describe, read_package
@@ -143,10 +168,10 @@ def decoder_package_info(path: str | os.PathLike) -> dict:
 
 
 def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, decoder: dict | None,
-                   model_id: str = "unknown", revision: str | None = None) -> dict:
-    """The manifest dict (see docs/bundle.md) of the packages described by `encoder`/`decoder`
-    (`encoder_package_info` / `decoder_package_info`, None when absent). Every id and size is
-    read from the packages, `model` and `tokenizer`."""
+                   model_id: str = "unknown", revision: str | None = None, frontend: dict | None = None) -> dict:
+    """The manifest dict (see docs/bundle.md) of the packages described by `encoder`/`decoder`/
+    `frontend` (`encoder_package_info` / `decoder_package_info` / `frontend_package_info`, None when
+    absent). Every id and size is read from the packages, `model` and `tokenizer`."""
     from . import __version__
     from .convert import git_hash
     from .tokens import NO_SPACE_LANGUAGES
@@ -162,12 +187,19 @@ def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, deco
             f"decoder.mlpackage reads a memory of {decoder['shapes']['memory_len']} frames but encoder.mlpackage "
             f"gives {encoder['memory_len']}: export both with the same window (use --force)"
         )
+    if encoder is not None and frontend is not None and frontend["functions"]["main"]["frames"] != encoder["window_frames"]:
+        raise BundleError(
+            f"frontend.mlpackage gives {frontend['functions']['main']['frames']} mel frames but encoder.mlpackage "
+            f"reads {encoder['window_frames']}: export both with the same window (use --force)"
+        )
     prompts = language_prompts(tokenizer)
     prompt_len = len(next(iter(prompts.values()))["punctuation"])
     gen = getattr(model, "generation_config", None)
     upstream_max_new = int(getattr(gen, "max_new_tokens", None) or 256)
     window_frames = encoder["window_frames"] if encoder is not None else None
     files = {name: FILES[name] for name in packages}
+    if frontend is not None:
+        files["frontend"] = FRONTEND_FILE
     files.update({"vocab": VOCAB_FILE, "tokenizer": "tokenizer.json", "tokenizer_config": "tokenizer_config.json",
                   "processor_config": "processor_config.json"})
     manifest = {
@@ -182,6 +214,15 @@ def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, deco
         "files": files,
         "audio": {**front_end, "window_frames": window_frames},
     }
+    if frontend is not None:
+        # frontend.mlpackage: one window of samples -> the encoder's input_features + feature_length;
+        # an fp32 program meant for CPU/GPU; one function per encoder window (the encoder's names)
+        manifest["frontend"] = {
+            "compute_units": frontend["compute_units"],
+            "precision": frontend["precision"],
+            "functions": frontend["functions"],  # function -> {"window_seconds", "samples", "frames", "io"}
+            "io": frontend["io"],
+        }
     if encoder is not None:
         manifest["encoder"] = {
             "window_frames": window_frames,
@@ -255,13 +296,14 @@ def write_bundle(out_dir: str | os.PathLike, model, processor) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     export_vocab(tokenizer, out_dir / VOCAB_FILE)
     front_end = FrontEndConfig.from_processor(processor, dither=0.0).to_dict()
-    enc_pkg, dec_pkg = out_dir / ENCODER_FILE, out_dir / DECODER_FILE
+    enc_pkg, dec_pkg, fe_pkg = out_dir / ENCODER_FILE, out_dir / DECODER_FILE, out_dir / FRONTEND_FILE
     source = getattr(model, "source", None)
     try:
         manifest = build_manifest(
             model, tokenizer, front_end,
             encoder=encoder_package_info(enc_pkg) if enc_pkg.exists() else None,
             decoder=decoder_package_info(dec_pkg) if dec_pkg.exists() else None,
+            frontend=frontend_package_info(fe_pkg) if fe_pkg.exists() else None,
             model_id=str(getattr(source, "model_id", "unknown")), revision=getattr(source, "revision", None),
         )
     except BundleError:
@@ -344,6 +386,12 @@ class Bundle:
                 raise BundleError(f"bundle is missing {name} (looked in {', '.join(map(str, dirs))})")
             bundle.paths[key] = found
         bundle.paths["tokenizer_dir"] = bundle.paths["tokenizer"].parent
+        frontend = manifest["files"].get("frontend")  # optional: frontend.mlpackage
+        if frontend is not None:
+            found = next((d / frontend for d in dirs if (d / frontend).exists()), None)
+            if found is None:
+                raise BundleError(f"bundle is missing {frontend} (looked in {', '.join(map(str, dirs))})")
+            bundle.paths["frontend"] = found
         from .integrity import IntegrityError, check_sizes
 
         try:

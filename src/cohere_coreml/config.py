@@ -27,9 +27,11 @@ ANE_MULTIPLE = 32
 # finfo(float32).min or -1e9 become -inf in an fp16 program and fully masked rows then give NaN.
 FP16_MASK_VALUE = -1e4
 
-# Package format: names written by the exporters (encoder, decoder) and read by bundle/transcribe.
+# Package format: names written by the exporters (encoder, front end, decoder) and read by bundle/transcribe.
 # Metadata key of a length-bucketed encoder: {function: {window_seconds, frames, encoder_frames, padded_frames}}
 BUCKETS_METADATA_KEY = "com.cohere_coreml.buckets"
+# Metadata key of the front-end package: {function: {window_seconds, samples, frames}}
+FRONTEND_FUNCTIONS_METADATA_KEY = "com.cohere_coreml.functions"
 # Function of decoder.mlpackage that feeds the whole prompt in one call
 PREFILL_FUNCTION = "prefill"
 

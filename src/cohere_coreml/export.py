@@ -10,8 +10,8 @@ The pipeline, in order:
 
 Components (`COMPONENTS`) know nothing of each other or of the bundle: each receives the
 `ExportJob` (model, processor, settings, plan, gate audio, options) and returns its package path or
-None (skipped: already present). Adding a component (a front end, a quantized variant) is one
-`Component` entry here plus its module.
+None (skipped: already present). Adding a component (like the front end, or a quantized variant)
+is one `Component` entry here plus its module.
 """
 
 from __future__ import annotations
@@ -69,6 +69,17 @@ def _export_encoder(job: ExportJob) -> Path | None:
     return encoder.convert_encoder(job.model, job.settings, job.processor, clips=clips)
 
 
+def _export_frontend(job: ExportJob) -> Path | None:
+    """frontend.mlpackage: samples -> the encoder's input_features, one function per encoder window."""
+    from . import frontend
+    from .audio import FrontEndConfig
+
+    config = FrontEndConfig.from_processor(job.processor, dither=0.0)
+    if config.n_mels != job.plan.window.n_mels:
+        raise ExportError(f"the front end has {config.n_mels} mel bins, the encoder expects {job.plan.window.n_mels}")
+    return frontend.convert_frontend(config, job.settings, job.plan.frontend, gate_audio=job.gate_audio)
+
+
 def _export_decoder(job: ExportJob) -> Path | None:
     from . import decoder
     from .bundle import decoder_package_info
@@ -86,10 +97,11 @@ def _export_decoder(job: ExportJob) -> Path | None:
     return path if result["written"] else None
 
 
-# Export order: the encoder fixes nothing the decoder reads (both take their shapes from the plan),
-# but gating the cheaper encoder first fails fast.
+# Export order: no component reads another (all take their shapes from the plan), but gating the
+# cheaper ones first fails fast. All are exported by default: every bundle carries the front end.
 COMPONENTS: dict[str, Component] = {
     "encoder": Component("encoder", _export_encoder),
+    "frontend": Component("frontend", _export_frontend),
     "decoder": Component("decoder", _export_decoder),
 }
 
@@ -175,9 +187,10 @@ def add_command(subparsers) -> None:
     """Register `cohere-coreml export`."""
     p = subparsers.add_parser(
         "export",
-        help="export encoder.mlpackage + decoder.mlpackage and the bundle, parity-gated against PyTorch",
+        help="export encoder.mlpackage, frontend.mlpackage, decoder.mlpackage and the bundle, parity-gated",
         description="Convert a Cohere Transcribe checkpoint into Core ML packages. Each package is checked "
-        "through the project's runtime against PyTorch (parity gate); a failing gate exits non-zero and "
+        "through the project's runtime against PyTorch (the front end: against audio.log_mel) (parity gate); "
+        "a failing gate exits non-zero and "
         "leaves no package behind. Figures are written next to the package as <component>.parity.json; "
         "manifest.json, vocab.json and the tokenizer files are written last, describing the packages present.",
     )
@@ -194,13 +207,15 @@ def add_command(subparsers) -> None:
     p.add_argument("--components", default=",".join(COMPONENTS),
                    help="comma-separated components to export (default: %(default)s)")
     p.add_argument("--gate-audio", nargs="+", default=None,
-                   help="speech files for the encoder parity gate (default: the clips shipped with the package)")
+                   help="speech files for the encoder and front-end parity gates (default: the clips shipped "
+                   "with the package)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                    help="new tokens one window can decode; the decoder cache holds round_up(10 + N, 32) "
                    "slots (default: %(default)s, the upstream limit)")
     p.add_argument("--buckets", type=float, nargs="+", default=(),
                    help="extra shorter encoder windows in seconds (e.g. --buckets 10 20): encoder.mlpackage "
-                   "gets one function per window (weights shared, outputs padded to the full window)")
+                   "and frontend.mlpackage get one function per window (encoder weights shared, encoder outputs "
+                   "padded to the full window)")
     p.add_argument("--prefill", action="store_true",
                    help="add a prompt prefill function to decoder.mlpackage (one call for the 10 prompt "
                    "tokens; multifunction package sharing weights and state with the step)")

@@ -2,14 +2,15 @@
 
 Every size the packages fix is computed here, from the checkpoint's config and front end:
 
+    window samples  S  = window seconds * sample rate                 (35 s -> 560000)
     window frames   F  = samples of the window // hop                 (35 s -> 3500)
     encoder frames  T  = the encoder's own subsampling arithmetic(F)  (3500 -> 438)
     memory length   Tp = round_up(T, 32), or a given length (buckets) (438 -> 448)
     cache capacity  C  = round_up(prompt + max new tokens, 32)        (10 + 256 -> 288)
     buckets            shorter windows whose memory is padded to the full window's Tp
 
-`export_plan` gathers them for one export (encoder functions + decoder), so the encoder and
-decoder modules receive their sizes and never compute each other's.
+`export_plan` gathers them for one export (encoder functions, the front-end functions of the same
+windows, decoder), so the component modules receive their sizes and never compute each other's.
 """
 
 from __future__ import annotations
@@ -29,13 +30,18 @@ class ShapeError(ValueError):
 # --------------------------------------------------------------------------------------------
 
 
+def window_samples(window_seconds: float, sample_rate: int) -> int:
+    """Audio samples of a window (35 s at 16 kHz -> 560000)."""
+    return int(round(float(window_seconds) * sample_rate))
+
+
 def window_frames(window_seconds: float, sample_rate: int, hop_length: int) -> int:
     """Mel frames of a window, as `CohereAsrFeatureExtractor` counts them for a full window.
 
     valid frames = (samples + 2 * (n_fft // 2) - n_fft) // hop = samples // hop (n_fft even).
     35 s at 16 kHz, hop 160 -> 3500.
     """
-    samples = int(round(window_seconds * sample_rate))
+    samples = window_samples(window_seconds, sample_rate)
     frames = samples // hop_length
     if frames < 1:
         raise ShapeError(
@@ -78,6 +84,57 @@ def choose_bucket(buckets: dict[str, int], n_frames: int) -> str:
         raise ShapeError(f"{n_frames} mel frames do not fit any encoder window {sorted(buckets.values())}; "
                          "split the audio first")
     return min(fitting)[1]
+
+
+def choose_frontend_function(functions: dict[str, dict], num_samples: int, min_frames: int = 0) -> str:
+    """The front-end function ({name: {"samples", "frames"}}) with the smallest window that holds
+    `num_samples` samples and gives at least `min_frames` mel frames."""
+    fitting = [(int(v["samples"]), fn) for fn, v in functions.items()
+               if int(v["samples"]) >= num_samples and int(v["frames"]) >= min_frames]
+    if not fitting:
+        longest = max(int(v["samples"]) for v in functions.values())
+        raise ShapeError(f"clip has {num_samples} samples but the longest front-end window holds {longest}: "
+                         "split it with split_long_audio")
+    return min(fitting)[1]
+
+
+# --------------------------------------------------------------------------------------------
+# Front end (frontend.mlpackage: samples -> the encoder's input_features)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FrontEndShapes:
+    """Sizes of one front-end function (one window)."""
+
+    window_seconds: float
+    samples: int  # S, audio samples of the window
+    frames: int  # F = S // hop, mel frames (the encoder function's input frames)
+    n_mels: int  # M
+    n_fft: int
+    win_length: int
+    hop_length: int
+    sample_rate: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def frontend_shapes(front_end, window_seconds: float) -> FrontEndShapes:
+    """Shapes of the front end for one window; `front_end` is an `audio.FrontEndConfig`.
+
+    F is `window_frames` of the window, the encoder function's frames for the same window.
+    """
+    samples = window_samples(window_seconds, front_end.sampling_rate)
+    frames = window_frames(window_seconds, front_end.sampling_rate, front_end.hop_length)
+    if frames < 2:
+        raise ShapeError(f"a window of {window_seconds} s holds {frames} mel frame(s); at least 2 are needed")
+    if front_end.win_length > front_end.n_fft:
+        raise ShapeError(f"win_length {front_end.win_length} > n_fft {front_end.n_fft}")
+    return FrontEndShapes(window_seconds=float(window_seconds), samples=samples, frames=frames,
+                          n_mels=int(front_end.n_mels), n_fft=int(front_end.n_fft),
+                          win_length=int(front_end.win_length), hop_length=int(front_end.hop_length),
+                          sample_rate=int(front_end.sampling_rate))
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,11 +272,13 @@ class DecoderShapes:
 
 @dataclass(frozen=True)
 class ExportPlan:
-    """Every static shape of one export: encoder functions and the decoder that reads their memory."""
+    """Every static shape of one export: encoder functions, the front-end functions of the same
+    windows, and the decoder that reads the encoder's memory."""
 
     encoder: dict[str, EncoderShapes]  # function name -> shapes; "main" is the full window
     decoder: DecoderShapes
     prompt_len: int
+    frontend: dict[str, FrontEndShapes]  # the encoder's function names and windows
 
     @property
     def window(self) -> EncoderShapes:
@@ -228,8 +287,13 @@ class ExportPlan:
 
 def export_plan(model, processor, window_seconds: float, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                 prompt_len: int = PROMPT_LENGTH, bucket_seconds=()) -> ExportPlan:
-    """Shapes of an export: the decoder's memory length is the full window's padded encoder frames."""
+    """Shapes of an export: the decoder's memory length is the full window's padded encoder frames;
+    the front end has one function per encoder function (same name, same window)."""
+    from .audio import FrontEndConfig
+
     encoder = bucket_shapes(model, window_seconds, bucket_seconds, processor)
     capacity = cache_capacity(max_new_tokens, prompt_len)
     decoder = DecoderShapes.from_config(model.config, capacity, encoder["main"].padded_frames)
-    return ExportPlan(encoder=encoder, decoder=decoder, prompt_len=int(prompt_len))
+    front_end = FrontEndConfig.from_processor(processor, dither=0.0) if processor is not None else FrontEndConfig()
+    frontend = {fn: frontend_shapes(front_end, shapes.window_seconds) for fn, shapes in encoder.items()}
+    return ExportPlan(encoder=encoder, decoder=decoder, prompt_len=int(prompt_len), frontend=frontend)

@@ -2,7 +2,7 @@
 
 Per window (at most one `split_long_audio` piece, zero-padded to the encoder's window):
 
-    features (cohere_coreml.audio.log_mel + pad_to_window)
+    features (cohere_coreml.audio.log_mel + pad_to_window, or the bundle's frontend.mlpackage)
       -> encoder.mlpackage : cross_k, cross_v, cross_mask
       -> fresh decoder state, feed the language prompt one token per call
       -> greedy: argmax(log_probs), feed it back, until eos or the cache capacity
@@ -30,6 +30,9 @@ from .bundle import Bundle, BundleError
 logger = logging.getLogger(__name__)
 
 DECODER_INPUTS = ("cross_k", "cross_v", "cross_mask")
+# Where a window's features come from: `audio.log_mel` ("python") or the bundle's frontend.mlpackage.
+FRONT_ENDS = ("python", "package")
+DEFAULT_FRONT_END = "python"
 
 
 class TranscriptionError(RuntimeError):
@@ -81,15 +84,19 @@ class Transcriber:
         backend: runtime backend: "auto" (Core ML on macOS, the MIL interpreter elsewhere),
             "coreml" or "mil".
         use_prefill: feed the prompt in one call when the decoder package has a prefill function.
+        front_end: "python" (`audio.log_mel`, the default) or "package" (the bundle's
+            frontend.mlpackage turns each window's samples into features).
     """
 
     def __init__(self, bundle: str | os.PathLike | Sequence[str | os.PathLike] | Bundle, backend: str = "auto",
-                 use_prefill: bool = True):
+                 use_prefill: bool = True, front_end: str = DEFAULT_FRONT_END):
         from transformers import PreTrainedTokenizerFast
 
         from .audio import FrontEndConfig
         from .runtime import load_model
 
+        if front_end not in FRONT_ENDS:
+            raise TranscriptionError(f"front_end must be one of {FRONT_ENDS}, got {front_end!r}")
         self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle)
         self.backend = backend
         m = self.bundle.manifest
@@ -111,6 +118,15 @@ class Transcriber:
         self.prefill_length = dec.get("prefill_length")
         if use_prefill and prefill_fn:
             self.prefill = load_model(str(self.bundle.paths["decoder"]), backend=backend, function_name=prefill_fn)
+        self.front_end_kind = front_end
+        self._frontends: dict = {}  # front-end function name -> loaded model (loaded on first use)
+        has_frontend = "frontend" in self.bundle.paths and bool(m.get("frontend"))
+        self.frontend_functions = m["frontend"]["functions"] if has_frontend else None
+        if front_end == "package":
+            if not has_frontend:
+                raise BundleError("the bundle has no frontend.mlpackage (re-export it: `cohere-coreml export` writes it "
+                                  "by default) or use front_end='python'")
+            self._frontends["main"] = load_model(str(self.bundle.paths["frontend"]), backend=backend)
         self.load_s = time.perf_counter() - t0
         self.capacity = self.bundle.capacity
         self.window_frames = self.bundle.window_frames
@@ -123,6 +139,48 @@ class Transcriber:
             if n_valid <= frames:
                 return frames, fn
         return self.window_frames, "main"  # pad_to_window raises the clear error
+
+    def package_features(self, waveform: np.ndarray) -> tuple[np.ndarray, int, str]:
+        """(features (1, M, F), valid frames, encoder function) of one clip from frontend.mlpackage.
+
+        The encoder function is chosen as with the Python front end (smallest window holding the valid
+        frames); the front-end function is the smallest whose window holds the samples and those
+        frames, its features cut to the encoder's F (frames beyond the valid ones are zero).
+        """
+        from .audio import AudioError, check_waveform, valid_frames
+        from .shapes import ShapeError, choose_frontend_function
+
+        if not self.frontend_functions:
+            raise BundleError("the bundle has no frontend.mlpackage")
+        x = np.asarray(waveform, dtype=np.float32).reshape(-1)
+        check_waveform(x)
+        n_valid = valid_frames(x.shape[0], self.front_end)
+        if n_valid < 2:  # the same refusal as log_mel
+            raise AudioError(f"audio is too short: {x.shape[0]} samples give {max(n_valid, 0)} feature frame(s); "
+                             f"at least {2 * self.front_end.hop_length} samples are needed")
+        frames, encoder_function = self.bucket_for(n_valid)
+        if n_valid > frames:
+            raise AudioError(f"clip has {n_valid} feature frames but the window holds {frames}: split it with "
+                             "split_long_audio")
+        try:
+            fn = choose_frontend_function(self.frontend_functions, x.shape[0], min_frames=frames)
+        except ShapeError as err:
+            raise AudioError(str(err)) from err
+        if fn not in self._frontends:
+            from .runtime import load_model
+
+            self._frontends[fn] = load_model(str(self.bundle.paths["frontend"]), backend=self.backend,
+                                             function_name=fn)
+        samples = int(self.frontend_functions[fn]["samples"])
+        audio = np.zeros((1, samples), dtype=np.float32)
+        audio[0, : x.shape[0]] = x
+        out = self._frontends[fn].predict({"audio": audio, "audio_length": np.array([x.shape[0]], dtype=np.int32)})
+        feats = np.asarray(out["input_features"], dtype=np.float32)
+        got = int(np.asarray(out["feature_length"]).reshape(-1)[0])
+        if got != n_valid or feats.ndim != 3 or feats.shape[-1] < frames:
+            raise TranscriptionError(f"front-end package returned {got} valid frames of shape {feats.shape}; "
+                                     f"expected {n_valid} of (1, M, >= {frames})")
+        return feats[:, :, :frames], n_valid, encoder_function
 
     def encode(self, features: np.ndarray, n_valid: int) -> dict[str, np.ndarray]:
         """features (M, F) or (1, M, F) float32 window -> encoder outputs.
@@ -228,9 +286,12 @@ class Transcriber:
         from .tokens import decode_ids
 
         t0 = time.perf_counter()
-        feats, n_valid = log_mel(waveform, self.front_end)
-        frames, encoder_function = self.bucket_for(n_valid)
-        feats, n_valid = pad_to_window(feats, n_valid, frames=frames)
+        if self.front_end_kind == "package":
+            feats, n_valid, encoder_function = self.package_features(waveform)
+        else:
+            feats, n_valid = log_mel(waveform, self.front_end)
+            frames, encoder_function = self.bucket_for(n_valid)
+            feats, n_valid = pad_to_window(feats, n_valid, frames=frames)
         t1 = time.perf_counter()
         enc = self.encode(feats, n_valid)
         t2 = time.perf_counter()
@@ -239,6 +300,7 @@ class Transcriber:
         calls = max(dec["calls"], 1)
         timings = {
             "features_s": t1 - t0,
+            "front_end": self.front_end_kind,
             "encoder_s": t2 - t1,
             "encoder_function": encoder_function,
             "prompt_s": dec["prompt_s"],
@@ -291,7 +353,8 @@ class Transcriber:
 def cmd_transcribe(args) -> int:
     import json
 
-    transcriber = Transcriber(args.bundle, backend=args.backend, use_prefill=not args.no_prefill)
+    transcriber = Transcriber(args.bundle, backend=args.backend, use_prefill=not args.no_prefill,
+                              front_end=args.front_end)
     results = []
     for path in args.audio:
         result = transcriber.transcribe(path, language=args.language, punctuation=not args.no_punctuation,
@@ -333,5 +396,8 @@ def add_command(subparsers) -> None:
                    help="stop a window after N new tokens (default: the decoder cache capacity)")
     p.add_argument("--no-prefill", action="store_true",
                    help="feed the prompt token by token even if the decoder package has a prefill function")
+    p.add_argument("--front-end", default=DEFAULT_FRONT_END, choices=FRONT_ENDS,
+                   help="python: features from cohere_coreml.audio.log_mel; package: from the bundle's "
+                   "frontend.mlpackage (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON: text, token ids, timings, truncation per window")
     p.set_defaults(func=cmd_transcribe)

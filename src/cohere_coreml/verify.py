@@ -3,7 +3,8 @@
 For every clip and every window of it (the same split points as the reference extractor):
 
 1. mel      : our front end (cohere_coreml.audio) vs `CohereAsrFeatureExtractor` (dither 0), PSNR
-              over the valid frames;
+              over the valid frames; when the bundle has frontend.mlpackage, its features too
+              ("frontend": PSNR, max |diff|, valid frames, padding zero);
 2. encoder  : encoder.mlpackage outputs (cross_k, cross_v, encoder_hidden_states) vs the PyTorch
               encoder + `decoder.proj` + each layer's cross k/v projections, PSNR over valid frames;
 3. decoder  : decoder.mlpackage under teacher forcing (fed the reference greedy sequence, with the
@@ -109,6 +110,14 @@ def verify_bundle(model, processor, bundle_dirs, audio: Sequence, language: str 
                         "psnr_db": _f(psnr(ref_feats[:, :n_ref], ours[:, :n_ref])) if n_ref == n_valid else "-inf",
                         "max_abs_err": float(np.max(np.abs(ref_feats[:, :n_ref] - ours[:, :n_ref])))
                         if n_ref == n_valid else float("inf")}
+            if "frontend" in bundle.paths:  # 1b. the bundle's front-end package vs the extractor
+                pkg_feats, pkg_valid, _ = transcriber.package_features(piece)
+                same = pkg_valid == n_ref
+                w["frontend"] = {"frames": pkg_valid, "reference_frames": n_ref,
+                                 "psnr_db": _f(psnr(ref_feats[:, :n_ref], pkg_feats[0, :, :n_ref])) if same else "-inf",
+                                 "max_abs_err": float(np.max(np.abs(ref_feats[:, :n_ref] - pkg_feats[0, :, :n_ref])))
+                                 if same else float("inf"),
+                                 "padding_zero": not pkg_feats[0, :, pkg_valid:].any()}
             # 2. encoder
             feats_t = torch.from_numpy(ref["input_features"])
             mask_t = torch.from_numpy(ref["attention_mask"]).long()
@@ -198,7 +207,15 @@ def summarize(clips: list[dict]) -> dict:
     windows = [w for c in clips for w in c["windows"]]
     if not windows:
         return {}
+    frontend = [w["frontend"] for w in windows if "frontend" in w]
+    fe_summary = {}
+    if frontend:
+        fe_summary = {"frontend_worst_psnr_db": min(_num(f["psnr_db"]) for f in frontend),
+                      "frontend_max_abs_err": max(f["max_abs_err"] for f in frontend),
+                      "frontend_frames_equal": all(f["frames"] == f["reference_frames"] for f in frontend),
+                      "frontend_padding_zero": all(f["padding_zero"] for f in frontend)}
     return {
+        **fe_summary,
         "clips": len(clips),
         "windows": len(windows),
         "mel_worst_psnr_db": min(_num(w["mel"]["psnr_db"]) for w in windows),
@@ -235,6 +252,10 @@ def format_table(report: dict) -> str:
         if c.get("text") != c.get("reference_text"):
             lines.append(f"  {'':{len(Path(c['clip']).name)}}  reference: {c.get('reference_text', '')}")
     s = report["summary"]
+    if s and "frontend_worst_psnr_db" in s:
+        lines.append(f"front-end package: >= {s['frontend_worst_psnr_db']:.1f} dB, max |diff| "
+                     f"{s['frontend_max_abs_err']:.2e} vs the extractor, valid frames equal "
+                     f"{s['frontend_frames_equal']}, padding zero {s['frontend_padding_zero']}")
     if s:
         lines.append(
             f"summary: {s['windows']} windows, mel >= {s['mel_worst_psnr_db']:.1f} dB, encoder >= "
