@@ -31,7 +31,7 @@ bootstrap:
 sync: bootstrap
 	$(UV) sync --frozen
 
-# demo: export the built-in default checkpoint (encoder + stateful decoder + manifest), then transcribe
+# demo: export the built-in default checkpoint (encoder + front end + stateful decoder + manifest), then transcribe
 # the committed sample clips through the MIL interpreter and print texts and parity figures vs PyTorch.
 DEMO_OUT ?= out/demo
 # clips in the default model's languages (it was trained on en/de/es only)

@@ -38,7 +38,7 @@ on Linux (MIL interpreter) or macOS (Core ML), and check them against the PyTorc
 Typical flow:
   cohere-coreml prepare-default                 # the checkout's small trained checkpoint (no download)
   cohere-coreml info --model MODEL              # what a checkpoint holds
-  cohere-coreml export --model MODEL --out DIR  # encoder.mlpackage + decoder.mlpackage, parity-gated
+  cohere-coreml export --model MODEL --out DIR  # frontend, encoder and decoder .mlpackage, parity-gated
   cohere-coreml transcribe AUDIO --bundle DIR --language en
   cohere-coreml verify --model MODEL --bundle DIR --audio AUDIO
   cohere-coreml quantize --bundle f16 --out q8 --preset q8   # compressed weights, gated vs f16
