@@ -43,7 +43,8 @@ def test_export_manifest_carries_checksums(trained_bundle):
     _validate(manifest)
     assert manifest["preset"] == "f16" and manifest["recipe"] == {"encoder": None, "decoder": None}
     assert set(manifest["checksums"]["files"]) == {p.as_posix() for p in bundle_files(trained_bundle)}
-    assert {"encoder.parity.json", "decoder.parity.json"} <= set(manifest["checksums"]["files"])
+    assert {"encoder.parity.json", "frontend.parity.json", "decoder.parity.json"} <= set(manifest["checksums"]["files"])
+    assert any(f.startswith("frontend.mlpackage/") for f in manifest["checksums"]["files"])
     assert check_bundle(trained_bundle)["files"] == len(manifest["checksums"]["files"])
 
 
@@ -70,7 +71,9 @@ def test_schema_rejects_broken_manifests(bundle):
     for breaking in (lambda m: m.pop("checksums"),
                      lambda m: m["checksums"]["files"].update({"x": {"sha256": "zz", "size": 1}}),
                      lambda m: m.update(preset="q3"),
-                     lambda m: m["tokens"].update(eos_token_ids=[])):
+                     lambda m: m["tokens"].update(eos_token_ids=[]),
+                     lambda m: m["frontend"].update(compute_units="neural_engine"),
+                     lambda m: m["frontend"]["functions"].pop("main")):
         broken = json.loads(json.dumps(manifest))
         breaking(broken)
         with pytest.raises(jsonschema.ValidationError):

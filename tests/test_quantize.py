@@ -81,7 +81,7 @@ def test_q8_multifunction_decoder_keeps_prefill_and_shares_weights(q8_bundle):
     assert mf["merged_over_single"] < 1.02, mf
 
 
-def test_q8_gate_figures_and_bundle(q8_bundle):
+def test_q8_gate_figures_and_bundle(f16_bundle, q8_bundle):
     from cohere_coreml.integrity import check_bundle
     from cohere_coreml.transcribe import Transcriber
 
@@ -104,10 +104,18 @@ def test_q8_gate_figures_and_bundle(q8_bundle):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["preset"] == "q8" and manifest["recipe"]["decoder"]["scheme"] == "int8"
     assert manifest["min_os"]["iOS"] == "18.0"
-    # the quantized bundle transcribes like the reference on a held-out clip
-    res = Transcriber(out, backend="mil").transcribe(HELDOUT / "en_heldout_00000.flac", language="en")
+    # the front end is not compressed: the f16 package and its gate report, byte for byte
+    f16 = json.loads((f16_bundle / "manifest.json").read_text())
+    fe_files = {k: v for k, v in manifest["checksums"]["files"].items() if k.startswith("frontend.")}
+    assert "frontend.parity.json" in fe_files and any(k.startswith("frontend.mlpackage/") for k in fe_files)
+    assert fe_files == {k: v for k, v in f16["checksums"]["files"].items() if k.startswith("frontend.")}
+    assert manifest["frontend"] == f16["frontend"] and "front-end features" in (out / "README.md").read_text()
+    # the quantized bundle transcribes like the reference on a held-out clip, with either front end
     ref = json.loads((HELDOUT / "manifest.json").read_text())["utterances"][0]["text"]
-    assert res.text.strip(" .?").lower() == ref.strip(" .?").lower()
+    for front_end in ("python", "package"):
+        res = Transcriber(out, backend="mil", front_end=front_end).transcribe(HELDOUT / "en_heldout_00000.flac",
+                                                                              language="en")
+        assert res.text.strip(" .?").lower() == ref.strip(" .?").lower(), front_end
 
 
 def test_quantizing_twice_is_refused(f16_bundle, q8_bundle, tmp_path):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import tempfile
 import time
@@ -347,13 +348,14 @@ def run_gate(package: str | Path, cases: Sequence[GateCase], function_name: str 
                      f"frames)\n{report.summary()}")
         logger.info("%s", texts[-1])
         results.append(report)
-    parts = []
+    parts, worst = [], {}
     for kind, budget in GATE_BUDGETS.items():
         checks = [next(o for o in r.outputs if o.name == "input_features") for r in results if r.extra["kind"] == kind]
         if checks:
-            parts.append(f"{kind}: max |diff| {max(c.max_abs_err for c in checks):.2e} (<= {budget['max_abs_diff']:g}), "
-                         f"PSNR >= {min(c.psnr_db for c in checks):.1f} dB (need {budget['min_psnr_db']:g}) "
-                         f"over {len(checks)} case(s)")
+            diff, low = max(c.max_abs_err for c in checks), min(c.psnr_db for c in checks)
+            worst[kind] = {"max_abs_diff": diff, "psnr_db": low if math.isfinite(low) else str(low), "cases": len(checks)}
+            parts.append(f"{kind}: max |diff| {diff:.2e} (<= {budget['max_abs_diff']:g}), PSNR >= {low:.1f} dB "
+                         f"(need {budget['min_psnr_db']:g}) over {len(checks)} case(s)")
     refused = [r.extra["case"] for r in results if not r.passed]
     if refused:
         parts.append(f"refused: {', '.join(map(str, refused))}")
@@ -362,7 +364,8 @@ def run_gate(package: str | Path, cases: Sequence[GateCase], function_name: str 
         passed=all(r.passed for r in results),
         headline="; ".join(parts),
         details={"package": f"{COMPONENT}.mlpackage", "function": function_name or "main", "precision": PRECISION,
-                 "compute_units": COMPUTE_UNITS, "budgets": GATE_BUDGETS, "backend": type(loaded).__name__},
+                 "compute_units": COMPUTE_UNITS, "budgets": GATE_BUDGETS, "worst": worst,
+                 "backend": type(loaded).__name__},
         cases=[r.to_dict() for r in results],
         text="\n".join(texts),
     )
@@ -432,7 +435,7 @@ def convert_frontend(config: FrontEndConfig, settings: ExportSettings, shapes_by
                 report.details["windows"] = functions_meta
                 return report
             return GateReport.of_functions(COMPONENT, reports, windows=functions_meta, precision=PRECISION,
-                                           compute_units=COMPUTE_UNITS)
+                                           compute_units=COMPUTE_UNITS, budgets=GATE_BUDGETS)
 
         export_gated(COMPONENT, settings, write, gate)
     finally:

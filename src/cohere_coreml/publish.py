@@ -65,7 +65,9 @@ def model_card(bundle_dir: str | os.PathLike) -> str:
         sizes[top] = sizes.get(top, 0) + info["size"]
     lines = [*header, "", f"# {m.get('model_id', 'model')} for Core ML ({preset})", "",
              f"Core ML bundle of `{m.get('model_id')}` (revision `{m.get('revision')}`) made by cohere-coreml "
-             f"{m.get('tool_version')} (`{m.get('tool_git_hash')}`): encoder + stateful decoder (KV cache in Core ML "
+             f"{m.get('tool_version')} (`{m.get('tool_git_hash')}`): "
+             + ("front end (16 kHz samples -> log-mel features, fp32, CPU/GPU) + " if m.get("frontend") else "")
+             + "encoder + stateful decoder (KV cache in Core ML "
              "state), fp16 activations" + ("" if preset == "f16" else f", weights compressed with preset `{preset}`") + ".",
              "", "## Files", "", "| file | size |", "|---|---|"]
     lines += [f"| `{name}` | {_mb(n)} |" for name, n in sorted(sizes.items())]
@@ -73,6 +75,16 @@ def model_card(bundle_dir: str | os.PathLike) -> str:
               "(`checksums`); `cohere-coreml bundle check DIR` verifies them.", ""]
     lines += ["## Parity (measured at build time, through the project's runtime)", "",
               "| check | reference | figure | threshold | passed |", "|---|---|---|---|---|"]
+    fe = _load(root / "frontend.parity.json")  # the front end is never compressed: its f16 export's gate
+    if fe and not fe.get("skipped"):
+        worst = [w for w in [fe.get("worst"), *(f.get("worst") for f in fe.get("functions", {}).values())] if w]
+        signal = [w["signal"] for w in worst if "signal" in w]
+        if signal:
+            lines.append(f"| front-end features (speech), max abs diff / PSNR | audio.log_mel | "
+                         f"{max(w['max_abs_diff'] for w in signal):.2e} / "
+                         f"{min(float(w['psnr_db']) for w in signal):.1f} dB | "
+                         f"{fe.get('budgets', {}).get('signal', {}).get('max_abs_diff')} / "
+                         f"{fe.get('budgets', {}).get('signal', {}).get('min_psnr_db')} dB | {fe.get('passed')} |")
     for comp in ("encoder", "decoder"):
         r = _load(root / f"{comp}.parity.json")
         if not r:
@@ -113,7 +125,9 @@ def model_card(bundle_dir: str | os.PathLike) -> str:
               "minutes; later loads use the cache.", "",
               "## Use it", "", "Python (macOS: Core ML; Linux: needs the cohere-coreml interpreter):", "", "```bash",
               "pip install coremltools numpy soundfile", "python example_inference.py audio.wav --language en", "```",
-              "", "Swift: load `encoder.mlpackage` and `decoder.mlpackage` with `MLModel`, create the decoder state "
+              "", ("Swift: load `frontend.mlpackage` (`.cpuAndGPU`: samples -> `input_features`, `feature_length`), "
+                   if m.get("frontend") else "Swift: load ")
+              + "`encoder.mlpackage` and `decoder.mlpackage` with `MLModel`, create the decoder state "
               "with `makeState()`, and follow the decoding loop in the manifest's documentation (`docs/bundle.md` "
               "of cohere-coreml): prompt ids from `manifest.json` `languages`, greedy argmax, stop at "
               "`tokens.eos_token_ids`.", ""]

@@ -930,14 +930,15 @@ def _bundle_bytes(bundle_dir: Path) -> int:
 
 
 def _copy_bundle_files(src: Path, dst: Path) -> None:
-    """Everything of the f16 bundle but the packages, its gate reports and generated docs."""
+    """Everything of the f16 bundle but the packages compressed here, their gate reports and generated
+    docs. A package not compressed (frontend.mlpackage, fp32) is copied as is, with its gate report."""
     from .bundle import MANIFEST_NAME
 
     skip = {f"{c}.mlpackage" for c in COMPONENTS} | {COMPRESSION_FILE, "README.md", "example_inference.py",
                                                        MANIFEST_NAME}
+    skip |= {f"{c}.parity.json" for c in (*COMPONENTS, HELDOUT_COMPONENT)}
     for f in src.iterdir():
-        if f.name in skip or f.name.endswith(".parity.json") or f.name.endswith(".parity-failed.json") \
-                or f.name.startswith("."):
+        if f.name in skip or f.name.endswith(".parity-failed.json") or f.name.startswith("."):
             continue
         if f.is_dir():
             shutil.copytree(f, dst / f.name)
