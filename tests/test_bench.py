@@ -94,3 +94,21 @@ def test_outputs(folder, tmp_path):
     assert json.loads(paths["json"].read_text())["engines"][1]["bundle"]["size_mb"] == 5.0
     assert paths["chart"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list((tmp_path / "out").glob("*.tmp*"))
+
+
+def test_pytorch_wer_equals_evaluate():
+    """The bench's PyTorch rows and the dev evaluation (`evaluate_checkpoint`) score the same
+    transcripts with the same metric: per-language WER identical, on the held-out set. Windows are
+    cut at 4 tokens so that every language has errors to count (the full transcripts are near perfect)."""
+    from cohere_coreml.bench import run_bench
+    from cohere_coreml_dev.evaluate import evaluate_checkpoint
+
+    from .conftest import HELDOUT_DIR, TRAINED_MODEL
+
+    report = run_bench([], TRAINED_MODEL, HELDOUT_DIR, limit_per_language=2, max_new_tokens=4)
+    languages = report["engines"][0]["languages"]
+    evaluated = evaluate_checkpoint(TRAINED_MODEL, HELDOUT_DIR, limit_per_language=2, max_new_tokens=4)
+    assert set(languages) == set(evaluated) and len(languages) >= 3
+    assert all(languages[l]["clips"] == evaluated[l].clips == 2 for l in languages)
+    assert {l: v["rate"] for l, v in languages.items()} == {l: r.wer for l, r in evaluated.items()}
+    assert all(v["rate"] > 0 and v["deletions"] > 0 for v in languages.values())
