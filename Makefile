@@ -23,7 +23,7 @@ help:
 	@echo "make verify    MODEL=<hub id|folder> OUT=<bundle dir> AUDIO='a.wav b.wav' LANGUAGES=en,de: parity report"
 	@echo "make quantize  BUNDLE=f16 QOUT=q8 PRESET=q8|q8-hybrid|q4 MODEL=<ckpt>: compress an exported bundle, gated"
 	@echo "make upload    BUNDLE=q8 REPO_ID=org/name [DRY_RUN=1]: verify checksums, upload to the Hub"
-	@echo "make bench: not available yet (tracked in the project's issues)"
+	@echo "make bench     BENCH_BUNDLES='out/f16 out/q8' BENCH_DATA=<folder>: PyTorch vs bundles, WER/speed/memory -> out/bench"
 
 bootstrap:
 	@command -v uv >/dev/null 2>&1 || $(PYTHON) -m uv --version >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet uv
@@ -86,8 +86,21 @@ upload: sync
 	@[ -n "$(REPO_ID)" ] || { echo "make upload: set REPO_ID=org/name (and BUNDLE=f16|q8)"; exit 2; }
 	$(RUN) cohere-coreml upload --bundle "$(BUNDLE)" --repo-id "$(REPO_ID)" $(if $(DRY_RUN),--dry-run,)
 
-bench:
-	@echo "make $@: not available yet (tracked in the project's issues)"; exit 2
+
+# bench: the default model in PyTorch and its bundle(s) (exported to out/ when missing) on the held-out set.
+BENCH_DATA ?= tests/data/heldout
+BENCH_BUNDLES ?=
+BENCH_BACKEND ?= auto
+BENCH_ARGS ?=
+BENCH_OUT ?= out/bench
+
+bench: sync
+	@set -e; model=$$($(RUN) cohere-coreml prepare-default | tail -n 1); \
+	bundles="$(BENCH_BUNDLES)"; \
+	if [ -z "$$bundles" ]; then bundles="$(DEMO_OUT)/$$(basename "$$model")-$(PRECISION)"; \
+		[ -f "$$bundles/manifest.json" ] || $(RUN) cohere-coreml export --model "$$model" --out "$$bundles" --precision $(PRECISION); fi; \
+	$(RUN) cohere-coreml bench --pytorch "$$model" $$(for b in $$bundles; do printf -- '--bundle %s ' "$$b"; done) \
+		--data $(BENCH_DATA) --backend $(BENCH_BACKEND) --out $(BENCH_OUT) $(BENCH_ARGS)
 
 clean:
 	rm -rf out .pytest_cache

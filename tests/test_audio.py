@@ -76,7 +76,7 @@ def test_log_mel_other_mel_count():
     assert_same_features(wav, feature_size=80)
 
 
-def test_silence_matches_extractor_and_is_refused_for_transcription():
+def test_silence_matches_extractor_and_check_speech_refuses_it():
     wav = np.zeros(16000, dtype=np.float32)
     ours, n_valid = log_mel(wav)
     ref, _ = reference_features(wav)

@@ -11,7 +11,8 @@ def test_help_lists_commands(capsys):
     except SystemExit as exit_:
         assert exit_.code == 0
     out = capsys.readouterr().out
-    for command in ("prepare-default", "info", "vocab", "mel", "export", "quantize", "bundle", "upload"):
+    for command in ("prepare-default", "info", "vocab", "mel", "export", "transcribe", "verify", "quantize", "bundle",
+                    "upload", "bench"):
         assert command in out
 
 

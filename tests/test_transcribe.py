@@ -48,7 +48,8 @@ def setup(request, tmp_path_factory):
 
 
 def speech_clips():
-    """Committed clips with something to transcribe (silence is refused; see test_bad_inputs)."""
+    """Committed clips with something to transcribe (silence gives an empty transcript, see
+    test_silence_is_an_empty_transcript_marked_silent)."""
     return [c for c in audio_manifest() if c["path"].is_file() and c.get("purpose") != "silence"]
 
 
@@ -187,10 +188,6 @@ def test_bad_inputs(setup, tmp_path):
         tr.transcribe(speech_like, "en", max_new_tokens=0)
     from cohere_coreml.audio import AudioError
 
-    with pytest.raises(AudioError, match="silent"):
-        tr.transcribe(np.zeros(16000, np.float32), "en")
-    with pytest.raises(AudioError, match="silent"):
-        tr.transcribe(AUDIO_DIR / "silence_2s.wav", "en")
     with pytest.raises(AudioError, match="NaN"):
         tr.transcribe(np.full(16000, np.nan, np.float32), "en")
     with pytest.raises(AudioError, match="empty"):
@@ -199,6 +196,25 @@ def test_bad_inputs(setup, tmp_path):
         Transcriber(tmp_path)
     with pytest.raises(BundleError, match="does not exist"):
         Transcriber(tmp_path / "nope")
+
+
+def test_silence_is_an_empty_transcript_marked_silent(setup, monkeypatch):
+    """The Python API does what `cohere-coreml transcribe` does: digital silence (a file or an
+    array) gives an empty transcript marked silent, and no package is called."""
+    name, model, processor, tr = setup
+    speech = tr.transcribe(AUDIO_DIR / "en_short.wav", "en", max_new_tokens=2)
+    assert not speech.silent and speech.windows and not speech.to_dict()["silent"]
+
+    def no_model_call(*args, **kwargs):
+        pytest.fail("a package was called on digital silence")
+
+    monkeypatch.setattr(tr, "encode", no_model_call)
+    monkeypatch.setattr(tr, "decode", no_model_call)
+    for audio in (AUDIO_DIR / "silence_2s.wav", np.zeros(16000, np.float32)):
+        result = tr.transcribe(audio, "de", punctuation=False)
+        assert result.silent and result.text == "" and result.windows == [] and not result.truncated
+        assert result.to_dict() == {"text": "", "language": "de", "punctuation": False, "truncated": False,
+                                    "silent": True, "windows": []}
 
 
 @pytest.fixture(scope="module")

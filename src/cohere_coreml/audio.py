@@ -153,6 +153,8 @@ def _read_file(path: Path) -> tuple[np.ndarray, int]:
 
 
 def _to_mono_float(data: np.ndarray, name: str) -> np.ndarray:
+    if data.size == 0:  # before the channel average: mean of 0 samples would be 1 NaN
+        raise AudioError(f"{name} is empty (0 samples)")
     if data.dtype.kind in "iu":
         info = np.iinfo(data.dtype)
         if data.dtype.kind == "u":
@@ -185,12 +187,17 @@ def check_waveform(waveform: np.ndarray, name: str = "audio") -> None:
         raise AudioError(f"{name} holds {bad} NaN/inf sample(s) of {waveform.size}")
 
 
-def check_speech(waveform: np.ndarray, name: str = "audio", min_peak: float = 1e-4) -> None:
-    """Error for audio that is silent (nothing to transcribe)."""
+def check_speech(waveform: np.ndarray, name: str = "audio") -> None:
+    """Error for audio that is empty, holds NaN/inf or is digitally silent, for callers that need
+    speech (a parity check). Silence is decided by `longform.check_audio` (transcription gives an
+    empty transcript marked silent instead of an error)."""
+    from .longform import check_audio
+
+    waveform = np.asarray(waveform, dtype=np.float32)
     check_waveform(waveform, name)
-    peak = float(np.max(np.abs(waveform)))
-    if peak < min_peak:
-        raise AudioError(f"{name} is silent (peak amplitude {peak:.2e}): nothing to transcribe")
+    check = check_audio(waveform)
+    if check.status == "silent":
+        raise AudioError(f"{name} is silent (peak amplitude {check.peak:.2e}): nothing to transcribe")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ Each sub-command lives next to the stage it drives and is registered here explic
     verify            cohere_coreml.verify
     quantize          cohere_coreml.quantize
     bundle, upload    cohere_coreml.publish
+    bench             cohere_coreml.bench
 
 `cohere-coreml <command> --help` explains each.
 """
@@ -21,7 +22,7 @@ import logging
 import sys
 from pathlib import Path
 
-from . import __version__, audio, checkpoint, export, publish, quantize, transcribe, verify
+from . import __version__, audio, bench, checkpoint, export, publish, quantize, transcribe, verify
 from .config import DEFAULT_HUB_ID
 
 logger = logging.getLogger("cohere_coreml")
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_command(sub)  # verify
     quantize.add_command(sub)  # quantize
     publish.add_commands(sub)  # bundle check|finalize, upload
+    bench.add_command(sub)  # bench
     return parser
 
 

@@ -21,6 +21,16 @@ DEFAULT_MAX_NEW_TOKENS = 256
 # (a language the built-in default model was trained on, the other punctuation mode).
 GATE_LANGUAGE = "en"
 CONTROL_LANGUAGE = "de"
+# Beam search: finished hypotheses ranked by sum(log p) / length ** LENGTH_PENALTY (transformers' default).
+LENGTH_PENALTY = 1.0
+# Repetition guard (off unless asked for): a tail of >= MIN_REPEATS back-to-back copies of an n-gram
+# (n <= MAX_NGRAM) covering >= MIN_SPAN tokens is a decoder loop.
+REPETITION_MAX_NGRAM = 8
+REPETITION_MIN_REPEATS = 3
+REPETITION_MIN_SPAN = 12
+# Digital silence: audio whose peak amplitude is below this has nothing to transcribe (an empty
+# transcript marked silent, no model call).
+SILENCE_PEAK = 1e-4
 # Static shapes the Neural Engine likes: encoder memory and KV-cache lengths are multiples of this.
 ANE_MULTIPLE = 32
 # Additive attention-mask value for masked positions: finite in fp16 (exp(-1e4) == 0), whereas

@@ -47,8 +47,9 @@ class WindowResult:
     token_ids: list[int]  # generated ids (prompt excluded; the eos id included when reached)
     text: str
     truncated: bool  # True when the window stopped without eos
-    stop_reason: str  # "eos" | "max_new_tokens" | "capacity"
+    stop_reason: str  # "eos" | "max_new_tokens" | "capacity" | "repetition"
     timings: dict = field(default_factory=dict)  # seconds, call counts, encoder function used
+    decoding: dict = field(default_factory=dict)  # beams, repetition found by the guard
 
 
 @dataclass
@@ -57,6 +58,11 @@ class TranscriptionResult:
     language: str
     punctuation: bool
     windows: list[WindowResult]
+    silent: bool = False  # digital silence (`longform.check_audio`): empty text, no window, no model call
+
+    @classmethod
+    def of_silence(cls, language: str, punctuation: bool = True) -> "TranscriptionResult":
+        return cls(text="", language=language, punctuation=punctuation, windows=[], silent=True)
 
     @property
     def token_ids(self) -> list[list[int]]:
@@ -72,6 +78,7 @@ class TranscriptionResult:
             "language": self.language,
             "punctuation": self.punctuation,
             "truncated": self.truncated,
+            "silent": self.silent,
             "windows": [asdict(w) for w in self.windows],
         }
 
@@ -86,10 +93,13 @@ class Transcriber:
         use_prefill: feed the prompt in one call when the decoder package has a prefill function.
         front_end: "python" (`audio.log_mel`, the default) or "package" (the bundle's
             frontend.mlpackage turns each window's samples into features).
+        compute_units: Core ML compute units of the encoder and decoder ("all", "cpu_only",
+            "cpu_and_gpu", "cpu_and_ne"); the front end runs on the units its manifest entry names.
+            Ignored by the interpreter.
     """
 
     def __init__(self, bundle: str | os.PathLike | Sequence[str | os.PathLike] | Bundle, backend: str = "auto",
-                 use_prefill: bool = True, front_end: str = DEFAULT_FRONT_END):
+                 use_prefill: bool = True, front_end: str = DEFAULT_FRONT_END, compute_units: str = "all"):
         from transformers import PreTrainedTokenizerFast
 
         from .audio import FrontEndConfig
@@ -99,6 +109,7 @@ class Transcriber:
             raise TranscriptionError(f"front_end must be one of {FRONT_ENDS}, got {front_end!r}")
         self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle)
         self.backend = backend
+        self.compute_units = compute_units
         m = self.bundle.manifest
         self.front_end = FrontEndConfig.from_dict({**m["audio"], "dither": 0.0})
         try:
@@ -106,18 +117,19 @@ class Transcriber:
         except (OSError, ValueError) as err:
             raise BundleError(f"cannot load the bundle's tokenizer: {err}") from err
         t0 = time.perf_counter()
-        self.encoder = load_model(str(self.bundle.paths["encoder"]), backend=backend)
+        self.encoder = load_model(str(self.bundle.paths["encoder"]), backend=backend, compute_units=compute_units)
         # length buckets (multifunction encoder): frames -> function name, smallest first
         functions = m["encoder"].get("functions") or {"main": {"frames": m["encoder"]["window_frames"]}}
         self.encoder_buckets = sorted((int(v["frames"]), fn) for fn, v in functions.items())
         self._encoders = {"main": self.encoder}
-        self.decoder = load_model(str(self.bundle.paths["decoder"]), backend=backend)
+        self.decoder = load_model(str(self.bundle.paths["decoder"]), backend=backend, compute_units=compute_units)
         dec = m["decoder"]
         prefill_fn = (dec.get("functions") or {}).get("prefill")
         self.prefill = None
         self.prefill_length = dec.get("prefill_length")
         if use_prefill and prefill_fn:
-            self.prefill = load_model(str(self.bundle.paths["decoder"]), backend=backend, function_name=prefill_fn)
+            self.prefill = load_model(str(self.bundle.paths["decoder"]), backend=backend, function_name=prefill_fn,
+                                      compute_units=compute_units)
         self.front_end_kind = front_end
         self._frontends: dict = {}  # front-end function name -> loaded model (loaded on first use)
         has_frontend = "frontend" in self.bundle.paths and bool(m.get("frontend"))
@@ -126,7 +138,7 @@ class Transcriber:
             if not has_frontend:
                 raise BundleError("the bundle has no frontend.mlpackage (re-export it: `cohere-coreml export` writes it "
                                   "by default) or use front_end='python'")
-            self._frontends["main"] = load_model(str(self.bundle.paths["frontend"]), backend=backend)
+            self._frontends["main"] = self._load_frontend("main")
         self.load_s = time.perf_counter() - t0
         self.capacity = self.bundle.capacity
         self.window_frames = self.bundle.window_frames
@@ -139,6 +151,14 @@ class Transcriber:
             if n_valid <= frames:
                 return frames, fn
         return self.window_frames, "main"  # pad_to_window raises the clear error
+
+    def _load_frontend(self, function_name: str):
+        """One function of frontend.mlpackage, on the compute units its manifest entry names."""
+        from .runtime import load_model
+
+        units = self.bundle.manifest["frontend"].get("compute_units", "cpu_and_gpu")
+        return load_model(str(self.bundle.paths["frontend"]), backend=self.backend, function_name=function_name,
+                          compute_units=units)
 
     def package_features(self, waveform: np.ndarray) -> tuple[np.ndarray, int, str]:
         """(features (1, M, F), valid frames, encoder function) of one clip from frontend.mlpackage.
@@ -167,10 +187,7 @@ class Transcriber:
         except ShapeError as err:
             raise AudioError(str(err)) from err
         if fn not in self._frontends:
-            from .runtime import load_model
-
-            self._frontends[fn] = load_model(str(self.bundle.paths["frontend"]), backend=self.backend,
-                                             function_name=fn)
+            self._frontends[fn] = self._load_frontend(fn)
         samples = int(self.frontend_functions[fn]["samples"])
         audio = np.zeros((1, samples), dtype=np.float32)
         audio[0, : x.shape[0]] = x
@@ -194,7 +211,8 @@ class Transcriber:
             features = features[None]
         fn = next((f for frames, f in self.encoder_buckets if frames == features.shape[-1]), "main")
         if fn not in self._encoders:
-            self._encoders[fn] = load_model(str(self.bundle.paths["encoder"]), backend=self.backend, function_name=fn)
+            self._encoders[fn] = load_model(str(self.bundle.paths["encoder"]), backend=self.backend, function_name=fn,
+                                            compute_units=self.compute_units)
         out = self._encoders[fn].predict(
             {"input_features": features, "feature_length": np.array([int(n_valid)], dtype=np.int32)}
         )
@@ -204,12 +222,18 @@ class Transcriber:
         return out
 
     def decode(self, encoder_out: dict[str, np.ndarray], prompt: Sequence[int], max_new_tokens: int | None = None,
-               return_log_probs: bool = False) -> dict:
-        """Greedy decode of one window from its encoder outputs.
+               return_log_probs: bool = False, beams: int = 1, repetition_guard=None) -> dict:
+        """Greedy (or, with `beams` > 1, beam search) decode of one window from its encoder outputs.
 
-        Returns {"token_ids", "stop_reason", "truncated", "prompt_s", "decode_s", "steps"} (and
-        "log_probs": list of (V,) arrays, one per decoder call, when `return_log_probs`).
+        `repetition_guard` (a `decoding.RepetitionGuard`) stops a looping window (stop_reason
+        "repetition", the loop kept once). Returns {"token_ids", "stop_reason", "truncated",
+        "prompt_s", "decode_s", "steps", "calls", "repetition"} (and "log_probs": list of (V,)
+        arrays, one per decoder call, when `return_log_probs`; greedy only).
         """
+        from .decoding import beam_search
+
+        if beams < 1:
+            raise TranscriptionError(f"beams must be >= 1, got {beams}")
         prompt = [int(t) for t in prompt]
         if len(prompt) >= self.capacity:
             raise TranscriptionError(f"prompt of {len(prompt)} tokens does not fit the cache ({self.capacity} slots)")
@@ -225,11 +249,11 @@ class Transcriber:
         state = self.decoder.make_state()
         all_log_probs = []
 
-        def step(token: int, position: int) -> np.ndarray:
+        def step(token: int, position: int, beam_state=None) -> np.ndarray:
             out = self.decoder.predict(
                 {"input_ids": np.array([[token]], dtype=np.int32), "position": np.array([position], dtype=np.int32),
                  **cross},
-                state=state,
+                state=state if beam_state is None else beam_state,
             )
             lp = np.asarray(out["log_probs"]).reshape(-1)
             if return_log_probs:
@@ -252,13 +276,23 @@ class Transcriber:
         generated: list[int] = []
         position = len(prompt)
         stop_reason = None
-        while True:
+        repetition = None
+        if beams > 1:
+            searched = beam_search(step, self.decoder, state, log_probs, position, limit, reason_at_limit,
+                                   self.eos_ids, beams, guard=repetition_guard)
+            generated, stop_reason, repetition = searched["token_ids"], searched["stop_reason"], searched["repetition"]
+            position, calls = searched["steps"], calls + searched["calls"]
+        while beams == 1:
             if not np.all(np.isfinite(log_probs)):
                 raise TranscriptionError(f"decoder produced non-finite log-probs at position {position - 1}")
             token = int(np.argmax(log_probs))
             generated.append(token)
             if token in self.eos_ids:
                 stop_reason = "eos"
+                break
+            repetition = repetition_guard.find(generated) if repetition_guard is not None else None
+            if repetition is not None:
+                generated, stop_reason = repetition_guard.trim(generated, repetition), "repetition"
                 break
             if len(generated) >= limit:
                 stop_reason = reason_at_limit
@@ -275,13 +309,15 @@ class Transcriber:
             "decode_s": t2 - t1,
             "steps": position,  # cache slots filled
             "calls": calls,  # decoder predictions made (prompt + steps, or 1 prefill + steps)
+            "repetition": repetition,  # {"ngram", "repeats", "start"} when the guard stopped a loop
         }
         if return_log_probs:
             result["log_probs"] = all_log_probs
         return result
 
     def transcribe_window(self, waveform: np.ndarray, prompt: Sequence[int], max_new_tokens: int | None = None,
-                          index: int = 0, start_s: float = 0.0) -> WindowResult:
+                          index: int = 0, start_s: float = 0.0, beams: int = 1,
+                          repetition_guard=None) -> WindowResult:
         from .audio import log_mel, pad_to_window
         from .tokens import decode_ids
 
@@ -295,7 +331,7 @@ class Transcriber:
         t1 = time.perf_counter()
         enc = self.encode(feats, n_valid)
         t2 = time.perf_counter()
-        dec = self.decode(enc, prompt, max_new_tokens)
+        dec = self.decode(enc, prompt, max_new_tokens, beams=beams, repetition_guard=repetition_guard)
         text = decode_ids(self.tokenizer, [t for t in dec["token_ids"] if t not in self.eos_ids])
         calls = max(dec["calls"], 1)
         timings = {
@@ -313,36 +349,21 @@ class Transcriber:
             logger.warning("window %d stopped without eos (%s) after %d tokens", index, dec["stop_reason"],
                            len(dec["token_ids"]))
         return WindowResult(index=index, start_s=start_s, duration_s=len(waveform) / sr, token_ids=dec["token_ids"],
-                            text=text, truncated=dec["truncated"], stop_reason=dec["stop_reason"], timings=timings)
+                            text=text, truncated=dec["truncated"], stop_reason=dec["stop_reason"], timings=timings,
+                            decoding={"beams": beams, "repetition": dec["repetition"]})
 
     # -- whole clips ----------------------------------------------------------------------------
     def transcribe(self, audio, language: str = "en", punctuation: bool = True,
-                   max_new_tokens: int | None = None, progress: bool = False) -> TranscriptionResult:
-        """Transcribe a file path or a float32 mono array at the bundle's sample rate."""
-        from .audio import check_speech, load_audio, split_points
-        from .tokens import join_windows
+                   max_new_tokens: int | None = None, progress: bool = False, beams: int = 1,
+                   repetition_guard=None) -> TranscriptionResult:
+        """Transcribe a file path (streamed window by window) or a float32 mono array at the bundle's
+        sample rate. Digital silence gives an empty transcript marked `silent` (no model call); empty
+        or NaN/inf audio raises `AudioError`. The loop is `engines.Engine.transcribe`, shared with
+        `cohere-coreml transcribe` and `bench`."""
+        from .engines import BundleEngine
 
-        prompt = self.bundle.prompt(language, punctuation)
-        sr = self.front_end.sampling_rate
-        if isinstance(audio, (str, os.PathLike)):
-            waveform = load_audio(audio, target_rate=sr)
-            name = str(audio)
-        else:
-            waveform = np.asarray(audio, dtype=np.float32)
-            name = "audio array"
-        check_speech(waveform, name)  # empty, NaN/inf or silent: an error, never a made-up transcript
-        pieces = split_points(waveform, self.front_end)
-        iterator = pieces
-        if progress and len(pieces) > 1:
-            from tqdm import tqdm
-
-            iterator = tqdm(pieces, desc="windows", unit="window")
-        windows = []
-        for i, (start, end) in enumerate(iterator):
-            windows.append(self.transcribe_window(waveform[start:end], prompt, max_new_tokens, index=i,
-                                                  start_s=start / sr))
-        text = join_windows([w.text for w in windows], language)
-        return TranscriptionResult(text=text, language=language, punctuation=punctuation, windows=windows)
+        return BundleEngine(self).transcribe(audio, language, punctuation, max_new_tokens=max_new_tokens,
+                                             beams=beams, repetition_guard=repetition_guard, progress=progress)
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,40 +372,59 @@ class Transcriber:
 
 
 def cmd_transcribe(args) -> int:
+    """Every file is read and checked before the bundle loads; silent files give an empty transcript
+    (no model call); a bad file is reported (JSON too) and the others are still transcribed; the
+    exit status is 1 when any file failed."""
     import json
 
-    transcriber = Transcriber(args.bundle, backend=args.backend, use_prefill=not args.no_prefill,
-                              front_end=args.front_end)
-    results = []
-    for path in args.audio:
-        result = transcriber.transcribe(path, language=args.language, punctuation=not args.no_punctuation,
-                                        max_new_tokens=args.max_new_tokens, progress=not args.json)
-        results.append((path, result))
+    from .decoding import RepetitionGuard
+    from .engines import BundleEngine, transcribe_files
+    from .tokens import check_language
+
+    check_language(args.language)
+    if args.beams < 1:
+        raise TranscriptionError(f"--beams must be >= 1, got {args.beams}")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise TranscriptionError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    entries, failed = transcribe_files(
+        args.audio,
+        lambda: BundleEngine(args.bundle, backend=args.backend, use_prefill=not args.no_prefill,
+                             front_end=args.front_end, compute_units=args.compute_units),
+        args.language, punctuation=not args.no_punctuation, progress=not args.json,
+        max_new_tokens=args.max_new_tokens, beams=args.beams,
+        repetition_guard=RepetitionGuard() if args.repetition_guard else None)
     if args.json:
-        data = [{"audio": str(p), **r.to_dict()} for p, r in results]
-        print(json.dumps(data[0] if len(data) == 1 else data, indent=2, ensure_ascii=False))
-        return 0
-    for path, result in results:
-        if len(results) > 1:
-            print(f"== {path}")
-        print(result.text)
-        for w in result.windows:
-            t = w.timings
-            flag = "  TRUNCATED" if w.truncated else ""
+        print(json.dumps(entries[0] if len(entries) == 1 else entries, indent=2, ensure_ascii=False))
+        return 1 if failed else 0
+    for entry in entries:
+        if len(entries) > 1:
+            print(f"== {entry['audio']}")
+        if entry["status"] == "error":
+            print(f"ERROR: {entry['error']}")
+            continue
+        if entry["status"] == "silent":
+            print("(silent)")
+            continue
+        print(entry["text"])
+        for w in entry["windows"]:
+            t = w["timings"]
+            flag = f"  STOPPED ({w['stop_reason']})" if w["truncated"] else ""
             logger.info("window %d (%.1f-%.1f s): %d tokens, encoder %.2f s, decoder %d calls %.1f ms/call%s",
-                        w.index, w.start_s, w.start_s + w.duration_s, len(w.token_ids), t["encoder_s"],
-                        t["decoder_calls"], t["ms_per_decoder_call"], flag)
-    return 0
+                        w["index"], w["start_s"], w["start_s"] + w["duration_s"], len(w["token_ids"]),
+                        t["encoder_s"], t["decoder_calls"], t["ms_per_decoder_call"], flag)
+    return 1 if failed else 0
 
 
 def add_command(subparsers) -> None:
     p = subparsers.add_parser(
         "transcribe",
         help="transcribe audio with an exported bundle (encoder + decoder packages)",
-        description="Greedy transcription with an export folder written by `cohere-coreml export` "
+        description="Transcription (greedy, or --beams N) with an export folder written by `cohere-coreml export` "
         "(encoder.mlpackage, decoder.mlpackage, manifest.json, tokenizer). Audio longer than 30 s is "
-        "split into windows as the reference processor splits it. Runs Core ML on macOS and the "
-        "project's MIL interpreter elsewhere (--backend).",
+        "split into windows as the reference processor splits it, read from the file window by window. "
+        "Every file is checked before the bundle loads: a digitally silent file gives an empty transcript "
+        "(no model call), a bad file is reported and the others are still transcribed (exit status 1). "
+        "Runs Core ML on macOS and the project's MIL interpreter elsewhere (--backend).",
     )
     p.add_argument("audio", nargs="+", help="audio file(s) (wav, flac, ...); resampled to 16 kHz mono")
     p.add_argument("--bundle", required=True, nargs="+", help="export folder(s) holding manifest.json and the packages")
@@ -392,12 +432,23 @@ def add_command(subparsers) -> None:
     p.add_argument("--no-punctuation", action="store_true", help="prompt with <|nopnc|> (no punctuation/casing)")
     p.add_argument("--backend", default="auto", choices=("auto", "coreml", "mil"),
                    help="auto: Core ML when available, else the MIL interpreter (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="stop a window after N new tokens (default: the decoder cache capacity)")
     p.add_argument("--no-prefill", action="store_true",
                    help="feed the prompt token by token even if the decoder package has a prefill function")
     p.add_argument("--front-end", default=DEFAULT_FRONT_END, choices=FRONT_ENDS,
                    help="python: features from cohere_coreml.audio.log_mel; package: from the bundle's "
                    "frontend.mlpackage (default: %(default)s)")
+    add_decoding_args(p)
+    p.add_argument("--compute-units", default="all", choices=("all", "cpu_only", "cpu_and_gpu", "cpu_and_ne"),
+                   help="Core ML compute units (macOS; ignored by the interpreter) (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON: text, token ids, timings, truncation per window")
     p.set_defaults(func=cmd_transcribe)
+
+
+def add_decoding_args(p) -> None:
+    """--max-new-tokens, --beams, --repetition-guard (transcribe and bench)."""
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="stop a window after N new tokens (default: the decoder cache capacity; PyTorch: 256)")
+    p.add_argument("--beams", type=int, default=1,
+                   help="beam search with N hypotheses, length-normalised; 1 = greedy (default: %(default)s)")
+    p.add_argument("--repetition-guard", action="store_true",
+                   help="stop a window whose tail repeats an n-gram run (a decoder loop), keep it once, report it")

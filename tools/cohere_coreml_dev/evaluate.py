@@ -1,5 +1,11 @@
 """PyTorch greedy evaluation of a checkpoint on a manifest folder: WER per language and top-1 margins.
 
+`evaluate_checkpoint` runs the transcriber interface (`engines.PyTorchEngine`, the same code path
+as `cohere-coreml bench --pytorch`) over a dataset folder (`datasets.load_folder`) and scores it
+with `metrics` (Whisper English normaliser for English, the basic one otherwise; CER for ja/zh/ko),
+so its WER equals the bench's. `greedy_decode` (batched `generate()`, `cohere_coreml.scoring`) stays for
+training-time evaluation (tools/cohere_coreml_dev/train.py).
+
 The margin of a generated token is the gap between the best and the second-best log-probability at
 that step; a large median margin means argmax decisions survive FP16/INT8 rounding, which is what
 makes token-level parity checks of exported models meaningful.
@@ -38,6 +44,9 @@ class LanguageReport:
 
 
 def summarise(refs: list[str], decoded: list[Decoded], languages: list[str]) -> dict[str, LanguageReport]:
+    """Per language: WER (CER for ja/zh/ko) with `metrics.error_counts`, and the margins."""
+    from cohere_coreml.metrics import error_counts
+
     reports: dict[str, LanguageReport] = {}
     for lang in sorted(set(languages)):
         sel = [i for i, l in enumerate(languages) if l == lang]
@@ -48,7 +57,7 @@ def summarise(refs: list[str], decoded: list[Decoded], languages: list[str]) -> 
             language=lang,
             clips=len(sel),
             words=sum(len(normalise_text(x).split()) for x in r),
-            wer=word_error_rate(r, h),
+            wer=error_counts(r, h, lang)["rate"],
             median_margin=float(np.median(margins)) if margins.size else float("nan"),
             p10_margin=float(np.percentile(margins, 10)) if margins.size else float("nan"),
             share_under_1nat=float(np.mean(margins < 1.0)) if margins.size else float("nan"),
@@ -60,39 +69,48 @@ def summarise(refs: list[str], decoded: list[Decoded], languages: list[str]) -> 
 def load_eval_set(directory: str | Path, config=None, limit_per_language: int | None = None):
     """(features, n_valid, texts, languages, files) of a manifest folder, via the project front end."""
     from cohere_coreml.audio import load_audio, log_mel
-    from .synth import read_manifest
+    from cohere_coreml.datasets import DatasetError, load_folder
 
-    directory = Path(directory)
-    manifest = read_manifest(directory)
-    utts = manifest.get("utterances")
-    if not utts:
-        raise EvaluationError(f"{directory}/manifest.json has no utterances")
-    counts: dict[str, int] = {}
+    try:
+        dataset = load_folder(directory, limit_per_language)
+    except DatasetError as err:
+        raise EvaluationError(str(err)) from None
     feats, texts, langs, files = [], [], [], []
-    for u in utts:
-        if limit_per_language is not None and counts.get(u["language"], 0) >= limit_per_language:
-            continue
-        counts[u["language"]] = counts.get(u["language"], 0) + 1
-        f, n = log_mel(load_audio(directory / u["file"]), config)
+    for clip in dataset.clips:
+        if clip.problem:
+            raise EvaluationError(f"{directory}: clip {clip.id}: {clip.problem}")
+        f, n = log_mel(load_audio(clip.audio), config)
         feats.append(f[:, :n])
-        texts.append(u["text"])
-        langs.append(u["language"])
-        files.append(u["file"])
+        texts.append(clip.text)
+        langs.append(clip.language)
+        files.append(clip.audio.name)
     return feats, texts, langs, files
 
 
 def evaluate_checkpoint(
-    model_dir: str | Path, data_dir: str | Path, *, limit_per_language: int | None = None, batch_size: int = 16
+    model_dir: str | Path, data_dir: str | Path, *, limit_per_language: int | None = None,
+    max_new_tokens: int | None = None,
 ) -> dict[str, LanguageReport]:
-    """Load a checkpoint with `load_reference` and evaluate it on a manifest folder."""
-    from cohere_coreml.audio import FrontEndConfig
-    from cohere_coreml.checkpoint import load_reference
+    """Evaluate a checkpoint on a manifest folder through the transcriber interface
+    (`cohere_coreml.engines.PyTorchEngine`, greedy, one clip at a time)."""
+    from cohere_coreml.datasets import DatasetError, load_folder
+    from cohere_coreml.engines import PyTorchEngine
 
-    model, processor = load_reference(model_dir)
-    config = FrontEndConfig.from_processor(processor, dither=0.0)
-    feats, texts, langs, _ = load_eval_set(data_dir, config, limit_per_language)
-    decoded = greedy_decode(model, processor.tokenizer, feats, langs, batch_size=batch_size)
-    return summarise(texts, decoded, langs)
+    try:
+        dataset = load_folder(data_dir, limit_per_language)
+    except DatasetError as err:
+        raise EvaluationError(str(err)) from None
+    bad = [f"{c.id}: {c.problem}" for c in dataset.clips if c.problem]
+    if bad:
+        raise EvaluationError(f"{data_dir}: " + "; ".join(bad))
+    engine = PyTorchEngine(model_dir, margins=True)
+    decoded = []
+    for clip in dataset.clips:
+        result = engine.transcribe(clip.audio, clip.language, max_new_tokens=max_new_tokens)
+        ids = [t for w in result.windows for t in w.token_ids]
+        margins = [m for w in result.windows for m in w.decoding.get("margins", [])]
+        decoded.append(Decoded(result.text, ids, margins))
+    return summarise([c.text for c in dataset.clips], decoded, [c.language for c in dataset.clips])
 
 
 def format_reports(reports: dict[str, LanguageReport]) -> str:

@@ -1,0 +1,211 @@
+"""Decoding strategies over a stateful decoder step: beam search and the repetition guard.
+
+The greedy loop lives in `Transcriber.decode`; this module adds what real audio needs on top:
+
+* `beam_search`: N hypotheses, one decoder state each. A state is copied by reading its buffers
+  and writing them into a fresh state (`RuntimeModel.make_state` + `read_state` / `write_state`),
+  only when one hypothesis has several surviving children. Finished hypotheses are ranked by
+  `sum(log p) / length ** length_penalty` (as `transformers` beam search). With one beam the
+  search makes exactly the greedy decisions (first index on ties), token for token.
+* `RepetitionGuard`: stops a window whose tail repeats an n-gram run (a decoder loop) and drops
+  the repeated copies, keeping one. Off unless asked for; when nothing loops, it changes nothing.
+
+Shapes: log_probs (V,) float per decoder call; token ids are Python ints.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import LENGTH_PENALTY, REPETITION_MAX_NGRAM, REPETITION_MIN_REPEATS, REPETITION_MIN_SPAN
+
+
+class DecodingError(RuntimeError):
+    """Decoding cannot go on (non-finite log-probs, bad options)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Repetition guard
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RepetitionGuard:
+    """A tail of at least `min_repeats` back-to-back copies of an n-gram (n <= max_ngram) that
+    together cover at least `min_span` tokens is a loop.
+
+    With the defaults (config.py) a single token must repeat 12 times, a 4-gram 3 times, an
+    8-gram 3 times (24 tokens): digit strings such as "eight eight eight eight" are never cut.
+    """
+
+    max_ngram: int = REPETITION_MAX_NGRAM
+    min_repeats: int = REPETITION_MIN_REPEATS
+    min_span: int = REPETITION_MIN_SPAN
+
+    def __post_init__(self):
+        if self.max_ngram < 1 or self.min_repeats < 2 or self.min_span < 2:
+            raise DecodingError(f"repetition guard needs max_ngram >= 1, min_repeats >= 2, min_span >= 2: {self}")
+
+    def find(self, tokens: Sequence[int]) -> dict | None:
+        """The loop at the end of `tokens`: {"ngram", "repeats", "start"} (start of the run), or None.
+
+        The smallest unit wins; `repeats` counts the whole back-to-back run.
+        """
+        tokens = list(tokens)
+        total = len(tokens)
+        for n in range(1, self.max_ngram + 1):
+            need = max(self.min_repeats, math.ceil(self.min_span / n))
+            if total < need * n:
+                continue
+            unit = tokens[total - n :]
+            repeats = 1
+            while (repeats + 1) * n <= total and tokens[total - (repeats + 1) * n : total - repeats * n] == unit:
+                repeats += 1
+            if repeats >= need:
+                return {"ngram": n, "repeats": repeats, "start": total - repeats * n}
+        return None
+
+    def trim(self, tokens: Sequence[int], hit: dict) -> list[int]:
+        """`tokens` with the loop reduced to one copy of its unit."""
+        return list(tokens[: hit["start"] + hit["ngram"]])
+
+
+def loop_in(tokens: Sequence[int], eos_ids=(), guard: RepetitionGuard | None = None) -> dict | None:
+    """Post-hoc loop check of a finished window's tokens (eos dropped), with the default guard."""
+    ids = [t for t in tokens if t not in set(eos_ids)]
+    return (guard or RepetitionGuard()).find(ids)
+
+
+# --------------------------------------------------------------------------------------------------
+# Beam search
+# --------------------------------------------------------------------------------------------------
+
+
+def copy_state(model, state):
+    """A new state of `model` holding the same buffers as `state` (read_state -> write_state)."""
+    new = model.make_state()
+    for name in model.state_description:
+        new.write_state(name, np.array(state.read_state(name), copy=True))
+    return new
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]
+    score: float  # sum of log-probs of every emitted token (before any trim)
+    length: int  # tokens scored (normalisation length)
+    stop_reason: str  # "eos" | "max_new_tokens" | "capacity" | "repetition"
+    repetition: dict | None = None
+
+    def normalised(self, length_penalty: float) -> float:
+        return self.score / (max(self.length, 1) ** length_penalty)
+
+
+@dataclass
+class _Beam:
+    tokens: list[int]
+    score: float
+    state: object
+    log_probs: np.ndarray  # (V,) prediction for the next token
+
+
+def beam_search(
+    step: Callable[[int, int, object], np.ndarray],
+    model,
+    state,
+    log_probs: np.ndarray,
+    position: int,
+    limit: int,
+    reason_at_limit: str,
+    eos_ids,
+    beams: int,
+    length_penalty: float = LENGTH_PENALTY,
+    guard: RepetitionGuard | None = None,
+) -> dict:
+    """Beam search from a state that has consumed the prompt.
+
+    Args:
+        step: step(token, position, state) -> (V,) log-probs after feeding `token` at `position`.
+        model: the decoder (its make_state / state_description are used to copy states).
+        state, log_probs: the state after the prompt and the prediction for the first new token.
+        position: the cache slot the first new token goes to.
+        limit: most new tokens per hypothesis (the last one is emitted without being fed).
+        reason_at_limit: stop reason of a hypothesis that reaches `limit` ("capacity" | "max_new_tokens").
+        eos_ids: ids that finish a hypothesis.
+        beams: hypotheses kept per step (>= 1).
+    Returns:
+        {"token_ids", "stop_reason", "score", "normalised_score", "repetition", "calls", "steps",
+         "hypotheses": [(tokens, normalised score, stop reason)] best first}
+    """
+    if beams < 1:
+        raise DecodingError(f"beams must be >= 1, got {beams}")
+    eos = set(int(e) for e in eos_ids)
+    live = [_Beam([], 0.0, state, np.asarray(log_probs, dtype=np.float64).reshape(-1))]
+    finished: list[Hypothesis] = []
+    calls = 0
+    width = 2 * beams  # candidates per beam: enough to keep `beams` live after eos ones leave
+    while live:
+        candidates = []  # (score, beam index, token)
+        for bi, beam in enumerate(live):
+            lp = beam.log_probs
+            if not np.all(np.isfinite(lp)):
+                raise DecodingError(f"decoder produced non-finite log-probs at position {position - 1}")
+            top = np.argsort(-lp, kind="stable")[:width]  # first index on ties, as argmax
+            candidates.extend((beam.score + float(lp[t]), bi, int(t)) for t in top)
+        candidates.sort(key=lambda c: -c[0])  # stable: beam order, then token rank, on ties
+        chosen = []  # (score, parent index, tokens)
+        for rank, (score, bi, token) in enumerate(candidates):
+            tokens = live[bi].tokens + [token]
+            if token in eos:
+                if rank < beams:
+                    finished.append(Hypothesis(tokens, score, len(tokens), "eos"))
+                continue
+            hit = guard.find(tokens) if guard is not None else None
+            if hit is not None:
+                finished.append(Hypothesis(guard.trim(tokens, hit), score, len(tokens), "repetition", hit))
+            elif len(tokens) >= limit:
+                finished.append(Hypothesis(tokens, score, len(tokens), reason_at_limit))
+            else:
+                chosen.append((score, bi, tokens))
+            if len(chosen) >= beams:
+                break
+        if not chosen:
+            break
+        if len(finished) >= beams:
+            worst_kept = sorted(h.normalised(length_penalty) for h in finished)[-beams]
+            best_live = chosen[0][0] / (len(chosen[0][2]) ** length_penalty)
+            if worst_kept >= best_live:
+                break
+        # states: the first child of a beam takes its state; further children get copies, made
+        # before any child feeds its token
+        taken: set[int] = set()
+        states = []
+        for _, bi, _ in chosen:
+            if bi in taken:
+                states.append(copy_state(model, live[bi].state))
+            else:
+                taken.add(bi)
+                states.append(live[bi].state)
+        new_live = []
+        for (score, _, tokens), st in zip(chosen, states):
+            lp = np.asarray(step(tokens[-1], position, st), dtype=np.float64).reshape(-1)
+            calls += 1
+            new_live.append(_Beam(tokens, score, st, lp))
+        position += 1
+        live = new_live
+    finished.sort(key=lambda h: -h.normalised(length_penalty))
+    best = finished[0]
+    return {
+        "token_ids": best.tokens,
+        "stop_reason": best.stop_reason,
+        "score": best.score,
+        "normalised_score": best.normalised(length_penalty),
+        "repetition": best.repetition,
+        "calls": calls,
+        "steps": position,
+        "hypotheses": [(h.tokens, h.normalised(length_penalty), h.stop_reason) for h in finished[:beams]],
+    }
