@@ -124,13 +124,18 @@ def load_audio(source, sample_rate: int | None = None, target_rate: int = 16000)
     return np.ascontiguousarray(mono, dtype=np.float32)
 
 
-def _read_file(path: Path) -> tuple[np.ndarray, int]:
+def check_file(path: Path) -> None:
+    """A named `AudioError` for a missing path, a folder, or a 0-byte file."""
     if not path.exists():
         raise AudioError(f"audio file not found: {path}")
     if not path.is_file():
         raise AudioError(f"not an audio file: {path}")
     if path.stat().st_size == 0:
         raise AudioError(f"audio file is empty (0 bytes): {path}")
+
+
+def _read_file(path: Path) -> tuple[np.ndarray, int]:
+    check_file(path)
     import soundfile as sf
 
     try:

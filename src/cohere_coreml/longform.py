@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .audio import AudioError, FrontEndConfig, _quietest, _read_file, check_waveform, load_audio, split_points
+from .audio import AudioError, FrontEndConfig, _quietest, check_file, check_waveform, load_audio, split_points
 from .config import SILENCE_PEAK
 
 logger = logging.getLogger(__name__)
@@ -53,12 +53,15 @@ def _blocks(path: Path, block: int) -> Iterator[np.ndarray]:
     """float32 mono blocks of a soundfile-readable file (channels averaged as audio.load_audio)."""
     import soundfile as sf
 
-    with sf.SoundFile(str(path)) as f:
-        while True:
-            data = f.read(block, dtype="float32", always_2d=True)  # (samples, channels)
-            if data.shape[0] == 0:
-                return
-            yield data.mean(axis=1).astype(np.float32) if data.shape[1] > 1 else data[:, 0].copy()
+    try:
+        with sf.SoundFile(str(path)) as f:
+            while True:
+                data = f.read(block, dtype="float32", always_2d=True)  # (samples, channels)
+                if data.shape[0] == 0:
+                    return
+                yield data.mean(axis=1).astype(np.float32) if data.shape[1] > 1 else data[:, 0].copy()
+    except (sf.LibsndfileError, RuntimeError) as err:
+        raise AudioError(f"cannot decode audio file {path} ({type(err).__name__}): corrupt or unsupported format") from err
 
 
 def check_audio(source, config: FrontEndConfig | None = None) -> AudioCheck:
@@ -72,12 +75,7 @@ def check_audio(source, config: FrontEndConfig | None = None) -> AudioCheck:
         return AudioCheck("audio array", _status(peak), wav.size / config.sampling_rate, config.sampling_rate, peak,
                           False)
     path = Path(source)
-    if not path.exists():
-        raise AudioError(f"audio file not found: {path}")
-    if not path.is_file():
-        raise AudioError(f"not an audio file: {path}")
-    if path.stat().st_size == 0:
-        raise AudioError(f"audio file is empty (0 bytes): {path}")
+    check_file(path)
     info = _soundfile_info(path)
     if info is not None and int(info.samplerate) == config.sampling_rate:
         total, peak, bad = 0, 0.0, 0
@@ -122,7 +120,7 @@ def iter_windows(source, config: FrontEndConfig | None = None) -> Iterator[tuple
         for start, end in split_points(wav, config):
             yield start, end, wav[start:end]
         return
-    _read_file(path)  # the same named errors as load_audio for missing / empty files
+    check_file(path)  # the same named errors as load_audio for missing / empty files
     yield from _stream(path, config)
 
 
