@@ -62,10 +62,10 @@ def test_cli_reports_bad_files_and_exit_status(tmp_path, capsys, monkeypatch):
     """`cohere-coreml transcribe` on silence + a corrupt file + speech, with a fake bundle engine."""
     import json
 
-    import cohere_coreml.engines as engines
+    import cohere_coreml.transcribe as transcribe
     from cohere_coreml.cli import main
 
-    monkeypatch.setattr(engines, "BundleEngine", lambda *a, **k: CountingEngine())
+    monkeypatch.setattr(transcribe, "BundleEngine", lambda *a, **k: CountingEngine())
     corrupt = tmp_path / "bad.wav"
     corrupt.write_bytes(b"RIFF" + b"x" * 64)
     rc = main(["transcribe", str(AUDIO_DIR / "silence_2s.wav"), str(corrupt), str(AUDIO_DIR / "de_short.wav"),

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .config import SILENCE_PEAK
+
 logger = logging.getLogger(__name__)
 
 LOG_ZERO_GUARD = 2.0**-24
@@ -192,17 +194,20 @@ def check_waveform(waveform: np.ndarray, name: str = "audio") -> None:
         raise AudioError(f"{name} holds {bad} NaN/inf sample(s) of {waveform.size}")
 
 
+def is_silent(peak: float) -> bool:
+    """Digital silence: the one test (`config.SILENCE_PEAK`) behind `check_speech` and
+    `longform.check_audio` (where transcription gives an empty transcript marked silent)."""
+    return peak < SILENCE_PEAK
+
+
 def check_speech(waveform: np.ndarray, name: str = "audio") -> None:
     """Error for audio that is empty, holds NaN/inf or is digitally silent, for callers that need
-    speech (a parity check). Silence is decided by `longform.check_audio` (transcription gives an
-    empty transcript marked silent instead of an error)."""
-    from .longform import check_audio
-
+    speech (a parity check)."""
     waveform = np.asarray(waveform, dtype=np.float32)
     check_waveform(waveform, name)
-    check = check_audio(waveform)
-    if check.status == "silent":
-        raise AudioError(f"{name} is silent (peak amplitude {check.peak:.2e}): nothing to transcribe")
+    peak = float(np.max(np.abs(waveform)))
+    if is_silent(peak):
+        raise AudioError(f"{name} is silent (peak amplitude {peak:.2e}): nothing to transcribe")
 
 
 # --------------------------------------------------------------------------------------------------

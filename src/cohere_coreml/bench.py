@@ -180,7 +180,8 @@ def run_bench(bundles, pytorch, data, *, backend="auto", compute_units="all", ma
     from . import __version__
     from .convert import git_hash
     from .datasets import load_dataset
-    from .engines import BundleEngine, PyTorchEngine
+    from .engines import PyTorchEngine
+    from .transcribe import BundleEngine
 
     if not bundles and not pytorch:
         raise BenchError("nothing to bench: give --bundle DIR (repeatable) and/or --pytorch MODEL")

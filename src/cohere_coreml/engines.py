@@ -1,7 +1,7 @@
 """One transcriber interface, two implementations: the PyTorch reference and an exported bundle.
 
     engine = PyTorchEngine("models/cohere-tiny-synth")          # transformers generate()
-    engine = BundleEngine("out/f16", backend="mil")              # Transcriber: interpreter or Core ML
+    engine = transcribe.BundleEngine("out/f16", backend="mil")   # Transcriber: interpreter or Core ML
     result = engine.transcribe("clip.flac", "en", beams=1, max_new_tokens=None, repetition_guard=None)
 
 Both split audio at the reference extractor's points (`longform.iter_windows`, streamed from the
@@ -18,13 +18,57 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .transcribe import TranscriptionResult, WindowResult
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WindowResult:
+    index: int
+    start_s: float
+    duration_s: float
+    token_ids: list[int]  # generated ids (prompt excluded; the eos id included when reached)
+    text: str
+    truncated: bool  # True when the window stopped without eos
+    stop_reason: str  # "eos" | "max_new_tokens" | "capacity" | "repetition"
+    timings: dict = field(default_factory=dict)  # seconds, call counts, encoder function used
+    decoding: dict = field(default_factory=dict)  # beams, repetition found by the guard
+
+
+@dataclass
+class TranscriptionResult:
+    text: str
+    language: str
+    punctuation: bool
+    windows: list[WindowResult]
+    silent: bool = False  # digital silence (`longform.check_audio`): empty text, no window, no model call
+
+    @classmethod
+    def of_silence(cls, language: str, punctuation: bool = True) -> "TranscriptionResult":
+        return cls(text="", language=language, punctuation=punctuation, windows=[], silent=True)
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        return [w.token_ids for w in self.windows]
+
+    @property
+    def truncated(self) -> bool:
+        return any(w.truncated for w in self.windows)
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "language": self.language,
+            "punctuation": self.punctuation,
+            "truncated": self.truncated,
+            "silent": self.silent,
+            "windows": [asdict(w) for w in self.windows],
+        }
 
 
 class Engine(abc.ABC):
@@ -78,47 +122,6 @@ class Engine(abc.ABC):
                                                   repetition_guard=repetition_guard))
         text = join_windows([w.text for w in windows], language)
         return TranscriptionResult(text=text, language=language, punctuation=punctuation, windows=windows)
-
-
-class BundleEngine(Engine):
-    """An exported bundle through `Transcriber` (Core ML on macOS, the MIL interpreter elsewhere)."""
-
-    kind = "bundle"
-
-    def __init__(self, bundle, backend: str = "auto", use_prefill: bool = True, compute_units: str = "all",
-                 front_end: str | None = None):
-        """`bundle`: bundle folder(s) or a `Bundle` (loaded here), or a loaded `Transcriber` (used as is).
-        `front_end`: "python" or "package" (`Transcriber`'s; default: its default)."""
-        from .transcribe import Transcriber
-
-        if isinstance(bundle, Transcriber):
-            self.transcriber = bundle
-            self.load_s = bundle.load_s
-        else:
-            t0 = time.perf_counter()
-            options = {} if front_end is None else {"front_end": front_end}
-            self.transcriber = Transcriber(bundle, backend=backend, use_prefill=use_prefill,
-                                           compute_units=compute_units, **options)
-            self.load_s = time.perf_counter() - t0
-        self.bundle = self.transcriber.bundle
-        self.front_end = self.transcriber.front_end
-        self.eos_ids = self.transcriber.eos_ids
-        self.compute_units = self.transcriber.compute_units
-        self.name = ",".join(str(d) for d in self.bundle.dirs)
-
-    def prompt(self, language: str, punctuation: bool = True) -> list[int]:
-        return self.bundle.prompt(language, punctuation)
-
-    def transcribe_window(self, waveform, prompt, *, index, start_s, max_new_tokens, beams, repetition_guard):
-        return self.transcriber.transcribe_window(waveform, prompt, max_new_tokens, index=index, start_s=start_s,
-                                                  beams=beams, repetition_guard=repetition_guard)
-
-    def describe(self) -> dict:
-        m = self.bundle.manifest
-        backend = self.transcriber.decoder.backend
-        return {**super().describe(), "backend": backend, "compute_units": self.compute_units if backend == "coreml" else None,
-                "precision": m.get("precision"), "model_id": m.get("model_id"), "capacity": self.transcriber.capacity,
-                "prefill": self.transcriber.prefill is not None}
 
 
 class PyTorchEngine(Engine):

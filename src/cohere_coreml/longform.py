@@ -22,8 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .audio import AudioError, FrontEndConfig, _quietest, check_file, check_waveform, load_audio, split_points
-from .config import SILENCE_PEAK
+from .audio import AudioError, FrontEndConfig, _quietest, check_file, check_waveform, is_silent, load_audio, split_points
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +96,7 @@ def check_audio(source, config: FrontEndConfig | None = None) -> AudioCheck:
 
 
 def _status(peak: float) -> str:
-    return "silent" if peak < SILENCE_PEAK else "ok"
+    return "silent" if is_silent(peak) else "ok"
 
 
 def iter_windows(source, config: FrontEndConfig | None = None) -> Iterator[tuple[int, int, np.ndarray]]:

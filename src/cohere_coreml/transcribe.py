@@ -21,11 +21,11 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from .bundle import Bundle, BundleError
+from .engines import Engine, TranscriptionResult, WindowResult, transcribe_files
 
 logger = logging.getLogger(__name__)
 
@@ -37,50 +37,6 @@ DEFAULT_FRONT_END = "python"
 
 class TranscriptionError(RuntimeError):
     """The packages produced something the loop cannot use (missing outputs, bad shapes, NaN)."""
-
-
-@dataclass
-class WindowResult:
-    index: int
-    start_s: float
-    duration_s: float
-    token_ids: list[int]  # generated ids (prompt excluded; the eos id included when reached)
-    text: str
-    truncated: bool  # True when the window stopped without eos
-    stop_reason: str  # "eos" | "max_new_tokens" | "capacity" | "repetition"
-    timings: dict = field(default_factory=dict)  # seconds, call counts, encoder function used
-    decoding: dict = field(default_factory=dict)  # beams, repetition found by the guard
-
-
-@dataclass
-class TranscriptionResult:
-    text: str
-    language: str
-    punctuation: bool
-    windows: list[WindowResult]
-    silent: bool = False  # digital silence (`longform.check_audio`): empty text, no window, no model call
-
-    @classmethod
-    def of_silence(cls, language: str, punctuation: bool = True) -> "TranscriptionResult":
-        return cls(text="", language=language, punctuation=punctuation, windows=[], silent=True)
-
-    @property
-    def token_ids(self) -> list[list[int]]:
-        return [w.token_ids for w in self.windows]
-
-    @property
-    def truncated(self) -> bool:
-        return any(w.truncated for w in self.windows)
-
-    def to_dict(self) -> dict:
-        return {
-            "text": self.text,
-            "language": self.language,
-            "punctuation": self.punctuation,
-            "truncated": self.truncated,
-            "silent": self.silent,
-            "windows": [asdict(w) for w in self.windows],
-        }
 
 
 class Transcriber:
@@ -360,10 +316,48 @@ class Transcriber:
         sample rate. Digital silence gives an empty transcript marked `silent` (no model call); empty
         or NaN/inf audio raises `AudioError`. The loop is `engines.Engine.transcribe`, shared with
         `cohere-coreml transcribe` and `bench`."""
-        from .engines import BundleEngine
-
         return BundleEngine(self).transcribe(audio, language, punctuation, max_new_tokens=max_new_tokens,
                                              beams=beams, repetition_guard=repetition_guard, progress=progress)
+
+
+class BundleEngine(Engine):
+    """An exported bundle through `Transcriber` (Core ML on macOS, the MIL interpreter elsewhere)."""
+
+    kind = "bundle"
+
+    def __init__(self, bundle, backend: str = "auto", use_prefill: bool = True, compute_units: str = "all",
+                 front_end: str | None = None):
+        """`bundle`: bundle folder(s) or a `Bundle` (loaded here), or a loaded `Transcriber` (used as is).
+        `front_end`: "python" or "package" (`Transcriber`'s; default: its default)."""
+        if isinstance(bundle, Transcriber):
+            self.transcriber = bundle
+            self.load_s = bundle.load_s
+        else:
+            t0 = time.perf_counter()
+            options = {} if front_end is None else {"front_end": front_end}
+            self.transcriber = Transcriber(bundle, backend=backend, use_prefill=use_prefill,
+                                           compute_units=compute_units, **options)
+            self.load_s = time.perf_counter() - t0
+        self.bundle = self.transcriber.bundle
+        self.front_end = self.transcriber.front_end
+        self.eos_ids = self.transcriber.eos_ids
+        self.compute_units = self.transcriber.compute_units
+        self.name = ",".join(str(d) for d in self.bundle.dirs)
+
+    def prompt(self, language: str, punctuation: bool = True) -> list[int]:
+        return self.bundle.prompt(language, punctuation)
+
+    def transcribe_window(self, waveform, prompt, *, index, start_s, max_new_tokens, beams, repetition_guard):
+        return self.transcriber.transcribe_window(waveform, prompt, max_new_tokens, index=index, start_s=start_s,
+                                                  beams=beams, repetition_guard=repetition_guard)
+
+    def describe(self) -> dict:
+        m = self.bundle.manifest
+        backend = self.transcriber.decoder.backend
+        return {**super().describe(), "backend": backend, "compute_units": self.compute_units if backend == "coreml" else None,
+                "precision": m.get("precision"), "model_id": m.get("model_id"), "capacity": self.transcriber.capacity,
+                "prefill": self.transcriber.prefill is not None}
+
 
 
 # --------------------------------------------------------------------------------------------
@@ -378,7 +372,6 @@ def cmd_transcribe(args) -> int:
     import json
 
     from .decoding import RepetitionGuard
-    from .engines import BundleEngine, transcribe_files
     from .tokens import check_language
 
     check_language(args.language)
