@@ -229,3 +229,83 @@ def test_front_end_is_a_default_component_described_from_disk(tiny_reference, tm
     with pytest.raises(BundleError, match="mel frames"):
         export_model(model, processor, settings.replace(window_seconds=3.0, force=True), components=("frontend",))
     assert not (tmp_path / "manifest.json").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Memory: the PyTorch model and the converted programs are gone before a package is gated
+# --------------------------------------------------------------------------------------------
+
+
+class _AliveProbe:
+    """Weak references to the loaded PyTorch model and every converted coremltools program; a
+    patched `runtime.load_model` records which of them are still alive when a gate loads a package."""
+
+    def __init__(self, monkeypatch):
+        import gc
+        import weakref
+
+        import cohere_coreml.runtime as runtime
+        from cohere_coreml import checkpoint, decoder, encoder, frontend
+
+        self.models, self.programs, self.loads = [], [], []
+        real_load_reference, real_load_model = checkpoint.load_reference, runtime.load_model
+
+        def load_reference(*args, **kwargs):
+            model, processor = real_load_reference(*args, **kwargs)
+            self.models.append(weakref.ref(model))
+            return model, processor
+
+        def load_model(path, *args, **kwargs):
+            gc.collect()
+            self.loads.append({"package": Path(path).name.split(".tmp-")[0].lstrip("."),
+                               "models": sum(r() is not None for r in self.models),
+                               "programs": sum(r() is not None for r in self.programs)})
+            return real_load_model(path, *args, **kwargs)
+
+        monkeypatch.setattr(checkpoint, "load_reference", load_reference)
+        monkeypatch.setattr(runtime, "load_model", load_model)
+        for module in (encoder, decoder, frontend):
+            real_convert = module.convert_module
+
+            def convert_module(*args, _real=real_convert, **kwargs):
+                program = _real(*args, **kwargs)
+                self.programs.append(weakref.ref(program))
+                return program
+
+            monkeypatch.setattr(module, "convert_module", convert_module)
+
+    def track(self, model) -> None:
+        import weakref
+
+        self.models.append(weakref.ref(model))
+
+
+@pytest.mark.slow
+def test_gates_run_after_the_model_and_programs_are_freed(tiny_checkpoint, tmp_path, monkeypatch):
+    """`export_checkpoint` converts every component and computes the gates' PyTorch references
+    first, then frees the model; no gate loads a package while the PyTorch model or a converted
+    coremltools program is alive (so the peak is the larger of the two, not their sum)."""
+    from cohere_coreml.checkpoint import load_reference
+    from cohere_coreml.convert import ExportSettings
+    from cohere_coreml.export import export_checkpoint, export_model
+
+    probe = _AliveProbe(monkeypatch)
+    # control: `export_model` with a model its caller holds -> the probe sees it alive at the gate
+    model, processor = load_reference(tiny_checkpoint)
+    probe.track(model)
+    settings = ExportSettings(out_dir=tmp_path / "held", precision="fp32", window_seconds=2.0)
+    export_model(model, processor, settings, components=("encoder",), max_new_tokens=22)
+    assert probe.loads and all(load["models"] == 1 for load in probe.loads), probe.loads
+    assert all(load["programs"] == 0 for load in probe.loads), probe.loads
+    del model
+    probe.models.clear()
+    probe.programs.clear()
+    probe.loads.clear()
+
+    settings = ExportSettings(out_dir=tmp_path / "ckpt", precision="fp32", window_seconds=2.0)
+    result = export_checkpoint(str(tiny_checkpoint), settings, max_new_tokens=22)
+    assert len(probe.models) == 1 and len(probe.programs) >= 3  # the probe saw the load and the conversions
+    assert {load["package"] for load in probe.loads} == {"encoder", "frontend", "decoder"}
+    assert all(load["models"] == 0 and load["programs"] == 0 for load in probe.loads), probe.loads
+    assert all(p["written"] and p["report"]["passed"] for p in result.packages.values())
+    assert result.manifest.is_file()

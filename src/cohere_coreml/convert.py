@@ -313,19 +313,36 @@ def write_package_atomic(
     """`save_package_atomic` for any writer: `write(tmp_path)` creates the package (e.g.
     `coremltools.utils.save_multifunction(descriptor, tmp_path)`)."""
     path = Path(path)
-    if path.suffix != ".mlpackage":
-        raise ExportSettingsError(f"package path must end with .mlpackage, got {path}")
+    tmp = staging_path(path)
     if skip_existing(path, force):
         return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # coremltools insists on the .mlpackage extension, so the temporary name keeps it
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.mlpackage")
-    old = path.with_name(f".{path.stem}.old-{os.getpid()}.mlpackage")
     _remove(tmp)
     try:
         write(tmp)
         if verify is not None:
             verify(tmp)
+    except BaseException:
+        _remove(tmp)
+        raise
+    install_package(tmp, path)
+    return True
+
+
+def staging_path(path: str | Path) -> Path:
+    """The temporary path a package is written to before `install_package` renames it to `path`."""
+    path = Path(path)
+    if path.suffix != ".mlpackage":
+        raise ExportSettingsError(f"package path must end with .mlpackage, got {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # coremltools insists on the .mlpackage extension, so the temporary name keeps it
+    return path.with_name(f".{path.stem}.tmp-{os.getpid()}.mlpackage")
+
+
+def install_package(tmp: str | Path, path: str | Path) -> None:
+    """Rename the finished package `tmp` to `path`, replacing an older one only once `tmp` is in place."""
+    tmp, path = Path(tmp), Path(path)
+    old = path.with_name(f".{path.stem}.old-{os.getpid()}.mlpackage")
+    try:
         if path.exists():
             os.rename(path, old)
         os.rename(tmp, path)
@@ -336,7 +353,11 @@ def write_package_atomic(
         raise
     _remove(old)
     logger.info("wrote %s", path)
-    return True
+
+
+def remove_package(path: str | Path) -> None:
+    """Delete a (temporary) package folder if present."""
+    _remove(Path(path))
 
 
 def write_json_atomic(data: Any, path: str | Path) -> Path:

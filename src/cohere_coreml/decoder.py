@@ -28,7 +28,7 @@ from transformers.models.cohere_asr.modeling_cohere_asr import eager_attention_f
 
 from .config import ANE_MULTIPLE, FP16_MASK_VALUE, PREFILL_FUNCTION, PROMPT_LENGTH, round_up
 from .convert import MIN_PSNR_DB, ExportSettings, convert_module, psnr, skip_existing
-from .gate import GateReport, export_gated
+from .gate import GateReport, StagedPackage, stage_gated
 from .reference import cross_memory
 from .shapes import DecoderShapes, cache_capacity
 
@@ -546,14 +546,29 @@ def convert_decoder(model, settings: ExportSettings, capacity: int | None = None
     `decoder.parity.json`; None when skipped or unchecked), written (False: the package existed).
     Raises `ParityError` (package not written) when the gate fails.
     """
+    staged, result = stage_decoder(model, settings, capacity, memory_len, prompt, backend, prefill, control_prompt)
+    if staged is None:
+        return result
+    report = staged.finish()
+    result["written"] = True
+    result["parity"] = None if report.skipped else report.to_dict()
+    return result
+
+
+def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, memory_len: int | None = None,
+                  prompt: list[int] | None = None, backend: str = "mil", prefill: bool = False,
+                  control_prompt: list[int] | None = None) -> tuple[StagedPackage | None, dict]:
+    """`convert_decoder` up to the gate: the package at its temporary path (traced and converted
+    inside the writer, so no program object outlives it), the teacher-forcing reference and the
+    negative controls computed with PyTorch. Returns (staged package or None when skipped, the
+    result dict `convert_decoder` returns before gating); `finish()` gates and installs it."""
     capacity = int(capacity) if capacity else cache_capacity()
     if memory_len is None:
         raise DecoderExportError("give memory_len: the padded encoder frames of the encoder package")
     if capacity % ANE_MULTIPLE:
         logger.warning("capacity %d is not a multiple of %d (Neural Engine prefers multiples of 32)",
                        capacity, ANE_MULTIPLE)
-    step = DecoderStep(model, capacity, memory_len).eval()
-    shapes = step.shapes
+    shapes = DecoderShapes.from_config(model.config, capacity, memory_len)
     path = settings.package_path(COMPONENT)
     if prompt is None:
         start = model.config.decoder_start_token_id
@@ -566,11 +581,7 @@ def convert_decoder(model, settings: ExportSettings, capacity: int | None = None
               "functions": {"step": "main", "prefill": PREFILL_FUNCTION if prefill else None},
               "prefill_length": len(gate_prompt) if prefill else None}
     if skip_existing(path, settings.force):
-        return result
-    logger.info("decoder: tracing (L=%d Hkv=%d C=%d Tp=%d Dh=%d V=%d)", shapes.num_layers,
-                shapes.num_kv_heads, shapes.capacity, shapes.memory_len, shapes.head_dim, shapes.vocab_size)
-    traced = trace_decoder_step(step)
-    inputs, states, outputs = coreml_io(shapes)
+        return None, result
     meta = {
         "com.cohere_coreml.component": "decoder",
         "com.cohere_coreml.decoder_shapes": shapes.to_dict(),
@@ -578,55 +589,68 @@ def convert_decoder(model, settings: ExportSettings, capacity: int | None = None
         "com.cohere_coreml.memory_len": str(shapes.memory_len),
         "com.cohere_coreml.eos_token_id": str(model.config.eos_token_id),
     }
-    mlmodel = convert_module(
-        traced, inputs, outputs, settings, states=states, metadata=meta, descriptions=DECODER_DESCRIPTIONS,
-        short_description="Cohere Transcribe decoder step (stateful KV cache, log-softmax output)",
-    )
-    prefill_mlmodel = None
-    if prefill:
+
+    def convert_step():
+        logger.info("decoder: tracing (L=%d Hkv=%d C=%d Tp=%d Dh=%d V=%d)", shapes.num_layers,
+                    shapes.num_kv_heads, shapes.capacity, shapes.memory_len, shapes.head_dim, shapes.vocab_size)
+        traced = trace_decoder_step(DecoderStep(model, capacity, memory_len).eval())
+        inputs, states, outputs = coreml_io(shapes)
+        return convert_module(
+            traced, inputs, outputs, settings, states=states, metadata=meta, descriptions=DECODER_DESCRIPTIONS,
+            short_description="Cohere Transcribe decoder step (stateful KV cache, log-softmax output)",
+        )
+
+    def convert_prefill():
         pre = DecoderPrefill(model, capacity, memory_len, prompt_len=len(gate_prompt)).eval()
         p_inputs, p_states, p_outputs = coreml_prefill_io(shapes, len(gate_prompt))
-        prefill_mlmodel = convert_module(
+        return convert_module(
             trace_decoder_prefill(pre), p_inputs, p_outputs, settings, states=p_states,
             metadata={**meta, "com.cohere_coreml.component": "decoder_prefill"},
             short_description="Cohere Transcribe decoder prompt prefill (stateful KV cache)",
         )
 
-    def gate(tmp_path: Path) -> GateReport:
-        from .runtime import load_model
+    def write(tmp: Path) -> None:
+        if prefill:
+            _save_with_prefill(convert_step, convert_prefill, tmp)
+        else:
+            convert_step().save(str(tmp))
 
+    def prepare():
+        # the PyTorch side of the gate, before the package is loaded: the reference and the controls
         case = teacher_forcing_case(model, shapes.memory_len, gate_prompt,
                                     new_tokens=min(16, shapes.capacity - len(gate_prompt)))
-        step_model = load_model(str(tmp_path), backend=backend)
-        produced = run_teacher_forcing(step_model, case)
-        report = teacher_forcing_report(case, produced, settings.precision, settings.min_psnr_db)
-        if prefill:
-            pre_model = load_model(str(tmp_path), backend=backend, function_name=PREFILL_FUNCTION)
-            trimmed, rows = run_prefill_teacher_forcing(step_model, pre_model, case)
-            pre_report = teacher_forcing_report(trimmed, rows, settings.precision, settings.min_psnr_db)
-            report["prefill"] = {k: v for k, v in pre_report.items() if k != "per_step"}
-            for key in ("worst_psnr_db", "mean_kl"):
-                report[key] = min(report[key], pre_report[key]) if key == "worst_psnr_db" else max(
-                    report[key], pre_report[key])
-            report["passed"] = bool(report["passed"] and pre_report["passed"])
         # negative controls: would this case refuse a broken package? (warns when it cannot)
-        report["controls"] = negative_controls(model, case, settings.precision, settings.min_psnr_db,
-                                               control_prompt=control_prompt)
-        report["discriminates"] = all(c["discriminates"] for c in report["controls"].values() if c["applicable"])
-        return teacher_forcing_gate(report)
+        controls = negative_controls(model, case, settings.precision, settings.min_psnr_db,
+                                     control_prompt=control_prompt)
 
-    if prefill_mlmodel is None:
-        write = lambda tmp: mlmodel.save(str(tmp))  # noqa: E731
-        report = export_gated(COMPONENT, settings, write, gate)
-    else:
-        report = _save_with_prefill(mlmodel, prefill_mlmodel, settings, gate)
-    result["written"] = True
-    result["parity"] = None if report.skipped else report.to_dict()
-    return result
+        def gate(tmp_path: Path) -> GateReport:
+            from .runtime import load_model
+
+            step_model = load_model(str(tmp_path), backend=backend)
+            produced = run_teacher_forcing(step_model, case)
+            report = teacher_forcing_report(case, produced, settings.precision, settings.min_psnr_db)
+            if prefill:
+                pre_model = load_model(str(tmp_path), backend=backend, function_name=PREFILL_FUNCTION)
+                trimmed, rows = run_prefill_teacher_forcing(step_model, pre_model, case)
+                pre_report = teacher_forcing_report(trimmed, rows, settings.precision, settings.min_psnr_db)
+                report["prefill"] = {k: v for k, v in pre_report.items() if k != "per_step"}
+                for key in ("worst_psnr_db", "mean_kl"):
+                    report[key] = min(report[key], pre_report[key]) if key == "worst_psnr_db" else max(
+                        report[key], pre_report[key])
+                report["passed"] = bool(report["passed"] and pre_report["passed"])
+            report["controls"] = controls
+            report["discriminates"] = all(c["discriminates"] for c in controls.values() if c["applicable"])
+            return teacher_forcing_gate(report)
+
+        return gate
+
+    return stage_gated(COMPONENT, settings, write, prepare), result
 
 
-def _save_with_prefill(step_mlmodel, prefill_mlmodel, settings: ExportSettings, gate) -> GateReport:
-    """Merge step (`main`) and prefill into one multifunction package (weights stored once)."""
+def _save_with_prefill(convert_step, convert_prefill, tmp: Path) -> None:
+    """Merge step (`main`) and prefill into one multifunction package at `tmp` (weights stored once).
+
+    Each program is converted, saved and dropped in turn (only one converted program in memory)."""
     import shutil
     import tempfile
 
@@ -635,22 +659,19 @@ def _save_with_prefill(step_mlmodel, prefill_mlmodel, settings: ExportSettings, 
     scratch = Path(tempfile.mkdtemp(prefix="decoder-mf-"))
     try:
         step_path, pre_path = scratch / "step.mlpackage", scratch / "prefill.mlpackage"
-        step_mlmodel.save(str(step_path))
-        prefill_mlmodel.save(str(pre_path))
+        convert_step().save(str(step_path))
+        convert_prefill().save(str(pre_path))
         descriptor = ct.utils.MultiFunctionDescriptor()
         descriptor.add_function(str(step_path), src_function_name="main", target_function_name="main")
         descriptor.add_function(str(pre_path), src_function_name="main", target_function_name=PREFILL_FUNCTION)
         descriptor.default_function_name = "main"
-
-        def write(tmp: Path):
-            merged = scratch / "merged.mlpackage"
-            ct.utils.save_multifunction(descriptor, str(merged))
-            merged_model = ct.models.MLModel(str(merged), skip_model_load=True)
-            merged_model.user_defined_metadata.update(dict(step_mlmodel.user_defined_metadata))
-            merged_model.user_defined_metadata["com.cohere_coreml.functions"] = f"main (step), {PREFILL_FUNCTION}"
-            merged_model.save(str(tmp))
-
-        return export_gated(COMPONENT, settings, write, gate)
+        merged = scratch / "merged.mlpackage"
+        ct.utils.save_multifunction(descriptor, str(merged))
+        merged_model = ct.models.MLModel(str(merged), skip_model_load=True)
+        step_meta = ct.models.MLModel(str(step_path), skip_model_load=True).user_defined_metadata
+        merged_model.user_defined_metadata.update(dict(step_meta))
+        merged_model.user_defined_metadata["com.cohere_coreml.functions"] = f"main (step), {PREFILL_FUNCTION}"
+        merged_model.save(str(tmp))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

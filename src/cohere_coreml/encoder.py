@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from .config import BUCKETS_METADATA_KEY, FP16_MASK_VALUE
 from .convert import ExportError, ExportSettings, convert_module, psnr, skip_existing
-from .gate import GateCase, GateReport, compare_cases, default_gate_audio, export_gated
+from .gate import GateCase, GateReport, StagedPackage, compare_cases, default_gate_audio, stage_gated
 from .reference import cross_memory
 from .shapes import EncoderShapes, ShapeError, bucket_shapes, encoder_shapes
 
@@ -362,6 +362,12 @@ def run_gate(package: Path, model, shapes: EncoderShapes, settings: ExportSettin
              function_name: str | None = None) -> GateReport:
     """Run the package through `cohere_coreml.runtime` on each window, compare with PyTorch."""
     cases = gate_cases(model, shapes, windows, settings.gate_psnr_db)
+    return compare_gate_cases(package, cases, settings, function_name)
+
+
+def compare_gate_cases(package: Path, cases: list[GateCase], settings: ExportSettings,
+                       function_name: str | None = None) -> GateReport:
+    """The encoder gate on reference cases computed beforehand (`gate_cases`)."""
     return compare_cases(COMPONENT, package, cases, settings.gate_psnr_db, exact=("encoder_length",),
                          function_name=function_name, details={"precision": settings.precision})
 
@@ -380,24 +386,43 @@ def convert_encoder(
     Raises ParityError (and writes nothing) when the program does not match PyTorch.
     `_wrapper_hook(wrapper_cls)` is for tests that deliberately break the export.
     """
+    staged = stage_encoder(model, settings, processor, clips, extra_metadata, _wrapper_hook)
+    if staged is None:
+        return None
+    staged.finish()
+    return settings.package_path(COMPONENT)
+
+
+def stage_encoder(model, settings: ExportSettings, processor=None, clips: list[np.ndarray] | None = None,
+                  extra_metadata: dict | None = None, _wrapper_hook=None) -> StagedPackage | None:
+    """`convert_encoder` up to the gate: the package written to its temporary path (traced and
+    converted inside the writer, so neither outlives it) and the gate's PyTorch references
+    computed. `finish()` the result to gate and install it (the model is not needed any more)."""
     if skip_existing(settings.package_path(COMPONENT), settings.force):
         return None
     shapes = encoder_shapes(model, settings.window_seconds, processor)
     logger.info("encoder shapes: %s", shapes)
-    t0 = time.perf_counter()
-    traced = trace_encoder(model, shapes) if _wrapper_hook is None else _wrapper_hook(model, shapes)
-    logger.info("traced in %.1f s", time.perf_counter() - t0)
-    mlmodel = convert_traced_encoder(traced, shapes, settings, extra_metadata)
-    del traced
-    logger.info("converted in %.1f s", time.perf_counter() - t0)
 
-    def gate(tmp: Path) -> GateReport:
-        report = run_gate(tmp, model, shapes, settings, gate_inputs(shapes, clips))
-        report.details["shapes"] = shapes.to_dict()
-        return report
+    def write(tmp: Path) -> None:
+        t0 = time.perf_counter()
+        traced = trace_encoder(model, shapes) if _wrapper_hook is None else _wrapper_hook(model, shapes)
+        logger.info("traced in %.1f s", time.perf_counter() - t0)
+        mlmodel = convert_traced_encoder(traced, shapes, settings, extra_metadata)
+        del traced
+        logger.info("converted in %.1f s", time.perf_counter() - t0)
+        mlmodel.save(str(tmp))
 
-    export_gated(COMPONENT, settings, lambda tmp: mlmodel.save(str(tmp)), gate)
-    return settings.package_path(COMPONENT)
+    def prepare():
+        cases = gate_cases(model, shapes, gate_inputs(shapes, clips), settings.gate_psnr_db)
+
+        def gate(tmp: Path) -> GateReport:
+            report = compare_gate_cases(tmp, cases, settings)
+            report.details["shapes"] = shapes.to_dict()
+            return report
+
+        return gate
+
+    return stage_gated(COMPONENT, settings, write, prepare)
 
 
 # --------------------------------------------------------------------------------------------
@@ -421,50 +446,62 @@ def convert_encoder_buckets(
     contract) are unchanged: a short clip only pays for its bucket's encoder compute. Identical
     weights are stored once (`coremltools.utils.save_multifunction`). Every function is gated.
     """
+    staged = stage_encoder_buckets(model, settings, bucket_seconds, processor, gate_audio, extra_metadata)
+    if staged is None:
+        return None
+    staged.finish()
+    return settings.package_path(COMPONENT)
+
+
+def stage_encoder_buckets(model, settings: ExportSettings, bucket_seconds, processor=None, gate_audio=None,
+                          extra_metadata: dict | None = None) -> StagedPackage | None:
+    """`convert_encoder_buckets` up to the gate (see `stage_encoder`)."""
     import coremltools as ct
 
     if skip_existing(settings.package_path(COMPONENT), settings.force):
         return None
     shapes_by_fn = bucket_shapes(model, settings.window_seconds, bucket_seconds, processor)
+    buckets_meta = {fn: {"window_seconds": sh.window_seconds, "frames": sh.frames,
+                         "encoder_frames": sh.encoder_frames, "padded_frames": sh.padded_frames}
+                    for fn, sh in shapes_by_fn.items()}
     settings.out_dir.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=".encoder-buckets-", dir=settings.out_dir))
-    try:
-        descriptor = None
-        for fn, shapes in shapes_by_fn.items():
-            logger.info("bucket %s: %s", fn, shapes)
-            single = scratch / f"{fn}.mlpackage"
-            traced = trace_encoder(model, shapes)
-            convert_traced_encoder(traced, shapes, settings.replace(window_seconds=shapes.window_seconds),
-                                   extra_metadata).save(str(single))
-            del traced
-            if descriptor is None:
-                descriptor = ct.utils.MultiFunctionDescriptor()
-            descriptor.add_function(str(single), src_function_name="main", target_function_name=fn)
-        descriptor.default_function_name = "main"
 
-        buckets_meta = {fn: {"window_seconds": sh.window_seconds, "frames": sh.frames,
-                             "encoder_frames": sh.encoder_frames, "padded_frames": sh.padded_frames}
-                        for fn, sh in shapes_by_fn.items()}
-
-        def write(tmp: Path):
+    def write(tmp: Path):
+        scratch = Path(tempfile.mkdtemp(prefix=".encoder-buckets-", dir=settings.out_dir))
+        try:
+            descriptor = ct.utils.MultiFunctionDescriptor()
+            for fn, shapes in shapes_by_fn.items():
+                logger.info("bucket %s: %s", fn, shapes)
+                single = scratch / f"{fn}.mlpackage"
+                traced = trace_encoder(model, shapes)
+                convert_traced_encoder(traced, shapes, settings.replace(window_seconds=shapes.window_seconds),
+                                       extra_metadata).save(str(single))
+                del traced
+                descriptor.add_function(str(single), src_function_name="main", target_function_name=fn)
+            descriptor.default_function_name = "main"
             merged = scratch / "merged.mlpackage"
             ct.utils.save_multifunction(descriptor, str(merged))
             mlmodel = ct.models.MLModel(str(merged), skip_model_load=True)
             mlmodel.user_defined_metadata[BUCKETS_METADATA_KEY] = json.dumps(buckets_meta, sort_keys=True)
             mlmodel.save(str(tmp))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def prepare():
+        cases = {}
+        for fn, shapes in shapes_by_fn.items():
+            windows = gate_inputs(shapes, gate_features(processor, shapes, gate_audio) if processor else None)
+            cases[fn] = gate_cases(model, shapes, windows, settings.gate_psnr_db)
 
         def gate(tmp: Path) -> GateReport:
-            reports = {}
-            for fn, shapes in shapes_by_fn.items():
-                windows = gate_inputs(shapes, gate_features(processor, shapes, gate_audio) if processor else None)
-                reports[fn] = run_gate(tmp, model, shapes, settings.replace(window_seconds=shapes.window_seconds),
-                                       windows, function_name=fn)
+            reports = {fn: compare_gate_cases(tmp, cases[fn], settings.replace(window_seconds=sh.window_seconds),
+                                              function_name=fn)
+                       for fn, sh in shapes_by_fn.items()}
             return GateReport.of_functions(COMPONENT, reports, buckets=buckets_meta)
 
-        export_gated(COMPONENT, settings, write, gate)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return settings.package_path(COMPONENT)
+        return gate
+
+    return stage_gated(COMPONENT, settings, write, prepare)
 
 
 # --------------------------------------------------------------------------------------------

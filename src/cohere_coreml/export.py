@@ -4,13 +4,19 @@ The pipeline, in order:
 
     checkpoint.load_reference          the transformers model + processor
     shapes.export_plan                 every static shape (window, memory length, cache, buckets)
-    for each requested component       its module converts it; gate.export_gated writes it only
-                                       when its parity gate passes (<component>.parity.json)
+    stage_export                       for each requested component, its module converts it to a
+                                       temporary package and computes its gate's PyTorch references
+                                       (gate.stage_gated); then the model can be freed
+    StagedExport.finish                each package is gated (loaded through the runtime) and renamed
+                                       into place only when its gate passes (<component>.parity.json)
     bundle.write_bundle                last: manifest.json from the packages on disk + tokenizer
 
+The PyTorch model and the gates' copies of the packages are never in memory together
+(`export_checkpoint` frees the model between the two halves): the peak is the larger of the two.
+
 Components (`COMPONENTS`) know nothing of each other or of the bundle: each receives the
-`ExportJob` (model, processor, settings, plan, gate audio, options) and returns its package path or
-None (skipped: already present). Adding a component (like the front end, or a quantized variant)
+`ExportJob` (model, processor, settings, plan, gate audio, options) and returns its staged package
+(`gate.StagedPackage`) or None (skipped: already present). Adding a component (like the front end, or a quantized variant)
 is one `Component` entry here plus its module.
 """
 
@@ -26,6 +32,7 @@ from typing import Any
 from .config import (CONTROL_LANGUAGE, DEFAULT_HUB_ID, DEFAULT_MAX_NEW_TOKENS, DEFAULT_OUT_DIR, DEFAULT_WINDOW_SECONDS,
                      GATE_LANGUAGE)
 from .convert import MIN_PSNR_DB, ExportError, ExportSettings
+from .gate import StagedPackage
 from .shapes import ExportPlan, export_plan
 
 logger = logging.getLogger(__name__)
@@ -53,23 +60,25 @@ class Component:
     """One exported package: `<name>.mlpackage`, gated, with `<name>.parity.json`."""
 
     name: str
-    export: Callable[[ExportJob], Path | None]  # writes the package; None when skipped (present)
+    # writes the package to its temporary path and computes the gate's PyTorch references;
+    # None when skipped (present). `StagedPackage.finish()` gates and installs it, model-free.
+    stage: Callable[[ExportJob], StagedPackage | None]
 
 
-def _export_encoder(job: ExportJob) -> Path | None:
+def _stage_encoder(job: ExportJob) -> StagedPackage | None:
     from . import encoder
 
     if job.buckets:  # one multifunction package: `main` = full window, `window_<s>s` = shorter buckets
-        return encoder.convert_encoder_buckets(job.model, job.settings, job.buckets, job.processor, job.gate_audio)
+        return encoder.stage_encoder_buckets(job.model, job.settings, job.buckets, job.processor, job.gate_audio)
     clips = None
     if not job.settings.skip_verify:
         clips = encoder.gate_features(job.processor, job.plan.window, job.gate_audio)
         if not clips:
             logger.warning("no speech clips for the encoder gate: using synthetic features")
-    return encoder.convert_encoder(job.model, job.settings, job.processor, clips=clips)
+    return encoder.stage_encoder(job.model, job.settings, job.processor, clips=clips)
 
 
-def _export_frontend(job: ExportJob) -> Path | None:
+def _stage_frontend(job: ExportJob) -> StagedPackage | None:
     """frontend.mlpackage: samples -> the encoder's input_features, one function per encoder window."""
     from . import frontend
     from .audio import FrontEndConfig
@@ -77,10 +86,10 @@ def _export_frontend(job: ExportJob) -> Path | None:
     config = FrontEndConfig.from_processor(job.processor, dither=0.0)
     if config.n_mels != job.plan.window.n_mels:
         raise ExportError(f"the front end has {config.n_mels} mel bins, the encoder expects {job.plan.window.n_mels}")
-    return frontend.convert_frontend(config, job.settings, job.plan.frontend, gate_audio=job.gate_audio)
+    return frontend.stage_frontend(config, job.settings, job.plan.frontend, gate_audio=job.gate_audio)
 
 
-def _export_decoder(job: ExportJob) -> Path | None:
+def _stage_decoder(job: ExportJob) -> StagedPackage | None:
     from . import decoder
     from .bundle import decoder_package_info
 
@@ -91,18 +100,18 @@ def _export_decoder(job: ExportJob) -> Path | None:
         if (present["capacity"], present["memory_len"]) != (shapes.capacity, shapes.memory_len):
             raise ExportError(f"{path} has cache {present['capacity']} / memory {present['memory_len']}, the export "
                               f"asks for {shapes.capacity} / {shapes.memory_len}; use --force to re-export")
-    result = decoder.convert_decoder(job.model, job.settings, capacity=shapes.capacity, memory_len=shapes.memory_len,
-                                     prompt=job.prompt, backend=job.backend, prefill=job.prefill,
-                                     control_prompt=job.control_prompt)
-    return path if result["written"] else None
+    staged, _ = decoder.stage_decoder(job.model, job.settings, capacity=shapes.capacity, memory_len=shapes.memory_len,
+                                      prompt=job.prompt, backend=job.backend, prefill=job.prefill,
+                                      control_prompt=job.control_prompt)
+    return staged
 
 
 # Export order: no component reads another (all take their shapes from the plan), but gating the
 # cheaper ones first fails fast. All are exported by default: every bundle carries the front end.
 COMPONENTS: dict[str, Component] = {
-    "encoder": Component("encoder", _export_encoder),
-    "frontend": Component("frontend", _export_frontend),
-    "decoder": Component("decoder", _export_decoder),
+    "encoder": Component("encoder", _stage_encoder),
+    "frontend": Component("frontend", _stage_frontend),
+    "decoder": Component("decoder", _stage_decoder),
 }
 
 
@@ -115,15 +124,65 @@ class ExportResult:
     manifest: Path
 
 
-def export_model(model, processor, settings: ExportSettings, components: Sequence[str] = tuple(COMPONENTS),
-                 gate_audio=None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, buckets=(), prefill: bool = False,
-                 backend: str = "mil") -> ExportResult:
-    """Export `components` of a loaded checkpoint into `settings.out_dir`, then write the bundle.
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the bundle needs of the checkpoint once the packages are converted (no weights)."""
 
-    Each component is parity gated unless `settings.skip_verify`; a failing gate raises
-    `ParityError` and leaves that package (and the manifest) as they were.
+    config: Any
+    generation_config: Any
+    source: Any
+
+    @classmethod
+    def of(cls, model) -> ModelInfo:
+        return cls(config=model.config, generation_config=getattr(model, "generation_config", None),
+                   source=getattr(model, "source", None))
+
+
+@dataclass
+class StagedExport:
+    """Every requested component converted and written to its temporary path, with its gate's
+    PyTorch references: nothing here holds the PyTorch model. `finish()` runs the gates (loading
+    each package), installs the packages that pass and writes the bundle."""
+
+    settings: ExportSettings
+    model_info: ModelInfo
+    processor: Any
+    staged: dict[str, StagedPackage | None]  # None: present, skipped
+
+    def finish(self) -> ExportResult:
+        from .bundle import write_bundle
+
+        packages: dict[str, dict[str, Any]] = {}
+        try:
+            for name in list(self.staged):
+                staged = self.staged.pop(name)
+                report = None if staged is None else staged.finish()
+                packages[name] = {
+                    "path": self.settings.package_path(name),
+                    "written": staged is not None,
+                    "report": None if report is None else json.loads(self.settings.report_path(name).read_text()),
+                }
+        finally:
+            self.discard()
+        return ExportResult(packages=packages, manifest=write_bundle(self.settings.out_dir, self.model_info,
+                                                                     self.processor))
+
+    def discard(self) -> None:
+        """Remove the packages not gated yet (after a refusal or an interruption)."""
+        for staged in self.staged.values():
+            if staged is not None:
+                staged.discard()
+        self.staged.clear()
+
+
+def stage_export(model, processor, settings: ExportSettings, components: Sequence[str] = tuple(COMPONENTS),
+                 gate_audio=None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, buckets=(), prefill: bool = False,
+                 backend: str = "mil") -> StagedExport:
+    """The PyTorch half of an export: convert every component and compute its gate's references.
+
+    After this returns the model is no longer needed (the caller may free it), so the gates'
+    interpreter copies of the packages never sit next to the PyTorch weights in memory.
     """
-    from .bundle import write_bundle
     from .tokens import prompt_ids
 
     unknown = sorted(set(components) - set(COMPONENTS))
@@ -136,20 +195,39 @@ def export_model(model, processor, settings: ExportSettings, components: Sequenc
     job = ExportJob(model=model, processor=processor, settings=settings, plan=plan, prompt=prompt,
                     control_prompt=control_prompt,
                     gate_audio=gate_audio, buckets=tuple(buckets), prefill=prefill, backend=backend)
-    packages: dict[str, dict[str, Any]] = {}
-    for name in (c for c in COMPONENTS if c in components):
-        written = COMPONENTS[name].export(job)
-        report_path = settings.report_path(name)
-        packages[name] = {
-            "path": settings.package_path(name),
-            "written": written is not None,
-            "report": json.loads(report_path.read_text()) if written is not None and report_path.is_file() else None,
-        }
-    return ExportResult(packages=packages, manifest=write_bundle(settings.out_dir, model, processor))
+    result = StagedExport(settings=settings, model_info=ModelInfo.of(model), processor=processor, staged={})
+    try:
+        for name in (c for c in COMPONENTS if c in components):
+            result.staged[name] = COMPONENTS[name].stage(job)
+    except BaseException:
+        result.discard()
+        raise
+    return result
+
+
+def export_model(model, processor, settings: ExportSettings, components: Sequence[str] = tuple(COMPONENTS),
+                 gate_audio=None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, buckets=(), prefill: bool = False,
+                 backend: str = "mil") -> ExportResult:
+    """Export `components` of a loaded checkpoint into `settings.out_dir`, then write the bundle.
+
+    Each component is parity gated unless `settings.skip_verify`; a failing gate raises
+    `ParityError` and leaves that package (and the manifest) as they were. All components are
+    converted (and their references computed) before the first gate runs; the caller keeps
+    `model` alive here (`export_checkpoint` frees it before gating).
+    """
+    return stage_export(model, processor, settings, components, gate_audio=gate_audio,
+                        max_new_tokens=max_new_tokens, buckets=buckets, prefill=prefill, backend=backend).finish()
 
 
 def export_checkpoint(model_ref: str, settings: ExportSettings, revision: str | None = None, **options) -> ExportResult:
-    """Load a checkpoint (Hub id or folder) and `export_model` it; package metadata records its source."""
+    """Load a checkpoint (Hub id or folder) and export it; package metadata records its source.
+
+    Peak memory is the larger of (PyTorch model + conversion) and (gating one package), not their
+    sum: every component is converted and its references computed (`stage_export`), then the model
+    is freed, then the gates load the packages (`StagedExport.finish`).
+    """
+    import gc
+
     import torch
 
     from .checkpoint import load_reference
@@ -158,7 +236,10 @@ def export_checkpoint(model_ref: str, settings: ExportSettings, revision: str | 
     model, processor = load_reference(model_ref, revision=revision)
     source = model.source
     settings = settings.replace(model_id=source.model_id, revision=source.revision or settings.revision)
-    return export_model(model, processor, settings, **options)
+    staged = stage_export(model, processor, settings, **options)
+    del model
+    gc.collect()
+    return staged.finish()
 
 
 # --------------------------------------------------------------------------------------------

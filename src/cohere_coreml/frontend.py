@@ -56,7 +56,7 @@ from .audio import (
 )
 from .config import FRONTEND_FUNCTIONS_METADATA_KEY
 from .convert import CorrectnessReport, ExportError, ExportSettings, convert_module, report_correctness, skip_existing
-from .gate import GateCase, GateReport, default_gate_audio, export_gated
+from .gate import GateCase, GateReport, StagedPackage, default_gate_audio, stage_gated
 from .shapes import FrontEndShapes, ShapeError
 
 logger = logging.getLogger(__name__)
@@ -386,30 +386,40 @@ def convert_frontend(config: FrontEndConfig, settings: ExportSettings, shapes_by
     raises `ParityError`, writes `frontend.parity-failed.json` and leaves no package behind
     (`gate.export_gated`). `_module_cls` is for tests that deliberately break the front end.
     """
+    staged = stage_frontend(config, settings, shapes_by_fn, gate_audio, _module_cls)
+    if staged is None:
+        return None
+    staged.finish()
+    return settings.package_path(COMPONENT)
+
+
+def stage_frontend(config: FrontEndConfig, settings: ExportSettings, shapes_by_fn: Mapping[str, FrontEndShapes],
+                   gate_audio=None, _module_cls=FrontEndForCoreML) -> StagedPackage | None:
+    """`convert_frontend` up to the gate: the package at its temporary path (converted inside the
+    writer) and the gate's reference cases computed; `finish()` gates and installs it."""
     import coremltools as ct
 
     if "main" not in shapes_by_fn:
         raise FrontEndInputError(f"front-end functions {sorted(shapes_by_fn)} have no 'main' (the full window)")
     if config.dither:
         config = FrontEndConfig.from_dict({**config.to_dict(), "dither": 0.0})
-    path = settings.package_path(COMPONENT)
-    if skip_existing(path, settings.force):
+    if skip_existing(settings.package_path(COMPONENT), settings.force):
         return None
     functions_meta = {fn: {"window_seconds": sh.window_seconds, "samples": sh.samples, "frames": sh.frames}
                       for fn, sh in shapes_by_fn.items()}
     settings.out_dir.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=".frontend-", dir=settings.out_dir))
-    try:
-        singles = {}
-        for fn, shapes in shapes_by_fn.items():
-            t0 = time.perf_counter()
-            mlmodel = convert_traced_frontend(trace_frontend(config, shapes, _module_cls), config, shapes, settings)
-            singles[fn] = scratch / f"{fn}.mlpackage"
-            mlmodel.save(str(singles[fn]))
-            logger.info("front end %s (%d samples -> %d frames) converted in %.1f s", fn, shapes.samples,
-                        shapes.frames, time.perf_counter() - t0)
 
-        def write(tmp: Path):
+    def write(tmp: Path):
+        scratch = Path(tempfile.mkdtemp(prefix=".frontend-", dir=settings.out_dir))
+        try:
+            singles = {}
+            for fn, shapes in shapes_by_fn.items():
+                t0 = time.perf_counter()
+                mlmodel = convert_traced_frontend(trace_frontend(config, shapes, _module_cls), config, shapes, settings)
+                singles[fn] = scratch / f"{fn}.mlpackage"
+                mlmodel.save(str(singles[fn]))
+                logger.info("front end %s (%d samples -> %d frames) converted in %.1f s", fn, shapes.samples,
+                            shapes.frames, time.perf_counter() - t0)
             if len(singles) == 1:
                 mlmodel = ct.models.MLModel(str(singles["main"]), skip_model_load=True)
             else:
@@ -426,10 +436,14 @@ def convert_frontend(config: FrontEndConfig, settings: ExportSettings, shapes_by
                 mlmodel.short_description = main.short_description
             mlmodel.user_defined_metadata[FRONTEND_FUNCTIONS_METADATA_KEY] = json.dumps(functions_meta, sort_keys=True)
             mlmodel.save(str(tmp))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def prepare():
+        cases = {fn: gate_cases(config, shapes, gate_audio) for fn, shapes in shapes_by_fn.items()}
 
         def gate(tmp: Path) -> GateReport:
-            reports = {fn: run_gate(tmp, gate_cases(config, shapes, gate_audio), function_name=fn)
-                       for fn, shapes in shapes_by_fn.items()}
+            reports = {fn: run_gate(tmp, cases[fn], function_name=fn) for fn in shapes_by_fn}
             if len(reports) == 1:
                 report = reports["main"]
                 report.details["windows"] = functions_meta
@@ -437,7 +451,6 @@ def convert_frontend(config: FrontEndConfig, settings: ExportSettings, shapes_by
             return GateReport.of_functions(COMPONENT, reports, windows=functions_meta, precision=PRECISION,
                                            compute_units=COMPUTE_UNITS, budgets=GATE_BUDGETS)
 
-        export_gated(COMPONENT, settings, write, gate)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return path
+        return gate
+
+    return stage_gated(COMPONENT, settings, write, prepare)

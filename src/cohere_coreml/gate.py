@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 
 from .convert import ExportSettings, ParityError, report_correctness, skip_existing, write_json_atomic
-from .convert import write_package_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +95,90 @@ class GateReport:
 # --------------------------------------------------------------------------------------------
 
 
+# A gate prepared before the package is read: `prepare()` computes the reference outputs (with the
+# PyTorch model, while it is loaded) and returns `gate(package_path) -> GateReport`, which needs
+# nothing but those outputs. So the model can be released before the package is loaded to be gated.
+GatePreparer = Callable[[], Callable[[Path], GateReport]]
+
+
+@dataclass
+class StagedPackage:
+    """A component's package written to its temporary path, its gate's references computed.
+
+    `finish()` gates it and renames it into place (or refuses it); `discard()` removes it. The
+    gate closure holds only numpy references, never the PyTorch model or the converted program.
+    """
+
+    component: str
+    settings: ExportSettings
+    tmp: Path
+    gate: Callable[[Path], GateReport] | None  # None: --skip-verify
+
+    def finish(self) -> GateReport:
+        """Gate the staged package; install it and write `<component>.parity.json` when it passes.
+
+        Raises `ParityError` when refused: the package is removed, the figures go to
+        `<component>.parity-failed.json`, an older package and report stay untouched.
+        """
+        from .convert import install_package, remove_package
+
+        component, settings = self.component, self.settings
+        path = settings.package_path(component)
+        try:
+            if self.gate is None:
+                logger.warning("%s parity gate skipped (--skip-verify)", component)
+                report = GateReport.skipped_gate(component)
+            else:
+                report = self.gate(self.tmp)
+                logger.info("%s", report.summary())
+                report.raise_if_failed(path)
+        except ParityError as err:
+            remove_package(self.tmp)
+            failed = err.report.to_dict() if isinstance(err.report, GateReport) else {"component": component,
+                                                                                       "passed": False}
+            write_json_atomic({**failed, "error": str(err)}, settings.failed_report_path(component))
+            raise
+        except BaseException:
+            remove_package(self.tmp)
+            raise
+        finally:
+            self.gate = None  # its references are not needed any more
+        install_package(self.tmp, path)
+        write_json_atomic(report.to_dict(), settings.report_path(component))
+        settings.failed_report_path(component).unlink(missing_ok=True)
+        return report
+
+    def discard(self) -> None:
+        from .convert import remove_package
+
+        remove_package(self.tmp)
+        self.gate = None
+
+
+def stage_gated(component: str, settings: ExportSettings, write: Callable[[Path], Any],
+                prepare: GatePreparer) -> StagedPackage | None:
+    """First half of `export_gated`: `write(tmp_path)`, then `prepare()` the gate's references.
+
+    Returns None when the package exists and `settings.force` is off (skipped). `write` should
+    build what it saves (trace, convert) itself, so nothing of the conversion outlives it; the
+    gate is not prepared under `settings.skip_verify`.
+    """
+    from .convert import remove_package, staging_path
+
+    path = settings.package_path(component)
+    tmp = staging_path(path)
+    if skip_existing(path, settings.force):
+        return None
+    remove_package(tmp)
+    try:
+        write(tmp)
+        gate = None if settings.skip_verify else prepare()
+    except BaseException:
+        remove_package(tmp)
+        raise
+    return StagedPackage(component=component, settings=settings, tmp=tmp, gate=gate)
+
+
 def export_gated(component: str, settings: ExportSettings, write: Callable[[Path], Any],
                  gate: Callable[[Path], GateReport]) -> GateReport | None:
     """Write `<component>.mlpackage` with `write(tmp_path)`, gate it, rename it into place.
@@ -103,32 +186,11 @@ def export_gated(component: str, settings: ExportSettings, write: Callable[[Path
     Returns the gate report (also written as `<component>.parity.json`), or None when the package
     exists and `settings.force` is off (skipped). Raises `ParityError` when the gate refuses the
     package: nothing is renamed into place and the figures go to `<component>.parity-failed.json`.
+    (`stage_gated` + `StagedPackage.finish`; use those to compute references before the package
+    is loaded and free the PyTorch model in between.)
     """
-    path = settings.package_path(component)
-    if skip_existing(path, settings.force):
-        return None
-    outcome: dict[str, GateReport] = {}
-
-    def verify(tmp: Path) -> None:
-        if settings.skip_verify:
-            logger.warning("%s parity gate skipped (--skip-verify)", component)
-            outcome["report"] = GateReport.skipped_gate(component)
-            return
-        report = gate(tmp)
-        outcome["report"] = report
-        logger.info("%s", report.summary())
-        report.raise_if_failed(path)
-
-    try:
-        write_package_atomic(write, path, force=settings.force, verify=verify)
-    except ParityError as err:
-        failed = err.report.to_dict() if isinstance(err.report, GateReport) else {"component": component, "passed": False}
-        write_json_atomic({**failed, "error": str(err)}, settings.failed_report_path(component))
-        raise
-    report = outcome["report"]
-    write_json_atomic(report.to_dict(), settings.report_path(component))
-    settings.failed_report_path(component).unlink(missing_ok=True)
-    return report
+    staged = stage_gated(component, settings, write, lambda: gate)
+    return None if staged is None else staged.finish()
 
 
 # --------------------------------------------------------------------------------------------
