@@ -11,6 +11,7 @@ Each sub-command lives next to the stage it drives and is registered here explic
     quantize          cohere_coreml.quantize
     bundle, upload    cohere_coreml.publish
     bench             cohere_coreml.bench
+    serve-runtime     cohere_coreml.runtime.serve
 
 `cohere-coreml <command> --help` explains each.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from . import __version__, audio, bench, checkpoint, export, publish, quantize, transcribe, verify
 from .config import DEFAULT_HUB_ID
+from .runtime import serve
 
 logger = logging.getLogger("cohere_coreml")
 
@@ -90,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_command(sub)  # quantize
     publish.add_commands(sub)  # bundle check|finalize, upload
     bench.add_command(sub)  # bench
+    serve.add_command(sub)  # serve-runtime
     return parser
 
 
