@@ -7,6 +7,9 @@ ifeq ($(UV),)
 UV := $(PYTHON) -m uv
 endif
 RUN := $(UV) run --frozen
+# Swift toolchain: `swift` on PATH, else the toolchain at /opt/swift (the machines' install location)
+SWIFT ?= $(shell command -v swift 2>/dev/null || { [ -x /opt/swift/usr/bin/swift ] && echo /opt/swift/usr/bin/swift; })
+SWIFT_FIXTURES ?= out/swift-fixtures
 
 # export settings (override on the command line: make export MODEL=/path/to/checkpoint OUT=out/f16)
 # default bundle folder: f16/ at the repository root (contents git-ignored), then `make quantize` -> q8/
@@ -14,11 +17,11 @@ MODEL ?=
 OUT ?= f16
 PRECISION ?= fp16
 
-.PHONY: help bootstrap sync demo test export quantize verify bench upload bundle-check clean
+.PHONY: help bootstrap sync demo test swift-test swift-fixtures export quantize verify bench upload bundle-check clean
 
 help:
 	@echo "make demo      main job on the built-in default checkpoint"
-	@echo "make test      run the test suite"
+	@echo "make test      run the test suite (Python, then the Swift package: make swift-test)"
 	@echo "make export    MODEL=<hub id|folder> OUT=<dir> PRECISION=fp16|fp32: export Core ML packages"
 	@echo "make verify    MODEL=<hub id|folder> OUT=<bundle dir> AUDIO='a.wav b.wav' LANGUAGES=en,de: parity report"
 	@echo "make quantize  BUNDLE=f16 QOUT=q8 PRESET=q8|q8-hybrid|q4 MODEL=<ckpt>: compress an exported bundle, gated"
@@ -50,6 +53,18 @@ demo: sync
 
 test: sync
 	$(RUN) pytest
+	$(MAKE) swift-test
+
+# The Swift package (Package.swift, swift/): reference data from the Python pipeline (cached under
+# $(SWIFT_FIXTURES)), then build and `swift test`. Skipped with a message when no Swift toolchain exists.
+swift-fixtures: sync
+	$(RUN) python swift/fixtures/make_fixtures.py --out $(SWIFT_FIXTURES)
+
+swift-test:
+	@if [ -z "$(SWIFT)" ]; then echo "make swift-test: SKIPPED: no Swift toolchain (swift not on PATH, no /opt/swift)"; exit 0; fi; \
+	set -e; $(MAKE) swift-fixtures; \
+	export PATH="$$(dirname "$(SWIFT)"):$$PATH" COHERE_SWIFT_FIXTURES="$(abspath $(SWIFT_FIXTURES))"; \
+	nice -n 10 "$(SWIFT)" build --build-tests && nice -n 10 "$(SWIFT)" test --skip-build
 
 export: sync
 	model="$(MODEL)"; [ -n "$$model" ] || model=$$($(RUN) cohere-coreml prepare-default | tail -n 1); \

@@ -1,0 +1,249 @@
+import Foundation
+
+/// Shape and element type of one input, output or state, as the manifest's `io` blocks list them.
+public struct ArrayDescription: Codable, Equatable, Sendable, CustomStringConvertible {
+    public var shape: [Int]
+    public var dtype: String
+
+    public init(shape: [Int], dtype: String) {
+        self.shape = shape
+        self.dtype = dtype
+    }
+
+    public var description: String { "\(dtype) \(shape)" }
+}
+
+/// Inputs, outputs and states of one package function.
+public struct ModelIO: Codable, Equatable, Sendable {
+    public var inputs: [String: ArrayDescription]
+    public var outputs: [String: ArrayDescription]
+    public var states: [String: ArrayDescription]
+
+    public init(inputs: [String: ArrayDescription] = [:], outputs: [String: ArrayDescription] = [:],
+                states: [String: ArrayDescription] = [:]) {
+        self.inputs = inputs
+        self.outputs = outputs
+        self.states = states
+    }
+
+    public init(from decoder: Decoder) throws {
+        let c = try decoder.container(keyedBy: CodingKeys.self)
+        inputs = try c.decodeIfPresent([String: ArrayDescription].self, forKey: .inputs) ?? [:]
+        outputs = try c.decodeIfPresent([String: ArrayDescription].self, forKey: .outputs) ?? [:]
+        states = try c.decodeIfPresent([String: ArrayDescription].self, forKey: .states) ?? [:]
+    }
+
+    public var isEmpty: Bool { inputs.isEmpty && outputs.isEmpty && states.isEmpty }
+}
+
+/// `manifest.json` of a bundle (docs/bundle.md). Field names follow the JSON (snake case).
+public struct BundleManifest: Codable, Sendable {
+    public static let formatName = "cohere-coreml-bundle"
+    /// The newest `format_version` this package reads.
+    public static let supportedFormatVersion = 1
+    public static let fileName = "manifest.json"
+
+    public struct Files: Codable, Sendable {
+        public var encoder: String
+        public var decoder: String
+        public var vocab: String
+        public var frontend: String?
+    }
+
+    public struct Audio: Codable, Sendable {
+        public var sampling_rate: Int
+        public var n_fft: Int
+        public var win_length: Int
+        public var hop_length: Int
+        public var n_mels: Int
+        public var max_audio_clip_s: Double
+        public var overlap_chunk_second: Double
+        public var min_energy_window_samples: Int
+        public var window_frames: Int
+    }
+
+    public struct EncoderFunction: Codable, Sendable {
+        public var frames: Int
+        public var window_seconds: Double?
+    }
+
+    public struct Encoder: Codable, Sendable {
+        public var window_frames: Int
+        public var memory_len: Int
+        public var num_mel_bins: Int
+        public var functions: [String: EncoderFunction]?
+        public var io: ModelIO?
+    }
+
+    public struct DecoderFunctions: Codable, Sendable {
+        public var step: String
+        public var prefill: String?
+    }
+
+    public struct Decoder: Codable, Sendable {
+        public var capacity: Int
+        public var prompt_length: Int
+        public var max_new_tokens: Int
+        public var vocab_size: Int
+        public var cache_shape: [Int]
+        public var memory_shape: [Int]
+        public var output: String
+        public var functions: DecoderFunctions?
+        public var prefill_length: Int?
+        public var io: ModelIO?
+    }
+
+    /// The front-end package section (written when the bundle has `frontend.mlpackage`).
+    public struct FrontEnd: Codable, Sendable {
+        public var io: ModelIO?
+        public var compute_units: String?
+    }
+
+    public struct Tokens: Codable, Sendable {
+        public var eos_token_ids: [Int]
+        public var vocab_size: Int
+    }
+
+    public struct Generation: Codable, Sendable {
+        public var strategy: String
+        public var no_space_languages: [String]
+    }
+
+    public struct Prompts: Codable, Sendable {
+        public var punctuation: [Int]
+        public var no_punctuation: [Int]
+    }
+
+    public var format: String
+    public var format_version: Int
+    public var model_id: String?
+    public var precision: String?
+    public var files: Files
+    public var audio: Audio
+    public var encoder: Encoder
+    public var decoder: Decoder
+    public var frontend: FrontEnd?
+    public var tokens: Tokens
+    public var generation: Generation
+    public var languages: [String: Prompts]
+
+    /// Decodes `data`, refusing another format or a newer `format_version` before anything else.
+    public static func decode(_ data: Data) throws -> BundleManifest {
+        struct Header: Decodable {
+            var format: String?
+            var format_version: Int?
+        }
+        let header: Header
+        do {
+            header = try JSONDecoder().decode(Header.self, from: data)
+        } catch {
+            throw BundleError.unreadableManifest("not JSON: \(error)")
+        }
+        guard header.format == formatName else {
+            throw BundleError.unsupportedFormat(
+                "manifest format is \(header.format.map { "'\($0)'" } ?? "missing"), expected '\(formatName)'")
+        }
+        guard let version = header.format_version else {
+            throw BundleError.unreadableManifest("no format_version")
+        }
+        guard version <= supportedFormatVersion else {
+            throw BundleError.newerFormatVersion(found: version, supported: supportedFormatVersion)
+        }
+        do {
+            return try JSONDecoder().decode(BundleManifest.self, from: data)
+        } catch let DecodingError.keyNotFound(key, context) {
+            throw BundleError.unreadableManifest(
+                "missing field '\((context.codingPath.map(\.stringValue) + [key.stringValue]).joined(separator: "."))'")
+        } catch let DecodingError.typeMismatch(_, context) {
+            throw BundleError.unreadableManifest(
+                "wrong type at '\(context.codingPath.map(\.stringValue).joined(separator: "."))'")
+        } catch {
+            throw BundleError.unreadableManifest("\(error)")
+        }
+    }
+
+    /// Reads `manifest.json` from a bundle folder.
+    public static func load(bundle: URL) throws -> BundleManifest {
+        let url = bundle.appendingPathComponent(fileName)
+        guard FileManager.default.fileExists(atPath: url.path) else {
+            throw BundleError.missingFile("no \(fileName) in \(bundle.path): export the bundle with `cohere-coreml export`")
+        }
+        return try decode(try Data(contentsOf: url))
+    }
+
+    /// The decoder prompt of `language`.
+    public func prompt(language: String, punctuation: Bool = true) throws -> [Int] {
+        guard let prompts = languages[language] else {
+            throw BundleError.unknownLanguage(language, available: languages.keys.sorted())
+        }
+        return punctuation ? prompts.punctuation : prompts.no_punctuation
+    }
+
+    /// Encoder functions (frames, name), smallest window first.
+    public var encoderBuckets: [(frames: Int, function: String)] {
+        let functions = encoder.functions ?? ["main": EncoderFunction(frames: encoder.window_frames, window_seconds: nil)]
+        return functions.map { (frames: $0.value.frames, function: $0.key) }
+            .sorted { ($0.frames, $0.function) < ($1.frames, $1.function) }
+    }
+
+    // MARK: - Package I/O expected by the manifest
+
+    /// What one encoder function must take and return (docs/contract.md), from the manifest's sizes.
+    public func expectedEncoderIO(frames: Int) -> ModelIO {
+        let memory = decoder.memory_shape
+        return ModelIO(
+            inputs: ["input_features": .init(shape: [1, encoder.num_mel_bins, frames], dtype: "float32"),
+                     "feature_length": .init(shape: [1], dtype: "int32")],
+            outputs: ["cross_k": .init(shape: memory, dtype: programFloat),
+                      "cross_v": .init(shape: memory, dtype: programFloat),
+                      "cross_mask": .init(shape: [1, 1, 1, encoder.memory_len], dtype: programFloat)])
+    }
+
+    /// What the decoder step (or, with `promptLength`, the prefill function) must take and return.
+    public func expectedDecoderIO(prefillLength: Int? = nil) -> ModelIO {
+        let memory = decoder.memory_shape
+        var inputs: [String: ArrayDescription] = [
+            "input_ids": .init(shape: [1, prefillLength ?? 1], dtype: "int32"),
+            "cross_k": .init(shape: memory, dtype: programFloat),
+            "cross_v": .init(shape: memory, dtype: programFloat),
+            "cross_mask": .init(shape: [1, 1, 1, encoder.memory_len], dtype: programFloat),
+        ]
+        if prefillLength == nil { inputs["position"] = .init(shape: [1], dtype: "int32") }
+        return ModelIO(
+            inputs: inputs,
+            outputs: [decoder.output: .init(shape: [1, decoder.vocab_size], dtype: programFloat)],
+            states: ["self_k": .init(shape: decoder.cache_shape, dtype: "float16"),
+                     "self_v": .init(shape: decoder.cache_shape, dtype: "float16")])
+    }
+
+    /// What one front-end function must return for an encoder window of `frames` mel frames.
+    public func expectedFrontEndIO(frames: Int) -> ModelIO {
+        ModelIO(inputs: ["audio_length": .init(shape: [1], dtype: "int32")],
+                outputs: ["input_features": .init(shape: [1, encoder.num_mel_bins, frames], dtype: "float32"),
+                          "feature_length": .init(shape: [1], dtype: "int32")])
+    }
+
+    var programFloat: String { precision == "fp32" ? "float32" : "float16" }
+}
+
+/// Checks a loaded function's I/O: every array `expected` names must be there with that shape and
+/// dtype (`exact`: and nothing else). Throws `BundleError.ioMismatch` naming the first difference.
+func checkIO(_ actual: ModelIO, expected: ModelIO, exact: Bool, component: String, function: String) throws {
+    for (kind, want, got) in [("input", expected.inputs, actual.inputs), ("output", expected.outputs, actual.outputs),
+                              ("state", expected.states, actual.states)] {
+        for name in want.keys.sorted() {
+            guard let have = got[name] else {
+                throw BundleError.ioMismatch(component: component, function: function,
+                                             detail: "no \(kind) '\(name)' (has: \(got.keys.sorted().joined(separator: ", ")))")
+            }
+            if have != want[name]! {
+                throw BundleError.ioMismatch(component: component, function: function,
+                                             detail: "\(kind) '\(name)' is \(have), the manifest says \(want[name]!)")
+            }
+        }
+        if exact, let extra = got.keys.sorted().first(where: { want[$0] == nil }) {
+            throw BundleError.ioMismatch(component: component, function: function,
+                                         detail: "\(kind) '\(extra)' is not in the manifest")
+        }
+    }
+}

@@ -1,0 +1,47 @@
+import Foundation
+
+/// Where a component's predictions run (Core ML's `MLComputeUnits`; the interpreter ignores it).
+public enum ComputeUnits: String, Sendable, CaseIterable {
+    case all
+    case cpuOnly = "cpu_only"
+    case cpuAndGPU = "cpu_and_gpu"
+    case cpuAndNeuralEngine = "cpu_and_ne"
+}
+
+/// Compute units per component. Default: front end on CPU/GPU, encoder and decoder on the Neural Engine.
+public struct ComponentComputeUnits: Sendable {
+    public var frontEnd: ComputeUnits
+    public var encoder: ComputeUnits
+    public var decoder: ComputeUnits
+
+    public init(frontEnd: ComputeUnits = .cpuAndGPU, encoder: ComputeUnits = .cpuAndNeuralEngine,
+                decoder: ComputeUnits = .cpuAndNeuralEngine) {
+        self.frontEnd = frontEnd
+        self.encoder = encoder
+        self.decoder = decoder
+    }
+
+    /// The same units for every component.
+    public static func uniform(_ units: ComputeUnits) -> ComponentComputeUnits {
+        ComponentComputeUnits(frontEnd: units, encoder: units, decoder: units)
+    }
+}
+
+/// A state of a stateful function (Core ML's `MLState`): one per sequence, never shared across threads.
+public protocol RuntimeState: AnyObject {}
+
+/// One loaded function of a package.
+public protocol RuntimeModel: AnyObject {
+    var functionName: String { get }
+    /// Inputs, outputs and states as the package declares them.
+    var io: ModelIO { get }
+    /// A fresh, zeroed state.
+    func makeState() throws -> RuntimeState
+    func predict(_ inputs: [String: Tensor], state: RuntimeState?) throws -> [String: Tensor]
+}
+
+/// Loads package functions. `CoreMLRuntime` on Apple platforms, `InterpreterRuntime` anywhere Python runs.
+public protocol ModelRuntime: AnyObject {
+    var name: String { get }
+    func loadModel(at package: URL, functionName: String?, computeUnits: ComputeUnits) async throws -> RuntimeModel
+}

@@ -1,0 +1,76 @@
+import Foundation
+
+/// Element types of the arrays the bundle's packages exchange.
+public enum DType: String, Codable, Sendable {
+    case float32, float16, int32
+
+    public var byteSize: Int { self == .float16 ? 2 : 4 }
+}
+
+/// A dense array: raw little-endian bytes in C (row-major) order, its element type and shape.
+///
+/// float16 values are kept as raw IEEE half bits and converted with `float16ToFloat` (exact), so no
+/// Swift `Float16` is needed (it does not exist on Intel Macs).
+public struct Tensor: Sendable, Equatable {
+    public let dtype: DType
+    public let shape: [Int]
+    public let data: Data
+
+    public var count: Int { shape.reduce(1, *) }
+
+    public init(dtype: DType, shape: [Int], data: Data) throws {
+        let expected = shape.reduce(1, *) * dtype.byteSize
+        guard shape.allSatisfy({ $0 >= 0 }), data.count == expected else {
+            throw TranscriptionError.invalidArray(
+                "\(dtype.rawValue) array of shape \(shape) needs \(expected) bytes, got \(data.count)")
+        }
+        self.dtype = dtype
+        self.shape = shape
+        self.data = data
+    }
+
+    public init(float32 values: [Float], shape: [Int]) throws {
+        let data = values.withUnsafeBufferPointer { Data(buffer: $0) }
+        try self.init(dtype: .float32, shape: shape, data: data)
+    }
+
+    public init(int32 values: [Int32], shape: [Int]) throws {
+        let data = values.withUnsafeBufferPointer { Data(buffer: $0) }
+        try self.init(dtype: .int32, shape: shape, data: data)
+    }
+
+    /// Values as Float (float16 and int32 converted exactly).
+    public func floats() -> [Float] {
+        switch dtype {
+        case .float32:
+            return data.withUnsafeBytes { Array($0.bindMemory(to: Float.self)) }
+        case .float16:
+            return data.withUnsafeBytes { raw in raw.bindMemory(to: UInt16.self).map(float16ToFloat) }
+        case .int32:
+            return data.withUnsafeBytes { raw in raw.bindMemory(to: Int32.self).map(Float.init) }
+        }
+    }
+
+    /// Values as Int32 (only for int32 arrays).
+    public func int32s() -> [Int32] {
+        precondition(dtype == .int32, "int32s() of a \(dtype.rawValue) array")
+        return data.withUnsafeBytes { Array($0.bindMemory(to: Int32.self)) }
+    }
+}
+
+/// IEEE 754 half (raw bits) -> Float, exact for every value (subnormals, inf, NaN included).
+@inline(__always)
+public func float16ToFloat(_ bits: UInt16) -> Float {
+    let sign = UInt32(bits & 0x8000) << 16
+    let exponent = Int((bits >> 10) & 0x1F)
+    let mantissa = UInt32(bits & 0x03FF)
+    if exponent == 0 {
+        // zero or subnormal: mantissa * 2^-24
+        let magnitude = Float(mantissa) * Float(sign: .plus, exponent: -24, significand: 1)
+        return sign != 0 ? -magnitude : magnitude
+    }
+    if exponent == 0x1F {
+        return Float(bitPattern: sign | 0x7F80_0000 | (mantissa << 13))
+    }
+    return Float(bitPattern: sign | (UInt32(exponent - 15 + 127) << 23) | (mantissa << 13))
+}

@@ -1,0 +1,136 @@
+// cohere-transcribe-swift: transcribe audio files with an exported bundle from Swift.
+import CohereTranscribe
+import Foundation
+
+let usage = """
+usage: cohere-transcribe-swift --bundle DIR --language LANG FILE... [--json] [--no-punctuation]
+                               [--max-new-tokens N] [--compute-units all|cpu_only|cpu_and_gpu|cpu_and_ne]
+                               [--runtime coreml|interpreter] [--interpreter PATH]
+
+Greedy transcription with a bundle written by `cohere-coreml export` (front end, encoder, decoder
+packages, manifest.json, vocab.json); token for token what `cohere-coreml transcribe` gives.
+  --runtime        coreml (default on macOS/iOS) or interpreter (the project's MIL interpreter through
+                   `cohere-coreml serve-runtime`; the default elsewhere)
+  --interpreter    path of the cohere-coreml command (default: $COHERE_COREML, else PATH)
+  --compute-units  Core ML compute units for every component (default: front end CPU/GPU, encoder and
+                   decoder Neural Engine)
+  --json           print JSON shaped like `cohere-coreml transcribe --json`
+A file that cannot be transcribed is reported; the others are still transcribed (exit status 1).
+"""
+
+func fail(_ message: String) -> Never {
+    FileHandle.standardError.write(Data("cohere-transcribe-swift: error: \(message)\n".utf8))
+    exit(2)
+}
+
+var bundle: String?
+var language: String?
+var files: [String] = []
+var json = false
+var punctuation = true
+var maxNewTokens: Int?
+var units: ComputeUnits?
+var interpreterPath: String?
+#if canImport(CoreML)
+var runtimeName = "coreml"
+#else
+var runtimeName = "interpreter"
+#endif
+
+var args = Array(CommandLine.arguments.dropFirst())
+func value(_ flag: String) -> String {
+    guard !args.isEmpty else { fail("\(flag) needs a value") }
+    return args.removeFirst()
+}
+while !args.isEmpty {
+    let a = args.removeFirst()
+    switch a {
+    case "-h", "--help": print(usage); exit(0)
+    case "--bundle": bundle = value(a)
+    case "--language": language = value(a)
+    case "--json": json = true
+    case "--no-punctuation": punctuation = false
+    case "--max-new-tokens":
+        guard let n = Int(value(a)), n >= 1 else { fail("--max-new-tokens needs a positive integer") }
+        maxNewTokens = n
+    case "--compute-units":
+        let v = value(a)
+        guard let u = ComputeUnits(rawValue: v) else {
+            fail("--compute-units must be one of \(ComputeUnits.allCases.map(\.rawValue).joined(separator: ", ")), got '\(v)'")
+        }
+        units = u
+    case "--runtime":
+        runtimeName = value(a)
+        guard ["coreml", "interpreter"].contains(runtimeName) else { fail("--runtime must be coreml or interpreter") }
+    case "--interpreter": interpreterPath = value(a)
+    default:
+        if a.hasPrefix("--") { fail("unknown option \(a)\n\(usage)") }
+        files.append(a)
+    }
+}
+guard let bundle else { fail("--bundle is required\n\(usage)") }
+guard let language else { fail("--language is required\n\(usage)") }
+guard !files.isEmpty else { fail("no audio file given\n\(usage)") }
+
+func jsonObject(_ path: String, _ r: TranscriptionResult) -> [String: Any] {
+    [
+        "audio": path, "text": r.text, "language": r.language, "punctuation": r.punctuation, "truncated": r.truncated,
+        "windows": r.windows.map { w -> [String: Any] in
+            let t = w.timings
+            return ["index": w.index, "start_s": w.startSeconds, "duration_s": w.durationSeconds, "token_ids": w.tokenIds,
+                    "text": w.text, "truncated": w.truncated, "stop_reason": w.stopReason,
+                    "timings": ["features_s": t.featuresSeconds, "encoder_s": t.encoderSeconds,
+                                "encoder_function": t.encoderFunction, "prompt_s": t.promptSeconds,
+                                "decode_s": t.decodeSeconds, "decoder_calls": t.decoderCalls,
+                                "ms_per_decoder_call": t.msPerDecoderCall]]
+        },
+    ]
+}
+
+let transcriber: CohereTranscriber
+do {
+    let runtime: ModelRuntime
+    if runtimeName == "interpreter" {
+        runtime = try interpreterPath.map { try InterpreterRuntime(executable: URL(fileURLWithPath: $0)) }
+            ?? InterpreterRuntime()
+    } else {
+        #if canImport(CoreML)
+        runtime = CoreMLRuntime()
+        #else
+        fail("--runtime coreml needs Core ML (macOS/iOS); use --runtime interpreter")
+        #endif
+    }
+    transcriber = try await CohereTranscriber(bundle: URL(fileURLWithPath: bundle), runtime: runtime,
+                                              computeUnits: units.map { .uniform($0) } ?? .init())
+    _ = try transcriber.manifest.prompt(language: language, punctuation: punctuation)  // unknown language: fail now
+} catch {
+    fail("\(error)")
+}
+
+var results: [[String: Any]] = []
+var failures = 0
+for path in files {
+    do {
+        let r = try await transcriber.transcribe(contentsOf: URL(fileURLWithPath: path), language: language,
+                                                 punctuation: punctuation, maxNewTokens: maxNewTokens)
+        if json {
+            results.append(jsonObject(path, r))
+        } else {
+            if files.count > 1 { print("== \(path)") }
+            print(r.text)
+            for w in r.windows where w.truncated {
+                FileHandle.standardError.write(Data("window \(w.index) stopped without eos (\(w.stopReason))\n".utf8))
+            }
+        }
+    } catch {
+        failures += 1
+        FileHandle.standardError.write(Data("cohere-transcribe-swift: \(path): \(error)\n".utf8))
+        if json { results.append(["audio": path, "error": "\(error)"]) }
+    }
+}
+if json {
+    let object: Any = results.count == 1 ? results[0] : results
+    let data = try JSONSerialization.data(withJSONObject: object, options: [.prettyPrinted, .sortedKeys, .withoutEscapingSlashes])
+    print(String(decoding: data, as: UTF8.self))
+}
+exit(failures == 0 ? 0 : 1)

@@ -1,0 +1,40 @@
+import CohereTranscribe
+import Foundation
+import XCTest
+
+/// Reference data written by swift/fixtures/make_fixtures.py (`make swift-fixtures`, run by `make test`).
+enum Fixtures {
+    static let repoRoot = URL(fileURLWithPath: #filePath).deletingLastPathComponent().deletingLastPathComponent()
+        .deletingLastPathComponent().deletingLastPathComponent()
+
+    static var dir: URL {
+        if let path = ProcessInfo.processInfo.environment["COHERE_SWIFT_FIXTURES"] { return URL(fileURLWithPath: path) }
+        return repoRoot.appendingPathComponent("out/swift-fixtures")
+    }
+
+    static var bundle: URL { dir.appendingPathComponent("bundle") }
+
+    /// The fixture folder, or a failure saying how to make it (never a silent skip).
+    static func require() throws -> URL {
+        guard FileManager.default.fileExists(atPath: dir.appendingPathComponent("READY").path) else {
+            XCTFail("no Swift test fixtures in \(dir.path): run `make swift-fixtures` (make test does)")
+            throw XCTSkip("fixtures missing")
+        }
+        return dir
+    }
+
+    static func json(_ name: String) throws -> Any {
+        try JSONSerialization.jsonObject(with: Data(contentsOf: try require().appendingPathComponent(name)))
+    }
+
+    /// The project's cohere-coreml command (after `make sync`), for the interpreter runtime.
+    static func interpreter() throws -> InterpreterRuntime {
+        let exe = repoRoot.appendingPathComponent(".venv/bin/cohere-coreml")
+        return try InterpreterRuntime(executable: exe)
+    }
+
+    static func floats(_ path: String) throws -> [Float] {
+        let data = try Data(contentsOf: URL(fileURLWithPath: path))
+        return data.withUnsafeBytes { Array($0.bindMemory(to: Float.self)) }
+    }
+}
