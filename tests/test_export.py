@@ -309,3 +309,31 @@ def test_gates_run_after_the_model_and_programs_are_freed(tiny_checkpoint, tmp_p
     assert all(load["models"] == 0 and load["programs"] == 0 for load in probe.loads), probe.loads
     assert all(p["written"] and p["report"]["passed"] for p in result.packages.values())
     assert result.manifest.is_file()
+
+
+def test_manifest_io_of_every_function(trained_bundle):
+    """A multifunction bundle (length bucket + prefill) lists the I/O of every function, read from the
+    package: each encoder function takes its own frame count, the prefill function the whole prompt
+    and no position, and shares the step function's state."""
+    from cohere_coreml.bundle import Bundle
+    from cohere_coreml.runtime import load_model
+
+    manifest = Bundle.load(trained_bundle).manifest
+    enc, dec = manifest["encoder"], manifest["decoder"]
+    assert len(enc["functions"]) == 2  # "main" + the 2 s bucket
+    for fn, info in enc["functions"].items():
+        io = info["io"]
+        assert io["inputs"]["input_features"]["shape"] == [1, enc["num_mel_bins"], info["frames"]], fn
+        assert io["outputs"]["cross_k"]["shape"] == dec["memory_shape"], fn
+        loaded = load_model(str(trained_bundle / "encoder.mlpackage"), backend="mil", function_name=fn)
+        assert tuple(io["inputs"]["input_features"]["shape"]) == tuple(loaded.input_description["input_features"][0])
+    frames = sorted(info["frames"] for info in enc["functions"].values())
+    assert frames[0] < frames[1] == enc["window_frames"]
+    assert enc["io"] == enc["functions"]["main"]["io"]
+
+    prefill = dec["prefill_io"]
+    assert dec["functions"]["prefill"] and prefill is not None
+    assert prefill["inputs"]["input_ids"]["shape"] == [1, dec["prefill_length"]] != dec["io"]["inputs"]["input_ids"]["shape"]
+    assert "position" in dec["io"]["inputs"] and "position" not in prefill["inputs"]
+    assert prefill["states"] == dec["io"]["states"]
+    assert prefill["states"]["self_k"]["shape"] == dec["cache_shape"]

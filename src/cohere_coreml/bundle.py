@@ -120,9 +120,12 @@ def encoder_package_info(path: str | os.PathLike) -> dict:
             tp = int(meta["com.cohere_coreml.padded_encoder_frames"])
     except (KeyError, ValueError, TypeError) as err:
         raise BundleError(f"{path} lacks the encoder metadata of cohere-coreml ({err}): re-export it") from err
+    functions = buckets or {"main": {"frames": frames}}
+    for fn in functions:  # every function's I/O (a length bucket takes fewer frames than "main")
+        functions[fn]["io"] = package_io(path, function_name=fn)
     return {"window_frames": frames, "encoder_frames": t, "memory_len": tp,
-            "functions": buckets or {"main": {"frames": frames}}, "precision": meta.get("com.cohere_coreml.precision"),
-            "io": package_io(path)}
+            "functions": functions, "precision": meta.get("com.cohere_coreml.precision"),
+            "io": functions["main"]["io"]}
 
 
 def frontend_package_info(path: str | os.PathLike) -> dict:
@@ -164,7 +167,8 @@ def decoder_package_info(path: str | os.PathLike) -> dict:
         inputs, _, _ = describe(read_package(path, function_name=PREFILL_FUNCTION))
         prefill_length = int(inputs["input_ids"][0][1])
     return {"shapes": shapes, "functions": {"step": "main", "prefill": prefill}, "prefill_length": prefill_length,
-            "precision": meta.get("com.cohere_coreml.precision"), "io": package_io(path)}
+            "precision": meta.get("com.cohere_coreml.precision"), "io": package_io(path),
+            "prefill_io": package_io(path, function_name=prefill) if prefill else None}
 
 
 def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, decoder: dict | None,
@@ -229,10 +233,10 @@ def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, deco
             "encoder_frames": encoder["encoder_frames"],
             "memory_len": encoder["memory_len"],
             "num_mel_bins": int(config.encoder_config.num_mel_bins),
-            # length buckets of a multifunction encoder: function -> {"frames", "window_seconds"}
+            # functions of encoder.mlpackage: function -> {"frames", "window_seconds" (buckets), "io"}
             # (outputs of every function are padded to the full window's memory_len)
             "functions": encoder["functions"],
-            "io": encoder["io"],
+            "io": encoder["io"],  # the "main" function's (the full window)
         }
     if decoder is not None:
         shapes = decoder["shapes"]
@@ -255,7 +259,8 @@ def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, deco
             # takes the whole prompt (1, prefill_length) in one call and shares the step's state
             "functions": decoder["functions"],
             "prefill_length": decoder["prefill_length"],
-            "io": decoder["io"],
+            "io": decoder["io"],  # the step function's
+            "prefill_io": decoder.get("prefill_io"),  # the prefill function's (None without prefill)
         }
     manifest["tokens"] = {
         "eos_token_ids": _eos_ids(model),
