@@ -10,6 +10,8 @@ RUN := $(UV) run --frozen
 # Swift toolchain: `swift` on PATH, else the toolchain at /opt/swift (the machines' install location)
 SWIFT ?= $(shell command -v swift 2>/dev/null || { [ -x /opt/swift/usr/bin/swift ] && echo /opt/swift/usr/bin/swift; })
 SWIFT_FIXTURES ?= out/swift-fixtures
+# torch threads of the Python processes the Swift step starts (fixtures, the interpreter child)
+SWIFT_TEST_THREADS ?= 2
 
 # export settings (override on the command line: make export MODEL=/path/to/checkpoint OUT=out/f16)
 # default bundle folder: f16/ at the repository root (contents git-ignored), then `make quantize` -> q8/
@@ -58,12 +60,14 @@ test: sync
 # The Swift package (Package.swift, swift/): reference data from the Python pipeline (cached under
 # $(SWIFT_FIXTURES)), then build and `swift test`. Skipped with a message when no Swift toolchain exists.
 swift-fixtures: sync
-	$(RUN) python swift/fixtures/make_fixtures.py --out $(SWIFT_FIXTURES)
+	nice -n 10 $(RUN) python tools/make_swift_fixtures.py --out $(SWIFT_FIXTURES) --threads $(SWIFT_TEST_THREADS) \
+		--demo-clips $(DEMO_CLIPS) --demo-languages $(DEMO_LANGUAGES)
 
 swift-test:
 	@if [ -z "$(SWIFT)" ]; then echo "make swift-test: SKIPPED: no Swift toolchain (swift not on PATH, no /opt/swift)"; exit 0; fi; \
 	set -e; $(MAKE) swift-fixtures; \
-	export PATH="$$(dirname "$(SWIFT)"):$$PATH" COHERE_SWIFT_FIXTURES="$(abspath $(SWIFT_FIXTURES))"; \
+	export PATH="$$(dirname "$(SWIFT)"):$$PATH" COHERE_SWIFT_FIXTURES="$(abspath $(SWIFT_FIXTURES))" \
+		COHERE_SWIFT_THREADS="$(SWIFT_TEST_THREADS)"; \
 	nice -n 10 "$(SWIFT)" build --build-tests && nice -n 10 "$(SWIFT)" test --skip-build
 
 export: sync

@@ -65,6 +65,8 @@ public struct BundleManifest: Codable, Sendable {
     public struct EncoderFunction: Codable, Sendable {
         public var frames: Int
         public var window_seconds: Double?
+        /// This function's inputs/outputs, read from the package at export time.
+        public var io: ModelIO?
     }
 
     public struct Encoder: Codable, Sendable {
@@ -90,11 +92,24 @@ public struct BundleManifest: Codable, Sendable {
         public var output: String
         public var functions: DecoderFunctions?
         public var prefill_length: Int?
+        /// The step function's inputs/outputs/states, read from the package at export time.
+        public var io: ModelIO?
+        /// The prefill function's (nil without prefill).
+        public var prefill_io: ModelIO?
+    }
+
+    /// One function (window) of the front-end package.
+    public struct FrontEndFunction: Codable, Sendable {
+        public var samples: Int
+        public var frames: Int
+        public var window_seconds: Double?
         public var io: ModelIO?
     }
 
-    /// The front-end package section (written when the bundle has `frontend.mlpackage`).
+    /// The front-end package section (written when the bundle has `frontend.mlpackage`): one function
+    /// per encoder window, samples in, the encoder's `input_features` out.
     public struct FrontEnd: Codable, Sendable {
+        public var functions: [String: FrontEndFunction]
         public var io: ModelIO?
         public var compute_units: String?
     }
@@ -186,6 +201,28 @@ public struct BundleManifest: Codable, Sendable {
             .sorted { ($0.frames, $0.function) < ($1.frames, $1.function) }
     }
 
+    /// The I/O the manifest lists for a function of a component (nil when the manifest has none).
+    public func listedIO(component: String, function: String) -> ModelIO? {
+        let io: ModelIO?
+        switch component {
+        case "encoder": io = encoder.functions?[function]?.io ?? (function == "main" ? encoder.io : nil)
+        case "decoder": io = function == decoder.functions?.prefill ? decoder.prefill_io
+                            : (function == (decoder.functions?.step ?? "main") ? decoder.io : nil)
+        case "frontend": io = frontend?.functions[function]?.io ?? (function == "main" ? frontend?.io : nil)
+        default: io = nil
+        }
+        return io.flatMap { $0.isEmpty ? nil : $0 }
+    }
+
+    /// The front-end function of the smallest window that holds `samples` samples and gives at least
+    /// `frames` mel frames (Python's `shapes.choose_frontend_function`).
+    public func frontEndFunction(samples: Int, frames: Int) -> (function: String, samples: Int, frames: Int)? {
+        (frontend?.functions ?? [:])
+            .filter { $0.value.samples >= samples && $0.value.frames >= frames }
+            .map { (function: $0.key, samples: $0.value.samples, frames: $0.value.frames) }
+            .min { ($0.samples, $0.function) < ($1.samples, $1.function) }
+    }
+
     // MARK: - Package I/O expected by the manifest
 
     /// What one encoder function must take and return (docs/contract.md), from the manifest's sizes.
@@ -216,9 +253,10 @@ public struct BundleManifest: Codable, Sendable {
                      "self_v": .init(shape: decoder.cache_shape, dtype: "float16")])
     }
 
-    /// What one front-end function must return for an encoder window of `frames` mel frames.
-    public func expectedFrontEndIO(frames: Int) -> ModelIO {
-        ModelIO(inputs: ["audio_length": .init(shape: [1], dtype: "int32")],
+    /// What one front-end function of a window of `samples` samples and `frames` mel frames must take and return.
+    public func expectedFrontEndIO(samples: Int, frames: Int) -> ModelIO {
+        ModelIO(inputs: ["audio": .init(shape: [1, samples], dtype: "float32"),
+                         "audio_length": .init(shape: [1], dtype: "int32")],
                 outputs: ["input_features": .init(shape: [1, encoder.num_mel_bins, frames], dtype: "float32"),
                           "feature_length": .init(shape: [1], dtype: "int32")])
     }

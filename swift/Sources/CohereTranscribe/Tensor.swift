@@ -51,6 +51,21 @@ public struct Tensor: Sendable, Equatable {
         }
     }
 
+    /// The first `length` entries of the last axis (a copy; `length` at most the axis size).
+    public func croppingLastAxis(to length: Int) throws -> Tensor {
+        guard let last = shape.last, length >= 0, length <= last else {
+            throw TranscriptionError.invalidArray("cannot crop the last axis of \(shape) to \(length)")
+        }
+        if length == last { return self }
+        let rows = count / max(last, 1)
+        let rowBytes = last * dtype.byteSize, keep = length * dtype.byteSize
+        var out = Data(capacity: rows * keep)
+        data.withUnsafeBytes { raw in
+            for r in 0..<rows { out.append(contentsOf: raw[(r * rowBytes)..<(r * rowBytes + keep)]) }
+        }
+        return try Tensor(dtype: dtype, shape: Array(shape.dropLast()) + [length], data: out)
+    }
+
     /// Values as Int32 (only for int32 arrays).
     public func int32s() -> [Int32] {
         precondition(dtype == .int32, "int32s() of a \(dtype.rawValue) array")

@@ -80,20 +80,28 @@ public actor CohereTranscriber {
         let step = manifest.decoder.functions?.step ?? "main"
         decoder = try await runtime.loadModel(at: decoderURL, functionName: step == "main" ? nil : step,
                                               computeUnits: computeUnits.decoder)
-        try checkIO(decoder.io, expected: manifest.expectedDecoderIO(), exact: false, component: "decoder", function: step)
-        if let io = manifest.decoder.io, !io.isEmpty {
-            try checkIO(decoder.io, expected: io, exact: true, component: "decoder", function: step)
-        }
+        try CohereTranscriber.check(decoder, expected: manifest.expectedDecoderIO(), manifest: manifest,
+                                    component: "decoder", function: step)
         if usePrefill, let name = manifest.decoder.functions?.prefill, let length = manifest.decoder.prefill_length {
             let model = try await runtime.loadModel(at: decoderURL, functionName: name, computeUnits: computeUnits.decoder)
-            try checkIO(model.io, expected: manifest.expectedDecoderIO(prefillLength: length), exact: false,
-                        component: "decoder", function: name)
+            try CohereTranscriber.check(model, expected: manifest.expectedDecoderIO(prefillLength: length),
+                                        manifest: manifest, component: "decoder", function: name)
             prefill = model
         } else {
             prefill = nil
         }
         loadSeconds = Date().timeIntervalSince(start)
         _ = try await encoder(function: "main")  // the full window: loaded and checked up front
+    }
+
+    /// A loaded function against the manifest: the arrays the loop uses (from the manifest's sizes), then,
+    /// exactly, the I/O the manifest lists for that function (its `io` block, read from the package at export).
+    static func check(_ model: RuntimeModel, expected: ModelIO, manifest: BundleManifest, component: String,
+                      function: String) throws {
+        try checkIO(model.io, expected: expected, exact: false, component: component, function: function)
+        if let listed = manifest.listedIO(component: component, function: function) {
+            try checkIO(model.io, expected: listed, exact: true, component: component, function: function)
+        }
     }
 
     /// Core ML where it exists; elsewhere an error pointing at `InterpreterRuntime`.
@@ -116,21 +124,19 @@ public actor CohereTranscriber {
                                                 functionName: function == "main" ? nil : function,
                                                 computeUnits: computeUnits.encoder)
         loadSeconds += Date().timeIntervalSince(start)
-        try checkIO(model.io, expected: manifest.expectedEncoderIO(frames: bucket.frames), exact: false,
-                    component: "encoder", function: function)
-        if function == "main", let io = manifest.encoder.io, !io.isEmpty {
-            try checkIO(model.io, expected: io, exact: true, component: "encoder", function: function)
-        }
+        try CohereTranscriber.check(model, expected: manifest.expectedEncoderIO(frames: bucket.frames), manifest: manifest,
+                                    component: "encoder", function: function)
         encoders[function] = model
         return model
     }
 
-    private func frontEnd(function: String, frames: Int) async throws -> RuntimeModel {
+    static let noFrontEnd = BundleError.noFrontEnd(
+        "the bundle has no front-end package (manifest files.frontend and frontend): re-export it with `cohere-coreml export` "
+            + "(it writes frontend.mlpackage by default), or pass features to transcribeWindow(features:validFrames:prompt:)")
+
+    private func frontEnd(function: String, samples: Int, frames: Int) async throws -> RuntimeModel {
         if let model = frontEnds[function] { return model }
-        guard let file = manifest.files.frontend else {
-            throw BundleError.noFrontEnd(
-                "the bundle has no front-end package (manifest files.frontend): re-export it with a front end, or pass features to transcribeWindow(features:validFrames:prompt:)")
-        }
+        guard let file = manifest.files.frontend else { throw CohereTranscriber.noFrontEnd }
         let url = bundleURL.appendingPathComponent(file)
         guard FileManager.default.fileExists(atPath: url.path) else {
             throw BundleError.missingFile("the bundle has no front end (\(file)) in \(bundleURL.path)")
@@ -139,12 +145,8 @@ public actor CohereTranscriber {
         let model = try await runtime.loadModel(at: url, functionName: function == "main" ? nil : function,
                                                 computeUnits: computeUnits.frontEnd)
         loadSeconds += Date().timeIntervalSince(start)
-        try checkIO(model.io, expected: manifest.expectedFrontEndIO(frames: frames), exact: false,
-                    component: "frontend", function: function)
-        guard let audio = model.io.inputs["audio"], audio.shape.count == 2, audio.shape[0] == 1, audio.dtype == "float32" else {
-            throw BundleError.ioMismatch(component: "frontend", function: function,
-                                         detail: "input 'audio' must be float32 (1, samples), is \(model.io.inputs["audio"].map { "\($0)" } ?? "missing")")
-        }
+        try CohereTranscriber.check(model, expected: manifest.expectedFrontEndIO(samples: samples, frames: frames),
+                                    manifest: manifest, component: "frontend", function: function)
         frontEnds[function] = model
         return model
     }
@@ -153,7 +155,9 @@ public actor CohereTranscriber {
     public func prewarm() async throws {
         for bucket in manifest.encoderBuckets {
             _ = try await encoder(function: bucket.function)
-            if manifest.files.frontend != nil { _ = try await frontEnd(function: bucket.function, frames: bucket.frames) }
+        }
+        for (function, f) in manifest.frontend?.functions ?? [:] where manifest.files.frontend != nil {
+            _ = try await frontEnd(function: function, samples: f.samples, frames: f.frames)
         }
     }
 
@@ -198,7 +202,9 @@ public actor CohereTranscriber {
     }
 
     /// Log-mel features of one piece through the front-end package: ((1, n_mels, frames) float32, valid frames),
-    /// frames of the smallest encoder bucket that holds the piece.
+    /// `frames` those of the smallest encoder bucket that holds the piece. As Python's
+    /// `Transcriber.package_features`: the front-end function is the smallest whose window holds the samples
+    /// and those frames; its features are cut to the encoder's frames (frames past the valid ones are zero).
     public func features(of piece: [Float]) async throws -> (Tensor, Int) {
         let a = manifest.audio
         let valid = (piece.count + 2 * (a.n_fft / 2) - a.n_fft) / a.hop_length
@@ -206,25 +212,26 @@ public actor CohereTranscriber {
             throw AudioError.invalid("audio is too short: \(piece.count) samples give \(max(valid, 0)) feature frame(s); at least \(2 * a.hop_length) samples are needed")
         }
         guard let bucket = manifest.encoderBuckets.first(where: { valid <= $0.frames }) else {
-            throw AudioError.invalid("a piece of \(valid) feature frames does not fit the encoder window (\(a.window_frames))")
+            throw AudioError.invalid("a piece of \(valid) feature frames does not fit the encoder window (\(a.window_frames)): split it with AudioSplitter")
         }
-        let model = try await frontEnd(function: bucket.function, frames: bucket.frames)
-        let capacity = model.io.inputs["audio"]!.shape[1]
-        guard piece.count <= capacity else {
-            throw AudioError.invalid("a piece of \(piece.count) samples does not fit the front end's window (\(capacity) samples)")
+        guard manifest.files.frontend != nil, manifest.frontend != nil else { throw CohereTranscriber.noFrontEnd }
+        guard let fn = manifest.frontEndFunction(samples: piece.count, frames: bucket.frames) else {
+            throw AudioError.invalid("a piece of \(piece.count) samples does not fit the front end's longest window: split it with AudioSplitter")
         }
+        let model = try await frontEnd(function: fn.function, samples: fn.samples, frames: fn.frames)
         var padded = piece
-        padded.append(contentsOf: [Float](repeating: 0, count: capacity - piece.count))
-        let out = try model.predict(["audio": try Tensor(float32: padded, shape: [1, capacity]),
+        padded.append(contentsOf: [Float](repeating: 0, count: fn.samples - piece.count))
+        let out = try model.predict(["audio": try Tensor(float32: padded, shape: [1, fn.samples]),
                                      "audio_length": try Tensor(int32: [Int32(piece.count)], shape: [1])], state: nil)
-        guard let features = out["input_features"], let length = out["feature_length"] else {
-            throw TranscriptionError.badOutput("the front-end package returned no input_features/feature_length")
+        guard let features = out["input_features"], let length = out["feature_length"], length.dtype == .int32,
+              features.dtype == .float32, features.shape.count == 3, features.shape[2] >= bucket.frames else {
+            throw TranscriptionError.badOutput("the front-end package returned no float32 (1, M, >= \(bucket.frames)) input_features / int32 feature_length")
         }
         let frontValid = Int(length.int32s()[0])
         guard frontValid == valid else {
             throw TranscriptionError.badOutput("front end says \(frontValid) valid frames, the audio has \(valid)")
         }
-        return (features, valid)
+        return (try features.croppingLastAxis(to: bucket.frames), valid)
     }
 
     // MARK: - one window

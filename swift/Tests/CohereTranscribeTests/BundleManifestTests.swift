@@ -38,6 +38,20 @@ final class BundleManifestTests: XCTestCase {
         XCTAssertEqual(try m.prompt(language: "en"), en["punctuation"])
         XCTAssertEqual(try m.prompt(language: "en", punctuation: false), en["no_punctuation"])
         XCTAssertEqual(m.languages.count, 14)
+        // every function's I/O is listed (read from the packages at export)
+        for b in m.encoderBuckets {
+            let io = try XCTUnwrap(m.listedIO(component: "encoder", function: b.function), b.function)
+            XCTAssertEqual(io.inputs["input_features"]?.shape, [1, m.encoder.num_mel_bins, b.frames])
+        }
+        XCTAssertEqual(m.listedIO(component: "decoder", function: "prefill")?.inputs["input_ids"]?.shape, [1, 10])
+        XCTAssertEqual(m.listedIO(component: "decoder", function: "main")?.inputs["input_ids"]?.shape, [1, 1])
+        if let frontend = m.frontend {  // one front-end function per encoder window, same names and frames
+            XCTAssertEqual(Set(frontend.functions.keys), Set(m.encoderBuckets.map(\.function)))
+            for (name, f) in frontend.functions {
+                XCTAssertEqual(m.listedIO(component: "frontend", function: name)?.inputs["audio"]?.shape, [1, f.samples])
+                XCTAssertEqual(f.frames, m.encoderBuckets.first { $0.function == name }?.frames)
+            }
+        }
     }
 
     func testNewerFormatVersionIsRefused() throws {
@@ -98,17 +112,83 @@ final class BundleManifestTests: XCTestCase {
         }
         // a manifest io block that names an input the package lacks
         let dir2 = try editedBundle { json in
-            var encoder = json["encoder"] as! [String: Any]
-            encoder["io"] = ["inputs": ["input_features": ["shape": [1, 128, 3500], "dtype": "float32"],
-                                        "feature_length": ["shape": [1], "dtype": "int32"],
-                                        "speaker": ["shape": [1], "dtype": "int32"]]]
-            json["encoder"] = encoder
+            Self.editIO(&json, "encoder", function: "main") { io in
+                var inputs = io["inputs"] as! [String: Any]
+                inputs["speaker"] = ["shape": [1], "dtype": "int32"]
+                io["inputs"] = inputs
+            }
         }
         do {
             _ = try await CohereTranscriber(bundle: dir2, runtime: runtime)
             XCTFail("a manifest io block naming a missing input was accepted")
         } catch let error as BundleError {
             XCTAssertTrue("\(error)".contains("no input 'speaker'"), "\(error)")
+        }
+    }
+
+    /// manifest.json["section"]: the io block of `function` (encoder/frontend: functions[f].io; decoder:
+    /// io for the step, prefill_io for "prefill"), edited in place.
+    static func editIO(_ json: inout [String: Any], _ section: String, function: String, _ edit: (inout [String: Any]) -> Void) {
+        var s = json[section] as! [String: Any]
+        if section == "decoder" {
+            let key = function == "prefill" ? "prefill_io" : "io"
+            var io = s[key] as! [String: Any]
+            edit(&io)
+            s[key] = io
+        } else {
+            var functions = s["functions"] as! [String: Any]
+            var f = functions[function] as! [String: Any]
+            var io = f["io"] as! [String: Any]
+            edit(&io)
+            f["io"] = io
+            functions[function] = f
+            s["functions"] = functions
+        }
+        json[section] = s
+    }
+
+    /// Every function's io block is checked where it is loaded: the prefill function at init, a length
+    /// bucket and the front-end functions at prewarm (or first use).
+    func testEveryFunctionIOBlockIsChecked() async throws {
+        let runtime = try Fixtures.interpreter()
+        let prefill = try editedBundle { json in
+            Self.editIO(&json, "decoder", function: "prefill") { io in
+                var inputs = io["inputs"] as! [String: Any]
+                inputs["input_ids"] = ["shape": [1, 11], "dtype": "int32"]
+                io["inputs"] = inputs
+            }
+        }
+        do {
+            _ = try await CohereTranscriber(bundle: prefill, runtime: runtime)
+            XCTFail("a wrong prefill io block was accepted")
+        } catch let error as BundleError {
+            guard case .ioMismatch(let component, let function, let detail) = error else { return XCTFail("\(error)") }
+            XCTAssertEqual(component, "decoder")
+            XCTAssertEqual(function, "prefill")
+            XCTAssertTrue(detail.contains("input 'input_ids' is int32 [1, 10], the manifest says int32 [1, 11]"), detail)
+        }
+        var sections = [("encoder", "window_10s")]
+        let manifest = try BundleManifest.load(bundle: Fixtures.bundle)
+        if let frontend = manifest.frontend { sections += frontend.functions.keys.sorted().map { ("frontend", $0) } }
+        for (section, function) in sections {
+            let dir = try editedBundle { json in
+                Self.editIO(&json, section, function: function) { io in
+                    var outputs = io["outputs"] as! [String: Any]
+                    let dropped = outputs.keys.sorted().first { $0 != "input_features" && $0 != "cross_k" }!
+                    outputs.removeValue(forKey: dropped)
+                    io["outputs"] = outputs
+                }
+            }
+            let transcriber = try await CohereTranscriber(bundle: dir, runtime: runtime)  // loads only main functions
+            do {
+                try await transcriber.prewarm()
+                XCTFail("\(section) \(function): an io block without one of the package's outputs was accepted")
+            } catch let error as BundleError {
+                guard case .ioMismatch(let component, let f, let detail) = error else { return XCTFail("\(error)") }
+                XCTAssertEqual(component, section)
+                XCTAssertEqual(f, function)
+                XCTAssertTrue(detail.contains("is not in the manifest"), detail)
+            }
         }
     }
 

@@ -2,7 +2,7 @@ import CohereTranscribe
 import Foundation
 import XCTest
 
-/// Reference data written by swift/fixtures/make_fixtures.py (`make swift-fixtures`, run by `make test`).
+/// Reference data written by tools/make_swift_fixtures.py (`make swift-fixtures`, run by `make swift-test` / `make test`).
 enum Fixtures {
     static let repoRoot = URL(fileURLWithPath: #filePath).deletingLastPathComponent().deletingLastPathComponent()
         .deletingLastPathComponent().deletingLastPathComponent()
@@ -27,10 +27,12 @@ enum Fixtures {
         try JSONSerialization.jsonObject(with: Data(contentsOf: try require().appendingPathComponent(name)))
     }
 
-    /// The project's cohere-coreml command (after `make sync`), for the interpreter runtime.
+    /// The project's cohere-coreml command (after `make sync`), for the interpreter runtime, with
+    /// `$COHERE_SWIFT_THREADS` (default 2) torch threads: the machine is shared with the build and CI.
     static func interpreter() throws -> InterpreterRuntime {
         let exe = repoRoot.appendingPathComponent(".venv/bin/cohere-coreml")
-        return try InterpreterRuntime(executable: exe)
+        let threads = ProcessInfo.processInfo.environment["COHERE_SWIFT_THREADS"] ?? "2"
+        return try InterpreterRuntime(executable: exe, arguments: ["serve-runtime", "--num-threads", threads])
     }
 
     static func floats(_ path: String) throws -> [Float] {

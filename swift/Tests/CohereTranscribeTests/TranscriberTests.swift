@@ -2,18 +2,55 @@
 import Foundation
 import XCTest
 
-/// The Swift transcriber through the interpreter runtime against Python's `Transcriber` (the fixture was
-/// written by Python's `Transcriber.transcribe`, the same loop `cohere-coreml transcribe --json` runs).
+/// The Swift transcriber through the interpreter runtime against `cohere-coreml transcribe --json` (the
+/// Python CLI), run by the fixture step on every demo clip (the Makefile's DEMO_CLIPS, as WAV) and every
+/// held-out clip, window by window.
 final class TranscriberTests: XCTestCase {
-    func clips() throws -> [[String: Any]] {
-        (try Fixtures.json("transcripts.json") as! [String: Any])["clips"] as! [[String: Any]]
+    /// Clips of transcripts_<frontEnd>.json: "package" (the CLI with --front-end package) or "python"
+    /// (audio.log_mel, with each window's features).
+    func clips(frontEnd: String) throws -> [[String: Any]] {
+        (try Fixtures.json("transcripts_\(frontEnd).json") as! [String: Any])["clips"] as! [[String: Any]]
     }
 
-    /// Every window of the demo clips and the held-out set: same encoder function, same token ids, same
-    /// text, same stop reason. Features are Python's (the bundle has no front-end package yet).
-    func testTokenIdsEqualPythonOnEveryWindow() async throws {
-        let clips = try clips()
+    /// From audio files, the whole Swift path (WAV reader -> AudioSplitter -> frontend.mlpackage -> encoder
+    /// bucket -> decoder with prefill): every window's token ids, text and stop reason equal the CLI's with
+    /// the package front end; the clip texts too.
+    func testAudioFileEqualsPythonCLI() async throws {
+        let manifest = try BundleManifest.load(bundle: Fixtures.bundle)
+        guard manifest.files.frontend != nil else {
+            throw XCTSkip("the test bundle has no front-end package (frontend.mlpackage): this checkout's "
+                + "`cohere-coreml export` does not write one, so audio files cannot be transcribed by the Swift package")
+        }
+        let clips = try clips(frontEnd: "package")
         XCTAssertEqual(clips.count, 94)  // 4 demo clips + 90 held-out
+        let transcriber = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: try Fixtures.interpreter())
+        var windows = 0, functions = Set<String>()
+        for clip in clips {
+            let wav = clip["wav"] as! String
+            let r = try await transcriber.transcribe(contentsOf: URL(fileURLWithPath: wav), language: clip["language"] as! String)
+            let want = clip["windows"] as! [[String: Any]]
+            XCTAssertEqual(r.windows.count, want.count, wav)
+            for (got, w) in zip(r.windows, want) {
+                let name = "\(wav) window \(w["index"]!)"
+                XCTAssertEqual(got.tokenIds, w["token_ids"] as! [Int], name)
+                XCTAssertEqual(got.text, w["text"] as! String, name)
+                XCTAssertEqual(got.stopReason, w["stop_reason"] as! String, name)
+                XCTAssertEqual(got.timings.encoderFunction, w["encoder_function"] as! String, name)
+                XCTAssertFalse(got.text.isEmpty, name)
+                functions.insert(got.timings.encoderFunction)
+                windows += 1
+            }
+            XCTAssertEqual(r.text, clip["text"] as! String, wav)
+        }
+        XCTAssertEqual(windows, 96)  // en_long_75s has three windows
+        XCTAssertEqual(functions, ["main", "window_10s"])  // both encoder buckets (and front-end functions) ran
+    }
+
+    /// The encoder/decoder loop alone, given Python's features (audio.log_mel): every window equals the CLI
+    /// with the Python front end.
+    func testTokenIdsEqualPythonGivenPythonFeatures() async throws {
+        let clips = try clips(frontEnd: "python")
+        XCTAssertEqual(clips.count, 94)
         let transcriber = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: try Fixtures.interpreter())
         let manifest = transcriber.manifest
         var windows = 0
@@ -31,18 +68,39 @@ final class TranscriberTests: XCTestCase {
                 XCTAssertEqual(r.text, w["text"] as! String, name)
                 XCTAssertEqual(r.stopReason, w["stop_reason"] as! String, name)
                 XCTAssertEqual(r.timings.encoderFunction, w["encoder_function"] as! String, name)
-                XCTAssertFalse(r.text.isEmpty, name)
                 texts.append(r.text)
                 windows += 1
             }
             XCTAssertEqual(Detokenizer.joinWindows(texts, language: language), clip["text"] as! String)
         }
-        XCTAssertGreaterThanOrEqual(windows, 96)
+        XCTAssertEqual(windows, 96)
+    }
+
+    /// The front-end package gives the encoder what audio.log_mel gives, to the bit or near it: a window
+    /// through the package front end and the same window given Python's features decode alike; a
+    /// front end fed the wrong length does not.
+    func testFrontEndPackageFeaturesMatchPythonFeatures() async throws {
+        let manifest = try BundleManifest.load(bundle: Fixtures.bundle)
+        guard manifest.files.frontend != nil else { throw XCTSkip("the test bundle has no front-end package") }
+        let clip = try clips(frontEnd: "python").first { ($0["group"] as! String) == "heldout" }!
+        let w = (clip["windows"] as! [[String: Any]])[0]
+        let transcriber = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: try Fixtures.interpreter())
+        let samples = try AudioInput.load(contentsOf: URL(fileURLWithPath: clip["wav"] as! String)).samples
+        let (features, valid) = try await transcriber.features(of: samples)
+        XCTAssertEqual(valid, w["valid_frames"] as! Int)
+        XCTAssertEqual(features.shape, [1, manifest.encoder.num_mel_bins, w["frames"] as! Int])
+        let want = try Fixtures.floats(w["features"] as! String)
+        let got = features.floats()
+        let maxDiff = zip(got, want).map { abs($0 - $1) }.max()!
+        XCTAssertLessThan(maxDiff, 5e-4)  // the front-end package's export gate (frontend.GATE_MAX_ABS_DIFF)
+        let (shorter, shorterValid) = try await transcriber.features(of: Array(samples.dropLast(1600)))
+        XCTAssertEqual(shorterValid, valid - 10)
+        XCTAssertGreaterThan(zip(shorter.floats(), want).map { abs($0 - $1) }.max()!, 0.01)  // the check can fail
     }
 
     /// Without prefill (prompt fed token by token) the tokens are the same; maxNewTokens truncates exactly.
     func testPromptPathsAndTruncation() async throws {
-        let clip = try clips()[0]
+        let clip = try clips(frontEnd: "python")[0]
         let w = (clip["windows"] as! [[String: Any]])[0]
         let want = w["token_ids"] as! [Int]
         let runtime = try Fixtures.interpreter()
@@ -66,25 +124,9 @@ final class TranscriberTests: XCTestCase {
         }
     }
 
-    /// From an audio file: needs the bundle's front-end package (frontend.mlpackage, issue 11's export).
-    func testAudioFileEqualsPython() async throws {
-        let manifest = try BundleManifest.load(bundle: Fixtures.bundle)
-        guard manifest.files.frontend != nil else {
-            throw XCTSkip("the test bundle has no front-end package (frontend.mlpackage, not exported by this branch yet): "
-                + "audio-file transcription is covered once the front-end export lands")
-        }
-        let transcriber = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: try Fixtures.interpreter())
-        for clip in try clips() {
-            let r = try await transcriber.transcribe(contentsOf: URL(fileURLWithPath: clip["wav"] as! String),
-                                                     language: clip["language"] as! String)
-            XCTAssertEqual(r.tokenIds, (clip["windows"] as! [[String: Any]]).map { $0["token_ids"] as! [Int] })
-            XCTAssertEqual(r.text, clip["text"] as! String)
-        }
-    }
-
     func testBadInputsAreClearErrors() async throws {
         let transcriber = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: try Fixtures.interpreter())
-        let wav = (try clips()[0])["wav"] as! String
+        let wav = (try clips(frontEnd: "python")[0])["wav"] as! String
         do {
             _ = try await transcriber.transcribe(contentsOf: URL(fileURLWithPath: wav), language: "xx")
             XCTFail("unknown language accepted")

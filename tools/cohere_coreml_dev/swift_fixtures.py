@@ -1,0 +1,283 @@
+"""Reference data for the Swift package's tests (swift/Tests), computed by the Python pipeline.
+
+Run by `make swift-fixtures` (and so by `make swift-test` / `make test`) through
+tools/make_swift_fixtures.py. Writes into one folder (default out/swift-fixtures):
+
+    bundle/                  `cohere-coreml export` of the default model (--prefill --buckets 10, the
+                             default components: front end, encoder, decoder). Packages already there
+                             are kept (the export skips them); the manifest is rewritten from disk.
+    tokens_bundle.json       token lists -> Python's `decode_ids` text (every list the Python tests
+    tokens_tiny.json         decode, the trained model's transcripts, CJK byte fallback, random ids) for
+                             the bundle's vocab.json and the tiny test checkpoint's (tiny_vocab.json)
+    joins.json               window texts -> `join_windows`
+    wav/, audio.json         16 kHz WAVs of the demo and held-out clips (FLAC converted losslessly), WAV
+                             format variants with their `load_audio` samples, `split_points` per clip
+    transcripts_<fe>.json    per clip and window, what `cohere-coreml transcribe --json --front-end <fe>`
+                             prints for the WAV (fe = package: frontend.mlpackage; python: audio.log_mel);
+                             the python file also holds each window's log-mel features (features/*.f32,
+                             float32 (n_mels, frames) C order) for the Swift loop given Python's features
+    READY                    written last
+
+Each file is written to a temporary name and renamed. A step whose output is there and was made
+from the same bundle (the manifest's package checksums) is skipped, so re-runs cost seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+FRONT_ENDS = ("package", "python")
+EXPORT_ARGS = ("--prefill", "--buckets", "10")  # what an app ships: a short-clip bucket + prompt prefill
+
+
+class FixtureError(RuntimeError):
+    """The Python side produced something the Swift tests cannot use."""
+
+
+def _write_json(path: Path, data) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cohere_coreml.cli", *args]
+
+
+def _env(threads: int) -> dict:
+    # one or two torch threads: the box (and a CI runner) is shared with the Swift build
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def export_bundle(out: Path, model: Path, threads: int) -> Path:
+    """The test bundle: exported once, then only missing components are added (the export skips the
+    packages present) and the manifest is rewritten from the packages on disk."""
+    bundle = out / "bundle"
+    cmd = _cli("export", "--model", str(model), "--out", str(bundle), *EXPORT_ARGS)
+    logger.info("test bundle: %s", " ".join(cmd))
+    subprocess.run(cmd, check=True, env=_env(threads), stdout=subprocess.DEVNULL)
+    if not (bundle / "manifest.json").is_file():
+        raise FixtureError(f"the export wrote no manifest in {bundle}")
+    return bundle
+
+
+def bundle_digest(bundle: Path) -> str:
+    """sha256 over the manifest's package checksums: changes whenever a package changes."""
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    files = (manifest.get("checksums") or {}).get("files")
+    if not files:
+        raise FixtureError(f"{bundle}/manifest.json has no checksums: re-export it")
+    packages = {k: v for k, v in sorted(files.items()) if ".mlpackage/" in k}
+    return hashlib.sha256(json.dumps(packages, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def token_cases(bundle: Path, out: Path, root: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    from cohere_coreml.tokens import LANGUAGES, decode_ids, export_vocab, join_windows, prompt_ids
+
+    from .checkpoints import make_tiny_checkpoint
+
+    texts = ["set a timer for ten minutes", "Grüße aus Köln, 12:30!", "日本語のテキストです", "你好，世界", "안녕하세요",
+             "Xin chào", "turn on the lights", "  leading and trailing  ", "emoji 🎙️ and ½", "Ελληνικά και русский"]
+    clips = json.loads((root / "tests/data/audio/manifest.json").read_text())["clips"]
+    heldout = json.loads((root / "tests/data/heldout/manifest.json").read_text())["utterances"]
+    texts += [c["text"] for c in clips if c.get("text")] + [u["text"] for u in heldout]
+
+    tiny_dir = out / "tiny-checkpoint"
+    if not (tiny_dir / "config.json").is_file():
+        make_tiny_checkpoint(tiny_dir, seed=0)  # the tests' tiny_checkpoint (tests/conftest.py)
+    for name, tok_dir, vocab in (("bundle", bundle, bundle / "vocab.json"),
+                                 ("tiny", tiny_dir, out / "tiny_vocab.json")):
+        tok = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
+        if name == "tiny" and not vocab.is_file():
+            export_vocab(tok, vocab)
+        cases = []
+        for text in texts:
+            body = tok.encode(text, add_special_tokens=False)
+            cases.append(body)
+            cases.append(prompt_ids(tok, "en") + body + [tok.eos_token_id])  # prompt and eos are skipped
+        for lang in LANGUAGES:
+            cases.append(prompt_ids(tok, lang, punctuation=False))  # only specials: empty text
+        rng = np.random.default_rng(0)
+        for _ in range(200):  # random ids, including lone or broken UTF-8 byte runs
+            cases.append([int(i) for i in rng.integers(0, len(tok), size=int(rng.integers(1, 24)))])
+        _write_json(out / f"tokens_{name}.json",
+                    {"vocab": str(vocab), "cases": [{"ids": ids, "text": decode_ids(tok, ids)} for ids in cases]})
+    joins = [(["hello there ", " world"], "en"), (["こんにちは", "世界"], "ja"), (["", "  ", "a"], "en"),
+             (["你好 ", " 世界"], "zh"), (["a", "", "b "], "de"), ([], "en"), (["  "], "en")]
+    _write_json(out / "joins.json", [{"texts": t, "language": lang, "text": join_windows(t, lang)} for t, lang in joins])
+
+
+def audio_cases(out: Path, root: Path, demo_clips: list[tuple[str, str]]) -> list[dict]:
+    """WAV copies of the demo clips (the Makefile's DEMO_CLIPS) and the held-out set, format variants."""
+    import soundfile as sf
+
+    from cohere_coreml.audio import FrontEndConfig, load_audio, split_points
+
+    wav_dir = out / "wav"
+    wav_dir.mkdir(parents=True, exist_ok=True)
+    heldout = json.loads((root / "tests/data/heldout/manifest.json").read_text())["utterances"]
+    clips = [(root / "tests/data/audio" / f, lang, "demo") for f, lang in demo_clips]
+    clips += [(root / "tests/data/heldout" / u["file"], u["language"], "heldout") for u in heldout]
+    cases = []
+    config = FrontEndConfig()
+    for src, lang, group in clips:
+        wav = wav_dir / (src.stem + ".wav")
+        if not wav.is_file():
+            data, rate = sf.read(str(src), dtype="int16", always_2d=True)
+            tmp = wav.with_name(wav.stem + ".tmp.wav")
+            sf.write(str(tmp), data, rate, subtype="PCM_16")
+            os.replace(tmp, wav)
+        x = load_audio(src)
+        if not np.array_equal(x, load_audio(wav)):
+            raise FixtureError(f"{wav}: not a lossless copy of {src}")
+        cases.append({"wav": str(wav), "source": str(src), "language": lang, "group": group, "samples": int(x.shape[0]),
+                      "split_points": [list(p) for p in split_points(x, config)]})
+    # format variants of one clip: Swift's WAV reader must give Python's load_audio samples
+    x, rate = sf.read(str(root / "tests/data/audio/de_medium.wav"), dtype="float32")
+    stereo = np.stack([x, 0.5 * x[::-1]], axis=1)
+    variants = []
+    for subtype, data in (("PCM_16", x), ("PCM_24", x), ("PCM_32", x), ("FLOAT", x), ("PCM_16", stereo), ("PCM_U8", x)):
+        ch = 1 if data.ndim == 1 else data.shape[1]
+        path = wav_dir / f"variant_{subtype.lower()}_{ch}ch.wav"
+        if not path.is_file():
+            tmp = path.with_name(path.stem + ".tmp.wav")
+            sf.write(str(tmp), data, rate, subtype=subtype)
+            os.replace(tmp, path)
+        ref = path.with_suffix(".f32")
+        if not ref.is_file():
+            _write_bytes(ref, load_audio(path).astype("<f4").tobytes())
+        variants.append({"wav": str(path), "samples_f32": str(ref), "subtype": subtype, "channels": ch})
+    # unsupported: an IMA ADPCM WAV (format tag 0x11)
+    adpcm = wav_dir / "unsupported_ima_adpcm.wav"
+    if not adpcm.is_file():
+        tmp = adpcm.with_name(adpcm.stem + ".tmp.wav")
+        sf.write(str(tmp), x, rate, subtype="IMA_ADPCM")
+        os.replace(tmp, adpcm)
+    _write_json(out / "audio.json", {"clips": cases, "variants": variants, "unsupported": [str(adpcm)]})
+    return cases
+
+
+def cli_transcripts(bundle: Path, cases: list[dict], front_end: str, threads: int) -> dict[str, dict]:
+    """wav -> what `cohere-coreml transcribe --json` prints for it (one process per language)."""
+    # --front-end exists where front-end packages do (a bundle without one is always transcribed
+    # with audio.log_mel)
+    has_front_end = "frontend" in json.loads((bundle / "manifest.json").read_text())["files"]
+    if front_end != "python" and not has_front_end:
+        raise FixtureError(f"{bundle} has no front-end package")
+    by_language: dict[str, list[str]] = {}
+    for case in cases:
+        by_language.setdefault(case["language"], []).append(case["wav"])
+    results = {}
+    for language, wavs in sorted(by_language.items()):
+        cmd = _cli("transcribe", "--json", "--backend", "mil", "--bundle", str(bundle), "--language", language,
+                   *(["--front-end", front_end] if has_front_end else []), *wavs)
+        logger.info("python reference: cohere-coreml transcribe --front-end %s --language %s (%d files)",
+                    front_end, language, len(wavs))
+        proc = subprocess.run(cmd, check=True, env=_env(threads), stdout=subprocess.PIPE)
+        data = json.loads(proc.stdout)
+        for item in data if isinstance(data, list) else [data]:
+            results[item["audio"]] = item
+    return results
+
+
+def transcripts(bundle: Path, out: Path, cases: list[dict], front_end: str, threads: int) -> dict | None:
+    """transcripts_<front_end>.json (skipped when made from the same bundle); None without a front-end
+    package for front_end="package"."""
+    from cohere_coreml.audio import FrontEndConfig, load_audio, log_mel, pad_to_window
+    from cohere_coreml.shapes import choose_bucket
+
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    path = out / f"transcripts_{front_end}.json"
+    if front_end == "package" and "frontend" not in manifest["files"]:
+        path.unlink(missing_ok=True)
+        logger.warning("the bundle has no frontend.mlpackage: no package front-end reference")
+        return None
+    digest = bundle_digest(bundle)
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old.get("bundle_digest") == digest and len(old["clips"]) == len(cases):
+            return old
+    results = cli_transcripts(bundle, cases, front_end, threads)
+    config = FrontEndConfig.from_dict({**manifest["audio"], "dither": 0.0})
+    buckets = {fn: int(v["frames"]) for fn, v in manifest["encoder"]["functions"].items()}
+    feat_dir = out / "features"
+    feat_dir.mkdir(exist_ok=True)
+    clips = []
+    for case in cases:
+        result = results[case["wav"]]
+        if len(result["windows"]) != len(case["split_points"]):
+            raise FixtureError(f"{case['wav']}: {len(result['windows'])} windows, split_points gives "
+                               f"{len(case['split_points'])}")
+        x = load_audio(case["wav"]) if front_end == "python" else None
+        windows = []
+        for w, (start, end) in zip(result["windows"], case["split_points"]):
+            window = {"index": w["index"], "token_ids": w["token_ids"], "text": w["text"], "truncated": w["truncated"],
+                      "stop_reason": w["stop_reason"], "encoder_function": w["timings"]["encoder_function"]}
+            if x is not None:  # the window's features as the CLI computed them (audio.log_mel)
+                feats, n_valid = log_mel(x[start:end], config)
+                fn = choose_bucket(buckets, n_valid)
+                if fn != window["encoder_function"]:
+                    raise FixtureError(f"{case['wav']} window {w['index']}: bucket {fn}, the CLI used "
+                                       f"{window['encoder_function']}")
+                feats, n_valid = pad_to_window(feats, n_valid, frames=buckets[fn])
+                fpath = feat_dir / f"{Path(case['wav']).stem}_{w['index']}.f32"
+                _write_bytes(fpath, np.ascontiguousarray(feats, dtype="<f4").tobytes())
+                window.update(features=str(fpath), frames=buckets[fn], valid_frames=int(n_valid))
+            windows.append(window)
+        clips.append({**case, "text": result["text"], "windows": windows})
+    data = {"bundle": str(bundle), "bundle_digest": digest, "front_end": front_end,
+            "command": "cohere-coreml transcribe --json --backend mil --front-end " + front_end, "clips": clips}
+    _write_json(path, data)
+    return data
+
+
+def compare_front_ends(package: dict | None, python: dict) -> dict | None:
+    """Windows whose token ids are equal with the package and the Python front end (the figure the
+    issue reports; the Swift tests assert equality with the package front end)."""
+    if package is None:
+        return None
+    total = same = 0
+    differing = []
+    for a, b in zip(package["clips"], python["clips"]):
+        for wa, wb in zip(a["windows"], b["windows"]):
+            total += 1
+            if wa["token_ids"] == wb["token_ids"]:
+                same += 1
+            else:
+                differing.append(f"{Path(a['wav']).name} window {wa['index']}")
+    return {"windows": total, "identical": same, "differing": differing}
+
+
+def make_fixtures(out: Path, root: Path, model: Path, demo_clips: list[tuple[str, str]], threads: int = 2) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "READY").unlink(missing_ok=True)
+    bundle = export_bundle(out, model, threads)
+    token_cases(bundle, out, root)
+    cases = audio_cases(out, root, demo_clips)
+    package = transcripts(bundle, out, cases, "package", threads)
+    python = transcripts(bundle, out, cases, "python", threads)
+    summary = compare_front_ends(package, python)
+    if summary is not None:
+        logger.info("package vs python front end: %d of %d windows with identical token ids", summary["identical"],
+                    summary["windows"])
+    _write_json(out / "front_ends.json", summary)
+    (out / "READY").write_text("ok\n")
+    return out
