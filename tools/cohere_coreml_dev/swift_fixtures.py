@@ -18,8 +18,8 @@ tools/make_swift_fixtures.py. Writes into one folder (default out/swift-fixtures
                              float32 (n_mels, frames) C order) for the Swift loop given Python's features
     READY                    written last
 
-Each file is written to a temporary name and renamed. A step whose output is there and was made
-from the same bundle (the manifest's package checksums) is skipped, so re-runs cost seconds.
+Each file is written to a temporary name and renamed. Transcripts made from the same packages (the
+manifest's checksums) by the same product code are kept, so re-runs cost about a minute.
 """
 
 from __future__ import annotations
@@ -77,14 +77,22 @@ def export_bundle(out: Path, model: Path, threads: int) -> Path:
     return bundle
 
 
-def bundle_digest(bundle: Path) -> str:
-    """sha256 over the manifest's package checksums: changes whenever a package changes."""
+def reference_key(bundle: Path) -> str:
+    """sha256 over the manifest's package checksums and the product's Python sources: changes whenever
+    a package or the code that transcribes with it changes (then the references are recomputed)."""
+    import cohere_coreml
+
     manifest = json.loads((bundle / "manifest.json").read_text())
     files = (manifest.get("checksums") or {}).get("files")
     if not files:
         raise FixtureError(f"{bundle}/manifest.json has no checksums: re-export it")
+    digest = hashlib.sha256()
     packages = {k: v for k, v in sorted(files.items()) if ".mlpackage/" in k}
-    return hashlib.sha256(json.dumps(packages, sort_keys=True).encode()).hexdigest()[:16]
+    digest.update(json.dumps(packages, sort_keys=True).encode())
+    source = Path(cohere_coreml.__file__).parent
+    for path in sorted(source.rglob("*.py")):
+        digest.update(path.relative_to(source).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def token_cases(bundle: Path, out: Path, root: Path) -> None:
@@ -191,10 +199,14 @@ def cli_transcripts(bundle: Path, cases: list[dict], front_end: str, threads: in
                    *(["--front-end", front_end] if has_front_end else []), *wavs)
         logger.info("python reference: cohere-coreml transcribe --front-end %s --language %s (%d files)",
                     front_end, language, len(wavs))
-        proc = subprocess.run(cmd, check=True, env=_env(threads), stdout=subprocess.PIPE)
-        data = json.loads(proc.stdout)
+        proc = subprocess.run(cmd, env=_env(threads), stdout=subprocess.PIPE)
+        data = json.loads(proc.stdout) if proc.stdout.strip() else []
         for item in data if isinstance(data, list) else [data]:
+            if item.get("status") != "ok":  # every reference clip holds speech and must transcribe
+                raise FixtureError(f"cohere-coreml transcribe: {item['audio']}: {item.get('status')} {item.get('error', '')}")
             results[item["audio"]] = item
+        if proc.returncode != 0 or not all(w in results for w in wavs):
+            raise FixtureError(f"cohere-coreml transcribe --language {language} failed (exit {proc.returncode})")
     return results
 
 
@@ -210,10 +222,10 @@ def transcripts(bundle: Path, out: Path, cases: list[dict], front_end: str, thre
         path.unlink(missing_ok=True)
         logger.warning("the bundle has no frontend.mlpackage: no package front-end reference")
         return None
-    digest = bundle_digest(bundle)
+    key = reference_key(bundle)
     if path.is_file():
         old = json.loads(path.read_text())
-        if old.get("bundle_digest") == digest and len(old["clips"]) == len(cases):
+        if old.get("reference_key") == key and len(old["clips"]) == len(cases):
             return old
     results = cli_transcripts(bundle, cases, front_end, threads)
     config = FrontEndConfig.from_dict({**manifest["audio"], "dither": 0.0})
@@ -243,7 +255,7 @@ def transcripts(bundle: Path, out: Path, cases: list[dict], front_end: str, thre
                 window.update(features=str(fpath), frames=buckets[fn], valid_frames=int(n_valid))
             windows.append(window)
         clips.append({**case, "text": result["text"], "windows": windows})
-    data = {"bundle": str(bundle), "bundle_digest": digest, "front_end": front_end,
+    data = {"bundle": str(bundle), "reference_key": key, "front_end": front_end,
             "command": "cohere-coreml transcribe --json --backend mil --front-end " + front_end, "clips": clips}
     _write_json(path, data)
     return data

@@ -74,8 +74,13 @@ public enum AudioInput {
     }
     #endif
 
-    /// Errors for audio that has nothing to transcribe (as Python's `check_speech`): empty, NaN/inf, silent.
-    public static func checkSpeech(_ samples: [Float], name: String, minPeak: Float = 1e-4) throws {
+    /// Below this peak amplitude audio is digital silence (Python's `config.SILENCE_PEAK`).
+    public static let silencePeak: Float = 1e-4
+
+    /// Whether `samples` hold anything to transcribe, decided as Python's `longform.check_audio`: empty or
+    /// NaN/inf audio is an error; a peak below `silencePeak` is digital silence (an empty transcript marked
+    /// silent, no model call); anything else is speech.
+    public static func isSilent(_ samples: [Float], name: String) throws -> Bool {
         guard !samples.isEmpty else { throw AudioError.invalid("\(name) is empty (0 samples)") }
         var peak: Float = 0
         var bad = 0
@@ -83,10 +88,7 @@ public enum AudioInput {
             if !x.isFinite { bad += 1 } else { peak = max(peak, abs(x)) }
         }
         if bad > 0 { throw AudioError.invalid("\(name) holds \(bad) NaN/inf sample(s) of \(samples.count)") }
-        if peak < minPeak {
-            throw AudioError.invalid(
-                "\(name) is silent (peak amplitude \(String(format: "%.2e", Double(peak)))): nothing to transcribe")
-        }
+        return peak < silencePeak
     }
 }
 

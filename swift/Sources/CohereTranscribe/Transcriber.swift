@@ -31,6 +31,10 @@ public struct TranscriptionResult: Sendable, Codable {
     public var language: String
     public var punctuation: Bool
     public var windows: [WindowResult]
+    /// Digital silence: empty text, no window, no model call (as `cohere-coreml transcribe`).
+    public var silent: Bool = false
+    /// Length of the audio in seconds.
+    public var seconds: Double = 0
 
     public var truncated: Bool { windows.contains { $0.truncated } }
     public var tokenIds: [[Int]] { windows.map(\.tokenIds) }
@@ -181,7 +185,10 @@ public actor CohereTranscriber {
 
     private func transcribe(samples: [Float], language: String, punctuation: Bool, maxNewTokens: Int?, name: String,
                             prompt: [Int]) async throws -> TranscriptionResult {
-        try AudioInput.checkSpeech(samples, name: name)
+        if try AudioInput.isSilent(samples, name: name) {
+            return TranscriptionResult(text: "", language: language, punctuation: punctuation, windows: [], silent: true,
+                                       seconds: Double(samples.count) / Double(manifest.audio.sampling_rate))
+        }
         let rate = Double(manifest.audio.sampling_rate)
         var windows: [WindowResult] = []
         for (i, range) in AudioSplitter.splitPoints(samples, manifest: manifest).enumerated() {
@@ -198,7 +205,8 @@ public actor CohereTranscriber {
         }
         let text = Detokenizer.joinWindows(windows.map(\.text), language: language,
                                            noSpaceLanguages: manifest.generation.no_space_languages)
-        return TranscriptionResult(text: text, language: language, punctuation: punctuation, windows: windows)
+        return TranscriptionResult(text: text, language: language, punctuation: punctuation, windows: windows,
+                                   seconds: Double(samples.count) / rate)
     }
 
     /// Log-mel features of one piece through the front-end package: ((1, n_mels, frames) float32, valid frames),

@@ -72,17 +72,20 @@ guard let bundle else { fail("--bundle is required\n\(usage)") }
 guard let language else { fail("--language is required\n\(usage)") }
 guard !files.isEmpty else { fail("no audio file given\n\(usage)") }
 
+/// One file's entry, as `cohere-coreml transcribe --json` writes it: "status" ok | silent | error.
 func jsonObject(_ path: String, _ r: TranscriptionResult) -> [String: Any] {
     [
-        "audio": path, "text": r.text, "language": r.language, "punctuation": r.punctuation, "truncated": r.truncated,
+        "audio": path, "status": r.silent ? "silent" : "ok", "seconds": r.seconds, "text": r.text,
+        "language": r.language, "punctuation": r.punctuation, "truncated": r.truncated, "silent": r.silent,
         "windows": r.windows.map { w -> [String: Any] in
             let t = w.timings
             return ["index": w.index, "start_s": w.startSeconds, "duration_s": w.durationSeconds, "token_ids": w.tokenIds,
                     "text": w.text, "truncated": w.truncated, "stop_reason": w.stopReason,
-                    "timings": ["features_s": t.featuresSeconds, "encoder_s": t.encoderSeconds,
+                    "timings": ["features_s": t.featuresSeconds, "front_end": "package", "encoder_s": t.encoderSeconds,
                                 "encoder_function": t.encoderFunction, "prompt_s": t.promptSeconds,
                                 "decode_s": t.decodeSeconds, "decoder_calls": t.decoderCalls,
-                                "ms_per_decoder_call": t.msPerDecoderCall]]
+                                "ms_per_decoder_call": t.msPerDecoderCall],
+                    "decoding": ["beams": 1, "repetition": NSNull()]]
         },
     ]
 }
@@ -117,7 +120,7 @@ for path in files {
             results.append(jsonObject(path, r))
         } else {
             if files.count > 1 { print("== \(path)") }
-            print(r.text)
+            print(r.silent ? "(silent)" : r.text)
             for w in r.windows where w.truncated {
                 FileHandle.standardError.write(Data("window \(w.index) stopped without eos (\(w.stopReason))\n".utf8))
             }
@@ -125,7 +128,7 @@ for path in files {
     } catch {
         failures += 1
         FileHandle.standardError.write(Data("cohere-transcribe-swift: \(path): \(error)\n".utf8))
-        if json { results.append(["audio": path, "error": "\(error)"]) }
+        if json { results.append(["audio": path, "status": "error", "error": "\(error)"]) }
     }
 }
 if json {

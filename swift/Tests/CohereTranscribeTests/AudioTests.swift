@@ -51,11 +51,14 @@ final class AudioTests: XCTestCase {
         XCTAssertThrowsError(try WAVReader.parse(Data("RIFF\0\0\0\0WAVE".utf8), name: "x.wav")) {
             XCTAssertTrue("\($0)".contains("without a fmt chunk"), "\($0)")
         }
-        XCTAssertThrowsError(try AudioInput.checkSpeech([Float](repeating: 0, count: 16000), name: "quiet.wav")) {
-            XCTAssertTrue("\($0)".contains("silent"), "\($0)")
-        }
-        XCTAssertThrowsError(try AudioInput.checkSpeech([0.1, .nan], name: "nan.wav")) {
+        XCTAssertTrue(try AudioInput.isSilent([Float](repeating: 0, count: 16000), name: "quiet.wav"))
+        XCTAssertTrue(try AudioInput.isSilent([Float](repeating: 0.99e-4, count: 16000), name: "quiet.wav"))
+        XCTAssertFalse(try AudioInput.isSilent([0, 1e-4, 0], name: "speech.wav"))  // the threshold is Python's
+        XCTAssertThrowsError(try AudioInput.isSilent([0.1, .nan], name: "nan.wav")) {
             XCTAssertTrue("\($0)".contains("NaN"), "\($0)")
+        }
+        XCTAssertThrowsError(try AudioInput.isSilent([], name: "empty.wav")) {
+            XCTAssertTrue("\($0)".contains("empty"), "\($0)")
         }
         #if !canImport(AVFoundation)
         let flac = Fixtures.repoRoot.appendingPathComponent("tests/data/audio/en_long_75s.flac")

@@ -139,11 +139,16 @@ final class TranscriberTests: XCTestCase {
         } catch let error as AudioError {
             XCTAssertEqual(error, .fileNotFound("/missing.wav"))
         }
+        // digital silence: an empty transcript marked silent, as `cohere-coreml transcribe` gives it
+        let silence = try await transcriber.transcribe(samples: [Float](repeating: 0, count: 32000), language: "en")
+        XCTAssertTrue(silence.silent)
+        XCTAssertEqual(silence.text, "")
+        XCTAssertTrue(silence.windows.isEmpty)
         do {
-            _ = try await transcriber.transcribe(samples: [Float](repeating: 0, count: 32000), language: "en")
-            XCTFail("silence accepted")
+            _ = try await transcriber.transcribe(samples: [0.1, .infinity, 0.2], language: "en")
+            XCTFail("inf samples accepted")
         } catch let error as AudioError {
-            XCTAssertTrue("\(error)".contains("silent"))
+            XCTAssertTrue("\(error)".contains("NaN/inf"), "\(error)")
         }
         do {
             let features = try Tensor(float32: [Float](repeating: 0, count: 128 * 999), shape: [1, 128, 999])
