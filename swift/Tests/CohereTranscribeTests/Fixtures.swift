@@ -27,9 +27,13 @@ enum Fixtures {
         try JSONSerialization.jsonObject(with: Data(contentsOf: try require().appendingPathComponent(name)))
     }
 
-    /// The project's cohere-coreml command (after `make sync`), for the interpreter runtime, with
+    /// The project's cohere-coreml command (after `make sync`) as the interpreter runtime, with
     /// `$COHERE_SWIFT_THREADS` (default 2) torch threads: the machine is shared with the build and CI.
-    static func interpreter() throws -> InterpreterRuntime {
+    /// One child process serves every test (starting one costs ~15 s of Python imports); models and
+    /// states are freed in the child when the tests drop them.
+    static func interpreter() throws -> InterpreterRuntime { try sharedInterpreter.get() }
+
+    private static let sharedInterpreter = Result<InterpreterRuntime, Error> {
         let exe = repoRoot.appendingPathComponent(".venv/bin/cohere-coreml")
         let threads = ProcessInfo.processInfo.environment["COHERE_SWIFT_THREADS"] ?? "2"
         return try InterpreterRuntime(executable: exe, arguments: ["serve-runtime", "--num-threads", threads])
