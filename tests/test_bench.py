@@ -96,6 +96,29 @@ def test_outputs(folder, tmp_path):
     assert not list((tmp_path / "out").glob("*.tmp*"))
 
 
+def test_agreement_with_the_reference(folder):
+    """Token agreement counts identical clips and same-position tokens on the clips both engines
+    transcribed; a changed token in one clip shows in both counts, and the Markdown table."""
+    from cohere_coreml.bench import agreement_with
+
+    path, answers = folder
+    dataset = load_folder(path)
+    ref = {"label": "pytorch", **run_engine(lambda: ScriptedEngine(answers), dataset)}
+    same = {"label": "f16", **run_engine(lambda: ScriptedEngine(answers), dataset)}
+    changed = dict(answers)
+    de = next(k for k, v in answers.items() if v[0] == "ruf emma an")
+    changed[de] = ("ruf anna an", [5, 9, 7, 3], "eos")
+    other = {"label": "q4", **run_engine(lambda: ScriptedEngine(changed), dataset)}
+    assert agreement_with(ref, same) == {"reference": "pytorch", "clips": 3, "identical_clips": 3,
+                                         "baseline_tokens": 3 + 4 + 20, "agreeing_tokens": 27}
+    a = agreement_with(ref, other)
+    assert a["identical_clips"] == 2 and a["agreeing_tokens"] == 26 and a["baseline_tokens"] == 27
+    other["agreement"] = a
+    report = {"tool_version": "0", "tool_git_hash": "abc", "machine": {"platform": "x", "cpus": 2},
+              "dataset": {"name": str(path), "manifest_sha256": "f" * 64}, "engines": [ref, other]}
+    assert "| 2/3, 26/27 |" in format_markdown(report)
+
+
 def test_pytorch_wer_equals_evaluate():
     """The bench's PyTorch rows and the dev evaluation (`evaluate_checkpoint`) score the same
     transcripts with the same metric: per-language WER identical, on the held-out set. Windows are

@@ -188,3 +188,30 @@ def test_model_card_and_example(bundle):
     proc = subprocess.run([sys.executable, str(bundle / "example_inference.py"), str(AUDIO_DIR / "en_short.wav"),
                            "--language", "en", "--max-new-tokens", "5"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_model_card_shows_a_bench_report(bundle, tmp_path):
+    """`bundle finalize --bench bench.json`: the card gets the presets table (WER per language, tokens
+    identical to PyTorch), the checksums still match; a file that is not a bench report is refused."""
+    from cohere_coreml.integrity import check_bundle
+    from cohere_coreml.publish import PublishError, finalize_bundle
+
+    out = tmp_path / "q8"
+    shutil.copytree(bundle, out)
+    engines = [{"label": "pytorch m", "languages": {"en": {"rate": 0.015, "metric": "wer"},
+                                                    "ja": {"rate": 0.1, "metric": "cer"}}},
+               {"label": "q8 (fp16, mil)", "languages": {"en": {"rate": 0.02, "metric": "wer"}},
+                "bundle": {"preset": "q8", "gate": "passed", "size_mb": 3.5},
+                "agreement": {"clips": 30, "identical_clips": 29, "baseline_tokens": 391, "agreeing_tokens": 388}}]
+    report = tmp_path / "bench.json"
+    report.write_text(json.dumps({"engines": engines, "dataset": {"name": "/x/heldout", "clips": 30},
+                                  "tool_version": "0.1", "tool_git_hash": "abcdef", "created_utc": "now"}))
+    finalize_bundle(out, bench=report)
+    text = (out / "README.md").read_text()
+    assert "dataset `heldout`, 30 clips" in text and "| en WER % | ja CER % |" in text
+    assert "| pytorch m | - | - | - | 1.50 | 10.00 | reference |" in text
+    assert "| q8 (fp16, mil) | q8 | passed | 3.50 | 2.00 | - | 29/30, 388/391 |" in text
+    assert check_bundle(out)["files"] > 5  # README.md changed: its checksum was refreshed last
+    (tmp_path / "bad.json").write_text(json.dumps({"engines": []}))
+    with pytest.raises(PublishError, match="not a `cohere-coreml bench` report"):
+        finalize_bundle(out, bench=tmp_path / "bad.json")

@@ -139,6 +139,20 @@ def test_quantizing_twice_is_refused(f16_bundle, q8_bundle, tmp_path):
         quantize_bundle(f16_bundle, out, "q8")
 
 
+def test_reserved_output_folder_is_used_and_keeps_its_placeholder(f16_bundle, tmp_path):
+    """The checkout reserves q8/ with only a .gitkeep: `make quantize` writes into it on a fresh checkout,
+    the placeholder stays (hidden: not part of the bundle) and the bundle checks clean."""
+    from cohere_coreml.integrity import check_bundle
+    from cohere_coreml.quantize import quantize_bundle
+
+    out = tmp_path / "q8"
+    out.mkdir()
+    (out / ".gitkeep").touch()
+    quantize_bundle(f16_bundle, out, "q8", skip_gate=True)
+    assert (out / ".gitkeep").is_file() and (out / "manifest.json").is_file()
+    assert check_bundle(out)["files"] > 5
+
+
 def test_int4_skips_are_visible(f16_bundle, tmp_path):
     """Width 144 is not a multiple of the int4 block (32): coremltools skips those weights with a
     log line only; the report names each one and the reason."""
@@ -170,10 +184,22 @@ def test_broken_compression_fails_the_gate_and_leaves_nothing(f16_bundle, monkey
     monkeypatch.setattr(Q, "compress_mlmodel", lambda m, r, w: (cto.palettize_weights(
         m, cto.OptimizationConfig(global_config=broken("int8"))), {}))
     out = tmp_path / "broken"
-    with pytest.raises(Q.QuantizeGateError, match="decoder PSNR"):
+    with pytest.raises(Q.QuantizeGateError, match="decoder PSNR") as err:
         Q.quantize_bundle(f16_bundle, out, "q8", eval_dir=None)
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".broken")]
+    # the refused figures are kept beside (not inside) the would-be bundle, and the error names the file
+    refused = json.loads(Q.refusal_path(out).read_text())
+    assert str(Q.refusal_path(out)) in str(err.value)
+    assert refused["passed"] is False and refused["preset"] == "q8"
+    assert refused["gate"]["encoder"]["passed"] is True  # fp16 encoder: gated and passed first
+    decoder = refused["gate"]["decoder"]
+    assert decoder["passed"] is False and decoder["worst_psnr_db"] < decoder["min_psnr_db"]
+    assert decoder["abs_error_nats"]["max"] > 0
+    # a later build that succeeds removes the stale refusal
+    monkeypatch.undo()
+    Q.quantize_bundle(f16_bundle, out, "q8", eval_dir=None, skip_gate=True)
+    assert out.is_dir() and not Q.refusal_path(out).exists()
 
 
 def test_sensitivity_and_target_psnr(f16_bundle, tmp_path):

@@ -70,12 +70,30 @@ def directory_mb(path: Path) -> float:
 
 
 def bundle_info(bundle_dir: str | os.PathLike) -> dict:
+    """Identity of a benched bundle: manifest hash, preset, whether its quantization gate passed (or was
+    skipped), size of its encoder + decoder packages."""
+    import json
+
     d = Path(bundle_dir)
     manifest = d / "manifest.json"
     packages = [d / "encoder.mlpackage", d / "decoder.mlpackage"]
+    compression = d / "compression.json"
+    gate = json.loads(compression.read_text()).get("gate", {}) if compression.is_file() else {}
     return {"dir": str(d),
             "manifest_sha256": hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None,
+            "preset": json.loads(manifest.read_text()).get("preset", "f16") if manifest.is_file() else None,
+            "gate": "skipped" if gate.get("skipped") else ("passed" if gate.get("passed") else
+                                                             ("export" if not compression.is_file() else "unknown")),
             "size_mb": round(sum(directory_mb(p) for p in packages if p.exists()), 3)}
+
+
+def agreement_with(reference: dict, engine: dict) -> dict:
+    """Token agreement of `engine` with `reference` (two run_engine sections) on the clips both transcribed."""
+    from .metrics import token_agreement
+
+    ref = {c["id"]: c["token_ids"] for c in reference["clips"] if "token_ids" in c}
+    pairs = [(ref[c["id"]], c["token_ids"]) for c in engine["clips"] if "token_ids" in c and c["id"] in ref]
+    return {"reference": reference["label"], **token_agreement([a for a, _ in pairs], [b for _, b in pairs])}
 
 
 def run_engine(make_engine, dataset, *, max_new_tokens=None, beams=1, repetition_guard=None, warmup=True,
@@ -128,6 +146,7 @@ def run_engine(make_engine, dataset, *, max_new_tokens=None, beams=1, repetition
             continue
         row["processing_s"] = time.perf_counter() - t
         row["hypothesis"] = result.text
+        row["token_ids"] = [t for w in result.windows for t in w.token_ids]
         row["windows"] = [
             {"index": w.index, "start_s": round(w.start_s, 3), "end_s": round(w.start_s + w.duration_s, 3),
              "tokens": len([x for x in w.token_ids if x not in engine.eos_ids]), "stop_reason": w.stop_reason,
@@ -201,6 +220,9 @@ def run_bench(bundles, pytorch, data, *, backend="auto", compute_units="all", ma
         section = run_engine(lambda: BundleEngine(b, backend=backend, compute_units=compute_units), dataset, **opts)
         label = f"{Path(b).name} ({section.get('precision')}, {section.get('backend')})"
         report["engines"].append({"label": label, "bundle": info, **section})
+    if pytorch:  # every bundle's greedy tokens next to the reference's
+        for e in report["engines"][1:]:
+            e["agreement"] = agreement_with(report["engines"][0], e)
     return report
 
 
@@ -209,22 +231,31 @@ def run_bench(bundles, pytorch, data, *, backend="auto", compute_units="all", ma
 # --------------------------------------------------------------------------------------------------
 
 
-def _pct(x) -> str:
+def percent(x) -> str:
     return "-" if x is None or x != x else f"{100 * x:.2f}"
+
+
+def format_agreement(a: dict | None) -> str:
+    if not a:
+        return "-"
+    return (f"{a['identical_clips']}/{a['clips']}, "
+            f"{a['agreeing_tokens']}/{a['baseline_tokens']}")
 
 
 def format_markdown(report: dict) -> str:
     langs = sorted({l for e in report["engines"] for l in e["languages"]})
     head = ["engine", "size MB"] + [f"{l} {report['engines'][0]['languages'].get(l, {}).get('metric', 'wer').upper()} %"
                                     for l in langs]
-    head += ["S/D/I", "loops %", "trunc %", "RTFx", "tokens/s", "load s", "first run s", "peak RSS MB"]
+    head += ["S/D/I", "same as reference (clips, tokens)", "loops %", "trunc %", "RTFx", "tokens/s", "load s",
+             "first run s", "peak RSS MB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in report["engines"]:
         size = e.get("bundle", {}).get("size_mb")
         sdi = [sum(v[k] for v in e["languages"].values()) for k in ("substitutions", "deletions", "insertions")]
         cells = [e["label"], f"{size:.2f}" if size else "-"]
-        cells += [_pct(e["languages"].get(l, {}).get("rate")) for l in langs]
-        cells += ["/".join(map(str, sdi)), _pct(e["loop_rate"]), _pct(e["truncation_rate"]), f"{e['rtfx']:.2f}",
+        cells += [percent(e["languages"].get(l, {}).get("rate")) for l in langs]
+        cells += ["/".join(map(str, sdi)), format_agreement(e.get("agreement")), percent(e["loop_rate"]),
+                  percent(e["truncation_rate"]), f"{e['rtfx']:.2f}",
                   f"{e['tokens_per_s']:.1f}", f"{e['load_s']:.1f}",
                   f"{e['first_run_s']:.2f}" if e["first_run_s"] is not None else "-", f"{e['peak_rss_mb']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")

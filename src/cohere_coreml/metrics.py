@@ -70,3 +70,13 @@ def error_counts(references: list[str], hypotheses: list[str], language: str | N
     errors = counts["substitutions"] + counts["deletions"] + counts["insertions"]
     return {"metric": metric, "normaliser": normaliser_name(language), "rate": errors / units if units else float("nan"),
             **counts, "units": units, "scored": len(pairs)}
+
+
+def token_agreement(baseline: list[list[int]], produced: list[list[int]]) -> dict:
+    """How far two engines' greedy token ids agree, clip by clip (the same clips in the same order):
+    clips whose ids are identical, and baseline tokens matched at the same position."""
+    if len(baseline) != len(produced):
+        raise ValueError(f"token agreement needs the same clips: {len(baseline)} vs {len(produced)}")
+    return {"clips": len(baseline), "identical_clips": sum(a == b for a, b in zip(baseline, produced)),
+            "baseline_tokens": sum(len(a) for a in baseline),
+            "agreeing_tokens": sum(sum(x == y for x, y in zip(a, b)) for a, b in zip(baseline, produced))}

@@ -42,8 +42,36 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
-def model_card(bundle_dir: str | os.PathLike) -> str:
-    """README.md of a bundle: Hub metadata header, files and sizes, gate figures, usage."""
+def presets_table(bench: dict) -> list[str]:
+    """Markdown lines: every engine of a `cohere-coreml bench` report (PyTorch and bundles of several
+    presets on one dataset): WER/CER per language and greedy tokens identical to the reference."""
+    from .bench import format_agreement, percent
+
+    engines = bench.get("engines", [])
+    langs = sorted({lang for e in engines for lang in e["languages"]})
+    metric = {lang: next(e["languages"][lang].get("metric", "wer") for e in engines if lang in e["languages"])
+              for lang in langs}
+    lines = [f"## Presets compared (`cohere-coreml bench`, dataset `{Path(bench['dataset']['name']).name}`, "
+             f"{bench['dataset']['clips']} clips)", "",
+             "| engine | preset | gate | encoder + decoder MB | "
+             + " | ".join(f"{lang} {metric[lang].upper()} %" for lang in langs)
+             + " | identical to the reference (clips, tokens) |",
+             "|" + "---|" * (5 + len(langs))]
+    for e in engines:
+        b = e.get("bundle") or {}
+        lines.append(f"| {e['label']} | {b.get('preset', '-')} | {b.get('gate', '-')} | "
+                     f"{b['size_mb']:.2f} | " if b else f"| {e['label']} | - | - | - | ")
+        lines[-1] += " | ".join(percent(e["languages"].get(lang, {}).get("rate")) for lang in langs)
+        lines[-1] += f" | {format_agreement(e.get('agreement')) if b else 'reference'} |"
+    lines += ["", f"Gate `skipped`: a bundle built with `--skip-gate` to measure it (its gate refuses it; not "
+              f"published). Tool {bench.get('tool_version')} ({str(bench.get('tool_git_hash'))[:12]}), "
+              f"{bench.get('created_utc')}."]
+    return lines
+
+
+def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None) -> str:
+    """README.md of a bundle: Hub metadata header, files and sizes, gate figures, usage; with a
+    `cohere-coreml bench` report, the presets compared on its dataset."""
     root = Path(bundle_dir)
     m = json.loads((root / MANIFEST_NAME).read_text())
     preset = m.get("preset") or ("f16" if not (root / "compression.json").is_file() else "unknown")
@@ -118,6 +146,8 @@ def model_card(bundle_dir: str | os.PathLike) -> str:
                   f"{100 * h['wer']:.2f} % | {h['identical_clips']}/{h['clips']} |"]
     else:
         lines += ["", "Held-out WER: not measured for this bundle."]
+    if bench:
+        lines += ["", *presets_table(bench)]
     min_os = m.get("min_os") or {}
     lines += ["", "## Requirements", "",
               f"iOS {min_os.get('iOS', '18.0')}+ / macOS {min_os.get('macOS', '15.0')}+ (stateful ML programs); Apple "
@@ -251,14 +281,22 @@ if __name__ == "__main__":
 '''
 
 
-def finalize_bundle(bundle_dir: str | os.PathLike) -> Path:
-    """Write README.md and example_inference.py, then the manifest's integrity sections (last)."""
+def finalize_bundle(bundle_dir: str | os.PathLike, bench: str | os.PathLike | None = None) -> Path:
+    """Write README.md (with `bench`, a bench.json, the presets table) and example_inference.py, then the
+    manifest's integrity sections (last)."""
     root = Path(bundle_dir)
     if not (root / MANIFEST_NAME).is_file():
         raise PublishError(f"{root} has no manifest.json: export the bundle first")
+    report = None
+    if bench is not None:
+        try:
+            report = json.loads(Path(bench).read_text())
+            report["engines"], report["dataset"]["name"]  # noqa: B018 - the shape of a bench report
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise PublishError(f"{bench} is not a `cohere-coreml bench` report (bench.json): {err}") from err
     _write_text_atomic(root / EXAMPLE, EXAMPLE_SOURCE)
     refresh_manifest(root)  # sizes for the card
-    _write_text_atomic(root / README, model_card(root))
+    _write_text_atomic(root / README, model_card(root, report))
     return refresh_manifest(root)
 
 
@@ -336,7 +374,7 @@ def _first_line(err: BaseException) -> str:
 
 def cmd_bundle(args) -> int:
     if args.action == "finalize":
-        print(finalize_bundle(args.dir))
+        print(finalize_bundle(args.dir, bench=args.bench))
         return 0
     try:
         summary = check_bundle(args.dir, hashes=True)
@@ -367,6 +405,9 @@ def add_commands(subparsers) -> None:
                               "README.md (model card) and example_inference.py, then the manifest's checksums.")
     p.add_argument("action", choices=("check", "finalize"))
     p.add_argument("dir", help="bundle folder")
+    p.add_argument("--bench", default=None,
+                   help="finalize: a `cohere-coreml bench` report (bench.json of PyTorch and the bundles of each "
+                   "preset on one dataset) whose table the model card shows")
     p.set_defaults(func=cmd_bundle)
 
     p = subparsers.add_parser("upload", help="upload a verified bundle to the Hugging Face Hub (one folder per preset)",

@@ -84,6 +84,25 @@ class QuantizeGateError(RuntimeError):
         self.report = report
 
 
+def _holds_files(folder: Path) -> bool:
+    """A folder with anything but hidden files (a reserved, empty `q8/` with its `.gitkeep` is free)."""
+    return folder.exists() and (not folder.is_dir() or any(not p.name.startswith(".") for p in folder.iterdir()))
+
+
+def refusal_path(out: Path) -> Path:
+    """Where a refused build's gate figures go: beside the bundle it would have been (`q4.parity-failed.json`),
+    never inside a folder that could pass for a bundle."""
+    return out.with_name(f"{out.name}.parity-failed.json")
+
+
+def _write_refusal(out: Path, preset: str, reports: dict) -> Path:
+    from .convert import write_json_atomic
+
+    path = refusal_path(out)
+    write_json_atomic({"preset": preset, "bundle": str(out), "passed": False, "gate": reports}, path)
+    return path
+
+
 def scheme_config(scheme: str):
     """The coremltools op config of a scheme name."""
     import coremltools.optimize.coreml as cto
@@ -751,17 +770,14 @@ def pytorch_transcripts(model_ref: str, eval_dir: Path, limit_per_language: int 
 
 
 def compare_transcripts(baseline: dict, produced: dict) -> dict:
+    from .metrics import token_agreement
     from .scoring import word_error_rate
 
-    same = [a == b for a, b in zip(baseline["ids"], produced["ids"])]
-    tokens = sum(len(a) for a in baseline["ids"])
-    agree = sum(sum(x == y for x, y in zip(a, b)) for a, b in zip(baseline["ids"], produced["ids"]))
     wer_base = word_error_rate(baseline["refs"], baseline["texts"])
     wer = word_error_rate(produced["refs"], produced["texts"])
-    return {"clips": len(same), "identical_clips": int(sum(same)), "baseline_tokens": int(tokens),
-            "agreeing_tokens": int(agree), "wer_baseline": wer_base, "wer": wer,
+    return {**token_agreement(baseline["ids"], produced["ids"]), "wer_baseline": wer_base, "wer": wer,
             "wer_increase": wer - wer_base,
-            "differing_files": [f for f, s in zip(produced["files"], same) if not s]}
+            "differing_files": [f for f, a, b in zip(produced["files"], baseline["ids"], produced["ids"]) if a != b]}
 
 
 # --------------------------------------------------------------------------------------------
@@ -825,7 +841,7 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
     check_source(src)
     if out.resolve() == src.resolve():
         raise QuantizeError("--out must differ from --bundle (the f16 bundle is never modified)")
-    if out.exists() and not force:
+    if _holds_files(out) and not force:
         raise QuantizeError(f"{out} exists; use --force to replace it")
     gates = GATES[preset]
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -836,6 +852,7 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
                               "schemes": SCHEMES, "components": {}}
     # the packages are written and gated like an export's (gate.export_gated), into the temporary bundle
     settings = ExportSettings(out_dir=tmp, skip_verify=skip_gate)
+    gate_reports: dict[str, GateReport] = {}
     try:
         t0 = time.perf_counter()
         data = None
@@ -844,7 +861,6 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
             clips = gate_clips(Path(eval_dir)) if eval_dir else packaged_gate_clips()
             logger.info("gate data: %d clips through the f16 bundle", len(clips))
             data = build_gate_data(src, clips)
-        gate_reports: dict[str, GateReport] = {}
         for comp in COMPONENTS:
             section: dict[str, Any] = {}
 
@@ -880,13 +896,23 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
         _write_manifest(src, tmp)
         finalize_bundle(tmp)  # README.md, example_inference.py, then the manifest's checksums (last)
         if out.exists():
+            for hidden in out.glob(".*"):  # the checkout's q8/.gitkeep stays (hidden: not part of the bundle)
+                if hidden.is_file():
+                    shutil.copy2(hidden, tmp / hidden.name)
             shutil.rmtree(out)
         os.rename(tmp, out)
+        refusal_path(out).unlink(missing_ok=True)  # an earlier refusal's figures no longer describe `out`
     except ParityError as err:
         shutil.rmtree(tmp, ignore_errors=True)
         refused = err.report.to_dict() if isinstance(err.report, GateReport) else None
-        raise QuantizeGateError(f"the {preset} bundle failed its gate: {refused['headline'] if refused else err}",
-                                refused) from err
+        path = _write_refusal(out, preset, {**{n: r.to_dict() for n, r in gate_reports.items()},
+                                            **({err.report.component: refused} if refused else {})})
+        raise QuantizeGateError(f"the {preset} bundle failed its gate: {refused['headline'] if refused else err} "
+                                f"(figures: {path})", refused) from err
+    except QuantizeGateError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        path = _write_refusal(out, preset, {n: r.to_dict() for n, r in gate_reports.items()})
+        raise QuantizeGateError(f"{err} (figures: {path})", err.report) from err
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
