@@ -100,6 +100,10 @@ def test_q8_gate_figures_and_bundle(f16_bundle, q8_bundle):
         assert written["component"] == name and written["passed"] is True and written["headline"]
         assert written == json.loads(json.dumps(gate[name])), name
     assert not list(out.glob("*.parity-failed.json"))
+    # the held-out gate bounds every language; the card lists them
+    held, card = gate["heldout"], (out / "README.md").read_text()
+    assert set(held["languages"]) == {"de", "en", "es"} and held["worst_increase"] <= 0.005
+    assert all(f", {lang} (WER) | 1 |" in card for lang in held["languages"])
     assert check_bundle(out)["files"] > 10
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["preset"] == "q8" and manifest["recipe"]["decoder"]["scheme"] == "int8"
@@ -219,6 +223,16 @@ def test_sensitivity_and_target_psnr(f16_bundle, tmp_path):
     assert choice["met"] and choice["kept_fp16"]
     assert choice["kept_fp16"][0] == min(sens["per_weight"], key=sens["per_weight"].get)  # most sensitive first
     assert choice["steps"][-1]["psnr_db"] >= target > choice["steps"][0]["psnr_db"]
+    # each step also records the decoder's log-prob error bound; the first is that of the full int8 package
+    full = Q.log_prob_error(data.decoder_ref, Q.decoder_outputs(load_model(str(dst), backend="mil"), data),
+                            data.prompts, data.eos_ids)
+    first, last = choice["steps"][0], choice["steps"][-1]
+    assert first["log_prob_error_nats"]["max"] == pytest.approx(full["abs_error_nats"]["max"])
+    assert first["eos_error_max_nats"] == pytest.approx(full["eos_error_nats"]["max"])
+    assert last["log_prob_error_nats"]["p99"] < first["log_prob_error_nats"]["p99"]
+    capped = Q.choose_fp16("decoder", f16_bundle / "decoder.mlpackage", dst, data, sens["per_weight"], saved,
+                           float("inf"), max_kept=1)
+    assert [s["kept_fp16"] for s in capped["steps"]] == [0, 1] and not capped["met"]
     # rebuilding with those weights fp16 gives a real package that reaches the target
     kept = Q.Recipe("int8", keep_fp16=tuple(choice["kept_fp16"]))
     dst2 = tmp_path / "d2.mlpackage"
@@ -249,3 +263,34 @@ def test_log_prob_error_measures_the_difference():
     rows[0] = rows[0].astype(np.float16).astype(np.float32)
     assert log_prob_error(rows, rows, [[0]], [3])["mean_kl"] == pytest.approx(0.0, abs=1e-12)
     del rng
+
+
+def test_heldout_gate_bounds_every_language(monkeypatch, tmp_path):
+    """One language made worse is refused even when the average over languages stays within 0.5 points;
+    the same error spread thin passes. Per-language rates are the bench's (metrics.error_counts)."""
+    from cohere_coreml import quantize as Q
+
+    refs = [f"word{i} alpha beta gamma delta" for i in range(40)]  # 40 clips x 5 words per language
+    base = {"files": [f"{l}{i}.wav" for l in "ab" for i in range(40)], "refs": refs * 2,
+            "languages": ["en"] * 40 + ["de"] * 40, "ids": [[i, 1] for i in range(80)], "texts": refs * 2}
+
+    def produced(wrong: list[int]) -> dict:
+        texts = [t.replace("alpha", "alfa") if i in wrong else t for i, t in enumerate(base["texts"])]
+        ids = [[i, 9] if i in wrong else ids for i, ids in enumerate(base["ids"])]
+        return {**base, "texts": texts, "ids": ids}
+
+    one_language = produced([40, 41])  # 2 de words of 200 wrong: de +1.0 point, overall +0.5, en unchanged
+    cmp = Q.compare_transcripts(base, one_language)
+    assert cmp["languages"]["de"]["increase"] == pytest.approx(0.01) and cmp["languages"]["en"]["increase"] == 0
+    assert cmp["worst_increase"] == pytest.approx(0.01) and cmp["wer_increase"] == pytest.approx(0.005)
+    assert cmp["languages"]["de"]["identical_clips"] == 38 and cmp["identical_clips"] == 78
+
+    def gate(prod):
+        monkeypatch.setattr(Q, "bundle_transcripts", lambda d, *a, **k: base if d == "f16" else prod)
+        return Q.heldout_gate("f16", "q", tmp_path, Q.GATES["q8"], model=None, limit_per_language=None)
+
+    refused = gate(one_language)
+    assert not refused.passed and "worst language de" in refused.headline and "+1.00 points" in refused.headline
+    assert gate(produced([0, 40])).passed  # +0.5 points in each language: at the bound
+    assert not gate(produced([0, 1, 40])).passed  # en +1.0
+    assert gate(base).passed

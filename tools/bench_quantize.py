@@ -55,11 +55,14 @@ def make_checkpoint(out: Path, encoder_layers: int | None, seed: int = 0) -> int
     return params
 
 
-def run_cli(args: list[str], check: bool = True) -> dict:
-    """`cohere-coreml ARGS` in a child process: wall time, peak RSS, output (and the exit code)."""
+def run_cli(args: list[str], check: bool = True, log: Path | None = None) -> dict:
+    """`cohere-coreml ARGS` in a child process: wall time, peak RSS, output (and the exit code); its
+    log (stderr, with each stage's timings) is kept in `log`."""
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True)
     seconds = time.perf_counter() - t0
+    if log is not None:
+        log.write_text(proc.stderr)
     if check and proc.returncode != 0:
         raise SystemExit(f"{' '.join(args[:1])} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     rss = next((int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("PEAK_RSS_KB")), 0)
@@ -112,7 +115,7 @@ def main(argv=None) -> int:
         print(f"checkpoint: {params:,} parameters ({figures['checkpoint_s']} s)", flush=True)
         gate_flag = ["--skip-verify"] if args.skip_gates else []
         export = run_cli(["export", "--model", str(ckpt), "--out", str(f16), "--force",
-                          "--window-seconds", str(args.window_seconds), *gate_flag])
+                          "--window-seconds", str(args.window_seconds), *gate_flag], log=out / "export.log")
         run_cli(["bundle", "finalize", str(f16)])
         figures["bundles"]["f16"] = {"bytes": bundle_bytes(f16), "seconds": export["seconds"],
                                      "peak_rss_gb": export["peak_rss_gb"],
@@ -123,14 +126,15 @@ def main(argv=None) -> int:
     for preset in args.presets:
         q = out / preset
         cmd = ["quantize", "--bundle", str(f16), "--out", str(q), "--preset", preset, "--eval-set", "none", "--force"]
-        res = run_cli(cmd + (["--skip-gate"] if args.skip_gates else []), check=args.skip_gates)
+        res = run_cli(cmd + (["--skip-gate"] if args.skip_gates else []), check=args.skip_gates,
+                      log=out / f"quantize-{preset}.log")
         entry: dict = {"seconds": res["seconds"], "peak_rss_gb": res["peak_rss_gb"]}
         if res["returncode"] != 0:  # refused by its gate: figures from the refusal, size from an ungated build
             refusal = out / f"{preset}.parity-failed.json"
             if not refusal.is_file():
                 raise SystemExit(f"quantize {preset} failed ({res['returncode']}):\n{res['stderr_tail']}")
             entry["gate"] = {"passed": False, **gate_figures(json.loads(refusal.read_text())["gate"])}
-            res = run_cli(cmd + ["--skip-gate"])
+            res = run_cli(cmd + ["--skip-gate"], log=out / f"quantize-{preset}-ungated.log")
             entry.update(ungated_seconds=res["seconds"], ungated_peak_rss_gb=res["peak_rss_gb"])
         report = json.loads((q / "compression.json").read_text())
         entry.setdefault("gate", {"passed": report["gate"].get("passed"), **gate_figures(report["gate"])})

@@ -144,6 +144,9 @@ def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None) -> str:
                   "|---|---|---|---|---|",
                   f"| {h.get('eval_set', 'held-out')} | {h['clips']} | {100 * h['wer_baseline']:.2f} % | "
                   f"{100 * h['wer']:.2f} % | {h['identical_clips']}/{h['clips']} |"]
+        lines += [f"| {h.get('eval_set', 'held-out')}, {lang} ({v['metric'].upper()}) | {v['clips']} | "
+                  f"{100 * v['baseline']:.2f} % | {100 * v['rate']:.2f} % | {v['identical_clips']}/{v['clips']} |"
+                  for lang, v in h.get("languages", {}).items()]
     else:
         lines += ["", "Held-out WER: not measured for this bundle."]
     if bench:
