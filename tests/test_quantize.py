@@ -186,7 +186,7 @@ def test_broken_compression_fails_the_gate_and_leaves_nothing(f16_bundle, monkey
     monkeypatch.setitem(Q.PRESETS, "q8", {"encoder": Q.Recipe(None), "decoder": Q.Recipe("pal1")})
     monkeypatch.setattr(Q.Recipe, "to_dict", lambda self: {"scheme": self.scheme})
     monkeypatch.setattr(Q, "compress_mlmodel", lambda m, r, w: (cto.palettize_weights(
-        m, cto.OptimizationConfig(global_config=broken("int8"))), {}))
+        m, cto.OptimizationConfig(global_config=broken("int8"))), {}, {}))
     out = tmp_path / "broken"
     with pytest.raises(Q.QuantizeGateError, match="decoder PSNR") as err:
         Q.quantize_bundle(f16_bundle, out, "q8", eval_dir=None)
@@ -294,3 +294,30 @@ def test_heldout_gate_bounds_every_language(monkeypatch, tmp_path):
     assert gate(produced([0, 40])).passed  # +0.5 points in each language: at the bound
     assert not gate(produced([0, 1, 40])).passed  # en +1.0
     assert gate(base).passed
+
+
+def test_palette_fallback_compresses_what_the_palettizer_skips(f16_bundle, tmp_path):
+    """coremltools' per-grouped-channel palettizer silently skips the encoder's folded relative-position
+    projections (1, H, D, 2T-1: a channel axis of 1, shorter than the group); without a fallback the
+    report lists them as skipped without a reason; q4's recipe compresses them with int8 instead, says
+    why, and the package still runs close to f16."""
+    from cohere_coreml import quantize as Q
+    from cohere_coreml.runtime import load_model
+
+    src = f16_bundle / "encoder.mlpackage"
+    plain = Q.compress_package(src, tmp_path / "plain.mlpackage", Q.Recipe("pal4"))
+    silent = {u["name"] for u in plain["uncompressed"] if "no reason" in u["reason"]}
+    assert silent and all(len(u["shape"]) == 4 and u["shape"][0] == 1
+                          for u in plain["uncompressed"] if u["name"] in silent)
+    recipe = Q.PRESETS["q4"]["encoder"]
+    assert recipe.fallback == "int8"
+    sec = Q.compress_package(src, tmp_path / "q4.mlpackage", recipe)
+    fell = {c["name"]: c for c in sec["compressed"] if c.get("fallback_for")}
+    assert set(fell) == silent
+    assert all(c["scheme"] == "int8" and c["op"] == "constexpr_blockwise_shift_scale" and "pal4" in c["fallback_for"]
+               for c in fell.values())
+    assert not any("no reason" in u["reason"] for u in sec["uncompressed"])
+    assert sec["weight_bytes"]["after"] < plain["weight_bytes"]["after"]
+    data = Q.build_gate_data(f16_bundle, Q.gate_clips(HELDOUT, per_language=1)[:1], max_new_tokens=4)
+    out = Q.encoder_outputs(load_model(str(tmp_path / "q4.mlpackage"), backend="mil"), data)
+    assert Q.encoder_psnr(data.encoder_ref, out) >= Q.GATES["q4"]["encoder_psnr_db"]

@@ -386,6 +386,27 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def release_memory() -> None:
+    """Collect garbage, then hand freed heap memory back to the OS.
+
+    glibc keeps freed blocks below its mmap threshold (up to 32 MB each: most weight tensors) in the
+    process heap, so after a 2 B model's package is run and freed the process still holds gigabytes
+    it no longer uses, and the next stage's peak adds to them. Measured on the full-size f16 bundle:
+    5.08 GB resident after `quantize.build_gate_data` returns, 0.77 GB after `malloc_trim(0)`. A no-op
+    where glibc is absent (macOS returns freed memory on its own).
+    """
+    import ctypes
+    import gc
+    import sys
+
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (musl): nothing to trim
+            pass
+
+
 def package_size_bytes(path: str | Path) -> int:
     path = Path(path)
     if path.is_file():

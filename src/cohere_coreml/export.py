@@ -226,11 +226,10 @@ def export_checkpoint(model_ref: str, settings: ExportSettings, revision: str | 
     sum: every component is converted and its references computed (`stage_export`), then the model
     is freed, then the gates load the packages (`StagedExport.finish`).
     """
-    import gc
-
     import torch
 
     from .checkpoint import load_reference
+    from .convert import release_memory
 
     torch.set_grad_enabled(False)
     model, processor = load_reference(model_ref, revision=revision)
@@ -238,7 +237,7 @@ def export_checkpoint(model_ref: str, settings: ExportSettings, revision: str | 
     settings = settings.replace(model_id=source.model_id, revision=source.revision or settings.revision)
     staged = stage_export(model, processor, settings, **options)
     del model
-    gc.collect()
+    release_memory()
     return staged.finish()
 
 

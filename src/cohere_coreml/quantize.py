@@ -127,12 +127,16 @@ class Recipe:
     skip_names: fnmatch patterns on weight names (the const op names in the MIL program) kept fp16.
     skip_op_types: op types whose weights are kept fp16 (e.g. "gather": embedding tables).
     keep_fp16: exact weight names kept fp16 by `--target-psnr` (most sensitive first).
+    fallback: a linear scheme for the weights `scheme` leaves uncompressed although the recipe does
+        not skip them (coremltools' palettizer silently skips a tensor whose channel axis is shorter
+        than its group, e.g. the encoder's folded relative-position projections (1, H, D, 2T-1)).
     """
 
     scheme: str | None
     skip_names: tuple[str, ...] = ()
     skip_op_types: tuple[str, ...] = ()
     keep_fp16: tuple[str, ...] = ()
+    fallback: str | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -161,7 +165,7 @@ PRESETS: dict[str, dict[str, Recipe]] = {
     "f16": {"encoder": Recipe(None), "decoder": Recipe(None)},
     "q8": {"encoder": Recipe("int8"), "decoder": DECODER_INT8},
     "q8-hybrid": {"encoder": Recipe("int8"), "decoder": Recipe(None)},
-    "q4": {"encoder": Recipe("pal4"), "decoder": DECODER_INT8},
+    "q4": {"encoder": Recipe("pal4", fallback="int8"), "decoder": DECODER_INT8},
 }
 DEFAULT_PRESET = "q8"
 
@@ -330,17 +334,35 @@ def optimization_config(recipe: Recipe, weights: dict[str, dict]):
     return cto.OptimizationConfig(global_config=scheme_config(recipe.scheme), op_name_configs=names)
 
 
-def compress_mlmodel(mlmodel, recipe: Recipe, weights: dict[str, dict]):
-    """Compress a single-function MLModel with coremltools; returns (model, coremltools skip reasons)."""
+def _compress(mlmodel, scheme: str, config):
     import coremltools.optimize.coreml as cto
 
-    config = optimization_config(recipe, weights)
+    if scheme in ("int8", "int4"):
+        return cto.linear_quantize_weights(mlmodel, config)
+    return cto.palettize_weights(mlmodel, config)
+
+
+def compress_mlmodel(mlmodel, recipe: Recipe, weights: dict[str, dict]):
+    """Compress a single-function MLModel with coremltools; returns (model, coremltools skip reasons,
+    {weight name: why the recipe's fallback scheme compressed it})."""
+    import coremltools.optimize.coreml as cto
+
     with _capture_coremltools_skips() as skips:
-        if recipe.scheme in ("int8", "int4"):
-            out = cto.linear_quantize_weights(mlmodel, config)
-        else:
-            out = cto.palettize_weights(mlmodel, config)
-    return out, skips.reasons
+        out = _compress(mlmodel, recipe.scheme, optimization_config(recipe, weights))
+    fallen: dict[str, str] = {}
+    if recipe.fallback:
+        done = compressed_tensors(out._mil_program.functions["main"])
+        left = [n for n, info in weights.items() if n not in done and not recipe.skip_reason(n, info["consumers"])
+                and int(np.prod(info["shape"])) > WEIGHT_THRESHOLD and len(info["shape"]) > 1]
+        if left:
+            logger.info("%d weights left by %s: %s", len(left), recipe.scheme, recipe.fallback)
+            fallen = {n: skips.reasons.get(n, f"coremltools' {recipe.scheme} skipped it without a reason") for n in left}
+            config = cto.OptimizationConfig(global_config=None,
+                                            op_name_configs={n: scheme_config(recipe.fallback) for n in left})
+            with _capture_coremltools_skips() as more:
+                out = _compress(out, recipe.fallback, config)
+            skips.reasons.update(more.reasons)
+    return out, skips.reasons, fallen
 
 
 def extract_function(path: Path, function_name: str):
@@ -392,17 +414,19 @@ def compress_package(src: Path, dst: Path, recipe: Recipe) -> dict:
     if recipe.scheme is None:
         shutil.copytree(src, dst)
         skips: dict[str, str] = {}
+        fallen: dict[str, str] = {}
     else:
+        skips, fallen = {}, {}
         scratch = Path(tempfile.mkdtemp(prefix=".compress-", dir=dst.parent))
         try:
-            skips = {}
             singles = {}
             for fn in functions:
                 logger.info("compressing %s function %s (%s)", src.name, fn, recipe.scheme)
                 model = extract_function(src, fn)
                 fn_weights = weight_tensors(load_function(src, fn)) if fn != default else weights
-                compressed, fn_skips = compress_mlmodel(model, recipe, fn_weights)
+                compressed, fn_skips, fn_fallen = compress_mlmodel(model, recipe, fn_weights)
                 skips.update(fn_skips)
+                fallen.update(fn_fallen)
                 singles[fn] = scratch / f"{fn}.mlpackage"
                 compressed.save(str(singles[fn]))
                 del compressed, model
@@ -430,7 +454,7 @@ def compress_package(src: Path, dst: Path, recipe: Recipe) -> dict:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     section["compress_seconds"] = round(time.perf_counter() - t0, 2)
-    section.update(tensor_report(weights, load_function(dst, default), recipe, skips))
+    section.update(tensor_report(weights, load_function(dst, default), recipe, skips, fallen))
     section["package_bytes"] = {"before": _tree_bytes(src), "after": _tree_bytes(dst)}
     section["weight_file_bytes"] = {"before": weight_file_bytes(src), "after": weight_file_bytes(dst)}
     return section
@@ -442,15 +466,20 @@ def _tree_bytes(path: Path) -> int:
     return package_size_bytes(path)
 
 
-def tensor_report(weights: dict[str, dict], compressed_function, recipe: Recipe, skips: dict[str, str]) -> dict:
-    """Every weight tensor: compressed (scheme, bytes before/after) or left fp16 (with the reason)."""
+def tensor_report(weights: dict[str, dict], compressed_function, recipe: Recipe, skips: dict[str, str],
+                  fallen: dict[str, str] | None = None) -> dict:
+    """Every weight tensor: compressed (scheme, bytes before/after; a fallback says why) or left fp16
+    (with the reason)."""
     done = compressed_tensors(compressed_function)
+    fallen = fallen or {}
     compressed, uncompressed = [], []
     for name, info in weights.items():
         if name in done:
-            compressed.append({"name": name, "shape": info["shape"], "scheme": recipe.scheme,
-                               "op": done[name]["op"], "bytes_before": info["bytes"],
-                               "bytes_after": done[name]["bytes"]})
+            entry = {"name": name, "shape": info["shape"], "scheme": recipe.scheme, "op": done[name]["op"],
+                     "bytes_before": info["bytes"], "bytes_after": done[name]["bytes"]}
+            if name in fallen:
+                entry.update(scheme=recipe.fallback, fallback_for=f"{recipe.scheme}: {fallen[name]}")
+            compressed.append(entry)
             continue
         n = int(np.prod(info["shape"]))
         if recipe.scheme is None:
@@ -528,6 +557,7 @@ def build_gate_data(bundle_dir: Path, clips: Sequence[tuple[Path, str]], max_new
     bundle's own greedy decode of each (the teacher-forcing sequences), all through the runtime."""
     from .audio import FrontEndConfig, load_audio, log_mel, pad_to_window
     from .bundle import Bundle
+    from .convert import release_memory
     from .transcribe import Transcriber
 
     bundle = Bundle.load(bundle_dir)
@@ -557,6 +587,8 @@ def build_gate_data(bundle_dir: Path, clips: Sequence[tuple[Path, str]], max_new
         fed = list(prompt) + dec["token_ids"][:-1]
         data.sequences.append(fed)
         data.decoder_ref.append(np.stack(dec["log_probs"]))
+    del tr, bundle
+    release_memory()  # the f16 packages are not needed again: give their memory back before compressing
     return data
 
 
@@ -758,10 +790,9 @@ def _limit(utts: list[dict], per_language: int | None) -> list[dict]:
 def pytorch_transcripts(model_ref: str, eval_dir: Path, limit_per_language: int | None = None,
                         max_new_tokens: int = 96) -> dict:
     """The same with `transformers` greedy generation; the model is freed before returning."""
-    import gc
-
     from .audio import FrontEndConfig, load_audio, log_mel
     from .checkpoint import load_reference
+    from .convert import release_memory
     from .scoring import greedy_decode
 
     model, processor = load_reference(model_ref)
@@ -774,7 +805,7 @@ def pytorch_transcripts(model_ref: str, eval_dir: Path, limit_per_language: int 
     decoded = greedy_decode(model, processor.tokenizer, feats, [u["language"] for u in utts],
                             max_new_tokens=max_new_tokens)
     del model, processor
-    gc.collect()
+    release_memory()
     return {"files": [u["file"] for u in utts], "refs": [u["text"] for u in utts],
             "languages": [u["language"] for u in utts], "ids": [d.ids for d in decoded],
             "texts": [d.text for d in decoded]}
@@ -855,7 +886,7 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
     The PyTorch checkpoint (`model`) is only used by the held-out gate (tokens / WER vs PyTorch);
     without it that gate compares with the f16 bundle through the runtime.
     """
-    from .convert import ExportSettings, ParityError, write_json_atomic
+    from .convert import ExportSettings, ParityError, release_memory, write_json_atomic
     from .gate import export_gated
     from .publish import finalize_bundle
 
@@ -898,6 +929,7 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
 
             gate_reports[comp] = export_gated(comp, settings, write, gate)
             report["components"][comp] = section
+            release_memory()  # the gated package's interpreter copy, before the next component
         report["compress_seconds"] = round(time.perf_counter() - t0, 1)
         _copy_bundle_files(src, tmp)
         _write_manifest(src, tmp)  # provisional (the held-out gate loads the bundle)
