@@ -212,6 +212,7 @@ def test_model_card_shows_a_bench_report(bundle, tmp_path):
     assert "| pytorch m | - | - | - | 1.50 | 10.00 | reference |" in text
     assert "| q8 (fp16, mil) | q8 | passed | 3.50 | 2.00 | - | 29/30, 388/391 |" in text
     assert check_bundle(out)["files"] > 5  # README.md changed: its checksum was refreshed last
+    assert "Gate `skipped`" not in text  # said only when a row was built with --skip-gate
     (tmp_path / "bad.json").write_text(json.dumps({"engines": []}))
     with pytest.raises(PublishError, match="not a `cohere-coreml bench` report"):
         finalize_bundle(out, bench=tmp_path / "bad.json")

@@ -63,9 +63,10 @@ def presets_table(bench: dict) -> list[str]:
                      f"{b['size_mb']:.2f} | " if b else f"| {e['label']} | - | - | - | ")
         lines[-1] += " | ".join(percent(e["languages"].get(lang, {}).get("rate")) for lang in langs)
         lines[-1] += f" | {format_agreement(e.get('agreement')) if b else 'reference'} |"
-    lines += ["", f"Gate `skipped`: a bundle built with `--skip-gate` to measure it (its gate refuses it; not "
-              f"published). Tool {bench.get('tool_version')} ({str(bench.get('tool_git_hash'))[:12]}), "
-              f"{bench.get('created_utc')}."]
+    skipped = any((e.get("bundle") or {}).get("gate") == "skipped" for e in engines)
+    lines += ["", ("Gate `skipped`: built with `--skip-gate`, not verified by its gate (measured for comparison, not "
+                   "for use). " if skipped else "")
+              + f"Tool {bench.get('tool_version')} ({str(bench.get('tool_git_hash'))[:12]}), {bench.get('created_utc')}."]
     return lines
 
 
