@@ -200,9 +200,11 @@ def test_broken_compression_fails_the_gate_and_leaves_nothing(f16_bundle, monkey
     decoder = refused["gate"]["decoder"]
     assert decoder["passed"] is False and decoder["worst_psnr_db"] < decoder["min_psnr_db"]
     assert decoder["abs_error_nats"]["max"] > 0
-    # a later build that succeeds removes the stale refusal
+    # an ungated build leaves the refusal (the gate's last word); a gated build that passes removes it
     monkeypatch.undo()
     Q.quantize_bundle(f16_bundle, out, "q8", eval_dir=None, skip_gate=True)
+    assert out.is_dir() and Q.refusal_path(out).is_file()
+    Q.quantize_bundle(f16_bundle, out, "q8", eval_dir=None, force=True)
     assert out.is_dir() and not Q.refusal_path(out).exists()
 
 

@@ -958,7 +958,8 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
                     shutil.copy2(hidden, tmp / hidden.name)
             shutil.rmtree(out)
         os.rename(tmp, out)
-        refusal_path(out).unlink(missing_ok=True)  # an earlier refusal's figures no longer describe `out`
+        if not skip_gate:  # a gated build replaces an earlier refusal; an ungated one says nothing new
+            refusal_path(out).unlink(missing_ok=True)
     except ParityError as err:
         shutil.rmtree(tmp, ignore_errors=True)
         refused = err.report.to_dict() if isinstance(err.report, GateReport) else None
