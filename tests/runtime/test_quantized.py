@@ -99,6 +99,11 @@ def test_decompression_bit_exact(name, base_models, tmp_path):
     compressed.save(str(path))
 
     model = load_model(path, backend="mil")
+    # compressed data (indices, scales, LUTs, masks) is read once at load: no torch copy is kept of
+    # anything that only feeds constexpr ops (4-bit indices as int32 took ~10 bytes per parameter)
+    data_vars = {v.name for op in compressed._mil_program.functions["main"].operations
+                 if op.op_type.startswith("constexpr_") for v in op.inputs.values()}
+    assert data_vars and not data_vars & set(model._consts), sorted(data_vars & set(model._consts))
     for var_name, (op_type, want) in reference.items():
         got = model._consts[var_name].numpy().astype(want.dtype)
         assert got.shape == want.shape, (op_type, var_name)

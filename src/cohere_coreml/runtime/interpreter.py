@@ -170,6 +170,12 @@ def _feeds_constexpr(var) -> bool:
     return any(op.op_type.startswith("constexpr_") for op in var.child_ops)
 
 
+def _only_feeds_constexpr(var, outputs) -> bool:
+    """A var read only by constexpr ops (compressed weight data), not a function output."""
+    return bool(var.child_ops) and var.name not in outputs and all(
+        op.op_type.startswith("constexpr_") for op in var.child_ops)
+
+
 def _release_const(op) -> None:
     """Drop PyMIL's numpy copy of a (large) const once converted (best effort)."""
     try:
@@ -239,12 +245,19 @@ class MilModel(RuntimeModel):
         self._pycache: dict[str, object] = {}
         self._var_dtypes: dict[str, str | None] = {}  # op output var -> MIL dtype name
         const_np: dict[str, np.ndarray] = {}
+        remaining: dict[str, int] = {}  # compressed-data const -> constexpr consumers not yet run
         steps: list[Step] = []
         n_default = 0
         for op in function.operations:
             if op.op_type == "const":
                 var = op.outputs[0]
                 val = _const_value(var)
+                if _only_feeds_constexpr(var, self._output_names):
+                    # compressed data (indices, scales, LUTs): read once by its constexpr ops, never by a
+                    # step, so no torch copy (4-bit indices would become int32: ~8x their packed size)
+                    const_np[var.name] = val
+                    remaining[var.name] = len(var.child_ops)
+                    continue
                 self._add_const(var.name, val, dtypes.mil_dtype_name(var.sym_type) if not isinstance(val, str) else "str")
                 const_np[var.name] = val
                 if isinstance(val, np.ndarray) and val.size > 4096 and not _feeds_constexpr(var):
@@ -258,11 +271,27 @@ class MilModel(RuntimeModel):
                         raise PackageLoadError(f"{op.op_type} {op.name}: tuple input {k}")
                     in_vals[k] = const_np[v.name] if v.name in const_np else _const_value(v)
                 results = CONSTEXPR_OPS[op.op_type](**in_vals)
+                del in_vals
                 if not isinstance(results, tuple):
                     results = (results,)
                 for var, val in zip(op.outputs, results):
+                    if _only_feeds_constexpr(var, self._output_names):  # an inner link of a joint chain
+                        const_np[var.name] = val
+                        remaining[var.name] = len(var.child_ops)
+                        continue
                     self._add_const(var.name, val, dtypes.mil_dtype_name(var.sym_type))
-                    const_np[var.name] = val
+                    if _feeds_constexpr(var):
+                        const_np[var.name] = val
+                del results
+                # drop each compressed input once its last constexpr consumer has run
+                for v in op.inputs.values():
+                    if v.name in remaining:
+                        remaining[v.name] -= 1
+                        if remaining[v.name] == 0:
+                            del remaining[v.name]
+                            const_np.pop(v.name, None)
+                            if v.op is not None and v.op.op_type == "const":
+                                _release_const(v.op)
                 continue
 
             ins, in_dtypes = {}, {}
