@@ -1,5 +1,5 @@
 import Foundation
-#if canImport(AVFoundation)
+#if os(macOS) || os(iOS)
 import AVFoundation
 #endif
 
@@ -12,23 +12,33 @@ public struct AudioSamples: Sendable {
 public enum AudioInput {
     /// Reads `url` as mono Float at `sampleRate`.
     ///
-    /// WAV files go through `WAVReader` on every platform (PCM 8/16/24/32-bit, float32/64; channels
-    /// averaged); at the target rate they give exactly the samples Python's `load_audio` gives. Other
+    /// WAV files (PCM 8/16/24/32-bit, float32/64) go through `WAVReader` on every platform, channels
+    /// averaged; at the target rate they give exactly the samples Python's `load_audio` gives. Other
     /// rates are resampled with `Resampler` (windowed sinc), which is close to but not bit-equal to
     /// Python's soxr: transcripts of resampled audio can differ from Python's in rare near-ties.
-    /// On Apple platforms any other format AVFoundation reads (m4a, mp3, flac, caf, ...) is decoded and
-    /// converted by AVAudioConverter.
+    /// On macOS and iOS every other format AVFoundation reads (m4a, mp3, flac, caf, mu-law or ADPCM WAV,
+    /// ...) is decoded by AVFoundation, its channels averaged (as Python does), then converted to the
+    /// target rate by AVAudioConverter.
     public static func load(contentsOf url: URL, sampleRate: Int = 16000) throws -> AudioSamples {
         guard FileManager.default.fileExists(atPath: url.path) else {
             throw AudioError.fileNotFound(url.path)
         }
         if WAVReader.isWAV(url) {
-            let wav = try WAVReader.read(url)
-            let mono = wav.sampleRate == sampleRate
-                ? wav.mono : Resampler.resample(wav.mono, from: wav.sampleRate, to: sampleRate)
-            return AudioSamples(samples: mono, sampleRate: sampleRate)
+            do {
+                let wav = try WAVReader.read(url)
+                let mono = wav.sampleRate == sampleRate
+                    ? wav.mono : Resampler.resample(wav.mono, from: wav.sampleRate, to: sampleRate)
+                return AudioSamples(samples: mono, sampleRate: sampleRate)
+            } catch AudioError.unsupported(let why) {
+                // a WAV encoding WAVReader does not decode (mu-law, ADPCM, ...): AVFoundation does
+                #if os(macOS) || os(iOS)
+                return try readWithAVFoundation(url, sampleRate: sampleRate)
+                #else
+                throw AudioError.unsupported(why)
+                #endif
+            }
         }
-        #if canImport(AVFoundation)
+        #if os(macOS) || os(iOS)
         return try readWithAVFoundation(url, sampleRate: sampleRate)
         #else
         throw AudioError.unsupported(
@@ -36,7 +46,7 @@ public enum AudioInput {
         #endif
     }
 
-    #if canImport(AVFoundation)
+    #if os(macOS) || os(iOS)
     static func readWithAVFoundation(_ url: URL, sampleRate: Int) throws -> AudioSamples {
         let file: AVAudioFile
         do {
@@ -44,17 +54,39 @@ public enum AudioInput {
         } catch {
             throw AudioError.unreadable("cannot decode audio file \(url.path): \(error.localizedDescription)")
         }
-        let source = file.processingFormat
-        guard let target = AVAudioFormat(commonFormat: .pcmFormatFloat32, sampleRate: Double(sampleRate),
-                                         channels: 1, interleaved: false),
-              let converter = AVAudioConverter(from: source, to: target),
-              let input = AVAudioPCMBuffer(pcmFormat: source, frameCapacity: AVAudioFrameCount(file.length)) else {
-            throw AudioError.unsupported("\(url.path): cannot convert \(source) to 16 kHz mono")
+        let source = file.processingFormat  // deinterleaved Float32, the file's channels and rate
+        guard let input = AVAudioPCMBuffer(pcmFormat: source, frameCapacity: AVAudioFrameCount(file.length)) else {
+            throw AudioError.unsupported("\(url.path): cannot allocate a buffer for \(source)")
         }
         do { try file.read(into: input) } catch {
             throw AudioError.unreadable("cannot read audio file \(url.path): \(error.localizedDescription)")
         }
-        let capacity = AVAudioFrameCount(Double(input.frameLength) * Double(sampleRate) / source.sampleRate) + 1024
+        guard let channels = input.floatChannelData else {
+            throw AudioError.unsupported("\(url.path): AVFoundation gave no float samples for \(source)")
+        }
+        // channels averaged here, as Python's load_audio and WAVReader do (AVAudioConverter would remap)
+        let count = Int(input.frameLength), channelCount = Int(source.channelCount)
+        var mono = [Float](repeating: 0, count: count)
+        for c in 0..<channelCount {
+            let data = channels[c]
+            for i in 0..<count { mono[i] += data[i] }
+        }
+        if channelCount > 1 { for i in 0..<count { mono[i] /= Float(channelCount) } }
+        if Int(source.sampleRate) == sampleRate && Double(sampleRate) == source.sampleRate {
+            return AudioSamples(samples: mono, sampleRate: sampleRate)
+        }
+        guard let monoFormat = AVAudioFormat(commonFormat: .pcmFormatFloat32, sampleRate: source.sampleRate,
+                                             channels: 1, interleaved: false),
+              let target = AVAudioFormat(commonFormat: .pcmFormatFloat32, sampleRate: Double(sampleRate),
+                                         channels: 1, interleaved: false),
+              let converter = AVAudioConverter(from: monoFormat, to: target),
+              let monoBuffer = AVAudioPCMBuffer(pcmFormat: monoFormat, frameCapacity: AVAudioFrameCount(max(count, 1))) else {
+            throw AudioError.unsupported("\(url.path): cannot convert \(source) to \(sampleRate) Hz mono")
+        }
+        converter.downmix = true  // mono to mono: no channel remapping either way
+        monoBuffer.frameLength = AVAudioFrameCount(count)
+        mono.withUnsafeBufferPointer { monoBuffer.floatChannelData![0].update(from: $0.baseAddress!, count: count) }
+        let capacity = AVAudioFrameCount(Double(count) * Double(sampleRate) / source.sampleRate) + 1024
         guard let output = AVAudioPCMBuffer(pcmFormat: target, frameCapacity: capacity) else {
             throw AudioError.unsupported("\(url.path): cannot allocate the conversion buffer")
         }
@@ -64,7 +96,7 @@ public enum AudioInput {
             if delivered { status.pointee = .endOfStream; return nil }
             delivered = true
             status.pointee = .haveData
-            return input
+            return monoBuffer
         }
         if let conversionError {
             throw AudioError.unreadable("cannot convert \(url.path): \(conversionError.localizedDescription)")
@@ -258,8 +290,8 @@ public enum AudioSplitter {
 
     public static func splitPoints(_ x: [Float], manifest: BundleManifest) -> [Range<Int>] {
         let a = manifest.audio
-        return splitPoints(sampleCount: x.count, samples: x, sampleRate: a.sampling_rate, maxClipSeconds: a.max_audio_clip_s,
-                           overlapSeconds: a.overlap_chunk_second, minEnergyWindow: a.min_energy_window_samples)
+        return splitPoints(sampleCount: x.count, samples: x, sampleRate: a.samplingRate, maxClipSeconds: a.maxAudioClipSeconds,
+                           overlapSeconds: a.overlapChunkSeconds, minEnergyWindow: a.minEnergyWindowSamples)
     }
 
     static func quietest(_ x: [Float], start: Int, end: Int, window: Int) -> Int {

@@ -36,11 +36,11 @@ public struct ModelIO: Codable, Equatable, Sendable {
     public var isEmpty: Bool { inputs.isEmpty && outputs.isEmpty && states.isEmpty }
 }
 
-/// `manifest.json` of a bundle (docs/bundle.md). Field names follow the JSON (snake case).
+/// `manifest.json` of a bundle (docs/bundle.md). Swift names are camelCase; `CodingKeys` map the JSON's snake_case.
 public struct BundleManifest: Codable, Sendable {
     public static let formatName = "cohere-coreml-bundle"
     /// The newest `format_version` this package reads.
-    public static let supportedFormatVersion = 1
+    public static let supportedFormatVersion = 2
     public static let fileName = "manifest.json"
 
     public struct Files: Codable, Sendable {
@@ -51,59 +51,106 @@ public struct BundleManifest: Codable, Sendable {
     }
 
     public struct Audio: Codable, Sendable {
-        public var sampling_rate: Int
-        public var n_fft: Int
-        public var win_length: Int
-        public var hop_length: Int
-        public var n_mels: Int
-        public var max_audio_clip_s: Double
-        public var overlap_chunk_second: Double
-        public var min_energy_window_samples: Int
-        public var window_frames: Int
+        public var samplingRate: Int
+        public var nFFT: Int
+        public var winLength: Int
+        public var hopLength: Int
+        public var nMels: Int
+        public var maxAudioClipSeconds: Double
+        public var overlapChunkSeconds: Double
+        public var minEnergyWindowSamples: Int
+        public var windowFrames: Int
+        enum CodingKeys: String, CodingKey {
+            case samplingRate = "sampling_rate"
+            case nFFT = "n_fft"
+            case winLength = "win_length"
+            case hopLength = "hop_length"
+            case nMels = "n_mels"
+            case maxAudioClipSeconds = "max_audio_clip_s"
+            case overlapChunkSeconds = "overlap_chunk_second"
+            case minEnergyWindowSamples = "min_energy_window_samples"
+            case windowFrames = "window_frames"
+        }
     }
 
     public struct EncoderFunction: Codable, Sendable {
         public var frames: Int
-        public var window_seconds: Double?
+        public var windowSeconds: Double?
         /// This function's inputs/outputs, read from the package at export time.
         public var io: ModelIO?
+        enum CodingKeys: String, CodingKey {
+            case frames
+            case windowSeconds = "window_seconds"
+            case io
+        }
     }
 
     public struct Encoder: Codable, Sendable {
-        public var window_frames: Int
-        public var memory_len: Int
-        public var num_mel_bins: Int
+        public var windowFrames: Int
+        public var memoryLength: Int
+        public var numMelBins: Int
         public var functions: [String: EncoderFunction]?
         public var io: ModelIO?
+        enum CodingKeys: String, CodingKey {
+            case windowFrames = "window_frames"
+            case memoryLength = "memory_len"
+            case numMelBins = "num_mel_bins"
+            case functions
+            case io
+        }
     }
 
     public struct DecoderFunctions: Codable, Sendable {
         public var step: String
         public var prefill: String?
+        /// Format 2: the function that writes the encoder's cross memory into the state, once per window.
+        public var bind: String?
     }
 
     public struct Decoder: Codable, Sendable {
         public var capacity: Int
-        public var prompt_length: Int
-        public var max_new_tokens: Int
-        public var vocab_size: Int
-        public var cache_shape: [Int]
-        public var memory_shape: [Int]
+        public var promptLength: Int
+        public var maxNewTokens: Int
+        public var vocabSize: Int
+        public var cacheShape: [Int]
+        public var memoryShape: [Int]
         public var output: String
         public var functions: DecoderFunctions?
-        public var prefill_length: Int?
+        public var prefillLength: Int?
         /// The step function's inputs/outputs/states, read from the package at export time.
         public var io: ModelIO?
         /// The prefill function's (nil without prefill).
-        public var prefill_io: ModelIO?
+        public var prefillIO: ModelIO?
+        /// The bind function's (format 2).
+        public var bindIO: ModelIO?
+        enum CodingKeys: String, CodingKey {
+            case capacity
+            case promptLength = "prompt_length"
+            case maxNewTokens = "max_new_tokens"
+            case vocabSize = "vocab_size"
+            case cacheShape = "cache_shape"
+            case memoryShape = "memory_shape"
+            case output
+            case functions
+            case prefillLength = "prefill_length"
+            case io
+            case prefillIO = "prefill_io"
+            case bindIO = "bind_io"
+        }
     }
 
     /// One function (window) of the front-end package.
     public struct FrontEndFunction: Codable, Sendable {
         public var samples: Int
         public var frames: Int
-        public var window_seconds: Double?
+        public var windowSeconds: Double?
         public var io: ModelIO?
+        enum CodingKeys: String, CodingKey {
+            case samples
+            case frames
+            case windowSeconds = "window_seconds"
+            case io
+        }
     }
 
     /// The front-end package section (written when the bundle has `frontend.mlpackage`): one function
@@ -111,27 +158,44 @@ public struct BundleManifest: Codable, Sendable {
     public struct FrontEnd: Codable, Sendable {
         public var functions: [String: FrontEndFunction]
         public var io: ModelIO?
-        public var compute_units: String?
+        public var computeUnits: String?
+        enum CodingKeys: String, CodingKey {
+            case functions
+            case io
+            case computeUnits = "compute_units"
+        }
     }
 
     public struct Tokens: Codable, Sendable {
-        public var eos_token_ids: [Int]
-        public var vocab_size: Int
+        public var eosTokenIds: [Int]
+        public var vocabSize: Int
+        enum CodingKeys: String, CodingKey {
+            case eosTokenIds = "eos_token_ids"
+            case vocabSize = "vocab_size"
+        }
     }
 
     public struct Generation: Codable, Sendable {
         public var strategy: String
-        public var no_space_languages: [String]
+        public var noSpaceLanguages: [String]
+        enum CodingKeys: String, CodingKey {
+            case strategy
+            case noSpaceLanguages = "no_space_languages"
+        }
     }
 
     public struct Prompts: Codable, Sendable {
         public var punctuation: [Int]
-        public var no_punctuation: [Int]
+        public var noPunctuation: [Int]
+        enum CodingKeys: String, CodingKey {
+            case punctuation
+            case noPunctuation = "no_punctuation"
+        }
     }
 
     public var format: String
-    public var format_version: Int
-    public var model_id: String?
+    public var formatVersion: Int
+    public var modelId: String?
     public var precision: String?
     public var files: Files
     public var audio: Audio
@@ -142,11 +206,22 @@ public struct BundleManifest: Codable, Sendable {
     public var generation: Generation
     public var languages: [String: Prompts]
 
+    enum CodingKeys: String, CodingKey {
+        case format
+        case formatVersion = "format_version"
+        case modelId = "model_id"
+        case precision, files, audio, encoder, decoder, frontend, tokens, generation, languages
+    }
+
     /// Decodes `data`, refusing another format or a newer `format_version` before anything else.
     public static func decode(_ data: Data) throws -> BundleManifest {
         struct Header: Decodable {
             var format: String?
-            var format_version: Int?
+            var formatVersion: Int?
+            enum CodingKeys: String, CodingKey {
+                case format
+                case formatVersion = "format_version"
+            }
         }
         let header: Header
         do {
@@ -158,7 +233,7 @@ public struct BundleManifest: Codable, Sendable {
             throw BundleError.unsupportedFormat(
                 "manifest format is \(header.format.map { "'\($0)'" } ?? "missing"), expected '\(formatName)'")
         }
-        guard let version = header.format_version else {
+        guard let version = header.formatVersion else {
             throw BundleError.unreadableManifest("no format_version")
         }
         guard version <= supportedFormatVersion else {
@@ -191,12 +266,12 @@ public struct BundleManifest: Codable, Sendable {
         guard let prompts = languages[language] else {
             throw BundleError.unknownLanguage(language, available: languages.keys.sorted())
         }
-        return punctuation ? prompts.punctuation : prompts.no_punctuation
+        return punctuation ? prompts.punctuation : prompts.noPunctuation
     }
 
     /// Encoder functions (frames, name), smallest window first.
     public var encoderBuckets: [(frames: Int, function: String)] {
-        let functions = encoder.functions ?? ["main": EncoderFunction(frames: encoder.window_frames, window_seconds: nil)]
+        let functions = encoder.functions ?? ["main": EncoderFunction(frames: encoder.windowFrames, windowSeconds: nil)]
         return functions.map { (frames: $0.value.frames, function: $0.key) }
             .sorted { ($0.frames, $0.function) < ($1.frames, $1.function) }
     }
@@ -206,8 +281,10 @@ public struct BundleManifest: Codable, Sendable {
         let io: ModelIO?
         switch component {
         case "encoder": io = encoder.functions?[function]?.io ?? (function == "main" ? encoder.io : nil)
-        case "decoder": io = function == decoder.functions?.prefill ? decoder.prefill_io
-                            : (function == (decoder.functions?.step ?? "main") ? decoder.io : nil)
+        case "decoder":
+            if function == decoder.functions?.prefill { io = decoder.prefillIO }
+            else if function == decoder.functions?.bind { io = decoder.bindIO }
+            else { io = function == (decoder.functions?.step ?? "main") ? decoder.io : nil }
         case "frontend": io = frontend?.functions[function]?.io ?? (function == "main" ? frontend?.io : nil)
         default: io = nil
         }
@@ -227,37 +304,54 @@ public struct BundleManifest: Codable, Sendable {
 
     /// What one encoder function must take and return (docs/contract.md), from the manifest's sizes.
     public func expectedEncoderIO(frames: Int) -> ModelIO {
-        let memory = decoder.memory_shape
+        let memory = decoder.memoryShape
         return ModelIO(
-            inputs: ["input_features": .init(shape: [1, encoder.num_mel_bins, frames], dtype: "float32"),
+            inputs: ["input_features": .init(shape: [1, encoder.numMelBins, frames], dtype: "float32"),
                      "feature_length": .init(shape: [1], dtype: "int32")],
             outputs: ["cross_k": .init(shape: memory, dtype: programFloat),
                       "cross_v": .init(shape: memory, dtype: programFloat),
-                      "cross_mask": .init(shape: [1, 1, 1, encoder.memory_len], dtype: programFloat)])
+                      "cross_mask": .init(shape: [1, 1, 1, encoder.memoryLength], dtype: programFloat)])
     }
 
-    /// What the decoder step (or, with `promptLength`, the prefill function) must take and return.
+    /// Whether the decoder keeps the cross memory in its state (format 2: a bind function writes it once
+    /// per window; step and prefill take no encoder-length input).
+    public var decoderBindsMemory: Bool { decoder.functions?.bind != nil }
+
+    var crossMemoryArrays: [String: ArrayDescription] {
+        ["cross_k": .init(shape: decoder.memoryShape, dtype: programFloat),
+         "cross_v": .init(shape: decoder.memoryShape, dtype: programFloat),
+         "cross_mask": .init(shape: [1, 1, 1, encoder.memoryLength], dtype: programFloat)]
+    }
+
+    var decoderStates: [String: ArrayDescription] {
+        var states: [String: ArrayDescription] = ["self_k": .init(shape: decoder.cacheShape, dtype: "float16"),
+                                                  "self_v": .init(shape: decoder.cacheShape, dtype: "float16")]
+        if decoderBindsMemory {
+            for (name, a) in crossMemoryArrays { states[name] = .init(shape: a.shape, dtype: "float16") }
+        }
+        return states
+    }
+
+    /// What the decoder step (or, with `prefillLength`, the prefill function) must take and return.
     public func expectedDecoderIO(prefillLength: Int? = nil) -> ModelIO {
-        let memory = decoder.memory_shape
-        var inputs: [String: ArrayDescription] = [
-            "input_ids": .init(shape: [1, prefillLength ?? 1], dtype: "int32"),
-            "cross_k": .init(shape: memory, dtype: programFloat),
-            "cross_v": .init(shape: memory, dtype: programFloat),
-            "cross_mask": .init(shape: [1, 1, 1, encoder.memory_len], dtype: programFloat),
-        ]
+        var inputs: [String: ArrayDescription] = ["input_ids": .init(shape: [1, prefillLength ?? 1], dtype: "int32")]
+        if !decoderBindsMemory { inputs.merge(crossMemoryArrays) { a, _ in a } }
         if prefillLength == nil { inputs["position"] = .init(shape: [1], dtype: "int32") }
-        return ModelIO(
-            inputs: inputs,
-            outputs: [decoder.output: .init(shape: [1, decoder.vocab_size], dtype: programFloat)],
-            states: ["self_k": .init(shape: decoder.cache_shape, dtype: "float16"),
-                     "self_v": .init(shape: decoder.cache_shape, dtype: "float16")])
+        return ModelIO(inputs: inputs,
+                       outputs: [decoder.output: .init(shape: [1, decoder.vocabSize], dtype: programFloat)],
+                       states: decoderStates)
+    }
+
+    /// What the bind function must take (the encoder's cross memory) and hold (format 2).
+    public func expectedBindIO() -> ModelIO {
+        ModelIO(inputs: crossMemoryArrays, outputs: [:], states: decoderStates)
     }
 
     /// What one front-end function of a window of `samples` samples and `frames` mel frames must take and return.
     public func expectedFrontEndIO(samples: Int, frames: Int) -> ModelIO {
         ModelIO(inputs: ["audio": .init(shape: [1, samples], dtype: "float32"),
                          "audio_length": .init(shape: [1], dtype: "int32")],
-                outputs: ["input_features": .init(shape: [1, encoder.num_mel_bins, frames], dtype: "float32"),
+                outputs: ["input_features": .init(shape: [1, encoder.numMelBins, frames], dtype: "float32"),
                           "feature_length": .init(shape: [1], dtype: "int32")])
     }
 

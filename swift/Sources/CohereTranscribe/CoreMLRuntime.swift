@@ -1,21 +1,61 @@
+// The Core ML runtime: macOS 15 / iOS 18 with Apple's Core ML; on Linux the same source runs on the
+// executable emulation in CoreMLEmulation.swift (same declarations as the SDK), so it is tested there.
+// Not built for tvOS, watchOS or visionOS (the package declares no minimum for them).
+#if os(macOS) || os(iOS) || os(Linux)
 import Foundation
-#if canImport(CoreML)
+#if os(macOS) || os(iOS)
 import CoreML
 #endif
 
-/// Runs packages with Core ML (macOS 15 / iOS 18): each `.mlpackage` is compiled to `.mlmodelc` on first
-/// use and cached (next to the bundle when it is writable, else in Caches), recompiled when the package
-/// changes; states come from `MLModel.makeState()` and predictions from `prediction(from:using:)`.
+/// Runs packages with Core ML: each `.mlpackage` is compiled once to `.mlmodelc` and cached in a folder
+/// of the app's Caches (never inside the bundle: an app's resources are signed and read-only), under
+/// a name derived from the package's content (the manifest's sha256 checksums of its files, else its
+/// file table: path, size, modification time), so every later launch loads the cached model instead of
+/// recompiling (minutes for the 2 B encoder on the Neural Engine). Concurrent loads of one package
+/// share one compile. Loads and predictions use Core ML's async APIs.
 ///
 /// Float16 arrays are exchanged as raw bits (`Tensor`), never as Swift's `Float16`, which Intel Macs lack.
-/// On Linux this file compiles against `CoreMLMirror.swift` (declarations only) and is never executed.
 public final class CoreMLRuntime: ModelRuntime, @unchecked Sendable {
     public let name = "coreml"
-    /// Folder of compiled models (nil: `<bundle>/.compiled`, or Caches when the bundle is read-only).
-    public let cacheDirectory: URL?
+    /// Folder of compiled models: by default `<Caches>/CohereTranscribe/compiled`.
+    public let cacheDirectory: URL
+    private let counts = NSLock()
+    private var compiled: Set<String> = [], cached: Set<String> = []
 
-    public init(cacheDirectory: URL? = nil) {
-        self.cacheDirectory = cacheDirectory
+    /// Packages this runtime compiled, and packages it found already compiled in the cache.
+    public var cacheStatistics: (compiled: Int, fromCache: Int) {
+        counts.lock(); defer { counts.unlock() }
+        return (compiled.count, cached.subtracting(compiled).count)
+    }
+
+    private func count(_ target: URL, compiled isNew: Bool) {
+        counts.lock(); defer { counts.unlock() }
+        if isNew { compiled.insert(target.path) } else { cached.insert(target.path) }
+    }
+
+    /// `cacheDirectory`: where compiled models are kept (default: the user's Caches). A folder inside
+    /// the app bundle is refused (writing there breaks the app's code signature).
+    public init(cacheDirectory: URL? = nil) throws {
+        let folder = cacheDirectory ?? CoreMLRuntime.defaultCacheDirectory()
+        try CoreMLRuntime.checkOutsideAppBundle(folder)
+        self.cacheDirectory = folder
+    }
+
+    public static func defaultCacheDirectory() -> URL {
+        let caches = FileManager.default.urls(for: .cachesDirectory, in: .userDomainMask).first
+            ?? URL(fileURLWithPath: NSTemporaryDirectory())
+        return caches.appendingPathComponent("CohereTranscribe").appendingPathComponent("compiled")
+    }
+
+    static func checkOutsideAppBundle(_ folder: URL) throws {
+        #if os(macOS) || os(iOS)
+        let app = Bundle.main.bundleURL.standardizedFileURL.resolvingSymlinksInPath().path
+        let target = folder.standardizedFileURL.resolvingSymlinksInPath().path
+        if Bundle.main.bundleURL.pathExtension == "app", target == app || target.hasPrefix(app + "/") {
+            throw TranscriptionError.invalidArgument(
+                "compiled models cannot be cached inside the app bundle (\(folder.path)): it breaks the app's signature; use Caches or Application Support")
+        }
+        #endif
     }
 
     public func loadModel(at package: URL, functionName: String?, computeUnits: ComputeUnits) async throws -> RuntimeModel {
@@ -25,7 +65,7 @@ public final class CoreMLRuntime: ModelRuntime, @unchecked Sendable {
         if let functionName { configuration.functionName = functionName }
         let model: MLModel
         do {
-            model = try MLModel(contentsOf: compiled, configuration: configuration)
+            model = try await MLModel.load(contentsOf: compiled, configuration: configuration)
         } catch {
             throw TranscriptionError.runtime("Core ML cannot load \(package.lastPathComponent)"
                 + (functionName.map { " function '\($0)'" } ?? "") + ": \(error.localizedDescription)")
@@ -33,55 +73,118 @@ public final class CoreMLRuntime: ModelRuntime, @unchecked Sendable {
         return CoreMLModel(model: model, functionName: functionName ?? "main")
     }
 
-    /// A fingerprint of the package's files (relative path, size, modification time).
-    static func fingerprint(of package: URL) -> String {
-        var parts: [String] = []
-        let keys: [URLResourceKey] = [.fileSizeKey, .contentModificationDateKey, .isRegularFileKey]
-        if let files = FileManager.default.enumerator(at: package, includingPropertiesForKeys: keys) {
-            for case let url as URL in files {
-                guard let values = try? url.resourceValues(forKeys: Set(keys)), values.isRegularFile == true else { continue }
-                let relative = url.path.replacingOccurrences(of: package.path, with: "")
-                parts.append("\(relative)|\(values.fileSize ?? 0)|\(values.contentModificationDate?.timeIntervalSince1970 ?? 0)")
+    // MARK: compiled-model cache
+
+    /// A stable digest of `package`'s content (hex sha256, the same in every process): from the bundle
+    /// manifest's checksums of the package's files when the manifest beside it has them, else from the
+    /// package's file table (relative path, size, modification time).
+    static func digest(of package: URL) throws -> String {
+        let prefix = package.lastPathComponent + "/"
+        var lines: [String] = []
+        let manifest = package.deletingLastPathComponent().appendingPathComponent("manifest.json")
+        if let data = try? Data(contentsOf: manifest),
+           let object = try? JSONSerialization.jsonObject(with: data) as? [String: Any],
+           let files = (object["checksums"] as? [String: Any])?["files"] as? [String: [String: Any]] {
+            for (path, entry) in files where path.hasPrefix(prefix) {
+                lines.append("\(path)\t\(entry["sha256"] as? String ?? "")\t\(entry["size"] as? Int ?? -1)")
             }
         }
-        return parts.sorted().joined(separator: "\n")
+        if lines.isEmpty {
+            lines = try fileTable(of: package).map { "\($0.path)\t\($0.size)\t\($0.modified)" }
+        }
+        return SHA256.hexDigest(Data(lines.sorted().joined(separator: "\n").utf8))
     }
 
-    func cacheFolder(for package: URL) -> URL {
-        if let cacheDirectory { return cacheDirectory }
-        let besideBundle = package.deletingLastPathComponent().appendingPathComponent(".compiled")
-        if FileManager.default.isWritableFile(atPath: package.deletingLastPathComponent().path) { return besideBundle }
-        let caches = FileManager.default.urls(for: .cachesDirectory, in: .userDomainMask)[0]
-        let tag = String(package.deletingLastPathComponent().path.hashValue, radix: 16)
-        return caches.appendingPathComponent("CohereTranscribe").appendingPathComponent(tag)
+    static func fileTable(of package: URL) throws -> [(path: String, size: Int, modified: Double)] {
+        let keys: [URLResourceKey] = [.fileSizeKey, .contentModificationDateKey, .isRegularFileKey]
+        guard let files = FileManager.default.enumerator(at: package, includingPropertiesForKeys: keys) else {
+            throw BundleError.missingFile("model package not readable: \(package.path)")
+        }
+        let root = package.standardizedFileURL.path
+        var out: [(String, Int, Double)] = []
+        for case let url as URL in files {
+            let values = try url.resourceValues(forKeys: Set(keys))
+            guard values.isRegularFile == true else { continue }
+            let path = url.standardizedFileURL.path
+            let relative = path.hasPrefix(root + "/") ? String(path.dropFirst(root.count + 1)) : path
+            out.append((package.lastPathComponent + "/" + relative, values.fileSize ?? 0,
+                        values.contentModificationDate?.timeIntervalSince1970 ?? 0))
+        }
+        return out.sorted { $0.0 < $1.0 }
     }
 
-    /// The compiled model of `package`: the cached one when its stamp matches, else compiled now (the
-    /// first Neural Engine load of a large encoder takes minutes) and moved into the cache atomically.
+    /// Where the compiled model of `package` is cached: `<cache>/<name>-<digest prefix>.mlmodelc`.
+    func cachedLocation(for package: URL) throws -> URL {
+        let name = package.deletingPathExtension().lastPathComponent
+        return cacheDirectory.appendingPathComponent("\(name)-\(try CoreMLRuntime.digest(of: package).prefix(24)).mlmodelc")
+    }
+
+    /// The compiled model of `package`: the cached one, else compiled now and moved into the cache
+    /// atomically. Callers that ask for the same package while it compiles wait for that one compile.
     func compiledModel(for package: URL) async throws -> URL {
         guard FileManager.default.fileExists(atPath: package.path) else {
             throw BundleError.missingFile("model package not found: \(package.path)")
         }
-        let folder = cacheFolder(for: package)
-        let name = package.deletingPathExtension().lastPathComponent
-        let target = folder.appendingPathComponent(name + ".mlmodelc")
-        let stamp = folder.appendingPathComponent(name + ".stamp")
-        let fingerprint = CoreMLRuntime.fingerprint(of: package)
-        if FileManager.default.fileExists(atPath: target.path),
-           (try? String(contentsOf: stamp, encoding: .utf8)) == fingerprint {
+        let target = try cachedLocation(for: package)
+        if CoreMLRuntime.isComplete(target) {
+            count(target, compiled: false)
             return target
         }
-        let temporary: URL
-        do {
-            temporary = try await MLModel.compileModel(at: package)
-        } catch {
-            throw TranscriptionError.runtime("Core ML cannot compile \(package.lastPathComponent): \(error.localizedDescription)")
+        return try await CompileRegistry.shared.compiled(target: target) { [self] in
+            if CoreMLRuntime.isComplete(target) { return target }  // compiled by a caller we waited for
+            let temporary: URL
+            do {
+                temporary = try await MLModel.compileModel(at: package)
+            } catch {
+                throw TranscriptionError.runtime("Core ML cannot compile \(package.lastPathComponent): \(error.localizedDescription)")
+            }
+            try CoreMLRuntime.install(temporary, at: target)
+            count(target, compiled: true)
+            return target
         }
-        try FileManager.default.createDirectory(at: folder, withIntermediateDirectories: true)
-        try? FileManager.default.removeItem(at: target)
-        try FileManager.default.moveItem(at: temporary, to: target)
-        try fingerprint.write(to: stamp, atomically: true, encoding: .utf8)
-        return target
+    }
+
+    static func isComplete(_ compiled: URL) -> Bool {
+        FileManager.default.fileExists(atPath: compiled.appendingPathComponent(".complete").path)
+    }
+
+    /// Moves a freshly compiled model to `target` (staged beside it, marked complete, renamed): a
+    /// process killed midway leaves no folder at `target` that looks complete.
+    static func install(_ compiled: URL, at target: URL) throws {
+        let fm = FileManager.default
+        let folder = target.deletingLastPathComponent()
+        try fm.createDirectory(at: folder, withIntermediateDirectories: true)
+        let staging = folder.appendingPathComponent(".\(target.lastPathComponent).\(UUID().uuidString).tmp")
+        try fm.moveItem(at: compiled, to: staging)
+        try Data().write(to: staging.appendingPathComponent(".complete"))
+        try? fm.removeItem(at: target)  // an incomplete leftover of a killed process
+        do {
+            try fm.moveItem(at: staging, to: target)
+        } catch {
+            try? fm.removeItem(at: staging)
+            // another process installed the same content meanwhile: use it
+            guard isComplete(target) else { throw error }
+        }
+    }
+}
+
+/// One compile per cached target in this process: concurrent callers await the same task.
+actor CompileRegistry {
+    static let shared = CompileRegistry()
+    private var tasks: [String: Task<URL, Error>] = [:]
+
+    func compiled(target: URL, _ work: @escaping @Sendable () async throws -> URL) async throws -> URL {
+        let key = target.path
+        if let task = tasks[key] { return try await task.value }
+        let task = Task { try await work() }
+        tasks[key] = task
+        do {
+            let url = try await task.value
+            return url
+        } catch {
+            tasks[key] = nil  // a failed compile may be retried
+            throw error
+        }
     }
 }
 
@@ -101,7 +204,7 @@ final class CoreMLState: RuntimeState {
     init(_ state: MLState) { self.state = state }
 }
 
-final class CoreMLModel: RuntimeModel {
+final class CoreMLModel: RuntimeModel, @unchecked Sendable {
     let model: MLModel
     let functionName: String
     let io: ModelIO
@@ -116,7 +219,7 @@ final class CoreMLModel: RuntimeModel {
                 if let c = f.multiArrayConstraint {
                     out[name] = ArrayDescription(shape: c.shape.map(\.intValue), dtype: CoreMLModel.dtypeName(c.dataType))
                 } else if let c = f.stateConstraint {
-                    out[name] = ArrayDescription(shape: c.bufferShape.map(\.intValue), dtype: CoreMLModel.dtypeName(c.dataType))
+                    out[name] = ArrayDescription(shape: c.bufferShape, dtype: CoreMLModel.dtypeName(c.dataType))
                 }
             }
             return out
@@ -137,7 +240,7 @@ final class CoreMLModel: RuntimeModel {
 
     func makeState() throws -> RuntimeState { CoreMLState(model.makeState()) }
 
-    func predict(_ inputs: [String: Tensor], state: RuntimeState?) throws -> [String: Tensor] {
+    func predict(_ inputs: [String: Tensor], state: RuntimeState?) async throws -> [String: Tensor] {
         var features: [String: Any] = [:]
         for (name, tensor) in inputs { features[name] = MLFeatureValue(multiArray: try CoreMLModel.multiArray(tensor)) }
         let provider = try MLDictionaryFeatureProvider(dictionary: features)
@@ -147,9 +250,9 @@ final class CoreMLModel: RuntimeModel {
                 guard let s = state as? CoreMLState else {
                     throw TranscriptionError.invalidArgument("a state of another runtime was passed to Core ML")
                 }
-                result = try model.prediction(from: provider, using: s.state)
+                result = try await model.prediction(from: provider, using: s.state, options: MLPredictionOptions())
             } else {
-                result = try model.prediction(from: provider)
+                result = try await model.prediction(from: provider, options: MLPredictionOptions())
             }
         } catch let error as TranscriptionError {
             throw error
@@ -172,6 +275,7 @@ final class CoreMLModel: RuntimeModel {
         return array
     }
 
+    /// A dense tensor of `a`'s elements, read through its strides (Neural Engine outputs may pad rows).
     static func tensor(_ a: MLMultiArray) throws -> Tensor {
         let dtype: DType
         switch a.dataType {
@@ -181,49 +285,71 @@ final class CoreMLModel: RuntimeModel {
         default: throw TranscriptionError.badOutput("Core ML output of unsupported type \(a.dataType.rawValue)")
         }
         let shape = a.shape.map(\.intValue)
+        let strides = a.strides.map { $0.intValue * dtype.byteSize }
         var data = Data(count: shape.reduce(1, *) * dtype.byteSize)
         a.withUnsafeBytes { raw in
             data.withUnsafeMutableBytes { dst in
-                gatherStrided(from: raw, strides: a.strides.map { $0.intValue * dtype.byteSize }, shape: shape,
-                              elementSize: dtype.byteSize, into: dst)
+                gatherStrided(from: raw, strides: strides, shape: shape, elementSize: dtype.byteSize, into: dst)
             }
         }
         return try Tensor(dtype: dtype, shape: shape, data: data)
     }
 }
+#endif
 
-/// Copies a dense C-order tensor into a (possibly padded) strided buffer.
+/// Copies a dense C-order tensor into a (possibly padded) strided buffer; `strides` in bytes.
 func copyStrided(from t: Tensor, into raw: UnsafeMutableRawBufferPointer, strides: [Int]) {
     let size = t.dtype.byteSize
     t.data.withUnsafeBytes { src in
-        forEachIndex(shape: t.shape) { linear, index in
-            let offset = zip(index, strides).reduce(0) { $0 + $1.0 * $1.1 }
-            raw.baseAddress!.advanced(by: offset).copyMemory(from: src.baseAddress!.advanced(by: linear * size), byteCount: size)
+        forEachRow(shape: t.shape, strides: strides, elementSize: size) { dense, strided, bytes, step in
+            if step == size {
+                raw.baseAddress!.advanced(by: strided).copyMemory(from: src.baseAddress!.advanced(by: dense), byteCount: bytes)
+            } else {
+                for i in 0..<(bytes / size) {
+                    raw.baseAddress!.advanced(by: strided + i * step)
+                        .copyMemory(from: src.baseAddress!.advanced(by: dense + i * size), byteCount: size)
+                }
+            }
         }
     }
 }
 
-/// Gathers a strided buffer into a dense C-order one.
+/// Gathers a strided buffer (`strides` in bytes) into a dense C-order one.
 func gatherStrided(from raw: UnsafeRawBufferPointer, strides: [Int], shape: [Int], elementSize: Int,
                    into dst: UnsafeMutableRawBufferPointer) {
-    forEachIndex(shape: shape) { linear, index in
-        let offset = zip(index, strides).reduce(0) { $0 + $1.0 * $1.1 }
-        dst.baseAddress!.advanced(by: linear * elementSize).copyMemory(from: raw.baseAddress!.advanced(by: offset),
-                                                                     byteCount: elementSize)
+    forEachRow(shape: shape, strides: strides, elementSize: elementSize) { dense, strided, bytes, step in
+        if step == elementSize {
+            dst.baseAddress!.advanced(by: dense).copyMemory(from: raw.baseAddress!.advanced(by: strided), byteCount: bytes)
+        } else {
+            for i in 0..<(bytes / elementSize) {
+                dst.baseAddress!.advanced(by: dense + i * elementSize)
+                    .copyMemory(from: raw.baseAddress!.advanced(by: strided + i * step), byteCount: elementSize)
+            }
+        }
     }
 }
 
-/// Calls `body(linear, multi-index)` for every element of `shape` in C order.
-func forEachIndex(shape: [Int], _ body: (Int, [Int]) -> Void) {
+/// Calls `body(dense byte offset, strided byte offset, row bytes, last-axis byte stride)` once per row
+/// (the last axis) of `shape` in C order: one memcpy per row when the last axis is contiguous.
+func forEachRow(shape: [Int], strides: [Int], elementSize: Int, _ body: (Int, Int, Int, Int) -> Void) {
     let count = shape.reduce(1, *)
     guard count > 0 else { return }
-    var index = [Int](repeating: 0, count: shape.count)
-    for linear in 0..<count {
-        body(linear, index)
-        var axis = shape.count - 1
+    guard let last = shape.last else {  // a scalar
+        body(0, 0, elementSize, elementSize)
+        return
+    }
+    let rowBytes = last * elementSize
+    let lastStride = strides.last ?? elementSize
+    let outer = Array(shape.dropLast())
+    var index = [Int](repeating: 0, count: outer.count)
+    for row in 0..<(count / last) {
+        var offset = 0
+        for (i, s) in zip(index, strides) { offset += i * s }
+        body(row * rowBytes, offset, rowBytes, lastStride)
+        var axis = outer.count - 1
         while axis >= 0 {
             index[axis] += 1
-            if index[axis] < shape[axis] { break }
+            if index[axis] < outer[axis] { break }
             index[axis] = 0
             axis -= 1
         }

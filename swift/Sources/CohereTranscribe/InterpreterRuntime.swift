@@ -1,8 +1,13 @@
+// Foundation's `Process` exists on macOS and Linux only: this runtime is not built for iOS and the other
+// Apple platforms (apps there use `CoreMLRuntime`).
+#if os(macOS) || os(Linux)
 import Foundation
 #if canImport(Glibc)
 import Glibc
+private let systemWrite = Glibc.write
 #elseif canImport(Darwin)
 import Darwin
+private let systemWrite = Darwin.write
 #endif
 
 /// Runs packages with the project's MIL interpreter in a child process (`cohere-coreml serve-runtime`),
@@ -21,7 +26,6 @@ public final class InterpreterRuntime: ModelRuntime, @unchecked Sendable {
 
     /// Starts `executable arguments...` (e.g. `.venv/bin/cohere-coreml serve-runtime`) and checks its greeting.
     public init(executable: URL, arguments: [String] = ["serve-runtime"], workingDirectory: URL? = nil) throws {
-        signal(SIGPIPE, SIG_IGN)  // a dead child must give an error on write, not kill the app
         guard FileManager.default.isExecutableFile(atPath: executable.path) else {
             throw TranscriptionError.runtime("interpreter command not found or not executable: \(executable.path)")
         }
@@ -39,6 +43,9 @@ public final class InterpreterRuntime: ModelRuntime, @unchecked Sendable {
         self.process = process
         self.input = stdin.fileHandleForWriting
         self.output = stdout.fileHandleForReading
+        #if canImport(Darwin)
+        _ = fcntl(stdin.fileHandleForWriting.fileDescriptor, F_SETNOSIGPIPE, 1)  // EPIPE, not SIGPIPE, for this pipe only
+        #endif
         let (hello, _) = try readMessage()
         guard hello["protocol"] as? String == "cohere-coreml-serve-runtime", hello["version"] as? Int == 1 else {
             throw TranscriptionError.runtime("\(executable.path) does not speak serve-runtime protocol 1: \(hello)")
@@ -103,8 +110,8 @@ public final class InterpreterRuntime: ModelRuntime, @unchecked Sendable {
         var message = try JSONSerialization.data(withJSONObject: header)
         message.append(0x0A)
         for (_, t) in arrays { message.append(t.data) }
-        do { try input.write(contentsOf: message) } catch {
-            throw TranscriptionError.runtime("the interpreter process is gone (\(error.localizedDescription)); see its stderr")
+        if let problem = InterpreterRuntime.write(message, to: input.fileDescriptor) {
+            throw TranscriptionError.runtime("the interpreter process is gone (\(problem)); see its stderr")
         }
         let (reply, payload) = try readMessage()
         guard reply["ok"] as? Bool == true else {
@@ -112,6 +119,39 @@ public final class InterpreterRuntime: ModelRuntime, @unchecked Sendable {
             throw TranscriptionError.runtime("\(type): \(reply["error"] as? String ?? "\(reply)")")
         }
         return (reply, payload)
+    }
+
+    /// Writes all of `data` to `fd`; a closed pipe gives an error message, never a SIGPIPE for the host
+    /// process (Darwin: F_SETNOSIGPIPE on the pipe; Linux: SIGPIPE blocked for this thread during the
+    /// write and a pending one consumed), so no process-wide signal disposition is changed.
+    static func write(_ data: Data, to fd: Int32) -> String? {
+        #if os(Linux)
+        var block = sigset_t(), previous = sigset_t()
+        sigemptyset(&block)
+        sigaddset(&block, SIGPIPE)
+        pthread_sigmask(SIG_BLOCK, &block, &previous)
+        defer {
+            var pending = sigset_t()
+            sigpending(&pending)
+            if sigismember(&pending, SIGPIPE) == 1 {
+                var zero = timespec(tv_sec: 0, tv_nsec: 0)
+                _ = sigtimedwait(&block, nil, &zero)
+            }
+            pthread_sigmask(SIG_SETMASK, &previous, nil)
+        }
+        #endif
+        return data.withUnsafeBytes { (raw: UnsafeRawBufferPointer) -> String? in
+            var offset = 0
+            while offset < raw.count {
+                let n = systemWrite(fd, raw.baseAddress!.advanced(by: offset), raw.count - offset)
+                if n < 0 {
+                    if errno == EINTR { continue }
+                    return String(cString: strerror(errno))
+                }
+                offset += n
+            }
+            return nil
+        }
     }
 
     private func fill(_ count: Int) throws {
@@ -163,7 +203,7 @@ final class InterpreterState: RuntimeState {
     }
 }
 
-final class InterpreterModel: RuntimeModel {
+final class InterpreterModel: RuntimeModel, @unchecked Sendable {
     let runtime: InterpreterRuntime
     let handle: String
     let functionName: String
@@ -182,7 +222,7 @@ final class InterpreterModel: RuntimeModel {
         return InterpreterState(handle: state, runtime: runtime)
     }
 
-    func predict(_ inputs: [String: Tensor], state: RuntimeState?) throws -> [String: Tensor] {
+    func predict(_ inputs: [String: Tensor], state: RuntimeState?) async throws -> [String: Tensor] {
         var request: [String: Any] = ["op": "predict", "model": handle]
         if let state {
             guard let s = state as? InterpreterState else {
@@ -205,3 +245,4 @@ final class InterpreterModel: RuntimeModel {
         _ = try? runtime.call(["op": "free", "model": handle])
     }
 }
+#endif

@@ -30,18 +30,20 @@ public struct ComponentComputeUnits: Sendable {
 /// A state of a stateful function (Core ML's `MLState`): one per sequence, never shared across threads.
 public protocol RuntimeState: AnyObject {}
 
-/// One loaded function of a package.
-public protocol RuntimeModel: AnyObject {
+/// One loaded function of a package. Predictions are async (Core ML's async prediction API): a
+/// long prediction does not block a thread of the cooperative pool.
+public protocol RuntimeModel: AnyObject, Sendable {
     var functionName: String { get }
     /// Inputs, outputs and states as the package declares them.
     var io: ModelIO { get }
     /// A fresh, zeroed state.
     func makeState() throws -> RuntimeState
-    func predict(_ inputs: [String: Tensor], state: RuntimeState?) throws -> [String: Tensor]
+    func predict(_ inputs: [String: Tensor], state: RuntimeState?) async throws -> [String: Tensor]
 }
 
-/// Loads package functions. `CoreMLRuntime` on Apple platforms, `InterpreterRuntime` anywhere Python runs.
-public protocol ModelRuntime: AnyObject {
+/// Loads package functions. `CoreMLRuntime` on macOS/iOS (and on Linux over the Core ML emulation),
+/// `InterpreterRuntime` where `Process` exists (macOS, Linux) and Python runs.
+public protocol ModelRuntime: AnyObject, Sendable {
     var name: String { get }
     func loadModel(at package: URL, functionName: String?, computeUnits: ComputeUnits) async throws -> RuntimeModel
 }

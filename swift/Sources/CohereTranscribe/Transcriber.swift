@@ -1,5 +1,15 @@
 import Foundation
 
+/// Why a window's decoding stopped (Python's stop reasons).
+public enum StopReason: String, Sendable, Codable, CaseIterable {
+    /// The model emitted an end-of-sequence token: the window is complete.
+    case eos
+    /// `maxNewTokens` tokens were emitted.
+    case maxNewTokens = "max_new_tokens"
+    /// The decoder's cache is full.
+    case capacity
+}
+
 /// One window's result (the Python `WindowResult`).
 public struct WindowResult: Sendable, Codable {
     public var index: Int
@@ -10,8 +20,7 @@ public struct WindowResult: Sendable, Codable {
     public var text: String
     /// True when the window stopped without eos.
     public var truncated: Bool
-    /// "eos" | "max_new_tokens" | "capacity".
-    public var stopReason: String
+    public var stopReason: StopReason
     public var timings: WindowTimings
 }
 
@@ -20,8 +29,11 @@ public struct WindowTimings: Sendable, Codable {
     public var featuresSeconds: Double
     public var encoderSeconds: Double
     public var encoderFunction: String
+    /// Binding the window's cross memory into the decoder state (format-2 bundles; 0 otherwise).
+    public var bindSeconds: Double
     public var promptSeconds: Double
     public var decodeSeconds: Double
+    /// Decoder calls of the prompt and the generated tokens (the bind call not counted).
     public var decoderCalls: Int
     public var msPerDecoderCall: Double
 }
@@ -41,28 +53,36 @@ public struct TranscriptionResult: Sendable, Codable {
 }
 
 /// Greedy transcription with an exported bundle: front-end package -> encoder (smallest length bucket
-/// that holds the window) -> stateful decoder (a fresh state per window, the prefill function when the
-/// bundle has one), exactly the loop of Python's `Transcriber` (docs/bundle.md).
+/// that holds the window) -> stateful decoder (a fresh state per window; the cross memory bound into
+/// it once per window; the prefill function when the bundle has one), exactly the loop of Python's
+/// `Transcriber` (docs/bundle.md).
 ///
-/// An actor: Core ML states must not be shared across threads, so every call runs on the actor.
+/// An actor: Core ML states must not be shared across threads, so every call runs on the actor. Models
+/// load lazily, once: concurrent callers (`prewarm()` beside `transcribe`) await the same load.
+/// Long files report each window as it is done (`windows(contentsOf:language:)`), and a cancelled task
+/// stops between windows and decoding steps (`CancellationError`).
 public actor CohereTranscriber {
     public let bundleURL: URL
     public nonisolated let manifest: BundleManifest
     public let detokenizer: Detokenizer
-    public let runtime: ModelRuntime
+    public nonisolated let runtime: ModelRuntime
     public let computeUnits: ComponentComputeUnits
+    public let usePrefill: Bool
     /// Seconds spent loading (and, with Core ML, compiling) the packages so far.
     public private(set) var loadSeconds: Double = 0
 
-    private var encoders: [String: RuntimeModel] = [:]
-    private var frontEnds: [String: RuntimeModel] = [:]
-    private let decoder: RuntimeModel
-    private let prefill: RuntimeModel?
+    private var loads: [String: Task<LoadedModel, Error>] = [:]
     private let eosIds: Set<Int>
 
-    /// Opens `bundle`, loads the decoder (and prefill) and the full-window encoder and checks every
-    /// package against the manifest. `runtime`: Core ML by default on Apple platforms; pass an
-    /// `InterpreterRuntime` elsewhere.
+    /// A loaded function and the time its load took.
+    struct LoadedModel: Sendable {
+        let model: RuntimeModel
+        let seconds: Double
+    }
+
+    /// Opens `bundle`, loads the decoder functions and the full-window encoder and checks every package
+    /// against the manifest. `runtime`: Core ML by default on macOS and iOS; pass an `InterpreterRuntime`
+    /// (or, on Linux, a `CoreMLRuntime` over the Core ML emulation) elsewhere.
     public init(bundle: URL, runtime: ModelRuntime? = nil, computeUnits: ComponentComputeUnits = .init(),
                 usePrefill: Bool = true) async throws {
         let manifest = try BundleManifest.load(bundle: bundle)
@@ -77,24 +97,10 @@ public actor CohereTranscriber {
         self.manifest = manifest
         self.runtime = runtime
         self.computeUnits = computeUnits
+        self.usePrefill = usePrefill
         self.detokenizer = try Detokenizer(vocabURL: bundle.appendingPathComponent(manifest.files.vocab))
-        self.eosIds = Set(manifest.tokens.eos_token_ids)
-        let start = Date()
-        let decoderURL = bundle.appendingPathComponent(manifest.files.decoder)
-        let step = manifest.decoder.functions?.step ?? "main"
-        decoder = try await runtime.loadModel(at: decoderURL, functionName: step == "main" ? nil : step,
-                                              computeUnits: computeUnits.decoder)
-        try CohereTranscriber.check(decoder, expected: manifest.expectedDecoderIO(), manifest: manifest,
-                                    component: "decoder", function: step)
-        if usePrefill, let name = manifest.decoder.functions?.prefill, let length = manifest.decoder.prefill_length {
-            let model = try await runtime.loadModel(at: decoderURL, functionName: name, computeUnits: computeUnits.decoder)
-            try CohereTranscriber.check(model, expected: manifest.expectedDecoderIO(prefillLength: length),
-                                        manifest: manifest, component: "decoder", function: name)
-            prefill = model
-        } else {
-            prefill = nil
-        }
-        loadSeconds = Date().timeIntervalSince(start)
+        self.eosIds = Set(manifest.tokens.eosTokenIds)
+        _ = try await decoderModels()
         _ = try await encoder(function: "main")  // the full window: loaded and checked up front
     }
 
@@ -108,30 +114,70 @@ public actor CohereTranscriber {
         }
     }
 
-    /// Core ML where it exists; elsewhere an error pointing at `InterpreterRuntime`.
+    /// Core ML on macOS and iOS; elsewhere an error pointing at `InterpreterRuntime`.
     static func defaultRuntime() throws -> ModelRuntime {
-        #if canImport(CoreML)
-        return CoreMLRuntime()
+        #if os(macOS) || os(iOS)
+        return try CoreMLRuntime()
         #else
         throw TranscriptionError.invalidArgument(
-            "Core ML is not available on this platform: pass runtime: InterpreterRuntime() (cohere-coreml serve-runtime)")
+            "no default runtime on this platform: pass runtime: InterpreterRuntime() (cohere-coreml serve-runtime)"
+                + " or, on Linux, CoreMLRuntime() after CoreMLEmulation.use(_:)")
         #endif
     }
 
+    // MARK: - loading
+
+    /// Loads one function of a bundle package once (concurrent callers share the load) and checks it.
+    private func load(_ key: String, file: String, function: String, units: ComputeUnits,
+                      expected: ModelIO, component: String) async throws -> RuntimeModel {
+        if let task = loads[key] { return try await task.value.model }
+        let url = bundleURL.appendingPathComponent(file)
+        let (runtime, manifest) = (self.runtime, self.manifest)
+        let task = Task { () throws -> LoadedModel in
+            let start = Date()
+            let model = try await runtime.loadModel(at: url, functionName: function == "main" ? nil : function,
+                                                    computeUnits: units)
+            try CohereTranscriber.check(model, expected: expected, manifest: manifest, component: component, function: function)
+            return LoadedModel(model: model, seconds: Date().timeIntervalSince(start))
+        }
+        loads[key] = task
+        do {
+            let loaded = try await task.value
+            loadSeconds += loaded.seconds
+            return loaded.model
+        } catch {
+            loads[key] = nil  // a failed load may be retried
+            throw error
+        }
+    }
+
+    /// Decoder functions: step, bind (format 2), prefill (when the bundle has it and `usePrefill`).
+    private func decoderModels() async throws -> (step: RuntimeModel, bind: RuntimeModel?, prefill: RuntimeModel?) {
+        let d = manifest.decoder
+        let file = manifest.files.decoder
+        let stepName = d.functions?.step ?? "main"
+        let step = try await load("decoder/\(stepName)", file: file, function: stepName, units: computeUnits.decoder,
+                                  expected: manifest.expectedDecoderIO(), component: "decoder")
+        var bind: RuntimeModel?
+        if let name = d.functions?.bind {
+            bind = try await load("decoder/\(name)", file: file, function: name, units: computeUnits.decoder,
+                                  expected: manifest.expectedBindIO(), component: "decoder")
+        }
+        var prefill: RuntimeModel?
+        if usePrefill, let name = d.functions?.prefill, let length = d.prefillLength {
+            prefill = try await load("decoder/\(name)", file: file, function: name, units: computeUnits.decoder,
+                                     expected: manifest.expectedDecoderIO(prefillLength: length), component: "decoder")
+        }
+        return (step, bind, prefill)
+    }
+
     private func encoder(function: String) async throws -> RuntimeModel {
-        if let model = encoders[function] { return model }
         guard let bucket = manifest.encoderBuckets.first(where: { $0.function == function }) else {
             throw BundleError.ioMismatch(component: "encoder", function: function, detail: "not in the manifest's encoder functions")
         }
-        let start = Date()
-        let model = try await runtime.loadModel(at: bundleURL.appendingPathComponent(manifest.files.encoder),
-                                                functionName: function == "main" ? nil : function,
-                                                computeUnits: computeUnits.encoder)
-        loadSeconds += Date().timeIntervalSince(start)
-        try CohereTranscriber.check(model, expected: manifest.expectedEncoderIO(frames: bucket.frames), manifest: manifest,
-                                    component: "encoder", function: function)
-        encoders[function] = model
-        return model
+        return try await load("encoder/\(function)", file: manifest.files.encoder, function: function,
+                              units: computeUnits.encoder, expected: manifest.expectedEncoderIO(frames: bucket.frames),
+                              component: "encoder")
     }
 
     static let noFrontEnd = BundleError.noFrontEnd(
@@ -139,40 +185,42 @@ public actor CohereTranscriber {
             + "(it writes frontend.mlpackage by default), or pass features to transcribeWindow(features:validFrames:prompt:)")
 
     private func frontEnd(function: String, samples: Int, frames: Int) async throws -> RuntimeModel {
-        if let model = frontEnds[function] { return model }
         guard let file = manifest.files.frontend else { throw CohereTranscriber.noFrontEnd }
-        let url = bundleURL.appendingPathComponent(file)
-        guard FileManager.default.fileExists(atPath: url.path) else {
+        guard FileManager.default.fileExists(atPath: bundleURL.appendingPathComponent(file).path) else {
             throw BundleError.missingFile("the bundle has no front end (\(file)) in \(bundleURL.path)")
         }
-        let start = Date()
-        let model = try await runtime.loadModel(at: url, functionName: function == "main" ? nil : function,
-                                                computeUnits: computeUnits.frontEnd)
-        loadSeconds += Date().timeIntervalSince(start)
-        try CohereTranscriber.check(model, expected: manifest.expectedFrontEndIO(samples: samples, frames: frames),
-                                    manifest: manifest, component: "frontend", function: function)
-        frontEnds[function] = model
-        return model
+        return try await load("frontend/\(function)", file: file, function: function, units: computeUnits.frontEnd,
+                              expected: manifest.expectedFrontEndIO(samples: samples, frames: frames), component: "frontend")
     }
 
-    /// Loads every encoder (and front-end) function now, so the first transcription does not pay for it.
+    /// Loads every encoder, front-end and decoder function now, so the first transcription does not pay
+    /// for it (with Core ML the first launch compiles: minutes for the 2 B encoder on the Neural Engine).
     public func prewarm() async throws {
+        _ = try await decoderModels()
         for bucket in manifest.encoderBuckets {
             _ = try await encoder(function: bucket.function)
         }
-        for (function, f) in manifest.frontend?.functions ?? [:] where manifest.files.frontend != nil {
+        for (function, f) in (manifest.frontend?.functions ?? [:]).sorted(by: { $0.key < $1.key })
+        where manifest.files.frontend != nil {
             _ = try await frontEnd(function: function, samples: f.samples, frames: f.frames)
         }
     }
+
+    /// Releases every loaded model (memory back to the system); the next call loads them again (from
+    /// the compiled-model cache with Core ML).
+    public func unload() {
+        loads.removeAll()
+    }
+
+    /// Functions loaded so far ("component/function").
+    public var loadedFunctions: [String] { loads.keys.sorted() }
 
     // MARK: - whole clips
 
     public func transcribe(contentsOf url: URL, language: String, punctuation: Bool = true,
                            maxNewTokens: Int? = nil) async throws -> TranscriptionResult {
-        let prompt = try manifest.prompt(language: language, punctuation: punctuation)  // unknown language: before any work
-        let audio = try AudioInput.load(contentsOf: url, sampleRate: manifest.audio.sampling_rate)
-        return try await transcribe(samples: audio.samples, language: language, punctuation: punctuation,
-                                    maxNewTokens: maxNewTokens, name: url.path, prompt: prompt)
+        try await transcribe(contentsOf: url, language: language, punctuation: punctuation, maxNewTokens: maxNewTokens,
+                             onWindow: nil)
     }
 
     /// Transcribes mono Float samples at the bundle's sample rate (16 kHz).
@@ -180,18 +228,46 @@ public actor CohereTranscriber {
                            maxNewTokens: Int? = nil) async throws -> TranscriptionResult {
         let prompt = try manifest.prompt(language: language, punctuation: punctuation)
         return try await transcribe(samples: samples, language: language, punctuation: punctuation,
-                                    maxNewTokens: maxNewTokens, name: "audio", prompt: prompt)
+                                    maxNewTokens: maxNewTokens, name: "audio", prompt: prompt, onWindow: nil)
+    }
+
+    /// The windows of a file as each is transcribed (long files: one result every 35 s of audio).
+    /// Cancelling the consuming task stops the transcription between windows or decoding steps.
+    public nonisolated func windows(contentsOf url: URL, language: String, punctuation: Bool = true,
+                                    maxNewTokens: Int? = nil) -> AsyncThrowingStream<WindowResult, Error> {
+        AsyncThrowingStream { continuation in
+            let task = Task {
+                do {
+                    _ = try await self.transcribe(contentsOf: url, language: language, punctuation: punctuation,
+                                                  maxNewTokens: maxNewTokens) { continuation.yield($0) }
+                    continuation.finish()
+                } catch {
+                    continuation.finish(throwing: error)
+                }
+            }
+            continuation.onTermination = { _ in task.cancel() }
+        }
+    }
+
+    /// `onWindow` is called with each window as soon as it is decoded.
+    public func transcribe(contentsOf url: URL, language: String, punctuation: Bool = true, maxNewTokens: Int? = nil,
+                           onWindow: (@Sendable (WindowResult) -> Void)?) async throws -> TranscriptionResult {
+        let prompt = try manifest.prompt(language: language, punctuation: punctuation)  // unknown language: before any work
+        let audio = try AudioInput.load(contentsOf: url, sampleRate: manifest.audio.samplingRate)
+        return try await transcribe(samples: audio.samples, language: language, punctuation: punctuation,
+                                    maxNewTokens: maxNewTokens, name: url.path, prompt: prompt, onWindow: onWindow)
     }
 
     private func transcribe(samples: [Float], language: String, punctuation: Bool, maxNewTokens: Int?, name: String,
-                            prompt: [Int]) async throws -> TranscriptionResult {
+                            prompt: [Int], onWindow: (@Sendable (WindowResult) -> Void)?) async throws -> TranscriptionResult {
         if try AudioInput.isSilent(samples, name: name) {
             return TranscriptionResult(text: "", language: language, punctuation: punctuation, windows: [], silent: true,
-                                       seconds: Double(samples.count) / Double(manifest.audio.sampling_rate))
+                                       seconds: Double(samples.count) / Double(manifest.audio.samplingRate))
         }
-        let rate = Double(manifest.audio.sampling_rate)
+        let rate = Double(manifest.audio.samplingRate)
         var windows: [WindowResult] = []
         for (i, range) in AudioSplitter.splitPoints(samples, manifest: manifest).enumerated() {
+            try Task.checkCancellation()
             let piece = Array(samples[range])
             let start = Date()
             let (features, valid) = try await features(of: piece)
@@ -202,9 +278,10 @@ public actor CohereTranscriber {
             window.durationSeconds = Double(piece.count) / rate
             window.timings.featuresSeconds = featuresSeconds
             windows.append(window)
+            onWindow?(window)
         }
         let text = Detokenizer.joinWindows(windows.map(\.text), language: language,
-                                           noSpaceLanguages: manifest.generation.no_space_languages)
+                                           noSpaceLanguages: manifest.generation.noSpaceLanguages)
         return TranscriptionResult(text: text, language: language, punctuation: punctuation, windows: windows,
                                    seconds: Double(samples.count) / rate)
     }
@@ -215,12 +292,12 @@ public actor CohereTranscriber {
     /// and those frames; its features are cut to the encoder's frames (frames past the valid ones are zero).
     public func features(of piece: [Float]) async throws -> (Tensor, Int) {
         let a = manifest.audio
-        let valid = (piece.count + 2 * (a.n_fft / 2) - a.n_fft) / a.hop_length
+        let valid = (piece.count + 2 * (a.nFFT / 2) - a.nFFT) / a.hopLength
         guard valid >= 2 else {
-            throw AudioError.invalid("audio is too short: \(piece.count) samples give \(max(valid, 0)) feature frame(s); at least \(2 * a.hop_length) samples are needed")
+            throw AudioError.invalid("audio is too short: \(piece.count) samples give \(max(valid, 0)) feature frame(s); at least \(2 * a.hopLength) samples are needed")
         }
         guard let bucket = manifest.encoderBuckets.first(where: { valid <= $0.frames }) else {
-            throw AudioError.invalid("a piece of \(valid) feature frames does not fit the encoder window (\(a.window_frames)): split it with AudioSplitter")
+            throw AudioError.invalid("a piece of \(valid) feature frames does not fit the encoder window (\(a.windowFrames)): split it with AudioSplitter")
         }
         guard manifest.files.frontend != nil, manifest.frontend != nil else { throw CohereTranscriber.noFrontEnd }
         guard let fn = manifest.frontEndFunction(samples: piece.count, frames: bucket.frames) else {
@@ -229,8 +306,8 @@ public actor CohereTranscriber {
         let model = try await frontEnd(function: fn.function, samples: fn.samples, frames: fn.frames)
         var padded = piece
         padded.append(contentsOf: [Float](repeating: 0, count: fn.samples - piece.count))
-        let out = try model.predict(["audio": try Tensor(float32: padded, shape: [1, fn.samples]),
-                                     "audio_length": try Tensor(int32: [Int32(piece.count)], shape: [1])], state: nil)
+        let out = try await model.predict(["audio": try Tensor(float32: padded, shape: [1, fn.samples]),
+                                           "audio_length": try Tensor(int32: [Int32(piece.count)], shape: [1])], state: nil)
         guard let features = out["input_features"], let length = out["feature_length"], length.dtype == .int32,
               features.dtype == .float32, features.shape.count == 3, features.shape[2] >= bucket.frames else {
             throw TranscriptionError.badOutput("the front-end package returned no float32 (1, M, >= \(bucket.frames)) input_features / int32 feature_length")
@@ -253,74 +330,86 @@ public actor CohereTranscriber {
             throw TranscriptionError.invalidArgument(
                 "features have \(frames) frames; the encoder takes \(manifest.encoderBuckets.map { String($0.frames) }.joined(separator: " or "))")
         }
-        let input = try Tensor(dtype: .float32, shape: [1, manifest.encoder.num_mel_bins, frames], data: features.data)
+        let input = try Tensor(dtype: .float32, shape: [1, manifest.encoder.numMelBins, frames], data: features.data)
         let model = try await encoder(function: bucket.function)
         let t0 = Date()
-        let encoded = try model.predict(["input_features": input,
-                                         "feature_length": try Tensor(int32: [Int32(validFrames)], shape: [1])], state: nil)
+        let encoded = try await model.predict(["input_features": input,
+                                               "feature_length": try Tensor(int32: [Int32(validFrames)], shape: [1])], state: nil)
         let encoderSeconds = Date().timeIntervalSince(t0)
         var cross: [String: Tensor] = [:]
         for name in ["cross_k", "cross_v", "cross_mask"] {
             guard let t = encoded[name] else { throw TranscriptionError.badOutput("the encoder package returned no \(name)") }
             cross[name] = t
         }
-        let decoded = try decode(cross: cross, prompt: prompt, maxNewTokens: maxNewTokens)
+        let decoded = try await decode(cross: cross, prompt: prompt, maxNewTokens: maxNewTokens)
         let text = try detokenizer.decode(decoded.tokens.filter { !eosIds.contains($0) })
         let calls = max(decoded.calls, 1)
         let timings = WindowTimings(featuresSeconds: 0, encoderSeconds: encoderSeconds, encoderFunction: bucket.function,
-                                    promptSeconds: decoded.promptSeconds, decodeSeconds: decoded.decodeSeconds,
-                                    decoderCalls: decoded.calls,
+                                    bindSeconds: decoded.bindSeconds, promptSeconds: decoded.promptSeconds,
+                                    decodeSeconds: decoded.decodeSeconds, decoderCalls: decoded.calls,
                                     msPerDecoderCall: 1000 * (decoded.promptSeconds + decoded.decodeSeconds) / Double(calls))
         return WindowResult(index: index, startSeconds: startSeconds,
-                            durationSeconds: Double(validFrames * manifest.audio.hop_length) / Double(manifest.audio.sampling_rate),
-                            tokenIds: decoded.tokens, text: text, truncated: decoded.stopReason != "eos",
+                            durationSeconds: Double(validFrames * manifest.audio.hopLength) / Double(manifest.audio.samplingRate),
+                            tokenIds: decoded.tokens, text: text, truncated: decoded.stopReason != .eos,
                             stopReason: decoded.stopReason, timings: timings)
     }
 
     struct Decoded {
         var tokens: [Int]
-        var stopReason: String
+        var stopReason: StopReason
         var calls: Int
+        var bindSeconds: Double
         var promptSeconds: Double
         var decodeSeconds: Double
     }
 
-    /// The decoding loop of docs/bundle.md: fresh state, prompt (prefill when present), greedy to eos,
-    /// the cache capacity or `maxNewTokens`.
-    func decode(cross: [String: Tensor], prompt: [Int], maxNewTokens: Int?) throws -> Decoded {
+    /// The decoding loop of docs/bundle.md: fresh state, the cross memory bound into it once (format 2),
+    /// prompt (prefill when present), greedy to eos, the cache capacity or `maxNewTokens`. A step binds
+    /// only its token and position.
+    func decode(cross: [String: Tensor], prompt: [Int], maxNewTokens: Int?) async throws -> Decoded {
         let capacity = manifest.decoder.capacity
         guard prompt.count < capacity else {
             throw TranscriptionError.invalidArgument("prompt of \(prompt.count) tokens does not fit the cache (\(capacity) slots)")
         }
         var limit = capacity - prompt.count + 1  // the last prediction is emitted without being fed
-        var reasonAtLimit = "capacity"
+        var reasonAtLimit = StopReason.capacity
         if let maxNewTokens {
             guard maxNewTokens >= 1 else { throw TranscriptionError.invalidArgument("maxNewTokens must be >= 1, got \(maxNewTokens)") }
-            if maxNewTokens < limit { (limit, reasonAtLimit) = (maxNewTokens, "max_new_tokens") }
+            if maxNewTokens < limit { (limit, reasonAtLimit) = (maxNewTokens, .maxNewTokens) }
         }
+        let (decoder, binder, prefill) = try await decoderModels()
         let output = manifest.decoder.output
         let state = try decoder.makeState()
+        let tb = Date()
+        var memory: [String: Tensor] = [:]  // what every step binds besides its token and position
+        if let binder {
+            _ = try await binder.predict(cross, state: state)
+        } else {
+            memory = cross  // format 1: the cross memory is an input of every call
+        }
+        let bindSeconds = binder == nil ? 0 : Date().timeIntervalSince(tb)
         func logProbs(_ out: [String: Tensor]) throws -> [Float] {
             guard let t = out[output] else { throw TranscriptionError.badOutput("the decoder package returned no \(output)") }
             return t.floats()
         }
-        func step(_ token: Int, _ position: Int) throws -> [Float] {
-            var inputs = cross
+        func step(_ token: Int, _ position: Int) async throws -> [Float] {
+            try Task.checkCancellation()
+            var inputs = memory
             inputs["input_ids"] = try Tensor(int32: [Int32(token)], shape: [1, 1])
             inputs["position"] = try Tensor(int32: [Int32(position)], shape: [1])
-            return try logProbs(try decoder.predict(inputs, state: state))
+            return try logProbs(try await decoder.predict(inputs, state: state))
         }
         let t0 = Date()
         var calls = 0
         var scores: [Float] = []
-        if let prefill, prompt.count == manifest.decoder.prefill_length {
-            var inputs = cross
+        if let prefill, prompt.count == manifest.decoder.prefillLength {
+            var inputs = memory
             inputs["input_ids"] = try Tensor(int32: prompt.map(Int32.init), shape: [1, prompt.count])
-            scores = try logProbs(try prefill.predict(inputs, state: state))
+            scores = try logProbs(try await prefill.predict(inputs, state: state))
             calls += 1
         } else {
             for (position, token) in prompt.enumerated() {
-                scores = try step(token, position)
+                scores = try await step(token, position)
                 calls += 1
             }
         }
@@ -337,13 +426,13 @@ public actor CohereTranscriber {
                 if v > scores[best] { best = i }  // first index on ties, as numpy's argmax
             }
             tokens.append(best)
-            if eosIds.contains(best) { stopReason = "eos"; break }
+            if eosIds.contains(best) { stopReason = .eos; break }
             if tokens.count >= limit { break }
-            scores = try step(best, position)
+            scores = try await step(best, position)
             position += 1
             calls += 1
         }
-        return Decoded(tokens: tokens, stopReason: stopReason, calls: calls, promptSeconds: t1.timeIntervalSince(t0),
-                       decodeSeconds: Date().timeIntervalSince(t1))
+        return Decoded(tokens: tokens, stopReason: stopReason, calls: calls, bindSeconds: bindSeconds,
+                       promptSeconds: t1.timeIntervalSince(t0), decodeSeconds: Date().timeIntervalSince(t1))
     }
 }

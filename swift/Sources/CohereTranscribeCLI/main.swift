@@ -5,13 +5,15 @@ import Foundation
 let usage = """
 usage: cohere-transcribe-swift --bundle DIR --language LANG FILE... [--json] [--no-punctuation]
                                [--max-new-tokens N] [--compute-units all|cpu_only|cpu_and_gpu|cpu_and_ne]
-                               [--runtime coreml|interpreter] [--interpreter PATH]
+                               [--runtime coreml|interpreter] [--interpreter PATH] [--cache-dir DIR]
 
 Greedy transcription with a bundle written by `cohere-coreml export` (front end, encoder, decoder
 packages, manifest.json, vocab.json); token for token what `cohere-coreml transcribe` gives.
-  --runtime        coreml (default on macOS/iOS) or interpreter (the project's MIL interpreter through
-                   `cohere-coreml serve-runtime`; the default elsewhere)
+  --runtime        coreml (default on macOS) or interpreter (the project's MIL interpreter through
+                   `cohere-coreml serve-runtime`; the default on Linux). On Linux `coreml` runs the same
+                   Core ML code path over the project's Core ML emulation (backed by the interpreter).
   --interpreter    path of the cohere-coreml command (default: $COHERE_COREML, else PATH)
+  --cache-dir      folder of compiled Core ML models (default: the user's Caches/CohereTranscribe/compiled)
   --compute-units  Core ML compute units for every component (default: front end CPU/GPU, encoder and
                    decoder Neural Engine)
   --json           print JSON shaped like `cohere-coreml transcribe --json`
@@ -31,7 +33,8 @@ var punctuation = true
 var maxNewTokens: Int?
 var units: ComputeUnits?
 var interpreterPath: String?
-#if canImport(CoreML)
+var cacheDir: String?
+#if os(macOS)
 var runtimeName = "coreml"
 #else
 var runtimeName = "interpreter"
@@ -63,6 +66,7 @@ while !args.isEmpty {
         runtimeName = value(a)
         guard ["coreml", "interpreter"].contains(runtimeName) else { fail("--runtime must be coreml or interpreter") }
     case "--interpreter": interpreterPath = value(a)
+    case "--cache-dir": cacheDir = value(a)
     default:
         if a.hasPrefix("--") { fail("unknown option \(a)\n\(usage)") }
         files.append(a)
@@ -80,9 +84,9 @@ func jsonObject(_ path: String, _ r: TranscriptionResult) -> [String: Any] {
         "windows": r.windows.map { w -> [String: Any] in
             let t = w.timings
             return ["index": w.index, "start_s": w.startSeconds, "duration_s": w.durationSeconds, "token_ids": w.tokenIds,
-                    "text": w.text, "truncated": w.truncated, "stop_reason": w.stopReason,
+                    "text": w.text, "truncated": w.truncated, "stop_reason": w.stopReason.rawValue,
                     "timings": ["features_s": t.featuresSeconds, "front_end": "package", "encoder_s": t.encoderSeconds,
-                                "encoder_function": t.encoderFunction, "prompt_s": t.promptSeconds,
+                                "encoder_function": t.encoderFunction, "bind_s": t.bindSeconds, "prompt_s": t.promptSeconds,
                                 "decode_s": t.decodeSeconds, "decoder_calls": t.decoderCalls,
                                 "ms_per_decoder_call": t.msPerDecoderCall],
                     "decoding": ["beams": 1, "repetition": NSNull()]]
@@ -92,16 +96,17 @@ func jsonObject(_ path: String, _ r: TranscriptionResult) -> [String: Any] {
 
 let transcriber: CohereTranscriber
 do {
+    func interpreter() throws -> InterpreterRuntime {
+        try interpreterPath.map { try InterpreterRuntime(executable: URL(fileURLWithPath: $0)) } ?? InterpreterRuntime()
+    }
     let runtime: ModelRuntime
     if runtimeName == "interpreter" {
-        runtime = try interpreterPath.map { try InterpreterRuntime(executable: URL(fileURLWithPath: $0)) }
-            ?? InterpreterRuntime()
+        runtime = try interpreter()
     } else {
-        #if canImport(CoreML)
-        runtime = CoreMLRuntime()
-        #else
-        fail("--runtime coreml needs Core ML (macOS/iOS); use --runtime interpreter")
+        #if os(Linux)
+        CoreMLEmulation.use(try interpreter())  // the Core ML code path, run by the emulation
         #endif
+        runtime = try CoreMLRuntime(cacheDirectory: cacheDir.map { URL(fileURLWithPath: $0, isDirectory: true) })
     }
     transcriber = try await CohereTranscriber(bundle: URL(fileURLWithPath: bundle), runtime: runtime,
                                               computeUnits: units.map { .uniform($0) } ?? .init())
@@ -130,6 +135,11 @@ for path in files {
         FileHandle.standardError.write(Data("cohere-transcribe-swift: \(path): \(error)\n".utf8))
         if json { results.append(["audio": path, "status": "error", "error": "\(error)"]) }
     }
+}
+if let coreML = transcriber.runtime as? CoreMLRuntime {
+    let (compiled, cached) = coreML.cacheStatistics
+    FileHandle.standardError.write(Data(
+        "cohere-transcribe-swift: Core ML: \(compiled) package(s) compiled, \(cached) loaded compiled from \(coreML.cacheDirectory.path)\n".utf8))
 }
 if json {
     let object: Any = results.count == 1 ? results[0] : results

@@ -26,14 +26,14 @@ final class BundleManifestTests: XCTestCase {
         let m = try BundleManifest.load(bundle: Fixtures.bundle)
         let json = try manifestJSON()
         let decoder = json["decoder"] as! [String: Any]
-        XCTAssertEqual(m.format_version, 1)
+        XCTAssertEqual(m.formatVersion, 1)
         XCTAssertEqual(m.decoder.capacity, decoder["capacity"] as? Int)
-        XCTAssertEqual(m.decoder.cache_shape, decoder["cache_shape"] as? [Int])
+        XCTAssertEqual(m.decoder.cacheShape, decoder["cache_shape"] as? [Int])
         XCTAssertEqual(m.decoder.functions?.prefill, "prefill")
-        XCTAssertEqual(m.decoder.prefill_length, 10)
+        XCTAssertEqual(m.decoder.prefillLength, 10)
         XCTAssertEqual(m.encoderBuckets.map(\.function), ["window_10s", "main"])
         XCTAssertEqual(m.encoderBuckets.map(\.frames), [1000, 3500])
-        XCTAssertEqual(m.tokens.eos_token_ids, [3])
+        XCTAssertEqual(m.tokens.eosTokenIds, [3])
         let en = (json["languages"] as! [String: [String: [Int]]])["en"]!
         XCTAssertEqual(try m.prompt(language: "en"), en["punctuation"])
         XCTAssertEqual(try m.prompt(language: "en", punctuation: false), en["no_punctuation"])
@@ -41,7 +41,7 @@ final class BundleManifestTests: XCTestCase {
         // every function's I/O is listed (read from the packages at export)
         for b in m.encoderBuckets {
             let io = try XCTUnwrap(m.listedIO(component: "encoder", function: b.function), b.function)
-            XCTAssertEqual(io.inputs["input_features"]?.shape, [1, m.encoder.num_mel_bins, b.frames])
+            XCTAssertEqual(io.inputs["input_features"]?.shape, [1, m.encoder.numMelBins, b.frames])
         }
         XCTAssertEqual(m.listedIO(component: "decoder", function: "prefill")?.inputs["input_ids"]?.shape, [1, 10])
         XCTAssertEqual(m.listedIO(component: "decoder", function: "main")?.inputs["input_ids"]?.shape, [1, 1])
@@ -55,9 +55,10 @@ final class BundleManifestTests: XCTestCase {
     }
 
     func testNewerFormatVersionIsRefused() throws {
-        let dir = try editedBundle { $0["format_version"] = 2 }
+        let newer = BundleManifest.supportedFormatVersion + 1
+        let dir = try editedBundle { $0["format_version"] = newer }
         XCTAssertThrowsError(try BundleManifest.load(bundle: dir)) { error in
-            XCTAssertEqual(error as? BundleError, .newerFormatVersion(found: 2, supported: 1))
+            XCTAssertEqual(error as? BundleError, .newerFormatVersion(found: newer, supported: BundleManifest.supportedFormatVersion))
             XCTAssertTrue("\(error)".contains("newer"))
         }
     }

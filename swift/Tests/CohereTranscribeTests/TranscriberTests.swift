@@ -23,27 +23,29 @@ final class TranscriberTests: XCTestCase {
         }
         let clips = try clips(frontEnd: "package")
         XCTAssertEqual(clips.count, 94)  // 4 demo clips + 90 held-out
-        let transcriber = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: try Fixtures.interpreter())
-        var windows = 0, functions = Set<String>()
-        for clip in clips {
-            let wav = clip["wav"] as! String
-            let r = try await transcriber.transcribe(contentsOf: URL(fileURLWithPath: wav), language: clip["language"] as! String)
-            let want = clip["windows"] as! [[String: Any]]
-            XCTAssertEqual(r.windows.count, want.count, wav)
-            for (got, w) in zip(r.windows, want) {
-                let name = "\(wav) window \(w["index"]!)"
-                XCTAssertEqual(got.tokenIds, w["token_ids"] as! [Int], name)
-                XCTAssertEqual(got.text, w["text"] as! String, name)
-                XCTAssertEqual(got.stopReason, w["stop_reason"] as! String, name)
-                XCTAssertEqual(got.timings.encoderFunction, w["encoder_function"] as! String, name)
-                XCTAssertFalse(got.text.isEmpty, name)
-                functions.insert(got.timings.encoderFunction)
-                windows += 1
+        for (runtimeName, runtime) in try Fixtures.runtimes() {
+            let transcriber = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: runtime)
+            var windows = 0, functions = Set<String>()
+            for clip in clips {
+                let wav = clip["wav"] as! String
+                let r = try await transcriber.transcribe(contentsOf: URL(fileURLWithPath: wav), language: clip["language"] as! String)
+                let want = clip["windows"] as! [[String: Any]]
+                XCTAssertEqual(r.windows.count, want.count, wav)
+                for (got, w) in zip(r.windows, want) {
+                    let name = "\(runtimeName): \(wav) window \(w["index"]!)"
+                    XCTAssertEqual(got.tokenIds, w["token_ids"] as! [Int], name)
+                    XCTAssertEqual(got.text, w["text"] as! String, name)
+                    XCTAssertEqual(got.stopReason.rawValue, w["stop_reason"] as! String, name)
+                    XCTAssertEqual(got.timings.encoderFunction, w["encoder_function"] as! String, name)
+                    XCTAssertFalse(got.text.isEmpty, name)
+                    functions.insert(got.timings.encoderFunction)
+                    windows += 1
+                }
+                XCTAssertEqual(r.text, clip["text"] as! String, "\(runtimeName): \(wav)")
             }
-            XCTAssertEqual(r.text, clip["text"] as! String, wav)
+            XCTAssertEqual(windows, 96, runtimeName)  // en_long_75s has three windows
+            XCTAssertEqual(functions, ["main", "window_10s"], runtimeName)  // both encoder buckets (and front-end functions) ran
         }
-        XCTAssertEqual(windows, 96)  // en_long_75s has three windows
-        XCTAssertEqual(functions, ["main", "window_10s"])  // both encoder buckets (and front-end functions) ran
     }
 
     /// The encoder/decoder loop alone, given Python's features (audio.log_mel): every window equals the CLI
@@ -51,29 +53,31 @@ final class TranscriberTests: XCTestCase {
     func testTokenIdsEqualPythonGivenPythonFeatures() async throws {
         let clips = try clips(frontEnd: "python")
         XCTAssertEqual(clips.count, 94)
-        let transcriber = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: try Fixtures.interpreter())
-        let manifest = transcriber.manifest
-        var windows = 0
-        for clip in clips {
-            let language = clip["language"] as! String
-            var texts: [String] = []
-            for w in clip["windows"] as! [[String: Any]] {
-                let frames = w["frames"] as! Int
-                let features = try Tensor(float32: try Fixtures.floats(w["features"] as! String),
-                                          shape: [1, manifest.encoder.num_mel_bins, frames])
-                let r = try await transcriber.transcribeWindow(features: features, validFrames: w["valid_frames"] as! Int,
-                                                               prompt: try manifest.prompt(language: language))
-                let name = "\(clip["wav"]!) window \(w["index"]!)"
-                XCTAssertEqual(r.tokenIds, w["token_ids"] as! [Int], name)
-                XCTAssertEqual(r.text, w["text"] as! String, name)
-                XCTAssertEqual(r.stopReason, w["stop_reason"] as! String, name)
-                XCTAssertEqual(r.timings.encoderFunction, w["encoder_function"] as! String, name)
-                texts.append(r.text)
-                windows += 1
+        for (runtimeName, runtime) in try Fixtures.runtimes() {
+            let transcriber = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: runtime)
+            let manifest = transcriber.manifest
+            var windows = 0
+            for clip in clips {
+                let language = clip["language"] as! String
+                var texts: [String] = []
+                for w in clip["windows"] as! [[String: Any]] {
+                    let frames = w["frames"] as! Int
+                    let features = try Tensor(float32: try Fixtures.floats(w["features"] as! String),
+                                              shape: [1, manifest.encoder.numMelBins, frames])
+                    let r = try await transcriber.transcribeWindow(features: features, validFrames: w["valid_frames"] as! Int,
+                                                                   prompt: try manifest.prompt(language: language))
+                    let name = "\(runtimeName): \(clip["wav"]!) window \(w["index"]!)"
+                    XCTAssertEqual(r.tokenIds, w["token_ids"] as! [Int], name)
+                    XCTAssertEqual(r.text, w["text"] as! String, name)
+                    XCTAssertEqual(r.stopReason.rawValue, w["stop_reason"] as! String, name)
+                    XCTAssertEqual(r.timings.encoderFunction, w["encoder_function"] as! String, name)
+                    texts.append(r.text)
+                    windows += 1
+                }
+                XCTAssertEqual(Detokenizer.joinWindows(texts, language: language), clip["text"] as! String)
             }
-            XCTAssertEqual(Detokenizer.joinWindows(texts, language: language), clip["text"] as! String)
+            XCTAssertEqual(windows, 96, runtimeName)
         }
-        XCTAssertEqual(windows, 96)
     }
 
     /// The front-end package gives the encoder what audio.log_mel gives, to the bit or near it: a window
@@ -88,7 +92,7 @@ final class TranscriberTests: XCTestCase {
         let samples = try AudioInput.load(contentsOf: URL(fileURLWithPath: clip["wav"] as! String)).samples
         let (features, valid) = try await transcriber.features(of: samples)
         XCTAssertEqual(valid, w["valid_frames"] as! Int)
-        XCTAssertEqual(features.shape, [1, manifest.encoder.num_mel_bins, w["frames"] as! Int])
+        XCTAssertEqual(features.shape, [1, manifest.encoder.numMelBins, w["frames"] as! Int])
         let want = try Fixtures.floats(w["features"] as! String)
         let got = features.floats()
         let maxDiff = zip(got, want).map { abs($0 - $1) }.max()!
@@ -106,7 +110,7 @@ final class TranscriberTests: XCTestCase {
         let runtime = try Fixtures.interpreter()
         let stepwise = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: runtime, usePrefill: false)
         let features = try Tensor(float32: try Fixtures.floats(w["features"] as! String),
-                                  shape: [1, stepwise.manifest.encoder.num_mel_bins, w["frames"] as! Int])
+                                  shape: [1, stepwise.manifest.encoder.numMelBins, w["frames"] as! Int])
         let prompt = try stepwise.manifest.prompt(language: clip["language"] as! String)
         let full = try await stepwise.transcribeWindow(features: features, validFrames: w["valid_frames"] as! Int, prompt: prompt)
         XCTAssertEqual(full.tokenIds, want)
@@ -115,7 +119,7 @@ final class TranscriberTests: XCTestCase {
                                                       prompt: prompt, maxNewTokens: 3)
         XCTAssertEqual(cut.tokenIds, Array(want.prefix(3)))
         XCTAssertTrue(cut.truncated)
-        XCTAssertEqual(cut.stopReason, "max_new_tokens")
+        XCTAssertEqual(cut.stopReason, .maxNewTokens)
         do {
             _ = try await stepwise.transcribeWindow(features: features, validFrames: 10, prompt: prompt, maxNewTokens: 0)
             XCTFail("maxNewTokens 0 accepted")
