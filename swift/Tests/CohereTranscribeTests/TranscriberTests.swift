@@ -128,6 +128,45 @@ final class TranscriberTests: XCTestCase {
         }
     }
 
+    /// A long file's windows arrive one by one as they are decoded (the same as the whole-file result);
+    /// cancelling stops between windows with `CancellationError`; `unload()` frees every model and the
+    /// next call loads them again.
+    func testWindowStreamCancellationAndUnload() async throws {
+        let clip = try clips(frontEnd: "package").first { ($0["wav"] as! String).contains("en_long_75s") }!
+        let url = URL(fileURLWithPath: clip["wav"] as! String)
+        let want = (clip["windows"] as! [[String: Any]]).map { $0["token_ids"] as! [Int] }
+        XCTAssertEqual(want.count, 3)
+        let transcriber = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: try Fixtures.interpreter())
+        var streamed: [[Int]] = []
+        for try await window in transcriber.windows(contentsOf: url, language: "en") { streamed.append(window.tokenIds) }
+        XCTAssertEqual(streamed, want)
+
+        final class Seen: @unchecked Sendable { var windows = 0 }
+        let seen = Seen()
+        let task = Task {
+            try await transcriber.transcribe(contentsOf: url, language: "en") { _ in
+                seen.windows += 1
+                withUnsafeCurrentTask { $0?.cancel() }  // cancelled after the first window
+            }
+        }
+        do {
+            _ = try await task.value
+            XCTFail("a cancelled transcription returned a result")
+        } catch is CancellationError {
+            XCTAssertEqual(seen.windows, 1)
+        }
+
+        let loaded = await transcriber.loadedFunctions
+        XCTAssertTrue(loaded.contains("decoder/main") && loaded.contains("encoder/main"), "\(loaded)")
+        await transcriber.unload()
+        let afterUnload = await transcriber.loadedFunctions
+        XCTAssertEqual(afterUnload, [])
+        let again = try await transcriber.transcribe(contentsOf: url, language: "en")
+        XCTAssertEqual(again.tokenIds, want)
+        let reloaded = await transcriber.loadedFunctions
+        XCTAssertFalse(reloaded.isEmpty)
+    }
+
     func testBadInputsAreClearErrors() async throws {
         let transcriber = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: try Fixtures.interpreter())
         let wav = (try clips(frontEnd: "python")[0])["wav"] as! String
