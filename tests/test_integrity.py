@@ -190,6 +190,30 @@ def test_model_card_and_example(bundle):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+def test_model_card_shows_the_swift_package(bundle):
+    """The card's Swift section uses the package (download, transcribe, stream), and every call it shows
+    exists in the package's sources with those labels, so the card cannot drift from the API."""
+    import re
+
+    text = (bundle / "README.md").read_text()
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    swift = text[text.index("```swift"):]
+    swift = swift[: swift.index("```", 3)]
+    assert f'download(folder: "{manifest.get("preset") or bundle.name}")' in swift
+    package = Path(__file__).resolve().parents[1] / "swift" / "Sources"
+    sources = "\n".join(p.read_text() for p in package.rglob("*.swift"))
+    calls = {"BundleDownloader(repoId:": r"public init\(repoId: String",
+             "download(folder:": r"public func download\(folder: String",
+             "CohereTranscriber(bundle:": r"public init\(bundle: URL",
+             "prewarm()": r"public func prewarm\(\)",
+             "transcribe(contentsOf:": r"public func transcribe\(contentsOf url: URL, language: String",
+             "windows(contentsOf:": r"public nonisolated func windows\(contentsOf url: URL, language: String"}
+    for call, declaration in calls.items():
+        assert call in swift, call
+        assert re.search(declaration, sources), f"the card shows {call} but the Swift package declares no {declaration}"
+    assert "MLModel" not in swift  # no hand-written loop for a Swift developer
+
+
 def test_model_card_shows_a_bench_report(bundle, tmp_path):
     """`bundle finalize --bench bench.json`: the card gets the presets table (WER per language, tokens
     identical to PyTorch), the checksums still match; a file that is not a bench report is refused."""

@@ -70,6 +70,29 @@ def presets_table(bench: dict) -> list[str]:
     return lines
 
 
+def swift_usage(folder: str) -> list[str]:
+    """The model card's Swift section: the package `CohereTranscribe` (Package.swift of cohere-coreml)
+    downloads this folder of the repository, checks every file against the manifest's checksums, and
+    transcribes files or streams their windows."""
+    return [
+        "Swift (macOS 15 / iOS 18): the package `CohereTranscribe` of cohere-transcribe-coreml "
+        "(Xcode: File > Add Package Dependencies; or `.package(url: \"https://github.com/<org>/cohere-transcribe-coreml\", "
+        "branch: \"main\")` and the product `CohereTranscribe`):", "", "```swift", "import CohereTranscribe", "",
+        "// download this folder once into Application Support (resumable; every file's size and sha256",
+        "// checked against manifest.json before the bundle is used)",
+        "let downloader = BundleDownloader(repoId: \"<this repo id>\")",
+        f"let bundle = try await downloader.download(folder: \"{folder}\") {{ progress in print(progress.fraction) }}",
+        "", "// first launch compiles the packages for the device (minutes on the Neural Engine); later",
+        "// launches load the compiled models from Caches",
+        "let transcriber = try await CohereTranscriber(bundle: bundle)", "try await transcriber.prewarm()",
+        "let result = try await transcriber.transcribe(contentsOf: audioURL, language: \"en\")", "print(result.text)", "",
+        "// long files: each 35 s window as soon as it is decoded (cancel the task to stop)",
+        "for try await window in transcriber.windows(contentsOf: audioURL, language: \"en\") {",
+        "    print(window.startSeconds, window.text)", "}", "```", "",
+        "The decoding loop itself (for a port without the package) is in the manifest's documentation "
+        "(`docs/bundle.md` of cohere-transcribe-coreml)."]
+
+
 def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None) -> str:
     """README.md of a bundle: Hub metadata header, files and sizes, gate figures, usage; with a
     `cohere-coreml bench` report, the presets compared on its dataset."""
@@ -159,12 +182,7 @@ def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None) -> str:
               "minutes; later loads use the cache.", "",
               "## Use it", "", "Python (macOS: Core ML; Linux: needs the cohere-coreml interpreter):", "", "```bash",
               "pip install coremltools numpy soundfile", "python example_inference.py audio.wav --language en", "```",
-              "", ("Swift: load `frontend.mlpackage` (`.cpuAndGPU`: samples -> `input_features`, `feature_length`), "
-                   if m.get("frontend") else "Swift: load ")
-              + "`encoder.mlpackage` and `decoder.mlpackage` with `MLModel`, create the decoder state "
-              "with `makeState()`, and follow the decoding loop in the manifest's documentation (`docs/bundle.md` "
-              "of cohere-coreml): prompt ids from `manifest.json` `languages`, greedy argmax, stop at "
-              "`tokens.eos_token_ids`.", ""]
+              "", *swift_usage(preset if preset != "unknown" else root.name), ""]
     return "\n".join(lines)
 
 

@@ -81,6 +81,8 @@ public enum CoreMLEmulation {
     }
 
     static let marker = "coreml-emulation.json"
+    /// How long an emulated compile suspends its caller.
+    static let compileDelayNanoseconds: UInt64 = 200_000_000
 }
 
 func emulationError(_ code: Int, _ message: String) -> NSError {
@@ -470,6 +472,8 @@ open class MLModel: NSObject, @unchecked Sendable {
               isDirectory.boolValue, FileManager.default.fileExists(atPath: url.appendingPathComponent("Manifest.json").path) else {
             throw emulationError(8, "cannot compile \(url.path): not a model package (.mlpackage with Manifest.json)")
         }
+        // a device compile takes seconds to minutes: suspend, so concurrent callers really overlap here
+        try await Task.sleep(nanoseconds: CoreMLEmulation.compileDelayNanoseconds)
         let folder = CoreMLEmulation.temporaryRoot.appendingPathComponent(UUID().uuidString)
         let compiled = folder.appendingPathComponent(url.deletingPathExtension().lastPathComponent + ".mlmodelc")
         try FileManager.default.createDirectory(at: compiled, withIntermediateDirectories: true)

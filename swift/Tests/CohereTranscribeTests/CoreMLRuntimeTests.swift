@@ -106,6 +106,9 @@ final class CoreMLRuntimeTests: XCTestCase {
     func testConcurrentLoadsCompileEachPackageOnceIntoTheCache() async throws {
         let cache = temporaryFolder("cache")
         let runtime = try Fixtures.coreML(cacheDirectory: cache)
+        #if os(Linux)
+        let compilesBefore = CoreMLEmulation.statistics.compiles
+        #endif
         let before = try FileManager.default.contentsOfDirectory(atPath: Fixtures.bundle.path).sorted()
         let parentBefore = try FileManager.default.contentsOfDirectory(atPath: Fixtures.bundle.deletingLastPathComponent().path).sorted()
         let transcriber = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: runtime)
@@ -119,6 +122,9 @@ final class CoreMLRuntimeTests: XCTestCase {
         let manifest = transcriber.manifest
         let packages = Set([manifest.files.encoder, manifest.files.decoder, manifest.files.frontend].compactMap { $0 })
         XCTAssertEqual(runtime.cacheStatistics.compiled, packages.count)  // one compile per package, not per function or caller
+        #if os(Linux)
+        XCTAssertEqual(CoreMLEmulation.statistics.compiles - compilesBefore, packages.count)  // MLModel.compileModel calls
+        #endif
         let cached = try FileManager.default.contentsOfDirectory(atPath: cache.path).filter { !$0.hasPrefix(".") }.sorted()
         XCTAssertEqual(cached.count, packages.count)
         for name in cached {
@@ -139,6 +145,26 @@ final class CoreMLRuntimeTests: XCTestCase {
         try await second.prewarm()
         XCTAssertEqual(again.cacheStatistics.compiled, 0)
         XCTAssertEqual(again.cacheStatistics.fromCache, packages.count)
+    }
+
+    /// Two functions of one package loaded at the same time (prewarm beside a transcription) share one
+    /// compile: the second caller waits for the first instead of compiling again and deleting its result.
+    func testSimultaneousLoadsOfOnePackageShareOneCompile() async throws {
+        #if os(Linux)
+        let runtime = try Fixtures.coreML()
+        let manifest = try BundleManifest.load(bundle: Fixtures.bundle)
+        let package = Fixtures.bundle.appendingPathComponent(manifest.files.encoder)
+        let compilesBefore = CoreMLEmulation.statistics.compiles
+        async let a = runtime.loadModel(at: package, functionName: nil, computeUnits: .cpuOnly)
+        async let b = runtime.loadModel(at: package, functionName: "window_10s", computeUnits: .cpuOnly)
+        async let c = runtime.loadModel(at: package, functionName: "window_10s", computeUnits: .cpuOnly)
+        let (ma, mb, mc) = try await (a, b, c)
+        XCTAssertEqual(CoreMLEmulation.statistics.compiles - compilesBefore, 1)
+        XCTAssertEqual([ma.functionName, mb.functionName, mc.functionName], ["main", "window_10s", "window_10s"])
+        XCTAssertEqual(ma.io.inputs["input_features"]?.shape.last, manifest.encoderBuckets.last?.frames)
+        #else
+        throw XCTSkip("counts the emulation's compiles")
+        #endif
     }
 
     /// An incomplete cache entry (a process killed while installing) is not used: it is recompiled.
