@@ -119,6 +119,77 @@ def test_missing_resized_and_unlisted_files_are_named(bundle, tmp_path):
         Bundle.load(copy)
 
 
+@pytest.mark.parametrize("where", ["notes.txt", ".hidden-notes", "encoder.mlpackage/Data/extra", "linked-dir"])
+def test_symbolic_links_are_refused_by_finalize_check_upload_and_load(bundle, tmp_path, where):
+    """A link inside a bundle (to a file outside it, as a stray link to a credentials file would be) is
+    named and refused by finalize, check, upload (dry run too: nothing is listed) and the loader."""
+    from cohere_coreml.bundle import Bundle, BundleError
+    from cohere_coreml.cli import main
+    from cohere_coreml.integrity import IntegrityError, check_bundle
+    from cohere_coreml.publish import finalize_bundle, upload_bundle
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("token=hf_not_a_real_one")
+    copy = tmp_path / "b"
+    shutil.copytree(bundle, copy)
+    link = copy / where
+    if where == "linked-dir":
+        (tmp_path / "outside").mkdir()
+        link.symlink_to(tmp_path / "outside", target_is_directory=True)
+    else:
+        link.symlink_to(secret)
+    for call in (lambda: check_bundle(copy), lambda: check_bundle(copy, hashes=False),
+                 lambda: finalize_bundle(copy), lambda: upload_bundle(copy, "org/name", dry_run=True)):
+        with pytest.raises(IntegrityError, match="symbolic link") as info:
+            call()
+        assert where in str(info.value)
+    assert main(["upload", "--bundle", str(copy), "--repo-id", "org/name", "--dry-run"]) != 0
+    assert main(["bundle", "check", str(copy)]) != 0
+    link.unlink()
+    check_bundle(copy)  # the same bundle without the link is fine: the refusal was the link
+    # a listed file reached through a linked folder: the loader refuses it too
+    moved = tmp_path / "elsewhere.mlpackage"
+    shutil.move(str(copy / "decoder.mlpackage"), moved)
+    (copy / "decoder.mlpackage").symlink_to(moved, target_is_directory=True)
+    with pytest.raises(BundleError, match="symbolic link"):
+        Bundle.load(copy)
+
+
+@pytest.mark.parametrize("bad", ["../outside.txt", "/etc/passwd", "a/../../b", "./vocab.json", "a//b", "C:/x",
+                                 "dir\\file", "tab\tname"])
+def test_manifest_paths_outside_the_bundle_are_refused(bundle, tmp_path, bad):
+    """A checksum table or files entry naming a path that leaves the bundle is refused before anything
+    is read through it (check, upload, the loader), and the error names the path."""
+    from cohere_coreml.bundle import Bundle, BundleError
+    from cohere_coreml.integrity import IntegrityError, check_bundle
+    from cohere_coreml.publish import upload_bundle
+
+    copy = tmp_path / "b"
+    shutil.copytree(bundle, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    edited = json.loads(json.dumps(manifest))
+    edited["checksums"]["files"][bad] = {"sha256": "0" * 64, "size": 1}
+    (copy / "manifest.json").write_text(json.dumps(edited))
+    for call in (lambda: check_bundle(copy), lambda: upload_bundle(copy, "org/name", dry_run=True)):
+        with pytest.raises(IntegrityError, match="refused") as info:
+            call()
+        assert repr(bad) in str(info.value)
+    with pytest.raises(BundleError, match="refused"):
+        Bundle.load(copy)
+    edited = json.loads(json.dumps(manifest))
+    edited["files"]["vocab"] = bad
+    (copy / "manifest.json").write_text(json.dumps(edited))
+    with pytest.raises(BundleError, match="files.vocab"):
+        Bundle.load(copy)
+
+
+def test_safe_path_accepts_the_paths_bundles_use(bundle):
+    from cohere_coreml.integrity import bundle_files, safe_path
+
+    for rel in bundle_files(bundle):
+        assert safe_path(rel.as_posix()) == rel.as_posix()
+
+
 def test_bundle_check_command(bundle, tmp_path, capsys):
     from cohere_coreml.cli import main
 

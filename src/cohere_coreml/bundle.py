@@ -382,6 +382,14 @@ class Bundle:
                 f"{manifest_path} has format_version {manifest['format_version']}; this tool reads up to {FORMAT_VERSION}"
             )
         bundle = cls(dirs=dirs, manifest=manifest)
+        from .integrity import IntegrityError, check_sizes, safe_path
+
+        try:  # every file the manifest names stays inside the bundle
+            for key, name in (manifest.get("files") or {}).items():
+                if name is not None:
+                    safe_path(name, f"{manifest_path}: files.{key}")
+        except IntegrityError as err:
+            raise BundleError(str(err)) from err
         for key in ("encoder", "decoder", "vocab", "tokenizer"):
             name = manifest["files"].get(key)
             if name is None:
@@ -397,8 +405,6 @@ class Bundle:
             if found is None:
                 raise BundleError(f"bundle is missing {frontend} (looked in {', '.join(map(str, dirs))})")
             bundle.paths["frontend"] = found
-        from .integrity import IntegrityError, check_sizes
-
         try:
             check_sizes(dirs, manifest)  # presence and size of every file the manifest lists
         except IntegrityError as err:

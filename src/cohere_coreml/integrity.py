@@ -15,6 +15,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+import unicodedata
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,40 @@ class IntegrityError(ValueError):
         self.problems = problems or []
 
 
+def safe_path(rel, what: str = "manifest path") -> str:
+    """`rel` when it is a plain relative path inside a bundle: posix separators, no leading `/`, no drive,
+    no empty, `.` or `..` component, no backslash or control character, NFC; else IntegrityError naming it."""
+    problem = None
+    if not isinstance(rel, str) or not rel:
+        problem = "not a non-empty string"
+    elif rel.startswith("/") or re.match(r"^[A-Za-z]:", rel):
+        problem = "absolute"
+    elif "\\" in rel:
+        problem = "contains a backslash"
+    elif any(ord(c) < 32 or ord(c) == 127 for c in rel):
+        problem = "contains a control character"
+    elif any(part in ("", ".", "..") for part in rel.split("/")):
+        problem = "not normalised (empty, '.' or '..' component)"
+    elif unicodedata.normalize("NFC", rel) != rel:
+        problem = "not in Unicode NFC"
+    if problem:
+        raise IntegrityError(f"{what} {rel!r} is refused: {problem}; bundle paths are relative and stay inside the bundle",
+                             [f"{rel!r}: unsafe path ({problem})"])
+    return rel
+
+
+def _symlinks_on(root: Path, rel: str) -> str | None:
+    """The first component of `root/rel` (or `root` itself) that is a symbolic link, as a relative path."""
+    if root.is_symlink():
+        return "."
+    here = root
+    for i, part in enumerate(rel.split("/")):
+        here = here / part
+        if here.is_symlink():
+            return "/".join(rel.split("/")[: i + 1])
+    return None
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -48,15 +84,28 @@ def sha256_file(path: Path) -> str:
 
 
 def bundle_files(bundle_dir: str | os.PathLike) -> list[Path]:
-    """Every file of a bundle (relative paths, sorted), the manifest and hidden temporaries excluded."""
+    """Every file of a bundle (relative paths, sorted), the manifest and hidden temporaries excluded.
+
+    A symbolic link anywhere in the bundle (hidden names included; the bundle folder itself) is refused
+    with an IntegrityError naming it: links are never followed, hashed or published."""
     root = Path(bundle_dir)
-    out = []
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root)
-        if not path.is_file() or rel.as_posix() == MANIFEST_NAME or any(p.startswith(".") for p in rel.parts):
-            continue
-        out.append(rel)
-    return out
+    if root.is_symlink():
+        raise IntegrityError(f"{root} is a symbolic link: point at the bundle folder itself",
+                             [f"{root}: symbolic link"])
+    out, links = [], []
+    for folder, dirs, names in os.walk(root, followlinks=False):
+        for name in sorted(dirs + names):
+            path = Path(folder) / name
+            rel = path.relative_to(root)
+            if path.is_symlink():
+                links.append(rel.as_posix())
+            elif name in names and path.is_file() and rel.as_posix() != MANIFEST_NAME \
+                    and not any(p.startswith(".") for p in rel.parts):
+                out.append(rel)
+    if links:
+        raise IntegrityError(f"{root} holds {len(links)} symbolic link(s), refused (a bundle holds regular files only): "
+                             + ", ".join(sorted(links)), [f"{rel}: symbolic link" for rel in sorted(links)])
+    return sorted(out)
 
 
 def file_table(bundle_dir: str | os.PathLike) -> dict[str, dict]:
@@ -101,6 +150,8 @@ def _listed(manifest: dict, manifest_path: Path) -> dict[str, dict]:
     if not isinstance(files, dict) or not files:
         raise IntegrityError(f"{manifest_path} has no checksums (written before integrity records existed): "
                              "rebuild the bundle or run `cohere-coreml bundle finalize`")
+    for rel in files:
+        safe_path(rel, f"{manifest_path}: checksums entry")
     return files
 
 
@@ -123,6 +174,7 @@ def check_bundle(bundle_dir: str | os.PathLike, hashes: bool = True) -> dict:
     root = Path(bundle_dir)
     manifest, manifest_path = _read_manifest(root)
     listed = _listed(manifest, manifest_path)
+    on_disk = bundle_files(root)  # refuses symbolic links before anything is read through one
     problems = []
     for rel, want in sorted(listed.items()):
         path = root / rel
@@ -134,7 +186,7 @@ def check_bundle(bundle_dir: str | os.PathLike, hashes: bool = True) -> dict:
             problems.append(f"{rel}: size {size} != {want['size']} in the manifest")
         elif hashes and sha256_file(path) != want["sha256"]:
             problems.append(f"{rel}: sha256 differs from the manifest")
-    for rel in bundle_files(root):
+    for rel in on_disk:
         if rel.as_posix() not in listed:
             problems.append(f"{rel.as_posix()}: not listed in the manifest")
     if problems:
@@ -152,8 +204,12 @@ def check_sizes(bundle_dirs, manifest: dict) -> None:
     dirs = [Path(bundle_dirs)] if isinstance(bundle_dirs, (str, os.PathLike)) else [Path(d) for d in bundle_dirs]
     problems = []
     for rel, want in sorted(listed.items()):
+        safe_path(rel, "manifest checksums entry")
         path = next((d / rel for d in dirs if (d / rel).is_file()), None)
-        if path is None:
+        link = next((f"{d}/{found}" for d in dirs if (found := _symlinks_on(d, rel))), None)
+        if link is not None:
+            problems.append(f"{rel}: reached through a symbolic link ({link}), refused")
+        elif path is None:
             problems.append(f"{rel}: missing")
         elif path.stat().st_size != want["size"]:
             problems.append(f"{rel}: size {path.stat().st_size} != {want['size']} in the manifest")

@@ -437,21 +437,7 @@ public final class BundleDownloader: Sendable {
     }
 
     /// Why `path` (from a manifest) is not a plain normalised relative path inside the bundle, or nil.
-    static func unsafeReason(_ path: String) -> String? {
-        if path.isEmpty { return "empty" }
-        if path.hasPrefix("/") { return "absolute" }
-        if path.contains("\\") { return "contains a backslash" }
-        if path.unicodeScalars.contains(where: { $0.value < 0x20 || $0.value == 0x7f }) { return "contains a control character" }
-        if !path.unicodeScalars.elementsEqual(path.precomposedStringWithCanonicalMapping.unicodeScalars) {
-            return "not in Unicode normal form C"
-        }
-        for component in path.split(separator: "/", omittingEmptySubsequences: false) {
-            if component.isEmpty { return "has an empty component" }
-            if component == ".." { return "has a '..' component" }
-            if component == "." { return "has a '.' component" }
-        }
-        return nil
-    }
+    static func unsafeReason(_ path: String) -> String? { BundlePath.unsafeReason(path) }
 
     private static func removeUnlisted(in staging: URL, keeping table: ChecksumTable) throws {
         var directories: Set<String> = []

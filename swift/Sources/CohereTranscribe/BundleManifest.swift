@@ -1,5 +1,50 @@
 import Foundation
 
+/// Paths inside a bundle: what a manifest may name, and the check that nothing is reached through a
+/// symbolic link (the Python side's `integrity.safe_path` and `bundle_files` rules).
+public enum BundlePath {
+    /// Why `path` (from a manifest) is not a plain normalised relative path inside the bundle, or nil.
+    public static func unsafeReason(_ path: String) -> String? {
+        if path.isEmpty { return "empty" }
+        if path.hasPrefix("/") { return "absolute" }
+        if path.count >= 2, path.dropFirst().first == ":", path.first!.isLetter { return "absolute (drive letter)" }
+        if path.contains("\\") { return "contains a backslash" }
+        if path.unicodeScalars.contains(where: { $0.value < 0x20 || $0.value == 0x7f }) { return "contains a control character" }
+        if !path.unicodeScalars.elementsEqual(path.precomposedStringWithCanonicalMapping.unicodeScalars) {
+            return "not in Unicode normal form C"
+        }
+        for component in path.split(separator: "/", omittingEmptySubsequences: false) {
+            if component.isEmpty { return "has an empty component" }
+            if component == ".." { return "has a '..' component" }
+            if component == "." { return "has a '.' component" }
+        }
+        return nil
+    }
+
+    /// Throws when `relative` inside `bundle`, any folder on the way, anything inside it (for a folder
+    /// such as an `.mlpackage`), or the bundle folder itself is a symbolic link.
+    public static func checkNoSymbolicLinks(_ relative: String, in bundle: URL) throws {
+        func isLink(_ url: URL) -> Bool {
+            (try? url.resourceValues(forKeys: [.isSymbolicLinkKey]).isSymbolicLink) == true
+        }
+        if isLink(bundle) {
+            throw BundleError.unsafePath("\(bundle.path) is a symbolic link: open the bundle folder itself")
+        }
+        var here = bundle
+        for part in relative.split(separator: "/") {
+            here = here.appendingPathComponent(String(part))
+            if isLink(here) {
+                throw BundleError.unsafePath("\(here.path) is a symbolic link, refused: a bundle holds regular files only")
+            }
+        }
+        if let inside = FileManager.default.enumerator(at: here, includingPropertiesForKeys: [.isSymbolicLinkKey]) {
+            for case let url as URL in inside where isLink(url) {
+                throw BundleError.unsafePath("\(url.path) is a symbolic link, refused: a bundle holds regular files only")
+            }
+        }
+    }
+}
+
 /// Shape and element type of one input, output or state, as the manifest's `io` blocks list them.
 public struct ArrayDescription: Codable, Equatable, Sendable, CustomStringConvertible {
     public var shape: [Int]
@@ -48,6 +93,11 @@ public struct BundleManifest: Codable, Sendable {
         public var decoder: String
         public var vocab: String
         public var frontend: String?
+
+        /// (manifest key, path) of every file named.
+        public var named: [(String, String)] {
+            [("encoder", encoder), ("decoder", decoder), ("vocab", vocab)] + (frontend.map { [("frontend", $0)] } ?? [])
+        }
     }
 
     public struct Audio: Codable, Sendable {
@@ -239,8 +289,9 @@ public struct BundleManifest: Codable, Sendable {
         guard version <= supportedFormatVersion else {
             throw BundleError.newerFormatVersion(found: version, supported: supportedFormatVersion)
         }
+        let manifest: BundleManifest
         do {
-            return try JSONDecoder().decode(BundleManifest.self, from: data)
+            manifest = try JSONDecoder().decode(BundleManifest.self, from: data)
         } catch let DecodingError.keyNotFound(key, context) {
             throw BundleError.unreadableManifest(
                 "missing field '\((context.codingPath.map(\.stringValue) + [key.stringValue]).joined(separator: "."))'")
@@ -250,6 +301,12 @@ public struct BundleManifest: Codable, Sendable {
         } catch {
             throw BundleError.unreadableManifest("\(error)")
         }
+        for (key, path) in manifest.files.named {
+            if let reason = BundlePath.unsafeReason(path) {
+                throw BundleError.unsafePath("manifest files.\(key) '\(path)' is refused: \(reason); bundle paths stay inside the bundle")
+            }
+        }
+        return manifest
     }
 
     /// Reads `manifest.json` from a bundle folder.

@@ -10,10 +10,13 @@ public enum BundleError: Error, Equatable, CustomStringConvertible, LocalizedErr
     case ioMismatch(component: String, function: String, detail: String)
     case unknownLanguage(String, available: [String])
     case noFrontEnd(String)
+    /// A path that leaves the bundle, or a symbolic link inside it.
+    case unsafePath(String)
 
     public var description: String {
         switch self {
         case .missingFile(let s): return s
+        case .unsafePath(let s): return s
         case .unreadableManifest(let s): return "unreadable manifest.json: \(s)"
         case .unsupportedFormat(let s): return s
         case .newerFormatVersion(let found, let supported):

@@ -92,6 +92,9 @@ public actor CohereTranscriber {
                 throw BundleError.missingFile("the bundle has no \(what) (\(file)) in \(bundle.path)")
             }
         }
+        for (_, file) in manifest.files.named where FileManager.default.fileExists(atPath: bundle.appendingPathComponent(file).path) {
+            try BundlePath.checkNoSymbolicLinks(file, in: bundle)  // nothing is read through a link
+        }
         let runtime = try runtime ?? CohereTranscriber.defaultRuntime()
         self.bundleURL = bundle
         self.manifest = manifest

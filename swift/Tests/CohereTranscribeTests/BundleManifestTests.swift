@@ -8,15 +8,15 @@ final class BundleManifestTests: XCTestCase {
         return try JSONSerialization.jsonObject(with: data) as! [String: Any]
     }
 
-    /// A copy of the test bundle whose manifest is `edit`ed (packages linked, not copied).
+    /// A copy of the test bundle whose manifest is `edit`ed (packages copied: a bundle holds no links).
     func editedBundle(_ edit: (inout [String: Any]) -> Void) throws -> URL {
         var json = try manifestJSON()
         edit(&json)
         let dir = FileManager.default.temporaryDirectory.appendingPathComponent("cohere-swift-\(UUID().uuidString)")
         try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
         for name in try FileManager.default.contentsOfDirectory(atPath: Fixtures.bundle.path) where name != "manifest.json" {
-            try FileManager.default.createSymbolicLink(at: dir.appendingPathComponent(name),
-                                                       withDestinationURL: Fixtures.bundle.appendingPathComponent(name))
+            try FileManager.default.copyItem(at: Fixtures.bundle.appendingPathComponent(name),
+                                             to: dir.appendingPathComponent(name))
         }
         try JSONSerialization.data(withJSONObject: json).write(to: dir.appendingPathComponent("manifest.json"))
         return dir
@@ -52,6 +52,39 @@ final class BundleManifestTests: XCTestCase {
                 XCTAssertEqual(f.frames, m.encoderBuckets.first { $0.function == name }?.frames)
             }
         }
+    }
+
+    /// A manifest naming a file outside the bundle, or a bundle whose package is a symbolic link (to a
+    /// folder outside it), is refused before anything is read, naming the path.
+    func testPathsLeavingTheBundleAndSymbolicLinksAreRefused() async throws {
+        for bad in ["../encoder.mlpackage", "/etc/passwd", "a//b", "./vocab.json", "C:/x", "dir\\\\v.json"] {
+            let dir = try editedBundle { json in
+                var files = json["files"] as! [String: Any]
+                files["vocab"] = bad
+                json["files"] = files
+            }
+            XCTAssertThrowsError(try BundleManifest.load(bundle: dir), bad) { error in
+                guard case BundleError.unsafePath(let message) = error else { return XCTFail("\(bad): \(error)") }
+                XCTAssertTrue(message.contains("files.vocab"), message)
+            }
+        }
+        let dir = try editedBundle { _ in }
+        let manifest = try BundleManifest.load(bundle: dir)
+        let decoder = dir.appendingPathComponent(manifest.files.decoder)
+        let outside = FileManager.default.temporaryDirectory.appendingPathComponent("outside-\(UUID().uuidString).mlpackage")
+        try FileManager.default.moveItem(at: decoder, to: outside)
+        try FileManager.default.createSymbolicLink(at: decoder, withDestinationURL: outside)
+        do {
+            _ = try await CohereTranscriber(bundle: dir, runtime: try Fixtures.interpreter())
+            XCTFail("a symbolic link inside the bundle was followed")
+        } catch BundleError.unsafePath(let message) {
+            XCTAssertTrue(message.contains("decoder.mlpackage") && message.contains("symbolic link"), message)
+        }
+        // the same files as regular files load (the refusal was the link)
+        try FileManager.default.removeItem(at: decoder)
+        try FileManager.default.moveItem(at: outside, to: decoder)
+        let loaded = try await CohereTranscriber(bundle: dir, runtime: try Fixtures.interpreter())
+        XCTAssertEqual(loaded.manifest.files.decoder, manifest.files.decoder)
     }
 
     func testNewerFormatVersionIsRefused() throws {
