@@ -135,3 +135,118 @@ def test_pytorch_wer_equals_evaluate():
     assert all(languages[l]["clips"] == evaluated[l].clips == 2 for l in languages)
     assert {l: v["rate"] for l, v in languages.items()} == {l: r.wer for l, r in evaluated.items()}
     assert all(v["rate"] > 0 and v["deletions"] > 0 for v in languages.values())
+
+
+def swift_json(section: dict, dataset, *, eos=(3,), sha=None) -> dict:
+    """The JSON `cohere-transcribe-swift bench` writes (docs/swift.md, "Measuring on a device"), built from
+    the clip rows of a run: per clip its status, audio and processing seconds, hypothesis, and per window
+    the token ids (eos included), stop reason and stage timings."""
+    clips = []
+    for index, c in enumerate(section["clips"]):
+        row = {"index": index, "id": c["id"], "language": c["language"], "status": c["status"]}
+        if c["status"] == "problem":
+            row["problem"] = c["problem"]
+        else:
+            row.update(audio_s=c["audio_s"], processing_s=c.get("processing_s", 0.0), hypothesis=c["hypothesis"])
+            row["windows"] = []
+            flat = list(c.get("token_ids", []))
+            for w in c["windows"]:
+                n = w["tokens"] + (1 if w["stop_reason"] == "eos" else 0)
+                ids, flat = flat[:n], flat[n:]
+                row["windows"].append({"index": w["index"], "start_s": w["start_s"], "end_s": w["end_s"],
+                                       "token_ids": ids, "stop_reason": w["stop_reason"],
+                                       **{k: w[k] for k in ("features_s", "encoder_s", "prompt_s", "decode_s",
+                                                            "decoder_calls")}})
+            row["token_ids"] = [w["token_ids"] for w in row["windows"]]
+            row["stop_reasons"] = [w["stop_reason"] for w in row["windows"]]
+        clips.append(row)
+    return {"tool": "cohere-transcribe-swift bench", "format_version": 1, "runtime": "coreml",
+            "compute_units": {"flag": "cpu_and_ne", "front_end": "cpu_and_ne", "encoder": "cpu_and_ne",
+                              "decoder": "cpu_and_ne"},
+            "machine": {"platform": "macOS", "device": "Mac14,2", "chip": "Apple M2", "os": "macOS", "os_version": "15.1"},
+            "dataset": {"name": str(dataset.name), "manifest": dataset.manifest_path,
+                        "manifest_sha256": sha or dataset.manifest_sha256},
+            "bundle": {"dir": "/x/f16", "manifest_sha256": "a" * 64, "precision": "fp16", "size_mb": 6.5,
+                       "eos_token_ids": list(eos), "prefill": True, "capacity": 64},
+            "options": {"max_new_tokens": None, "beams": 1, "repetition_guard": False, "max_clips": None},
+            "load": {"cold_s": 12.5, "warm_s": 1.25}, "first_run_s": 0.5,
+            "memory": {"measure": "phys_footprint", "before_load_mb": 10.0, "after_load_mb": 400.0, "peak_mb": 512.0},
+            "placement": {"functions": [{"package": "encoder.mlpackage", "function": "main", "ops": 10,
+                                         "cost_share": {"neural_engine": 0.9, "gpu": 0.0, "cpu": 0.1},
+                                         "not_on_neural_engine": [{"operator": "ios18.gather", "outputs": ["g"],
+                                                                   "cost": 0.1, "device": "cpu"}]}]},
+            "placement_reason": None, "clips": clips}
+
+
+def test_merge_engine_scores_a_device_run_like_the_others(folder, tmp_path):
+    """A device run's JSON, built from a real run's clips, merges into a row whose error counts, rates, stage
+    sums and token agreement are those of the same clips run in process; a changed hypothesis changes the
+    row's WER to what metrics.error_counts computes for the device's hypotheses (not the JSON's own
+    figures: it carries none); the row's load times, memory and placement reach the Markdown."""
+    from cohere_coreml.bench import merge_engine, run_bench
+    from cohere_coreml.metrics import error_counts
+
+    path, answers = folder
+    dataset = load_folder(path)
+    ran = run_engine(lambda: ScriptedEngine(answers), dataset)
+    data = swift_json(ran, dataset)
+    row = merge_engine(_write(tmp_path / "device.json", data), dataset)
+    assert row["languages"] == ran["languages"]
+    for key in ("clips_total", "clips_scored", "clips_silent", "windows", "decode_tokens", "loop_rate",
+                "truncation_rate", "stages_s", "audio_s", "decoder_calls"):
+        assert row[key] == ran[key], key
+    # the dataset's own problems as the dataset says them; the device's (unreadable audio) marked as the device's
+    assert [p["id"] for p in row["problems"]] == [p["id"] for p in ran["problems"]]
+    broken = {p["id"]: p["problem"] for p in row["problems"]}["broken.wav"]
+    assert broken.startswith("device: cannot decode audio file")
+    from cohere_coreml.bench import agreement_with
+
+    assert agreement_with({"label": "ref", **ran}, row) == {"reference": "ref", "clips": 3, "identical_clips": 3,
+                                                             "baseline_tokens": 27, "agreeing_tokens": 27}
+    assert row["load_s"] == 12.5 and row["warm_load_s"] == 1.25 and row["peak_rss_mb"] == 512.0
+    assert row["label"] == "swift coreml Mac14,2 (f16, fp16, cpu_and_ne)"
+    # the device got the German clip wrong in another way: scored here, by the dataset's references
+    de = next(c for c in data["clips"] if c["id"] == "de_short.wav")
+    de["hypothesis"] = "ruf bitte anna nicht an"
+    row = merge_engine(_write(tmp_path / "device2.json", data), dataset)
+    want = error_counts(["ruf anna an"], ["ruf bitte anna nicht an"], "de")
+    assert row["languages"]["de"]["rate"] == want["rate"] == pytest.approx(2 / 3)
+    assert row["languages"]["de"]["insertions"] == 2 and row["languages"]["en"] == ran["languages"]["en"]
+    # in a report: next to an in-process engine, with agreement, the device table and the chart
+    report = run_bench([], None, path, merge=[tmp_path / "device.json", tmp_path / "device2.json"])
+    assert [e["kind"] for e in report["engines"]] == ["swift", "swift"]
+    md = format_markdown(report)
+    assert "| swift coreml Mac14,2 (f16, fp16, cpu_and_ne) | 6.50 | 33.33 | 25.00 | 100.00 |" in md
+    assert "| 12.50 | 1.25 | 0.50 | 512 (phys_footprint) |" in md
+    assert "encoder.main: ANE 90.00 % of cost, 1 ops elsewhere" in md
+    paths = write_outputs(report, tmp_path / "out")
+    assert json.loads(paths["json"].read_text())["engines"][1]["languages"]["de"]["insertions"] == 2
+
+
+def test_merge_engine_refuses_another_dataset(folder, tmp_path, capsys):
+    """Through the CLI: a device JSON whose dataset manifest sha256 is not --data's is refused on stderr with
+    both hashes, exit status 2, and nothing is written; the matching JSON is merged (exit 0, bench.md row)."""
+    from cohere_coreml.cli import main
+
+    path, answers = folder
+    dataset = load_folder(path)
+    ran = run_engine(lambda: ScriptedEngine(answers), dataset)
+    bad = _write(tmp_path / "other.json", swift_json(ran, dataset, sha="0" * 64))
+    out = tmp_path / "out"
+    assert main(["bench", "--data", str(path), "--merge-engine", str(bad), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "dataset manifest sha256 mismatch" in err and "0" * 64 in err and dataset.manifest_sha256 in err
+    assert not out.exists()
+    good = _write(tmp_path / "device.json", swift_json(ran, dataset))
+    assert main(["bench", "--data", str(path), "--merge-engine", str(good), "--out", str(out)]) == 0
+    assert "| swift coreml Mac14,2 (f16, fp16, cpu_and_ne) |" in (out / "bench.md").read_text()
+    wrong = swift_json(ran, dataset)
+    wrong["clips"][0]["id"] = "not-in-the-manifest.wav"
+    assert main(["bench", "--data", str(path), "--merge-engine", str(_write(tmp_path / "w.json", wrong)),
+                 "--out", str(out)]) == 2
+    assert "'not-in-the-manifest.wav' (entry 0) is not in" in capsys.readouterr().err
+
+
+def _write(path, data):
+    path.write_text(json.dumps(data))
+    return path

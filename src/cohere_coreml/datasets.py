@@ -33,6 +33,7 @@ class Clip:
     text: str
     language: str
     problem: str | None = None  # why this clip cannot be scored (missing file, empty text)
+    index: int | None = None  # position of its entry in a folder's manifest (ids need not be unique)
 
 
 @dataclass
@@ -90,7 +91,7 @@ def load_folder(directory: str | os.PathLike, limit_per_language: int | None = N
         elif not text.strip():
             problem = "empty reference transcript"
         clips.append(Clip(id=str(entry.get("id") or name or i), audio=audio, text=text, language=language,
-                          problem=problem))
+                          problem=problem, index=i))
     if not clips:
         raise DatasetError(f"{path} lists no clips")
     sha = hashlib.sha256(path.read_bytes()).hexdigest()

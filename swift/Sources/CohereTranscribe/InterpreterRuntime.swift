@@ -71,6 +71,9 @@ public final class InterpreterRuntime: ModelRuntime, @unchecked Sendable {
             "cohere-coreml not found: set COHERE_COREML to its path (e.g. .venv/bin/cohere-coreml after `make sync`) or put it on PATH")
     }
 
+    /// The child process's id (the bench reads its peak memory on Linux: it is not in the parent's).
+    public var processIdentifier: Int32 { process.processIdentifier }
+
     deinit {
         try? input.close()
         if process.isRunning { process.waitUntilExit() }

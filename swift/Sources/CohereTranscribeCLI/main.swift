@@ -2,10 +2,15 @@
 import CohereTranscribe
 import Foundation
 
+if CommandLine.arguments.count > 1, CommandLine.arguments[1] == "bench" {  // the device benchmark (BenchCommand.swift)
+    exit(await BenchCommand.run(Array(CommandLine.arguments.dropFirst(2))))
+}
+
 let usage = """
 usage: cohere-transcribe-swift --bundle DIR --language LANG FILE... [--json] [--no-punctuation]
                                [--max-new-tokens N] [--compute-units all|cpu_only|cpu_and_gpu|cpu_and_ne]
                                [--runtime coreml|interpreter] [--interpreter PATH] [--cache-dir DIR]
+       cohere-transcribe-swift bench --bundle DIR --data DATASET ...   (device benchmark: bench --help)
 
 Greedy transcription with a bundle written by `cohere-coreml export` (front end, encoder, decoder
 packages, manifest.json, vocab.json); token for token what `cohere-coreml transcribe` gives.
