@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,3 +135,31 @@ def test_describe(tiny_reference):
     assert info["tokens"]["prompt_en"][0] == info["tokens"]["decoder_start"]
     assert info["front_end"]["mel_bins"] == info["encoder"]["mel_bins"] == 128
     assert info["parameters"] > info["encoder_parameters"] > 0
+
+
+def test_local_folder_is_named_by_its_hub_id_or_its_name_never_its_path(tmp_path, tiny_checkpoint):
+    """A checkpoint given as a folder is recorded by the Hub id its config names, else by the folder's
+    name: a published bundle never carries the user's local path."""
+    import json
+    import shutil
+
+    from cohere_coreml.checkpoint import CheckpointError, check_hub_id, resolve_checkpoint
+
+    plain = resolve_checkpoint(tiny_checkpoint)
+    assert plain.model_id == Path(tiny_checkpoint).resolve().name and plain.base_model is None
+    assert "/" not in plain.model_id
+    for name, want in (("CohereLabs/cohere-transcribe-03-2026", "CohereLabs/cohere-transcribe-03-2026"),
+                       (str(tmp_path / "somewhere"), None), ("./relative/x", None), ("not an id", None)):
+        folder = tmp_path / f"ckpt-{abs(hash(name))}"
+        shutil.copytree(tiny_checkpoint, folder)
+        config = json.loads((folder / "config.json").read_text())
+        config["_name_or_path"] = name
+        (folder / "config.json").write_text(json.dumps(config))
+        source = resolve_checkpoint(folder)
+        assert source.base_model == want, name
+        assert source.model_id == (want or folder.name), name
+        assert str(tmp_path) not in source.model_id
+    assert check_hub_id("org/name") == "org/name"
+    for bad in ("/home/me/ckpt", "name", "a/b/c", "../x"):
+        with pytest.raises(CheckpointError, match="Hub id"):
+            check_hub_id(bad)

@@ -6,6 +6,7 @@ Small windows (2 s = 200 mel frames) keep this fast; the 35 s default is for rea
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -304,6 +305,9 @@ def test_cli_export_writes_gated_package_and_skips_existing(tiny_checkpoint, tmp
             "--window-seconds", str(WINDOW_S), "--precision", "fp32"]
     assert cli.main(argv) == 0
     assert (out / "encoder.mlpackage" / "Manifest.json").exists()
+    manifest = json.loads((out / "manifest.json").read_text())  # a folder checkpoint: its name, never its path
+    assert manifest["model_id"] == Path(tiny_checkpoint).resolve().name and manifest["base_model"] is None
+    assert str(Path(tiny_checkpoint).resolve()) not in (out / "manifest.json").read_text()
     report = json.loads((out / "encoder.parity.json").read_text())
     assert report["passed"] and report["worst_psnr_db"] >= 60.0
     assert "PASS" in capsys.readouterr().out

@@ -285,6 +285,33 @@ def test_model_card_shows_the_swift_package(bundle):
     assert "MLModel" not in swift  # no hand-written loop for a Swift developer
 
 
+def test_model_card_names_the_hub_id_never_a_path(bundle, tmp_path, capsys):
+    """Without a known Hub id the card has no base_model and no "revision None"; `finalize --base-model`
+    records the id in the manifest and the card's metadata; a path or a bad id is refused."""
+    from cohere_coreml.cli import main
+    from cohere_coreml.integrity import check_bundle
+
+    text = (bundle / "README.md").read_text()
+    header = text.split("---")[1]
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest.get("base_model") is None
+    assert "base_model:" not in header and "revision `None`" not in text
+    assert not manifest["model_id"].startswith(("/", "~", "."))
+    copy = tmp_path / "f16"
+    shutil.copytree(bundle, copy)
+    assert main(["bundle", "finalize", str(copy), "--base-model", "CohereLabs/cohere-transcribe-03-2026"]) == 0
+    capsys.readouterr()
+    header = (copy / "README.md").read_text().split("---")[1]
+    assert "base_model: CohereLabs/cohere-transcribe-03-2026" in header.splitlines()
+    assert json.loads((copy / "manifest.json").read_text())["base_model"] == "CohereLabs/cohere-transcribe-03-2026"
+    check_bundle(copy)  # the manifest was rewritten by the one writer: checksums still match
+    _validate(json.loads((copy / "manifest.json").read_text()))
+    for bad in ("/home/me/models/ckpt", "ckpt"):
+        assert main(["bundle", "finalize", str(copy), "--base-model", bad]) != 0
+        assert "Hub id" in capsys.readouterr().err
+    assert json.loads((copy / "manifest.json").read_text())["base_model"] == "CohereLabs/cohere-transcribe-03-2026"
+
+
 def test_model_card_shows_a_bench_report(bundle, tmp_path):
     """`bundle finalize --bench bench.json`: the card gets the presets table (WER per language, tokens
     identical to PyTorch), the checksums still match; a file that is not a bench report is refused."""

@@ -172,7 +172,8 @@ def decoder_package_info(path: str | os.PathLike) -> dict:
 
 
 def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, decoder: dict | None,
-                   model_id: str = "unknown", revision: str | None = None, frontend: dict | None = None) -> dict:
+                   model_id: str = "unknown", revision: str | None = None, frontend: dict | None = None,
+                   base_model: str | None = None) -> dict:
     """The manifest dict (see docs/bundle.md) of the packages described by `encoder`/`decoder`/
     `frontend` (`encoder_package_info` / `decoder_package_info` / `frontend_package_info`, None when
     absent). Every id and size is read from the packages, `model` and `tokenizer`."""
@@ -210,6 +211,7 @@ def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, deco
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "model_id": model_id,
+        "base_model": base_model,  # the Hub id of the checkpoint, or None (never a local path)
         "revision": revision,
         "tool_version": __version__,
         "tool_git_hash": git_hash(),
@@ -310,6 +312,7 @@ def write_bundle(out_dir: str | os.PathLike, model, processor) -> Path:
             decoder=decoder_package_info(dec_pkg) if dec_pkg.exists() else None,
             frontend=frontend_package_info(fe_pkg) if fe_pkg.exists() else None,
             model_id=str(getattr(source, "model_id", "unknown")), revision=getattr(source, "revision", None),
+            base_model=getattr(source, "base_model", None),
         )
     except BundleError:
         # packages that do not fit each other: no manifest at all rather than one describing other packages

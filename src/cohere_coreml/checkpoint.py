@@ -33,11 +33,34 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class CheckpointSource:
-    """Where a checkpoint came from (recorded in exported packages)."""
+    """Where a checkpoint came from (recorded in exported packages and published model cards).
+
+    `model_id` never holds a local path (a published bundle must not carry the user's home folder):
+    the Hub id, else the checkpoint folder's name. `base_model`: the Hub id when known (given, or the
+    checkpoint config's `_name_or_path` when that is a Hub id), else None."""
 
     model_id: str
     revision: str | None
     local_dir: Path
+    base_model: str | None = None
+
+
+def hub_id_from_config(folder: Path) -> str | None:
+    """The Hub id a checkpoint folder's config.json names (`_name_or_path`), when it is one."""
+    try:
+        name = json.loads((folder / "config.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(name, str) and _HUB_ID.match(name) and not name.startswith((".", "/", "~")):
+        return name
+    return None
+
+
+def check_hub_id(text: str, what: str = "--base-model") -> str:
+    """`text` when it is a Hub id (owner/name), else CheckpointError."""
+    if not isinstance(text, str) or not _HUB_ID.match(text):
+        raise CheckpointError(f"{what} must be a Hugging Face Hub id like 'owner/name', got {text!r}")
+    return text
 
 
 def resolve_checkpoint(model: str | os.PathLike, revision: str | None = None) -> CheckpointSource:
@@ -47,11 +70,13 @@ def resolve_checkpoint(model: str | os.PathLike, revision: str | None = None) ->
     if path.exists():
         if not path.is_dir():
             raise CheckpointError(f"{path} is a file; a checkpoint is a folder with config.json and *.safetensors")
-        return CheckpointSource(model_id=str(path.resolve()), revision=revision, local_dir=path)
+        hub_id = hub_id_from_config(path)
+        return CheckpointSource(model_id=hub_id or path.resolve().name, revision=revision, local_dir=path,
+                                base_model=hub_id)
     looks_local = text.startswith((".", "/", "~")) or text.count("/") != 1 or os.sep + os.sep in text
     if looks_local or not _HUB_ID.match(text):
         raise CheckpointError(f"checkpoint folder {text!r} does not exist (and it is not a Hub id like 'owner/name')")
-    return CheckpointSource(model_id=text, revision=revision, local_dir=_download(text, revision))
+    return CheckpointSource(model_id=text, revision=revision, local_dir=_download(text, revision), base_model=text)
 
 
 def _download(repo_id: str, revision: str | None) -> Path:

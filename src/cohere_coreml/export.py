@@ -22,6 +22,8 @@ is one `Component` entry here plus its module.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -219,7 +221,8 @@ def export_model(model, processor, settings: ExportSettings, components: Sequenc
                         max_new_tokens=max_new_tokens, buckets=buckets, prefill=prefill, backend=backend).finish()
 
 
-def export_checkpoint(model_ref: str, settings: ExportSettings, revision: str | None = None, **options) -> ExportResult:
+def export_checkpoint(model_ref: str, settings: ExportSettings, revision: str | None = None,
+                      base_model: str | None = None, **options) -> ExportResult:
     """Load a checkpoint (Hub id or folder) and export it; package metadata records its source.
 
     Peak memory is the larger of (PyTorch model + conversion) and (gating one package), not their
@@ -228,11 +231,13 @@ def export_checkpoint(model_ref: str, settings: ExportSettings, revision: str | 
     """
     import torch
 
-    from .checkpoint import load_reference
+    from .checkpoint import check_hub_id, load_reference
     from .convert import release_memory
 
     torch.set_grad_enabled(False)
     model, processor = load_reference(model_ref, revision=revision)
+    if base_model is not None:  # the Hub id of a checkpoint given as a folder whose config names none
+        model.source = dataclasses.replace(model.source, model_id=check_hub_id(base_model), base_model=base_model)
     source = model.source
     settings = settings.replace(model_id=source.model_id, revision=source.revision or settings.revision)
     staged = stage_export(model, processor, settings, **options)
@@ -250,7 +255,8 @@ def cmd_export(args) -> int:
     settings = ExportSettings(out_dir=Path(args.out), precision=args.precision, deployment_target=args.deployment_target,
                               window_seconds=args.window_seconds, force=args.force, skip_verify=args.skip_verify)
     components = tuple(c.strip() for c in args.components.split(",") if c.strip())
-    result = export_checkpoint(args.model, settings, revision=args.revision, components=components,
+    result = export_checkpoint(args.model, settings, revision=args.revision, base_model=args.base_model,
+                               components=components,
                                gate_audio=args.gate_audio, max_new_tokens=args.max_tokens,
                                buckets=tuple(args.buckets or ()), prefill=args.prefill)
     for name, package in result.packages.items():
@@ -277,6 +283,9 @@ def add_command(subparsers) -> None:
     p.add_argument("--model", default=DEFAULT_HUB_ID, help="Hugging Face Hub id or local checkpoint folder "
                    f"(default: {DEFAULT_HUB_ID})")
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
+    p.add_argument("--base-model", default=None, metavar="ORG/NAME",
+                   help="Hub id of the checkpoint, recorded in the manifest and the model card, when --model is a "
+                   "folder whose config.json names none (a local path is never recorded)")
     p.add_argument("--out", default=str(DEFAULT_OUT_DIR / "export"), help="output folder (default: %(default)s)")
     p.add_argument("--precision", choices=("fp16", "fp32"), default="fp16",
                    help="program precision (fp16 ships; fp32 is reference-grade). Gate: >= "

@@ -106,7 +106,7 @@ def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None) -> str:
         "language:", *[f"- {lang}" for lang in languages],
         f"pipeline_tag: {PIPELINE_TAG}",
         "library_name: coreml",
-        f"base_model: {m.get('model_id', 'unknown')}",
+        *([f"base_model: {m['base_model']}"] if m.get("base_model") else []),
         "tags:", "- coreml", "- core-ml", "- apple-neural-engine", "- speech-recognition", "- cohere-transcribe",
         f"- {preset}",
         "---",
@@ -115,8 +115,10 @@ def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None) -> str:
     for rel, info in file_table(root).items():
         top = rel.split("/", 1)[0]
         sizes[top] = sizes.get(top, 0) + info["size"]
-    lines = [*header, "", f"# {m.get('model_id', 'model')} for Core ML ({preset})", "",
-             f"Core ML bundle of `{m.get('model_id')}` (revision `{m.get('revision')}`) made by cohere-coreml "
+    name = m.get("base_model") or m.get("model_id") or "model"
+    revision = f" (revision `{m['revision']}`)" if m.get("revision") else ""
+    lines = [*header, "", f"# {name} for Core ML ({preset})", "",
+             f"Core ML bundle of `{name}`{revision} made by cohere-coreml "
              f"{m.get('tool_version')} (`{m.get('tool_git_hash')}`): "
              + ("front end (16 kHz samples -> log-mel features, fp32, CPU/GPU) + " if m.get("frontend") else "")
              + "encoder + stateful decoder (KV cache in Core ML "
@@ -303,12 +305,26 @@ if __name__ == "__main__":
 '''
 
 
-def finalize_bundle(bundle_dir: str | os.PathLike, bench: str | os.PathLike | None = None) -> Path:
+def finalize_bundle(bundle_dir: str | os.PathLike, bench: str | os.PathLike | None = None,
+                    base_model: str | None = None) -> Path:
     """Write README.md (with `bench`, a bench.json, the presets table) and example_inference.py, then the
-    manifest's integrity sections (last)."""
+    manifest's integrity sections (last). `base_model`: the checkpoint's Hub id, recorded in the manifest
+    and the card's metadata (for a bundle exported from a folder whose config named none)."""
     root = Path(bundle_dir)
     if not (root / MANIFEST_NAME).is_file():
         raise PublishError(f"{root} has no manifest.json: export the bundle first")
+    if base_model is not None:
+        from .checkpoint import CheckpointError, check_hub_id
+
+        try:
+            check_hub_id(base_model)
+        except CheckpointError as err:
+            raise PublishError(str(err)) from None
+        from .bundle import write_manifest
+
+        manifest = json.loads((root / MANIFEST_NAME).read_text())
+        manifest["base_model"] = base_model
+        write_manifest(manifest, root)
     report = None
     if bench is not None:
         try:
@@ -396,7 +412,7 @@ def _first_line(err: BaseException) -> str:
 
 def cmd_bundle(args) -> int:
     if args.action == "finalize":
-        print(finalize_bundle(args.dir, bench=args.bench))
+        print(finalize_bundle(args.dir, bench=args.bench, base_model=args.base_model))
         return 0
     try:
         summary = check_bundle(args.dir, hashes=True)
@@ -430,6 +446,9 @@ def add_commands(subparsers) -> None:
     p.add_argument("--bench", default=None,
                    help="finalize: a `cohere-coreml bench` report (bench.json of PyTorch and the bundles of each "
                    "preset on one dataset) whose table the model card shows")
+    p.add_argument("--base-model", default=None, metavar="ORG/NAME",
+                   help="finalize: the checkpoint's Hub id for the manifest and the model card's base_model "
+                   "(when the export could not tell it)")
     p.set_defaults(func=cmd_bundle)
 
     p = subparsers.add_parser("upload", help="upload a verified bundle to the Hugging Face Hub (one folder per preset)",
