@@ -167,6 +167,34 @@ final class TranscriberTests: XCTestCase {
         XCTAssertFalse(reloaded.isEmpty)
     }
 
+    /// Concurrent transcriptions on one actor (each with its own decoder state) give exactly the sequential
+    /// results, and cancelling some of them does not disturb the others.
+    func testConcurrentTranscriptionsAndCancellationsEqualSequentialOnes() async throws {
+        let picked = Array(try clips(frontEnd: "package").filter { ($0["group"] as? String) == "heldout" }.prefix(6))
+        let transcriber = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: try Fixtures.coreML())
+        var sequential: [[[Int]]] = []
+        for clip in picked {
+            let r = try await transcriber.transcribe(contentsOf: URL(fileURLWithPath: clip["wav"] as! String),
+                                                     language: clip["language"] as! String)
+            sequential.append(r.tokenIds)
+        }
+        XCTAssertEqual(sequential, picked.map { ($0["windows"] as! [[String: Any]]).map { $0["token_ids"] as! [Int] } })
+        let tasks = picked.map { clip in
+            Task { try await transcriber.transcribe(contentsOf: URL(fileURLWithPath: clip["wav"] as! String),
+                                                    language: clip["language"] as! String).tokenIds }
+        }
+        let cancelled: Set<Int> = [1, 4]
+        for i in cancelled { tasks[i].cancel() }
+        for (i, task) in tasks.enumerated() {
+            do {
+                let got = try await task.value
+                if !cancelled.contains(i) { XCTAssertEqual(got, sequential[i], "clip \(i)") }
+            } catch is CancellationError {
+                XCTAssertTrue(cancelled.contains(i), "clip \(i) was cancelled without being asked")
+            }
+        }
+    }
+
     func testBadInputsAreClearErrors() async throws {
         let transcriber = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: try Fixtures.interpreter())
         let wav = (try clips(frontEnd: "python")[0])["wav"] as! String
