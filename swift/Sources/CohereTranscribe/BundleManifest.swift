@@ -173,6 +173,9 @@ public struct BundleManifest: Codable, Sendable {
         public var prefillIO: ModelIO?
         /// The bind function's (format 2).
         public var bindIO: ModelIO?
+        /// Format 2: bind function input -> the encoder output it takes unchanged
+        /// (e.g. "encoder_cross_k" -> "cross_k"; an input cannot share the name of the state it fills).
+        public var bindInputs: [String: String]?
         enum CodingKeys: String, CodingKey {
             case capacity
             case promptLength = "prompt_length"
@@ -186,6 +189,7 @@ public struct BundleManifest: Codable, Sendable {
             case io
             case prefillIO = "prefill_io"
             case bindIO = "bind_io"
+            case bindInputs = "bind_inputs"
         }
     }
 
@@ -399,9 +403,13 @@ public struct BundleManifest: Codable, Sendable {
                        states: decoderStates)
     }
 
-    /// What the bind function must take (the encoder's cross memory) and hold (format 2).
+    /// What the bind function must take (the encoder's cross memory, under its `bind_inputs` names) and
+    /// hold (format 2).
     public func expectedBindIO() -> ModelIO {
-        ModelIO(inputs: crossMemoryArrays, outputs: [:], states: decoderStates)
+        let memory = crossMemoryArrays
+        var inputs: [String: ArrayDescription] = [:]
+        for (input, output) in decoder.bindInputs ?? [:] { inputs[input] = memory[output] }
+        return ModelIO(inputs: inputs, outputs: [:], states: decoderStates)
     }
 
     /// What one front-end function of a window of `samples` samples and `frames` mel frames must take and return.

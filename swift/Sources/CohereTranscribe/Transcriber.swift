@@ -386,7 +386,15 @@ public actor CohereTranscriber {
         let tb = Date()
         var memory: [String: Tensor] = [:]  // what every step binds besides its token and position
         if let binder {
-            _ = try await binder.predict(cross, state: state)
+            var inputs: [String: Tensor] = [:]
+            for (input, output) in manifest.decoder.bindInputs ?? [:] {
+                guard let t = cross[output] else {
+                    throw BundleError.ioMismatch(component: "decoder", function: binder.functionName,
+                                                 detail: "bind input '\(input)' takes '\(output)', which the encoder does not return")
+                }
+                inputs[input] = t
+            }
+            _ = try await binder.predict(inputs, state: state)
         } else {
             memory = cross  // format 1: the cross memory is an input of every call
         }
