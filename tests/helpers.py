@@ -110,23 +110,33 @@ def broken_encoder_trace(wrapper_cls, length: int = 150):
 
 
 class RecordingRuntime:
-    """Wraps a loaded package (runtime interface) and records every `input_ids` it is given."""
+    """Wraps a loaded package function (runtime interface) and records what it is given: the input
+    names of every call and every `input_ids`."""
 
     def __init__(self, inner):
         self.inner = inner
-        self.calls: list[list[int]] = []
+        self.calls: list[list[int]] = []  # input_ids of each call that has them
+        self.inputs: list[list[str]] = []  # input names of each call
+
+    def __getattr__(self, name):  # descriptions, backend, ... of the wrapped function
+        return getattr(self.inner, name)
 
     def make_state(self):
         return self.inner.make_state()
 
     def predict(self, inputs, state=None):
-        self.calls.append([int(t) for t in np.asarray(inputs["input_ids"]).reshape(-1)])
+        self.inputs.append(sorted(inputs))
+        if "input_ids" in inputs:
+            self.calls.append([int(t) for t in np.asarray(inputs["input_ids"]).reshape(-1)])
         return self.inner.predict(inputs, state=state)
 
 
-def record_decoder_inputs(transcriber) -> tuple[RecordingRuntime, RecordingRuntime | None]:
-    """Make `transcriber` record what its decoder step (and prefill) functions receive."""
-    transcriber.decoder = RecordingRuntime(transcriber.decoder)
-    if transcriber.prefill is not None:
-        transcriber.prefill = RecordingRuntime(transcriber.prefill)
-    return transcriber.decoder, transcriber.prefill
+def record_decoder_inputs(transcriber) -> tuple[RecordingRuntime, RecordingRuntime | None, RecordingRuntime]:
+    """Make `transcriber` record what its decoder functions receive: (step, prefill or None, bind)."""
+    decoder = transcriber.decoder  # a DecoderRuntime
+    decoder.step_model = RecordingRuntime(decoder.step_model)
+    decoder.bind_model = RecordingRuntime(decoder.bind_model)
+    if decoder.prefill_model is not None:
+        decoder.prefill_model = RecordingRuntime(decoder.prefill_model)
+    transcriber.prefill = decoder.prefill_model
+    return decoder.step_model, decoder.prefill_model, decoder.bind_model

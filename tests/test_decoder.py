@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -10,9 +11,11 @@ import torch
 
 from cohere_coreml.decoder import (
     NEGATIVE_CONTROLS,
+    DecoderBind,
     DecoderExportError,
     DecoderStep,
-    TorchStepRuntime,
+    StatefulDecoder,
+    TorchDecoder,
     build_step_mlmodel,
     convert_decoder,
     count_macs,
@@ -77,21 +80,18 @@ def test_pytorch_step_matches_generate(reference):
                                  max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
             enc = model.model.encoder(feats, attention_mask=mask)
         memory = cross_memory(model, enc.last_hidden_state, int(enc.attention_mask.sum()), 32)
-        ck, cv, cm = (torch.from_numpy(memory[k]) for k in ("cross_k", "cross_v", "cross_mask"))
-        rt = TorchStepRuntime(DecoderStep(model, capacity=32, memory_len=32).eval())
-        state = rt.make_state()
+        rt = TorchDecoder(StatefulDecoder(model, capacity=32, memory_len=32))
+        state = rt.new_state(memory)  # bind_memory: the cross memory into the state, once
         ids = []
         lp = None
         for pos, tok in enumerate(prompt):
-            lp = rt.predict({"input_ids": np.array([[tok]], np.int32), "position": np.array([pos], np.int32),
-                             "cross_k": ck.numpy(), "cross_v": cv.numpy(), "cross_mask": cm.numpy()}, state)["log_probs"]
+            lp = rt.step(state, tok, pos)
         pos = len(prompt)
         while len(ids) < 12:
             ids.append(int(lp.argmax()))
             if ids[-1] == model.config.eos_token_id or len(ids) == 12:
                 break
-            lp = rt.predict({"input_ids": np.array([[ids[-1]]], np.int32), "position": np.array([pos], np.int32),
-                             "cross_k": ck.numpy(), "cross_v": cv.numpy(), "cross_mask": cm.numpy()}, state)["log_probs"]
+            lp = rt.step(state, ids[-1], pos)
             pos += 1
         assert ids == ref, f"{name} seed {seed}"
 
@@ -121,15 +121,26 @@ def test_export_parity_gate(reference, tmp_path, precision):
     assert parity["argmax_agree"] == parity["argmax_steps"] == parity["steps"] - 9 >= 2
     assert parity["worst_psnr_db"] >= (60 if precision == "fp32" else 35)
     assert parity["mean_kl"] < (1e-4 if precision == "fp32" else 5e-3)
-    io = package_io(tmp_path / "decoder.mlpackage")
+    assert parity["memory"]["passed"], parity["memory"]
+    package = tmp_path / "decoder.mlpackage"
+    io = package_io(package)
     cache = [cfg.num_hidden_layers, cfg.num_key_value_heads, 64, cfg.head_dim]
-    assert io["states"] == {"self_k": {"shape": cache, "dtype": "float16"},
-                            "self_v": {"shape": cache, "dtype": "float16"}}
-    assert io["inputs"]["input_ids"] == {"shape": [1, 1], "dtype": "int32"}
-    assert io["inputs"]["position"] == {"shape": [1], "dtype": "int32"}
-    assert io["inputs"]["cross_k"]["shape"] == [cfg.num_hidden_layers, cfg.num_key_value_heads, 32, cfg.head_dim]
-    assert io["inputs"]["cross_mask"]["shape"] == [1, 1, 1, 32]
+    mem = [cfg.num_hidden_layers, cfg.num_key_value_heads, 32, cfg.head_dim]
+    states = {"self_k": {"shape": cache, "dtype": "float16"}, "self_v": {"shape": cache, "dtype": "float16"},
+              "cross_k": {"shape": mem, "dtype": "float16"}, "cross_v": {"shape": mem, "dtype": "float16"},
+              "cross_mask": {"shape": [1, 1, 1, 32], "dtype": "float16"}}
+    assert io["states"] == states
+    # the step binds only O(1) inputs: no cross memory, nothing of the encoder's length
+    assert io["inputs"] == {"input_ids": {"shape": [1, 1], "dtype": "int32"},
+                            "position": {"shape": [1], "dtype": "int32"}}
     assert io["outputs"]["log_probs"]["shape"] == [1, cfg.vocab_size]
+    bind = package_io(package, "bind_memory")
+    program = "float16" if precision == "fp16" else "float32"  # as the encoder package outputs it
+    assert bind["inputs"] == {"encoder_cross_k": {"shape": mem, "dtype": program},
+                              "encoder_cross_v": {"shape": mem, "dtype": program},
+                              "encoder_cross_mask": {"shape": [1, 1, 1, 32], "dtype": program}}
+    assert bind["outputs"] == {"memory_length": {"shape": [1], "dtype": "int32"}}
+    assert bind["states"] == states
     assert (tmp_path / "decoder.parity.json").is_file()
 
 
@@ -144,7 +155,9 @@ def test_program_structure_and_cost(tiny_reference):
         ops = list(prog.functions["main"].operations)
         types = [op.op_type for op in ops]
         assert types.count("slice_update") == 2 * cfg.num_hidden_layers
-        assert types.count("coreml_update_state") == 2 * cfg.num_hidden_layers
+        assert types.count("coreml_update_state") == 2 * cfg.num_hidden_layers  # the step writes only self_k/v
+        assert set(prog.functions["main"].inputs) == {"input_ids", "position", "self_k", "self_v", "cross_k",
+                                                      "cross_v", "cross_mask"}
         for op in ops:
             if op.op_type == "const" and op.outputs[0].val is not None:
                 val = np.asarray(op.outputs[0].val)
@@ -172,7 +185,7 @@ def test_gate_detects_wrong_memory_masking(tiny_reference):
     """The teacher-forcing report fails when the package sees a different cross memory."""
     model, processor = tiny_reference
     case = teacher_forcing_case(model, 32, _prompt(processor), new_tokens=6)
-    rt = TorchStepRuntime(DecoderStep(model, capacity=32, memory_len=32).eval())
+    rt = TorchDecoder(StatefulDecoder(model, capacity=32, memory_len=32))
     good = teacher_forcing_report(case, run_teacher_forcing(rt, case), "fp32")
     assert good["passed"], good
     assert (case.cross_mask < 0).any(), "the gate case must have a padded tail"
@@ -193,17 +206,17 @@ def test_gate_refuses_a_step_that_ignores_the_memory_mask(tiny_reference, tmp_pa
     import cohere_coreml.decoder as decoder_module
     from cohere_coreml.convert import ExportSettings, ParityError
 
-    class MaskDroppingStep(DecoderStep):
-        def forward(self, input_ids, position, cross_k, cross_v, cross_mask):
-            return super().forward(input_ids, position, cross_k, cross_v, torch.zeros_like(cross_mask))
+    class MaskDroppingBind(DecoderBind):
+        def bind_memory(self, cross_k, cross_v, cross_mask):
+            return super().bind_memory(cross_k, cross_v, torch.zeros_like(cross_mask))
 
     model, processor = tiny_reference
-    original = decoder_module.trace_decoder_step
+    original = decoder_module.trace_decoder_bind
 
-    def broken_trace(step):
-        return original(MaskDroppingStep(model, step.shapes.capacity, step.shapes.memory_len))
+    def broken_trace(bind):
+        return original(MaskDroppingBind(model, bind.shapes.capacity, bind.shapes.memory_len))
 
-    monkeypatch.setattr(decoder_module, "trace_decoder_step", broken_trace)
+    monkeypatch.setattr(decoder_module, "trace_decoder_bind", broken_trace)
     settings = ExportSettings(out_dir=tmp_path, precision="fp32")
     with pytest.raises(ParityError, match="teacher forcing"):
         convert_decoder(model, settings, capacity=32, memory_len=32, prompt=_prompt(processor))
@@ -218,16 +231,16 @@ def test_fp16_program_keeps_small_log_probs(tiny_reference, tmp_path):
     """
     import copy
 
-    from cohere_coreml.convert import psnr
-    from cohere_coreml.runtime import load_model
+    from cohere_coreml.convert import ExportSettings, psnr
+    from cohere_coreml.decoder_runtime import DecoderRuntime
 
     model, processor = tiny_reference
     peaked = copy.deepcopy(model)
     with torch.no_grad():
         peaked.proj_out.bias.copy_(torch.linspace(0.0, -40.0, peaked.config.vocab_size))
-    mlmodel, shapes = build_step_mlmodel(peaked, capacity=32, memory_len=32, precision="fp16")
-    mlmodel.save(str(tmp_path / "step.mlpackage"))
-    rt = load_model(str(tmp_path / "step.mlpackage"), backend="mil")
+    settings = ExportSettings(out_dir=tmp_path, precision="fp16", skip_verify=True)
+    result = convert_decoder(peaked, settings, capacity=32, memory_len=32, prompt=_prompt(processor))
+    rt = DecoderRuntime.load(result["path"], backend="mil")
     case = teacher_forcing_case(peaked, 32, _prompt(processor), new_tokens=3)
     produced = run_teacher_forcing(rt, case)
     assert case.log_probs.min() < -35
@@ -239,42 +252,43 @@ def test_fp16_program_keeps_small_log_probs(tiny_reference, tmp_path):
 # --- negative controls: the gate must refuse broken packages, and say when it cannot -----------
 
 
-class ZeroMemoryStep(DecoderStep):
-    """Broken: the cross memory never reaches the step."""
+class ZeroMemoryBind(DecoderBind):
+    """Broken: the cross memory never reaches the state (e.g. a state write the tracer dropped)."""
 
-    def forward(self, input_ids, position, cross_k, cross_v, cross_mask):
-        return super().forward(input_ids, position, torch.zeros_like(cross_k), torch.zeros_like(cross_v), cross_mask)
+    def bind_memory(self, cross_k, cross_v, cross_mask):
+        return super().bind_memory(torch.zeros_like(cross_k), torch.zeros_like(cross_v), cross_mask)
 
 
-class SwappedKVStep(DecoderStep):
+class SwappedKVBind(DecoderBind):
     """Broken: cross K and V wired the wrong way round."""
 
-    def forward(self, input_ids, position, cross_k, cross_v, cross_mask):
-        return super().forward(input_ids, position, cross_v, cross_k, cross_mask)
+    def bind_memory(self, cross_k, cross_v, cross_mask):
+        return super().bind_memory(cross_v, cross_k, cross_mask)
 
 
-class PermutedLayersStep(DecoderStep):
+class PermutedLayersBind(DecoderBind):
     """Broken: layer i attends to the cross K/V of layer L-1-i."""
 
-    def forward(self, input_ids, position, cross_k, cross_v, cross_mask):
-        return super().forward(input_ids, position, cross_k.flip(0), cross_v.flip(0), cross_mask)
+    def bind_memory(self, cross_k, cross_v, cross_mask):
+        return super().bind_memory(cross_k.flip(0), cross_v.flip(0), cross_mask)
 
 
 def wrong_prompt_step(control_prompt):
     """Broken: the prompt slots read other prompt ids (e.g. a hard-coded language)."""
 
     class WrongPromptStep(DecoderStep):
-        def forward(self, input_ids, position, cross_k, cross_v, cross_mask):
+        def run_tokens(self, input_ids, positions, *args, **kwargs):
             table = torch.tensor(control_prompt, dtype=torch.int32)
-            slot = position.clamp(max=len(control_prompt) - 1)
-            ids = torch.where(position < len(control_prompt), table[slot], input_ids.view(-1)).view(1, 1)
-            return super().forward(ids, position, cross_k, cross_v, cross_mask)
+            slot = positions.clamp(max=len(control_prompt) - 1)
+            ids = torch.where(positions < len(control_prompt), table[slot], input_ids.view(-1)).view(1, -1)
+            return super().run_tokens(ids, positions, *args, **kwargs)
 
     return WrongPromptStep
 
 
-BROKEN_STEPS = {"zero_memory": lambda cp: ZeroMemoryStep, "swapped_kv": lambda cp: SwappedKVStep,
-                "permuted_layers": lambda cp: PermutedLayersStep, "wrong_prompt": wrong_prompt_step}
+# each defect as a module of the package: the three memory defects in bind_memory, the prompt one in the step
+BROKEN_MODULES = {"zero_memory": lambda cp: ZeroMemoryBind, "swapped_kv": lambda cp: SwappedKVBind,
+                  "permuted_layers": lambda cp: PermutedLayersBind, "wrong_prompt": wrong_prompt_step}
 
 
 @pytest.fixture(scope="module")
@@ -289,7 +303,7 @@ def test_trained_model_gate_case_is_sensitive(trained_case):
     """Sensitivity first: every negative control moves the reference far below the fp32 and fp16
     floors; a correct step passes."""
     model, processor, case = trained_case
-    good = teacher_forcing_report(case, run_teacher_forcing(TorchStepRuntime(DecoderStep(model, 32, 64)), case),
+    good = teacher_forcing_report(case, run_teacher_forcing(TorchDecoder(StatefulDecoder(model, 32, 64)), case),
                                   "fp32")
     assert good["passed"] and good["worst_psnr_db"] > 80, good["worst_psnr_db"]
     for precision in ("fp32", "fp16"):
@@ -300,26 +314,27 @@ def test_trained_model_gate_case_is_sensitive(trained_case):
             assert c["worst_psnr_db"] < 20 and c["argmax_agree"] < c["argmax_steps"], (name, c)
 
 
-@pytest.mark.parametrize("broken", list(BROKEN_STEPS))
-def test_gate_refuses_broken_steps(trained_case, broken):
-    """Each defect class, built as a step module, fails the gate's report on the trained model."""
+@pytest.mark.parametrize("broken", list(BROKEN_MODULES))
+def test_gate_refuses_broken_modules(trained_case, broken):
+    """Each defect class, built as a module (bind_memory or step), fails the gate's report on the
+    trained model."""
     model, processor, case = trained_case
-    cls = BROKEN_STEPS[broken](_prompt(processor, "de", False))
-    report = teacher_forcing_report(case, run_teacher_forcing(TorchStepRuntime(cls(model, 32, 64)), case), "fp32")
+    cls = BROKEN_MODULES[broken](_prompt(processor, "de", False))
+    report = teacher_forcing_report(case, run_teacher_forcing(TorchDecoder(cls(model, 32, 64)), case), "fp32")
     assert not report["passed"]
     assert report["worst_psnr_db"] < 60 and report["mean_kl"] > 1e-4
 
 
-def test_gate_refuses_a_packaged_zero_memory_step(trained_reference, tmp_path, monkeypatch):
+def test_gate_refuses_a_packaged_zero_memory_bind(trained_reference, tmp_path, monkeypatch):
     """The same break through the real export path (trace, convert, interpreter): refused, no
     package written, only the refusal's figures (decoder.parity-failed.json)."""
     import cohere_coreml.decoder as decoder_module
     from cohere_coreml.convert import ExportSettings, ParityError
 
     model, processor = trained_reference
-    original = decoder_module.trace_decoder_step
-    monkeypatch.setattr(decoder_module, "trace_decoder_step",
-                        lambda step: original(ZeroMemoryStep(model, step.shapes.capacity, step.shapes.memory_len)))
+    original = decoder_module.trace_decoder_bind
+    monkeypatch.setattr(decoder_module, "trace_decoder_bind",
+                        lambda bind: original(ZeroMemoryBind(model, bind.shapes.capacity, bind.shapes.memory_len)))
     settings = ExportSettings(out_dir=tmp_path, precision="fp32")
     with pytest.raises(ParityError, match="teacher forcing"):
         convert_decoder(model, settings, capacity=32, memory_len=64, prompt=_prompt(processor))
@@ -348,3 +363,161 @@ def test_gate_warns_when_the_case_cannot_discriminate(tiny_reference, caplog):
 
     single = dataclasses.replace(case, cross_k=case.cross_k[:1], cross_v=case.cross_v[:1])
     assert control_case(single, "permuted_layers") is None
+
+
+# --- the cross memory lives in the state: bind_memory once per window ------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_package(trained_reference, tmp_path_factory):
+    """fp16 decoder package of the trained model (C 32, Tp 64, with prefill), gate skipped: the tests
+    below check the state themselves."""
+    from cohere_coreml.convert import ExportSettings
+
+    model, processor = trained_reference
+    out = tmp_path_factory.mktemp("bound")
+    settings = ExportSettings(out_dir=out, precision="fp16", skip_verify=True)
+    return convert_decoder(model, settings, capacity=32, memory_len=64, prompt=_prompt(processor), prefill=True)["path"]
+
+
+def test_bind_memory_writes_the_state(trained_reference, trained_package):
+    """After bind_memory the state holds exactly the encoder outputs (fp16-rounded), the self cache
+    left by a previous window is zero, and memory_length counts the valid frames; the program
+    writes every state with coreml_update_state."""
+    from cohere_coreml.decoder_runtime import DecoderRuntime, DecoderRuntimeError
+    from cohere_coreml.quantize import load_function
+
+    model, processor = trained_reference
+    decoder = DecoderRuntime.load(trained_package, backend="mil")
+    case = teacher_forcing_case(model, 64, _prompt(processor), new_tokens=2, seed=3)
+    state = decoder.make_state()
+    for name in ("self_k", "self_v"):
+        shape, dtype = decoder.state_description[name]
+        state.write_state(name, np.full(shape, 7.0, dtype=dtype))
+    bound = decoder.bind(state, case.memory)
+    assert bound == int((case.cross_mask == 0).sum()) < 64
+    for name, value in case.memory.items():
+        got = state.read_state(name)
+        assert got.dtype == np.float16
+        np.testing.assert_array_equal(got, value.astype(np.float16), err_msg=name)
+    assert not state.read_state("self_k").any() and not state.read_state("self_v").any()
+    assert (case.cross_k[:, :, bound:] != 0).any(), "the case's padded tail must hold garbage the state keeps"
+    ops = [op for op in load_function(trained_package, "bind_memory").operations if op.op_type == "coreml_update_state"]
+    assert sorted(op.state.name for op in ops) == ["cross_k", "cross_mask", "cross_v", "self_k", "self_v"]
+    with pytest.raises(DecoderRuntimeError, match="encoder_length"):  # a mask that disagrees with the encoder's length
+        decoder.bind(decoder.make_state(), {**case.memory, "encoder_length": np.array([bound + 1], np.int32)})
+
+
+def test_step_reads_the_bound_window(trained_reference, trained_package):
+    """A state bound to another window's memory gives other log-probs than the right one; re-binding a
+    used state to a window gives exactly what a fresh state bound to it gives (prefill and step)."""
+    from cohere_coreml.decoder_runtime import DecoderRuntime
+
+    model, processor = trained_reference
+    decoder = DecoderRuntime.load(trained_package, backend="mil")
+    a = teacher_forcing_case(model, 64, _prompt(processor), new_tokens=6, seed=0)
+    b = teacher_forcing_case(model, 64, _prompt(processor), new_tokens=6, seed=5)
+    right = run_teacher_forcing(decoder, a)
+    wrong_memory = dataclasses.replace(a, cross_k=b.cross_k, cross_v=b.cross_v, cross_mask=b.cross_mask)
+    wrong = run_teacher_forcing(decoder, wrong_memory)
+    assert teacher_forcing_report(a, right, "fp16")["passed"]
+    assert np.abs(right - wrong).max() > 1.0
+    assert not teacher_forcing_report(a, wrong, "fp16")["passed"]
+    # one state, used for window b, then re-bound to window a
+    state = decoder.new_state(b.memory)
+    for pos, tok in enumerate(b.ids):
+        decoder.step(state, tok, pos)
+    decoder.bind(state, a.memory)
+    again = [decoder.prefill(state, a.ids[:a.prompt_len])]
+    again += [decoder.step(state, tok, pos) for pos, tok in enumerate(a.ids) if pos >= a.prompt_len]
+    fresh = decoder.new_state(a.memory)
+    expected = [decoder.prefill(fresh, a.ids[:a.prompt_len])]
+    expected += [decoder.step(fresh, tok, pos) for pos, tok in enumerate(a.ids) if pos >= a.prompt_len]
+    np.testing.assert_array_equal(np.stack(again), np.stack(expected))
+    # prefill + steps decide as the step-only run does
+    assert list(np.stack(expected).argmax(-1)) == list(right[a.prompt_len - 1:].argmax(-1))
+
+
+def test_older_decoder_package_is_refused(trained_reference, tmp_path):
+    """A step-only package (the format-1 layout: no bind_memory) is refused with a message to re-export."""
+    from cohere_coreml.bundle import BundleError, decoder_package_info
+    from cohere_coreml.decoder_runtime import DecoderRuntime, DecoderRuntimeError
+
+    model, _ = trained_reference
+    mlmodel, _ = build_step_mlmodel(model, capacity=32, memory_len=64, precision="fp16")
+    path = tmp_path / "decoder.mlpackage"
+    mlmodel.user_defined_metadata["com.cohere_coreml.decoder_shapes"] = "{}"
+    mlmodel.save(str(path))
+    with pytest.raises(DecoderRuntimeError, match="no 'bind_memory' function.*re-export"):
+        DecoderRuntime.load(path, backend="mil")
+    with pytest.raises(BundleError, match="bind_memory.*re-export"):
+        decoder_package_info(path)
+
+
+def test_serve_runtime_binds_and_steps_on_one_state(trained_reference, trained_package):
+    """The Swift package's Linux path (`cohere-coreml serve-runtime`): a state made from the step
+    function, bound by bind_memory (read back over the protocol), then a step: the same log-probs as
+    `DecoderRuntime` in process."""
+    from cohere_coreml.decoder_runtime import DecoderRuntime
+
+    from .runtime.test_serve import _request, _serve
+
+    model, processor = trained_reference
+    case = teacher_forcing_case(model, 64, _prompt(processor), new_tokens=1, seed=2)
+    req = _request({"op": "load", "path": str(trained_package), "function": "main"})  # m1
+    req += _request({"op": "load", "path": str(trained_package), "function": "bind_memory"})  # m2
+    req += _request({"op": "make_state", "model": "m1"})  # s3
+    req += _request({"op": "predict", "model": "m2", "state": "s3"},
+                    {"encoder_" + k: v.astype(np.float16) for k, v in case.memory.items()})
+    req += _request({"op": "read_state", "state": "s3", "name": "cross_k"})
+    req += _request({"op": "predict", "model": "m1", "state": "s3"},
+                    {"input_ids": np.array([[case.ids[0]]], np.int32), "position": np.array([0], np.int32)})
+    req += _request({"op": "quit"})
+    responses = _serve(req)
+    assert all(h["ok"] for h, _ in responses), [h for h, _ in responses if not h["ok"]]
+    step_load, bind_load = responses[1][0], responses[2][0]
+    assert set(step_load["inputs"]) == {"input_ids", "position"} and step_load["states"] == bind_load["states"]
+    assert int(responses[4][1]["memory_length"][0]) == int((case.cross_mask == 0).sum())
+    np.testing.assert_array_equal(responses[5][1]["cross_k"], case.cross_k.astype(np.float16))
+    decoder = DecoderRuntime.load(trained_package, backend="mil")
+    want = decoder.step(decoder.new_state(case.memory), case.ids[0], 0)
+    np.testing.assert_array_equal(responses[6][1]["log_probs"].reshape(-1), want)
+
+
+def test_beam_search_state_copies_carry_the_bound_memory(trained_reference, trained_package):
+    """Beam search on the package: every returned hypothesis scores exactly what a fresh state bound to
+    the same memory gives it (so each copied state held the right cache AND the window's memory); a
+    copy of the self cache alone (the format-1 copy) does not reproduce the next log-probs."""
+    from cohere_coreml.decoder_runtime import DecoderRuntime
+    from cohere_coreml.decoding import beam_search, copy_state
+
+    model, processor = trained_reference
+    decoder = DecoderRuntime.load(trained_package, backend="mil")
+    case = teacher_forcing_case(model, 64, _prompt(processor), new_tokens=1, seed=4)
+    prompt = case.ids[: case.prompt_len]
+    state = decoder.new_state(case.memory)
+    lp = decoder.prefill(state, prompt)
+    searched = beam_search(lambda tok, pos, st: decoder.step(st, tok, pos), decoder, state, lp, len(prompt),
+                           limit=8, reason_at_limit="max_new_tokens", eos_ids={model.config.eos_token_id}, beams=3)
+    assert searched["calls"] > 8 and len(searched["hypotheses"]) == 3
+    assert len({tuple(t) for t, _, _ in searched["hypotheses"]}) == 3
+    for tokens, normalised, _ in searched["hypotheses"]:
+        fresh = decoder.new_state(case.memory)
+        row = np.asarray(decoder.prefill(fresh, prompt), np.float64)
+        score = 0.0
+        for i, tok in enumerate(tokens):
+            score += float(row[tok])
+            if i + 1 < len(tokens):
+                row = np.asarray(decoder.step(fresh, tok, len(prompt) + i), np.float64)
+        assert normalised == pytest.approx(score / len(tokens), rel=0, abs=1e-9), tokens
+    # the copy holds all five buffers; without the bound memory the next step differs
+    full = copy_state(decoder, state)
+    for name in decoder.state_description:
+        np.testing.assert_array_equal(full.read_state(name), state.read_state(name))
+    cache_only = decoder.make_state()
+    for name in ("self_k", "self_v"):
+        cache_only.write_state(name, state.read_state(name))
+    nxt = searched["token_ids"][0]
+    a = decoder.step(full, nxt, len(prompt) + 8)
+    b = decoder.step(cache_only, nxt, len(prompt) + 8)
+    assert np.abs(a.astype(np.float32) - b.astype(np.float32)).max() > 1.0

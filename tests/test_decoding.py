@@ -37,9 +37,18 @@ class ToyDecoder:
         self.table[:, eos] += eos_bias
         self.loop = loop  # token sequence to force (a decoder loop) after the prompt
         self.calls = 0
+        self.binds = 0
 
     def make_state(self):
         return ToyState()
+
+    # the `DecoderRuntime` interface the Transcriber uses: bind (a no-op here), then steps
+    def new_state(self, memory):
+        self.binds += 1
+        return self.make_state()
+
+    def step(self, state, token, position):
+        return self.predict({"input_ids": np.array([[token]]), "position": np.array([position])}, state)["log_probs"][0]
 
     @staticmethod
     def fold(h, token):

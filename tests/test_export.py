@@ -331,9 +331,21 @@ def test_manifest_io_of_every_function(trained_bundle):
     assert frames[0] < frames[1] == enc["window_frames"]
     assert enc["io"] == enc["functions"]["main"]["io"]
 
-    prefill = dec["prefill_io"]
-    assert dec["functions"]["prefill"] and prefill is not None
-    assert prefill["inputs"]["input_ids"]["shape"] == [1, dec["prefill_length"]] != dec["io"]["inputs"]["input_ids"]["shape"]
-    assert "position" in dec["io"]["inputs"] and "position" not in prefill["inputs"]
-    assert prefill["states"] == dec["io"]["states"]
-    assert prefill["states"]["self_k"]["shape"] == dec["cache_shape"]
+    assert manifest["format_version"] == 2
+    assert dec["functions"] == {"step": "main", "bind": "bind_memory", "prefill": "prefill"}
+    prefill, bind = dec["prefill_io"], dec["bind_io"]
+    assert prefill is not None
+    assert prefill["inputs"] == {"input_ids": {"shape": [1, dec["prefill_length"]], "dtype": "int32"}}
+    assert dec["io"]["inputs"] == {"input_ids": {"shape": [1, 1], "dtype": "int32"},
+                                   "position": {"shape": [1], "dtype": "int32"}}
+    # one state layout for every function: the self cache and the window's cross memory
+    assert prefill["states"] == bind["states"] == dec["io"]["states"]
+    assert set(dec["io"]["states"]) == {"self_k", "self_v", "cross_k", "cross_v", "cross_mask"}
+    assert dec["io"]["states"]["self_k"]["shape"] == dec["cache_shape"]
+    assert dec["io"]["states"]["cross_k"]["shape"] == dec["memory_shape"]
+    # bind takes the encoder's outputs unchanged (shape and dtype), under the names bind_inputs maps
+    assert set(bind["inputs"]) == set(dec["bind_inputs"])
+    for name, source in dec["bind_inputs"].items():
+        assert bind["inputs"][name] == enc["io"]["outputs"][source], name
+        assert dec["io"]["states"][source]["shape"] == bind["inputs"][name]["shape"]
+    assert bind["outputs"] == {"memory_length": {"shape": [1], "dtype": "int32"}}

@@ -73,7 +73,12 @@ def test_schema_rejects_broken_manifests(bundle):
                      lambda m: m.update(preset="q3"),
                      lambda m: m["tokens"].update(eos_token_ids=[]),
                      lambda m: m["frontend"].update(compute_units="neural_engine"),
-                     lambda m: m["frontend"]["functions"].pop("main")):
+                     lambda m: m["frontend"]["functions"].pop("main"),
+                     lambda m: m.update(format_version=1),
+                     lambda m: m["decoder"].pop("bind_io"),
+                     lambda m: m["decoder"]["functions"].pop("bind"),
+                     lambda m: m["decoder"]["io"]["inputs"].update(cross_k={"shape": [1], "dtype": "float16"}),
+                     lambda m: m["decoder"]["io"]["states"].pop("cross_mask")):
         broken = json.loads(json.dumps(manifest))
         breaking(broken)
         with pytest.raises(jsonschema.ValidationError):
@@ -259,6 +264,12 @@ def test_model_card_and_example(bundle):
     proc = subprocess.run([sys.executable, str(bundle / "example_inference.py"), str(AUDIO_DIR / "en_short.wav"),
                            "--language", "en", "--max-new-tokens", "5"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # the shipped example's loop (bind once, then steps of input_ids + position) transcribes as the Transcriber
+    from cohere_coreml.transcribe import Transcriber
+
+    expected = Transcriber(bundle, backend="mil", use_prefill=False).transcribe(
+        AUDIO_DIR / "en_short.wav", "en", max_new_tokens=5).text
+    assert expected and proc.stdout.strip() == expected
 
 
 def test_model_card_shows_the_swift_package(bundle):
@@ -338,3 +349,27 @@ def test_model_card_shows_a_bench_report(bundle, tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"engines": []}))
     with pytest.raises(PublishError, match="not a `cohere-coreml bench` report"):
         finalize_bundle(out, bench=tmp_path / "bad.json")
+
+
+def test_format_1_manifest_is_refused(bundle, tmp_path, capsys):
+    """A format-1 bundle (the decoder took the cross memory at every step) is refused by the loader and
+    the CLI with one clear line saying to re-export, not a traceback."""
+    from cohere_coreml.bundle import FORMAT_VERSION, Bundle, BundleError
+    from cohere_coreml.cli import main
+
+    assert FORMAT_VERSION == 2
+    copy = tmp_path / "old"
+    shutil.copytree(bundle, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["format_version"] = 1
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="format_version 1.*re-export"):
+        Bundle.load(copy)
+    code = main(["transcribe", str(AUDIO_DIR / "en_short.wav"), "--bundle", str(copy), "--backend", "mil",
+                 "--language", "en"])
+    err = capsys.readouterr().err
+    assert code != 0 and "format_version 1" in err and "re-export" in err and "Traceback" not in err
+    manifest["format_version"] = 3
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="format_version 3.*update"):
+        Bundle.load(copy)

@@ -70,15 +70,20 @@ def test_q8_report_lists_every_weight(f16_bundle, q8_bundle):
     assert not any("coremltools did not compress" in r for r in kept.values())
 
 
-def test_q8_multifunction_decoder_keeps_prefill_and_shares_weights(q8_bundle):
-    from cohere_coreml.quantize import package_functions
+def test_q8_multifunction_decoder_keeps_prefill_bind_and_shares_weights(q8_bundle):
+    from cohere_coreml.bundle import package_io
+    from cohere_coreml.quantize import compressed_ops, package_functions
 
     out, report = q8_bundle
-    assert package_functions(out / "decoder.mlpackage") == ["main", "prefill"] or set(
-        package_functions(out / "decoder.mlpackage")) == {"main", "prefill"}
+    assert set(package_functions(out / "decoder.mlpackage")) == {"main", "bind_memory", "prefill"}
     mf = report["components"]["decoder"]["multifunction"]
-    # merged package holds the step's weights once (prefill adds no copy)
+    # merged package holds the step's weights once (prefill and bind_memory add no copy)
     assert mf["merged_over_single"] < 1.02, mf
+    # bind_memory has no weights: merged as it is, with the same states as the compressed step
+    io = {fn: package_io(out / "decoder.mlpackage", fn) for fn in ("main", "bind_memory", "prefill")}
+    assert io["bind_memory"]["states"] == io["main"]["states"] == io["prefill"]["states"]
+    assert set(io["main"]["inputs"]) == {"input_ids", "position"}
+    assert compressed_ops(out / "decoder.mlpackage")
 
 
 def test_q8_gate_figures_and_bundle(f16_bundle, q8_bundle):
@@ -210,7 +215,6 @@ def test_broken_compression_fails_the_gate_and_leaves_nothing(f16_bundle, monkey
 
 def test_sensitivity_and_target_psnr(f16_bundle, tmp_path):
     from cohere_coreml import quantize as Q
-    from cohere_coreml.runtime import load_model
 
     data = Q.build_gate_data(f16_bundle, Q.gate_clips(HELDOUT, per_language=1)[:2], max_new_tokens=12)
     dst = tmp_path / "d.mlpackage"
@@ -226,7 +230,7 @@ def test_sensitivity_and_target_psnr(f16_bundle, tmp_path):
     assert choice["kept_fp16"][0] == min(sens["per_weight"], key=sens["per_weight"].get)  # most sensitive first
     assert choice["steps"][-1]["psnr_db"] >= target > choice["steps"][0]["psnr_db"]
     # each step also records the decoder's log-prob error bound; the first is that of the full int8 package
-    full = Q.log_prob_error(data.decoder_ref, Q.decoder_outputs(load_model(str(dst), backend="mil"), data),
+    full = Q.log_prob_error(data.decoder_ref, Q.decoder_outputs(Q.decoder_runtime(dst), data),
                             data.prompts, data.eos_ids)
     first, last = choice["steps"][0], choice["steps"][-1]
     assert first["log_prob_error_nats"]["max"] == pytest.approx(full["abs_error_nats"]["max"])
@@ -240,7 +244,7 @@ def test_sensitivity_and_target_psnr(f16_bundle, tmp_path):
     dst2 = tmp_path / "d2.mlpackage"
     sec2 = Q.compress_package(f16_bundle / "decoder.mlpackage", dst2, kept)
     assert sec2["weight_bytes"]["after"] - sec["weight_bytes"]["after"] == choice["extra_bytes"]
-    produced = Q.decoder_outputs(load_model(str(dst2), backend="mil"), data)
+    produced = Q.decoder_outputs(Q.decoder_runtime(dst2), data)
     from cohere_coreml.convert import psnr
 
     assert min(psnr(r, o) for r, o in zip(data.decoder_ref, produced)) >= target - 0.5

@@ -140,6 +140,12 @@ def test_cross_memory_masking(setup):
     masked = tr.decode(garbage, prompt, max_new_tokens=N_COMPARE)["token_ids"]
     assert masked == clean
     unmasked = dict(garbage, cross_mask=np.zeros_like(np.asarray(enc["cross_mask"])))
+    # bind_memory counts the mask's valid frames: a mask that disagrees with encoder_length is refused
+    from cohere_coreml.decoder_runtime import DecoderRuntimeError
+
+    with pytest.raises(DecoderRuntimeError, match="encoder_length"):
+        tr.decode(unmasked, prompt, max_new_tokens=N_COMPARE)
+    del unmasked["encoder_length"]  # the control: the same broken mask without the length to check it by
     control = tr.decode(unmasked, prompt, max_new_tokens=N_COMPARE, return_log_probs=True)
     ref = tr.decode(garbage, prompt, max_new_tokens=N_COMPARE, return_log_probs=True)
     assert control["token_ids"] != clean, "the unmasked garbage should change the greedy tokens"
@@ -270,11 +276,13 @@ def test_prefill_function_gives_the_same_tokens(tmp_path):
 
     model, processor = tiny_model(tmp_path / "ckpt", seed=4, sensitive=True, **GQA)
     bundle = export_bundle(model, processor, tmp_path / "bundle", prefill=True)
-    assert set(read_package(bundle / "decoder.mlpackage").function_names) == {"main", "prefill"}
+    assert set(read_package(bundle / "decoder.mlpackage").function_names) == {"main", "bind_memory", "prefill"}
     parity = json.loads((bundle / "decoder.parity.json").read_text())
     assert parity["passed"] and parity["prefill"]["passed"] and parity["prefill"]["argmax_agree"] >= 2
     manifest = Bundle.load(bundle).manifest["decoder"]
-    assert manifest["functions"] == {"step": "main", "prefill": "prefill"} and manifest["prefill_length"] == 10
+    assert manifest["functions"] == {"step": "main", "bind": "bind_memory", "prefill": "prefill"}
+    assert manifest["prefill_length"] == 10
+    assert manifest["prefill_io"]["inputs"] == {"input_ids": {"shape": [1, 10], "dtype": "int32"}}
     with_prefill = Transcriber(bundle, backend="mil")
     without = Transcriber(bundle, backend="mil", use_prefill=False)
     assert with_prefill.prefill is not None and without.prefill is None
@@ -362,15 +370,19 @@ def test_decoder_receives_the_processor_prompt(trained_bundle, trained_reference
 
     _, processor = trained_reference
     tr = Transcriber(trained_bundle, backend="mil", use_prefill=use_prefill)
-    step, prefill = record_decoder_inputs(tr)
+    step, prefill, bind = record_decoder_inputs(tr)
     wav = load_audio(heldout_utterances(per_language=1)[0]["path"])
     outputs = set()
     for lang in ("en", "de", "es", "fr", "ja", "zh"):
         for punctuation in (True, False):
             step.calls.clear()
+            bind.inputs.clear()
             if prefill is not None:
                 prefill.calls.clear()
             result = tr.transcribe(wav, lang, punctuation=punctuation, max_new_tokens=4)
+            # one window: the cross memory bound once; every step bound only the token and its position
+            assert bind.inputs == [["encoder_cross_k", "encoder_cross_mask", "encoder_cross_v"]]
+            assert set(map(tuple, step.inputs)) == {("input_ids", "position")}
             expected = processor.get_decoder_prompt_ids(language=lang, punctuation=punctuation)
             if use_prefill:
                 assert prefill.calls == [expected], (lang, punctuation)

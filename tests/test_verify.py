@@ -53,7 +53,9 @@ def test_manifest(exported):
     assert m["decoder"]["num_key_value_heads"] == 2 and m["decoder"]["vocab_size"] == config["vocab_size"]
     assert m["decoder"]["io"]["states"]["self_k"]["shape"] == m["decoder"]["cache_shape"]
     enc_out = m["encoder"]["io"]["outputs"]
-    assert enc_out["cross_k"]["shape"] == m["decoder"]["memory_shape"] == m["decoder"]["io"]["inputs"]["cross_k"]["shape"]
+    assert enc_out["cross_k"]["shape"] == m["decoder"]["memory_shape"] == m["decoder"]["io"]["states"]["cross_k"]["shape"]
+    assert enc_out["cross_k"] == m["decoder"]["bind_io"]["inputs"]["encoder_cross_k"]
+    assert set(m["decoder"]["io"]["inputs"]) == {"input_ids", "position"}
     assert m["encoder"]["window_frames"] == 3500 and m["encoder"]["memory_len"] == 448
     assert m["audio"]["sampling_rate"] == 16000 and m["audio"]["dither"] == 0.0
     vocab = json.loads((out / "vocab.json").read_text())

@@ -4,7 +4,8 @@
 The released decoder's shapes (transformers' `CohereAsrConfig` defaults: 8 layers, width 1024,
 8 heads, FFN 4096, vocabulary 16384; cache C = 288, memory Tp = 448) with random weights and a
 1-layer encoder (the encoder is not part of the step). Runs `convert_decoder` (the same gate the
-export uses) through the runtime and prints PSNR / KL per precision and ms per decoder call.
+export uses) through the runtime and prints PSNR / KL per precision, ms per decoder step call (input_ids +
+position only) and the one bind_memory call of a window.
 Usage: uv run python tools/decoder_fullsize_parity.py [--precision fp16 fp32] [--out /tmp/dec_full]
 """
 
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
     from cohere_coreml.convert import ExportSettings
     from cohere_coreml.decoder import convert_decoder
     from cohere_coreml.shapes import cache_capacity, encoder_shapes
-    from cohere_coreml.runtime import load_model
+    from cohere_coreml.decoder_runtime import DecoderRuntime
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -51,34 +52,35 @@ def main(argv=None) -> int:
         result = convert_decoder(model, settings, capacity=cache_capacity(), memory_len=memory, prompt=prompt,
                                  backend=args.backend, prefill=args.prefill)
         export_s = time.perf_counter() - t0
-        runtime = load_model(result["path"], backend=args.backend)
+        decoder = DecoderRuntime.load(result["path"], backend=args.backend, prefill=args.prefill)
         shapes = result["shapes"]
-        state = runtime.make_state()
         mem = (shapes["num_layers"], shapes["num_kv_heads"], shapes["memory_len"], shapes["head_dim"])
-        inputs = {"input_ids": np.array([[5]], np.int32), "cross_k": np.zeros(mem, np.float32),
-                  "cross_v": np.zeros(mem, np.float32), "cross_mask": np.zeros((1, 1, 1, mem[2]), np.float32)}
+        memory = {"cross_k": np.zeros(mem, np.float32), "cross_v": np.zeros(mem, np.float32),
+                  "cross_mask": np.zeros((1, 1, 1, mem[2]), np.float32)}
+        state = decoder.make_state()
+        t = time.perf_counter()
+        decoder.bind(state, memory)  # once per window
+        bind_s = time.perf_counter() - t
         times = []
-        for pos in range(12):
+        for pos in range(12):  # each call binds only input_ids + position
             t = time.perf_counter()
-            runtime.predict({**inputs, "position": np.array([pos], np.int32)}, state=state)
+            decoder.step(state, 5, pos)
             times.append(time.perf_counter() - t)
-        prompt_s = {}
+        prompt_s = {"bind_memory_s": bind_s}
         if args.prefill:
-            pre = load_model(result["path"], backend=args.backend, function_name="prefill")
-            cross = {k: v for k, v in inputs.items() if k != "input_ids"}
+            st = decoder.new_state(memory)
             t = time.perf_counter()
-            pre.predict({"input_ids": np.array([prompt], np.int32), **cross}, state=runtime.make_state())
+            decoder.prefill(st, prompt)
             prompt_s["prefill_1_call_s"] = time.perf_counter() - t
-            st = runtime.make_state()
+            st = decoder.new_state(memory)
             t = time.perf_counter()
             for pos, tok in enumerate(prompt):
-                runtime.predict({"input_ids": np.array([[tok]], np.int32), "position": np.array([pos], np.int32),
-                                 **cross}, state=st)
+                decoder.step(st, tok, pos)
             prompt_s["prompt_10_step_calls_s"] = time.perf_counter() - t
         p = result["parity"]
         rows.append({"precision": precision, "export_s": export_s, "worst_psnr_db": p["worst_psnr_db"],
                      "mean_kl": p["mean_kl"], "max_kl": p["max_kl"], "argmax": f"{p['argmax_agree']}/{p['argmax_steps']}",
-                     "ms_per_call": 1000 * float(np.median(times[2:])), "backend": runtime.backend,
+                     "ms_per_call": 1000 * float(np.median(times[2:])), "backend": decoder.backend,
                      "prefill_parity": {k: p["prefill"][k] for k in ("worst_psnr_db", "mean_kl", "argmax_agree")}
                      if "prefill" in p else None, **prompt_s})
     print(json.dumps(rows, indent=2))

@@ -38,7 +38,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-STAGES = ("features_s", "encoder_s", "prompt_s", "decode_s")
+STAGES = ("features_s", "encoder_s", "bind_s", "prompt_s", "decode_s")  # bind: the decoder's bind_memory
 
 
 class BenchError(RuntimeError):

@@ -30,13 +30,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import BUCKETS_METADATA_KEY, FRONTEND_FUNCTIONS_METADATA_KEY, PREFILL_FUNCTION
+from .config import (
+    BIND_FUNCTION,
+    BIND_INPUT_PREFIX,
+    BUCKETS_METADATA_KEY,
+    FRONTEND_FUNCTIONS_METADATA_KEY,
+    MEMORY_NAMES,
+    PREFILL_FUNCTION,
+    STEP_FUNCTION,
+)
 from .integrity import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "cohere-coreml-bundle"
-FORMAT_VERSION = 1
+# 2: the decoder keeps the cross memory in its state (bind_memory once per window; the step takes only
+# input_ids and position). 1: the step took cross_k / cross_v / cross_mask at every call.
+FORMAT_VERSION = 2
 ENCODER_FILE = "encoder.mlpackage"
 DECODER_FILE = "decoder.mlpackage"
 FRONTEND_FILE = "frontend.mlpackage"
@@ -161,13 +171,23 @@ def decoder_package_info(path: str | os.PathLike) -> dict:
     except (KeyError, ValueError) as err:
         raise BundleError(f"{path} lacks the decoder metadata of cohere-coreml ({err}): re-export it") from err
     functions = read_package(path).function_names
+    if BIND_FUNCTION not in functions:
+        raise BundleError(f"{path} has no {BIND_FUNCTION!r} function (it has {sorted(functions)}): a decoder of "
+                          f"bundle format 1, which took the cross memory at every step; re-export it with "
+                          f"`cohere-coreml export --force`")
     prefill = PREFILL_FUNCTION if PREFILL_FUNCTION in functions else None
     prefill_length = None
     if prefill:
         inputs, _, _ = describe(read_package(path, function_name=PREFILL_FUNCTION))
         prefill_length = int(inputs["input_ids"][0][1])
-    return {"shapes": shapes, "functions": {"step": "main", "prefill": prefill}, "prefill_length": prefill_length,
-            "precision": meta.get("com.cohere_coreml.precision"), "io": package_io(path),
+    bind_io = package_io(path, function_name=BIND_FUNCTION)
+    bind_inputs = {BIND_INPUT_PREFIX + name: name for name in MEMORY_NAMES}  # bind input -> encoder output
+    if set(bind_io["inputs"]) != set(bind_inputs):
+        raise BundleError(f"{path}: {BIND_FUNCTION} takes {sorted(bind_io['inputs'])}, this tool expects "
+                          f"{sorted(bind_inputs)}: re-export it with `cohere-coreml export --force`")
+    return {"shapes": shapes, "functions": {"step": STEP_FUNCTION, "bind": BIND_FUNCTION, "prefill": prefill},
+            "prefill_length": prefill_length, "precision": meta.get("com.cohere_coreml.precision"),
+            "io": package_io(path, function_name=STEP_FUNCTION), "bind_io": bind_io, "bind_inputs": bind_inputs,
             "prefill_io": package_io(path, function_name=prefill) if prefill else None}
 
 
@@ -257,11 +277,16 @@ def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, deco
             "cache_shape": [shapes["num_layers"], shapes["num_kv_heads"], shapes["capacity"], shapes["head_dim"]],
             "memory_shape": [shapes["num_layers"], shapes["num_kv_heads"], shapes["memory_len"], shapes["head_dim"]],
             "output": "log_probs",
-            # functions of decoder.mlpackage: "step" is the default function; "prefill" (optional)
-            # takes the whole prompt (1, prefill_length) in one call and shares the step's state
+            # functions of decoder.mlpackage, one state layout (self_k, self_v, cross_k, cross_v,
+            # cross_mask) shared by all: "bind" writes a window's cross memory into the state (once per
+            # window), "step" (the default function) takes only input_ids + position, "prefill"
+            # (optional) the whole prompt (1, prefill_length) in one call
             "functions": decoder["functions"],
+            # bind function input -> the encoder output it takes, unchanged
+            "bind_inputs": decoder["bind_inputs"],
             "prefill_length": decoder["prefill_length"],
             "io": decoder["io"],  # the step function's
+            "bind_io": decoder["bind_io"],  # the bind function's
             "prefill_io": decoder.get("prefill_io"),  # the prefill function's (None without prefill)
         }
     manifest["tokens"] = {
@@ -380,9 +405,18 @@ class Bundle:
             raise BundleError(f"{manifest_path} is not readable JSON: {err}") from err
         if manifest.get("format") != FORMAT_NAME:
             raise BundleError(f"{manifest_path} is not a {FORMAT_NAME} manifest")
-        if int(manifest.get("format_version", -1)) > FORMAT_VERSION:
+        version = manifest.get("format_version")
+        if not isinstance(version, int):
+            raise BundleError(f"{manifest_path} has no integer format_version ({version!r}): re-export the bundle")
+        if version > FORMAT_VERSION:
             raise BundleError(
-                f"{manifest_path} has format_version {manifest['format_version']}; this tool reads up to {FORMAT_VERSION}"
+                f"{manifest_path} has format_version {version}; this tool reads format {FORMAT_VERSION}: update cohere-coreml"
+            )
+        if version < FORMAT_VERSION:
+            raise BundleError(
+                f"{manifest_path} has format_version {version}, an older bundle format this tool no longer reads "
+                f"(format {FORMAT_VERSION}: the decoder keeps the cross memory in its state, bound once per window "
+                f"by its {BIND_FUNCTION!r} function); re-export the bundle with `cohere-coreml export --force`"
             )
         bundle = cls(dirs=dirs, manifest=manifest)
         from .integrity import IntegrityError, check_sizes, safe_path

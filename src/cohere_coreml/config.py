@@ -42,8 +42,15 @@ FP16_MASK_VALUE = -1e4
 BUCKETS_METADATA_KEY = "com.cohere_coreml.buckets"
 # Metadata key of the front-end package: {function: {window_seconds, samples, frames}}
 FRONTEND_FUNCTIONS_METADATA_KEY = "com.cohere_coreml.functions"
-# Function of decoder.mlpackage that feeds the whole prompt in one call
-PREFILL_FUNCTION = "prefill"
+# Functions of decoder.mlpackage (one state layout shared by all of them, docs/decoder.md):
+STEP_FUNCTION = "main"  # one token: input_ids (1, 1), position (1,)
+BIND_FUNCTION = "bind_memory"  # once per window: the encoder's cross memory -> the state
+PREFILL_FUNCTION = "prefill"  # optional: the whole prompt in one call
+# The cross memory the encoder outputs and the decoder keeps in its state under the same names;
+# bind_memory takes each as input BIND_INPUT_PREFIX + name (a function input cannot share a state's name).
+MEMORY_NAMES = ("cross_k", "cross_v", "cross_mask")
+BIND_INPUT_PREFIX = "encoder_"
+BIND_OUTPUT = "memory_length"  # int32 (1,): valid (unmasked) frames of the memory just bound
 
 
 def round_up(n: int, multiple: int = ANE_MULTIPLE) -> int:

@@ -1,18 +1,28 @@
-"""Stateful decoder step: the `transformers` Cohere ASR decoder with a static KV cache.
+"""Stateful decoder: the `transformers` Cohere ASR decoder with a static KV cache and its cross
+memory kept in the state, as one multifunction Core ML package.
 
-One call of the exported program decodes ONE token:
+Functions of `decoder.mlpackage`, all on ONE state layout (a state object made once serves every
+function of the package):
 
-    inputs : input_ids  int32 (1, 1)           the token at `position`
-             position   int32 (1,)             its slot in the self-attention cache (0-based)
-             cross_k    (L, Hkv, Tp, Dh)       precomputed by the encoder package
-             cross_v    (L, Hkv, Tp, Dh)
-             cross_mask (1, 1, 1, Tp)          additive: 0 valid frame, -1e4 padding
-    states : self_k, self_v  fp16 (L, Hkv, C, Dh)   written at slot `position`
-    outputs: log_probs  (1, V)                 log-softmax over the vocabulary
+    bind_memory  once per window
+        inputs : encoder_cross_k    (L, Hkv, Tp, Dh)  the encoder package's `cross_k`, unchanged
+                 encoder_cross_v    (L, Hkv, Tp, Dh)  its `cross_v`
+                 encoder_cross_mask (1, 1, 1, Tp)     its `cross_mask`: 0 valid frame, -1e4 padding
+        effect : state cross_k / cross_v / cross_mask = the inputs (fp16); self_k / self_v *= 0
+        output : memory_length int32 (1,)            valid (unmasked) frames just bound
+    main (the step)
+        inputs : input_ids int32 (1, 1), position int32 (1,)
+        effect : self_k / self_v written at slot `position`; cross memory read from the state
+        output : log_probs (1, V)                    log-softmax over the vocabulary
+    prefill (optional)
+        inputs : input_ids int32 (1, P)               the whole prompt, slots 0..P-1
+        output : log_probs (1, V)                    after the last prompt token
+    states : self_k, self_v fp16 (L, Hkv, C, Dh); cross_k, cross_v fp16 (L, Hkv, Tp, Dh);
+             cross_mask fp16 (1, 1, 1, Tp)
 
-The module reuses the `transformers` submodules (embeddings, layer norms, q/k/v/o projections,
+The modules reuse the `transformers` submodules (embeddings, layer norms, q/k/v/o projections,
 MLP, final norm, `proj_out`) and `eager_attention_forward`; only the static-cache glue lives
-here. The step contains no projection of the encoder memory: cross K/V come precomputed.
+here. No function projects the encoder memory: cross K/V come precomputed from the encoder.
 """
 
 from __future__ import annotations
@@ -26,7 +36,18 @@ import torch
 import torch.nn as nn
 from transformers.models.cohere_asr.modeling_cohere_asr import eager_attention_forward
 
-from .config import ANE_MULTIPLE, FP16_MASK_VALUE, PREFILL_FUNCTION, PROMPT_LENGTH, round_up
+from .config import (
+    ANE_MULTIPLE,
+    BIND_FUNCTION,
+    BIND_INPUT_PREFIX,
+    BIND_OUTPUT,
+    FP16_MASK_VALUE,
+    MEMORY_NAMES,
+    PREFILL_FUNCTION,
+    PROMPT_LENGTH,
+    STEP_FUNCTION,
+    round_up,
+)
 from .convert import MIN_PSNR_DB, ExportSettings, convert_module, psnr, skip_existing
 from .gate import GateReport, StagedPackage, stage_gated
 from .reference import cross_memory
@@ -36,6 +57,8 @@ logger = logging.getLogger(__name__)
 
 COMPONENT = "decoder"
 MASK_VALUE = FP16_MASK_VALUE
+STATE_DTYPE = torch.float16  # Core ML states are fp16 only (even in an fp32 program)
+COMPUTE_DTYPE = torch.float32  # of the traced graph; the program's precision is the converter's
 
 
 class DecoderExportError(RuntimeError):
@@ -54,73 +77,81 @@ def stable_log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return shifted - torch.log(torch.exp(shifted).sum(dim=-1, keepdim=True))
 
 
-class DecoderStep(nn.Module):
-    """One decode step of `CohereAsrForConditionalGeneration` with a static fp16 KV cache.
+class StatefulDecoder(nn.Module):
+    """`CohereAsrForConditionalGeneration`'s decoder over the package's state buffers.
 
-    `self_k` / `self_v` are registered buffers; under `coremltools` they become Core ML states.
+    The five registered fp16 buffers are the Core ML states (same names). Each function of the
+    package is a subclass whose `forward` calls one method here: `bind_memory` (DecoderBind),
+    `run_tokens` (DecoderStep, DecoderPrefill). The PyTorch twin (`TorchDecoder`) calls the same
+    methods, so a module's twin and its package compute the same thing.
     """
 
-    def __init__(self, model, capacity: int, memory_len: int, recompute_cross_kv: bool = False):
+    def __init__(self, model, capacity: int, memory_len: int):
         super().__init__()
-        config = model.config
-        self.shapes = DecoderShapes.from_config(config, capacity, memory_len)
+        self.shapes = DecoderShapes.from_config(model.config, capacity, memory_len)
         self.decoder = model.model.decoder  # CohereAsrDecoder (embed_tokens, pos_emb, layers, norm, ...)
         self.proj_out = model.proj_out  # LM head
-        # Only for the MAC-count comparison (tools/count_decoder_macs.py): the design published
-        # ports use, where cross K/V are recomputed from the encoder memory at every step.
-        self.recompute_cross_kv = recompute_cross_kv
         s = self.shapes
-        self.register_buffer("self_k", torch.zeros(s.cache_shape, dtype=torch.float16))
-        self.register_buffer("self_v", torch.zeros(s.cache_shape, dtype=torch.float16))
+        self.register_buffer("self_k", torch.zeros(s.cache_shape, dtype=STATE_DTYPE))  # (L, Hkv, C, Dh)
+        self.register_buffer("self_v", torch.zeros(s.cache_shape, dtype=STATE_DTYPE))
+        self.register_buffer("cross_k", torch.zeros(s.memory_shape, dtype=STATE_DTYPE))  # (L, Hkv, Tp, Dh)
+        self.register_buffer("cross_v", torch.zeros(s.memory_shape, dtype=STATE_DTYPE))
+        self.register_buffer("cross_mask", torch.zeros((1, 1, 1, s.memory_len), dtype=STATE_DTYPE))  # (1, 1, 1, Tp)
         # slot index row used to build the causal mask: (1, 1, 1, C)
         self.register_buffer(
             "slots", torch.arange(s.capacity, dtype=torch.int32).view(1, 1, 1, s.capacity), persistent=False
         )
 
     def reset(self) -> None:
-        self.self_k.zero_()
-        self.self_v.zero_()
+        for name in ("self_k", "self_v", "cross_k", "cross_v", "cross_mask"):
+            getattr(self, name).zero_()
 
-    def _cross_kv(self, i: int, cross_k: torch.Tensor, cross_v: torch.Tensor):
-        """Cross K/V of layer i in head layout (1, Hkv, Tp, Dh)."""
-        if not self.recompute_cross_kv:
-            return cross_k[i : i + 1], cross_v[i : i + 1]
-        # cross_k holds the encoder memory (1, Tp, Ddec) in this (comparison-only) mode
-        attn = self.decoder.layers[i].encoder_attn
-        memory = cross_k
-        kv_shape = (1, memory.shape[1], -1, self.shapes.head_dim)
-        k = attn.k_proj(memory).view(kv_shape).transpose(1, 2)
-        v = attn.v_proj(memory).view(kv_shape).transpose(1, 2)
-        return k, v
-
-    def forward(
+    def bind_memory(
         self,
-        input_ids: torch.Tensor,  # (1, 1) int32
-        position: torch.Tensor,  # (1,) int32
-        cross_k: torch.Tensor,  # (L, Hkv, Tp, Dh)
+        cross_k: torch.Tensor,  # (L, Hkv, Tp, Dh) the encoder's output
         cross_v: torch.Tensor,  # (L, Hkv, Tp, Dh)
         cross_mask: torch.Tensor,  # (1, 1, 1, Tp) additive
     ) -> torch.Tensor:
-        return self.run_tokens(input_ids, position, cross_k, cross_v, cross_mask)
+        """Write one window's cross memory into the state and clear the self-attention cache.
+
+        Whole-buffer writes are slice assignments over the full range (`buf[:] = x`): the tracer
+        keeps them as `slice_update` + `coreml_update_state` (`copy_` is refused by the converter,
+        index assignment dropped). The cache is cleared by `* 0`, not by writing a zeros tensor:
+        that would be a constant of the cache's size in the weight file (4.7 MB per buffer at full
+        size). Returns memory_length int32 (1,): the valid frames of the bound mask.
+        """
+        self.cross_k[:] = cross_k.to(STATE_DTYPE)
+        self.cross_v[:] = cross_v.to(STATE_DTYPE)
+        self.cross_mask[:] = cross_mask.to(STATE_DTYPE)
+        # every function of the package must use every state (coremltools refuses unused states)
+        self.self_k[:] = self.self_k * 0
+        self.self_v[:] = self.self_v * 0
+        return (cross_mask > 0.5 * MASK_VALUE).to(torch.int32).sum(dim=-1).view(1)  # (1,)
+
+    def _memory(self, i: int):
+        """Cross K/V of layer i from the state, head layout (1, Hkv, Tp, Dh), compute dtype."""
+        return self.cross_k[i : i + 1].to(COMPUTE_DTYPE), self.cross_v[i : i + 1].to(COMPUTE_DTYPE)
 
     def run_tokens(
         self,
         input_ids: torch.Tensor,  # (1, S) int32
         positions: torch.Tensor,  # (S,) int32, consecutive slots
-        cross_k: torch.Tensor,  # (L, Hkv, Tp, Dh)
-        cross_v: torch.Tensor,  # (L, Hkv, Tp, Dh)
-        cross_mask: torch.Tensor,  # (1, 1, 1, Tp) additive
+        memory=None,  # i -> (k, v) (1, Hkv, Tp, Dh); default: the bound memory in the state
+        cross_mask: torch.Tensor | None = None,  # (1, 1, 1, Tp) additive; default: the state's
     ) -> torch.Tensor:
         """Feed S consecutive tokens; returns the log-probs after the last one, (1, V)."""
         s = self.shapes
         dec = self.decoder
-        dtype = cross_mask.dtype
+        memory = memory or self._memory
+        if cross_mask is None:
+            cross_mask = self.cross_mask.to(COMPUTE_DTYPE)  # (1, 1, 1, Tp)
         n = input_ids.shape[1]  # S (static under tracing)
         p = positions[0]
 
         # token + learned absolute position, then layer norm (as CohereAsrDecoder.forward)
         hidden = dec.embed_tokens(input_ids)  # (1, S, D)
         hidden = dec.embedding_layernorm(hidden + dec.pos_emb(positions).unsqueeze(0))  # (1, S, D)
+        dtype = hidden.dtype
 
         # causal mask over the static cache: slot j is visible to the token at position q iff j <= q
         self_mask = torch.where(
@@ -138,8 +169,8 @@ class DecoderStep(nn.Module):
             k = attn.k_proj(x).view(1, n, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (1, Hkv, S, Dh)
             v = attn.v_proj(x).view(1, n, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (1, Hkv, S, Dh)
             # slice update with a tensor start (index assignment would be dropped by the tracer)
-            self.self_k[i : i + 1, :, p : p + n, :] = k.to(self.self_k.dtype)
-            self.self_v[i : i + 1, :, p : p + n, :] = v.to(self.self_v.dtype)
+            self.self_k[i : i + 1, :, p : p + n, :] = k.to(STATE_DTYPE)
+            self.self_v[i : i + 1, :, p : p + n, :] = v.to(STATE_DTYPE)
             keys = self.self_k[i : i + 1].to(dtype)  # (1, Hkv, C, Dh)
             values = self.self_v[i : i + 1].to(dtype)  # (1, Hkv, C, Dh)
             out, _ = eager_attention_forward(attn, q, keys, values, self_mask, scaling=attn.scaling)
@@ -151,7 +182,7 @@ class DecoderStep(nn.Module):
             x = layer.post_attention_layernorm(hidden)
             attn = layer.encoder_attn
             q = attn.q_proj(x).view(1, n, s.num_heads, s.head_dim).transpose(1, 2)  # (1, H, S, Dh)
-            ck, cv = self._cross_kv(i, cross_k, cross_v)  # (1, Hkv, Tp, Dh)
+            ck, cv = memory(i)  # (1, Hkv, Tp, Dh)
             out, _ = eager_attention_forward(attn, q, ck, cv, cross_mask, scaling=attn.scaling)
             out = attn.o_proj(out.reshape(1, n, s.num_heads * s.head_dim))
             hidden = residual + out
@@ -165,10 +196,27 @@ class DecoderStep(nn.Module):
         return stable_log_softmax(logits)  # (1, V)
 
 
-class DecoderPrefill(DecoderStep):
-    """The whole prompt in one call: writes cache slots 0..P-1, returns the log-probs after the last
-    prompt token. Same states as `DecoderStep`, so both can live in one multifunction package and
-    share weights and the state object."""
+class DecoderBind(StatefulDecoder):
+    """`bind_memory`: the encoder's cross memory into the state (once per window)."""
+
+    def forward(self, cross_k, cross_v, cross_mask):  # (L, Hkv, Tp, Dh) x2, (1, 1, 1, Tp) -> (1,) int32
+        return self.bind_memory(cross_k, cross_v, cross_mask)
+
+
+class DecoderStep(StatefulDecoder):
+    """`main`: one decode step over the state (self cache + bound cross memory)."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (1, 1) int32
+        position: torch.Tensor,  # (1,) int32
+    ) -> torch.Tensor:
+        return self.run_tokens(input_ids, position)  # (1, V)
+
+
+class DecoderPrefill(StatefulDecoder):
+    """`prefill`: the whole prompt in one call: writes cache slots 0..P-1, returns the log-probs
+    after the last prompt token. Same states as the step and bind functions."""
 
     def __init__(self, model, capacity: int, memory_len: int, prompt_len: int):
         super().__init__(model, capacity, memory_len)
@@ -177,98 +225,95 @@ class DecoderPrefill(DecoderStep):
         self.prompt_len = int(prompt_len)
         self.register_buffer("prompt_positions", torch.arange(prompt_len, dtype=torch.int32), persistent=False)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # (1, P) int32
-        cross_k: torch.Tensor,
-        cross_v: torch.Tensor,
-        cross_mask: torch.Tensor,
-    ) -> torch.Tensor:
-        return self.run_tokens(input_ids, self.prompt_positions, cross_k, cross_v, cross_mask)
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (1, P) int32 -> (1, V)
+        return self.run_tokens(input_ids, self.prompt_positions)
 
 
-def example_inputs(shapes: DecoderShapes, dtype=torch.float32):
-    return (
-        torch.zeros((1, 1), dtype=torch.int32),
-        torch.zeros((1,), dtype=torch.int32),
-        torch.zeros(shapes.memory_shape, dtype=dtype),
-        torch.zeros(shapes.memory_shape, dtype=dtype),
-        torch.zeros((1, 1, 1, shapes.memory_len), dtype=dtype),
-    )
+class RecomputingStep(StatefulDecoder):
+    """Only for the MAC-count comparison (tools/count_decoder_macs.py): the design published ports
+    use, where the step takes the encoder memory (1, T, Ddec) and recomputes every layer's cross
+    K/V from it at every step. Never exported as a product."""
+
+    def forward(self, input_ids, position, encoder_memory, cross_mask):
+        def memory(i):
+            attn = self.decoder.layers[i].encoder_attn
+            kv_shape = (1, encoder_memory.shape[1], -1, self.shapes.head_dim)
+            return (attn.k_proj(encoder_memory).view(kv_shape).transpose(1, 2),
+                    attn.v_proj(encoder_memory).view(kv_shape).transpose(1, 2))
+
+        return self.run_tokens(input_ids, position, memory=memory, cross_mask=cross_mask)
 
 
-def trace_decoder_step(step: DecoderStep):
-    step = step.eval()
+def _trace(module: StatefulDecoder, example: tuple):
+    module = module.eval()
     with torch.no_grad():
-        traced = torch.jit.trace(step, example_inputs(step.shapes), check_trace=False)
-    step.reset()
+        traced = torch.jit.trace(module, example, check_trace=False)
+    module.reset()
     return traced
 
 
+def trace_decoder_bind(bind: StatefulDecoder):
+    s = bind.shapes
+    return _trace(bind, (torch.zeros(s.memory_shape), torch.zeros(s.memory_shape),
+                         torch.zeros((1, 1, 1, s.memory_len))))
 
 
-def trace_decoder_prefill(prefill: "DecoderPrefill"):
-    prefill = prefill.eval()
-    ex = example_inputs(prefill.shapes)
-    ids = torch.zeros((1, prefill.prompt_len), dtype=torch.int32)
-    with torch.no_grad():
-        traced = torch.jit.trace(prefill, (ids, ex[2], ex[3], ex[4]), check_trace=False)
-    prefill.reset()
-    return traced
+def trace_decoder_step(step: StatefulDecoder):
+    return _trace(step, (torch.zeros((1, 1), dtype=torch.int32), torch.zeros((1,), dtype=torch.int32)))
 
 
-def coreml_prefill_io(shapes: DecoderShapes, prompt_len: int):
-    """Declarations of the prefill function: the step's minus `position`, `input_ids` (1, P)."""
+def trace_decoder_prefill(prefill: DecoderPrefill):
+    return _trace(prefill, (torch.zeros((1, prefill.prompt_len), dtype=torch.int32),))
+
+
+def coreml_states(shapes: DecoderShapes, names=("self_k", "self_v", *MEMORY_NAMES)):
+    """The package's state declarations (fp16, static shapes), shared by every function."""
     import coremltools as ct
 
-    inputs, states, outputs = coreml_io(shapes)
-    inputs = [ct.TensorType(name="input_ids", shape=(1, prompt_len), dtype=np.int32)] + [
-        t for t in inputs if t.name not in ("input_ids", "position")
-    ]
-    return inputs, states, outputs
+    shape = {"self_k": shapes.cache_shape, "self_v": shapes.cache_shape, "cross_k": shapes.memory_shape,
+             "cross_v": shapes.memory_shape, "cross_mask": (1, 1, 1, shapes.memory_len)}
+    return [ct.StateType(wrapped_type=ct.TensorType(shape=shape[n], dtype=np.float16), name=n) for n in names]
 
 
-def coreml_io(shapes: DecoderShapes, recompute_cross_kv: bool = False):
-    """coremltools input/state/output declarations of the decode-step program."""
+def coreml_io(shapes: DecoderShapes, function: str = STEP_FUNCTION, prompt_len: int | None = None):
+    """coremltools (inputs, states, outputs) declarations of one function of the package."""
     import coremltools as ct
 
-    if recompute_cross_kv:
-        mem = ct.TensorType(name="encoder_memory", shape=(1, shapes.memory_len, shapes.hidden_size))
-        cross = [mem, ct.TensorType(name="unused_v", shape=(1,))]
+    if function == BIND_FUNCTION:
+        # no dtype: the program's precision, as the encoder's outputs (fp16 arrays in an fp16 bundle)
+        inputs = [ct.TensorType(name=BIND_INPUT_PREFIX + "cross_k", shape=shapes.memory_shape),
+                  ct.TensorType(name=BIND_INPUT_PREFIX + "cross_v", shape=shapes.memory_shape),
+                  ct.TensorType(name=BIND_INPUT_PREFIX + "cross_mask", shape=(1, 1, 1, shapes.memory_len))]
+        return inputs, coreml_states(shapes), [ct.TensorType(name=BIND_OUTPUT)]
+    if function == STEP_FUNCTION:
+        inputs = [ct.TensorType(name="input_ids", shape=(1, 1), dtype=np.int32),
+                  ct.TensorType(name="position", shape=(1,), dtype=np.int32)]
+    elif function == PREFILL_FUNCTION:
+        inputs = [ct.TensorType(name="input_ids", shape=(1, prompt_len), dtype=np.int32)]
     else:
-        cross = [
-            ct.TensorType(name="cross_k", shape=shapes.memory_shape),
-            ct.TensorType(name="cross_v", shape=shapes.memory_shape),
-        ]
-    inputs = [
-        ct.TensorType(name="input_ids", shape=(1, 1), dtype=np.int32),
-        ct.TensorType(name="position", shape=(1,), dtype=np.int32),
-        *cross,
-        ct.TensorType(name="cross_mask", shape=(1, 1, 1, shapes.memory_len)),
-    ]
-    states = [
-        ct.StateType(wrapped_type=ct.TensorType(shape=shapes.cache_shape, dtype=np.float16), name="self_k"),
-        ct.StateType(wrapped_type=ct.TensorType(shape=shapes.cache_shape, dtype=np.float16), name="self_v"),
-    ]
-    outputs = [ct.TensorType(name="log_probs")]
-    return inputs, states, outputs
+        raise ValueError(f"unknown decoder function {function!r}")
+    return inputs, coreml_states(shapes), [ct.TensorType(name="log_probs")]
 
 
 def build_step_mlmodel(model, capacity: int, memory_len: int, precision: str = "fp16", recompute_cross_kv=False):
-    """Trace the decode step and convert it to an (in-memory) Core ML ML program."""
+    """Trace the decode step and convert it to an (in-memory) Core ML ML program (for inspection:
+    op counts, MACs). `recompute_cross_kv`: the comparison design (`RecomputingStep`)."""
     import coremltools as ct
 
-    step = DecoderStep(model, capacity, memory_len, recompute_cross_kv=recompute_cross_kv).eval()
     if recompute_cross_kv:
-        ex = list(example_inputs(step.shapes))
-        ex[2] = torch.zeros((1, memory_len, step.shapes.hidden_size))
-        ex[3] = torch.zeros((1,))
-        with torch.no_grad():
-            traced = torch.jit.trace(step, tuple(ex), check_trace=False)
-        step.reset()
+        step = RecomputingStep(model, capacity, memory_len)
+        s = step.shapes
+        traced = _trace(step, (torch.zeros((1, 1), dtype=torch.int32), torch.zeros((1,), dtype=torch.int32),
+                               torch.zeros((1, memory_len, s.hidden_size)), torch.zeros((1, 1, 1, memory_len))))
+        inputs = [ct.TensorType(name="input_ids", shape=(1, 1), dtype=np.int32),
+                  ct.TensorType(name="position", shape=(1,), dtype=np.int32),
+                  ct.TensorType(name="encoder_memory", shape=(1, memory_len, s.hidden_size)),
+                  ct.TensorType(name="cross_mask", shape=(1, 1, 1, memory_len))]
+        states, outputs = coreml_states(s, ("self_k", "self_v")), [ct.TensorType(name="log_probs")]
     else:
+        step = DecoderStep(model, capacity, memory_len)
         traced = trace_decoder_step(step)
-    inputs, states, outputs = coreml_io(step.shapes, recompute_cross_kv)
+        inputs, states, outputs = coreml_io(step.shapes)
     prec = {"fp16": ct.precision.FLOAT16, "fp32": ct.precision.FLOAT32}[precision]
     mlmodel = ct.convert(
         traced,
@@ -293,12 +338,19 @@ MAX_KL = {"fp32": 1e-4, "fp16": 5e-3}  # fp32 programs still keep an fp16 KV cac
 DECODER_DESCRIPTIONS = {
     "input_ids": "int32 (1, 1): the token at `position` (prompt token, then the previous prediction)",
     "position": "int32 (1,): slot of this token in the self-attention cache, 0-based, < capacity",
-    "cross_k": "(L, Hkv, Tp, Dh) cross-attention keys from encoder.mlpackage",
-    "cross_v": "(L, Hkv, Tp, Dh) cross-attention values from encoder.mlpackage",
-    "cross_mask": "(1, 1, 1, Tp) additive mask from encoder.mlpackage: 0 valid frame, -1e4 padding",
     "log_probs": "(1, V) log-softmax over the vocabulary for the token after `position`",
-    "self_k": "fp16 (L, Hkv, C, Dh) self-attention keys; zero-initialised per window",
-    "self_v": "fp16 (L, Hkv, C, Dh) self-attention values; zero-initialised per window",
+    "self_k": "fp16 (L, Hkv, C, Dh) self-attention keys; cleared by bind_memory",
+    "self_v": "fp16 (L, Hkv, C, Dh) self-attention values; cleared by bind_memory",
+    "cross_k": "fp16 (L, Hkv, Tp, Dh) cross-attention keys of the window, written by bind_memory",
+    "cross_v": "fp16 (L, Hkv, Tp, Dh) cross-attention values of the window, written by bind_memory",
+    "cross_mask": "fp16 (1, 1, 1, Tp) additive cross mask of the window (0 valid, -1e4 padding), written by bind_memory",
+}
+BIND_DESCRIPTIONS = {
+    BIND_INPUT_PREFIX + "cross_k": "(L, Hkv, Tp, Dh) encoder.mlpackage's cross_k, unchanged",
+    BIND_INPUT_PREFIX + "cross_v": "(L, Hkv, Tp, Dh) encoder.mlpackage's cross_v, unchanged",
+    BIND_INPUT_PREFIX + "cross_mask": "(1, 1, 1, Tp) encoder.mlpackage's cross_mask, unchanged",
+    BIND_OUTPUT: "int32 (1,): valid (unmasked) frames of the memory just bound (== the encoder's encoder_length)",
+    **{k: v for k, v in DECODER_DESCRIPTIONS.items() if k not in ("input_ids", "position", "log_probs")},
 }
 
 
@@ -312,6 +364,11 @@ class TeacherForcingCase:
     ids: list[int]  # prompt + generated tokens fed one per step
     log_probs: np.ndarray  # (len(ids), V) reference log-probs after each fed token
     prompt_len: int
+
+    @property
+    def memory(self) -> dict[str, np.ndarray]:
+        """The cross memory as the encoder package outputs it (what bind_memory takes)."""
+        return {"cross_k": self.cross_k, "cross_v": self.cross_v, "cross_mask": self.cross_mask}
 
 
 def teacher_forcing_case(model, memory_len: int, prompt: list[int], encoder_hidden=None, encoder_mask=None,
@@ -377,22 +434,13 @@ def kl_rows(ref_log_probs: np.ndarray, out_log_probs: np.ndarray) -> np.ndarray:
     return np.sum(np.exp(lp) * (lp - lq), axis=-1)
 
 
-def run_teacher_forcing(runtime_model, case: TeacherForcingCase) -> np.ndarray:
-    """Feed `case.ids` one per step through a loaded decoder package; returns (S, V) log-probs."""
-    state = runtime_model.make_state()
-    rows = []
-    for pos, token in enumerate(case.ids):
-        out = runtime_model.predict(
-            {
-                "input_ids": np.array([[token]], dtype=np.int32),
-                "position": np.array([pos], dtype=np.int32),
-                "cross_k": case.cross_k,
-                "cross_v": case.cross_v,
-                "cross_mask": case.cross_mask,
-            },
-            state=state,
-        )
-        rows.append(np.asarray(out["log_probs"], dtype=np.float32).reshape(-1))
+def run_teacher_forcing(decoder, case: TeacherForcingCase) -> np.ndarray:
+    """Bind `case`'s memory, then feed `case.ids` one per step; returns (S, V) log-probs.
+
+    `decoder`: a `decoder_runtime.DecoderRuntime` (a package) or its PyTorch twin `TorchDecoder`."""
+    state = decoder.new_state(case.memory)
+    rows = [np.asarray(decoder.step(state, token, pos), dtype=np.float32).reshape(-1)
+            for pos, token in enumerate(case.ids)]
     return np.stack(rows)
 
 
@@ -433,24 +481,36 @@ def teacher_forcing_report(case: TeacherForcingCase, produced: np.ndarray, preci
     return report
 
 
-class TorchStepRuntime:
-    """A PyTorch `DecoderStep` behind the runtime interface (make_state / predict): the gate's
-    negative controls run through it, and tests use it as the PyTorch twin of a package."""
+class TorchDecoder:
+    """A PyTorch `StatefulDecoder` behind the `DecoderRuntime` interface (new_state / bind / step /
+    prefill): the gate's negative controls run through it, and tests use it as the PyTorch twin of
+    a package. Its state is the module itself (one sequence at a time)."""
 
     backend = "torch"
 
-    def __init__(self, step: DecoderStep):
-        self.step = step.eval()
+    def __init__(self, module: StatefulDecoder):
+        self.module = module.eval()
 
-    def make_state(self):
-        self.step.reset()
-        return self.step
+    def new_state(self, memory: dict):
+        self.module.reset()
+        self.bind(self.module, memory)
+        return self.module
 
-    def predict(self, inputs: dict, state=None) -> dict:
-        args = [torch.from_numpy(np.asarray(inputs[k])) for k in ("input_ids", "position", "cross_k", "cross_v",
-                                                                   "cross_mask")]
+    def bind(self, state, memory: dict) -> int:
+        args = [torch.from_numpy(np.asarray(memory[k], dtype=np.float32)) for k in MEMORY_NAMES]
         with torch.no_grad():
-            return {"log_probs": self.step(*args).numpy()}
+            return int(state.bind_memory(*args)[0])
+
+    def step(self, state, token: int, position: int) -> np.ndarray:
+        with torch.no_grad():
+            return state.run_tokens(torch.tensor([[int(token)]], dtype=torch.int32),
+                                    torch.tensor([int(position)], dtype=torch.int32)).numpy().reshape(-1)
+
+    def prefill(self, state, ids) -> np.ndarray:
+        ids = [int(t) for t in ids]
+        with torch.no_grad():
+            return state.run_tokens(torch.tensor([ids], dtype=torch.int32),
+                                    torch.arange(len(ids), dtype=torch.int32)).numpy().reshape(-1)
 
 
 # Deliberately wrong inputs the gate must be able to refuse. Each is a package defect class: the
@@ -486,14 +546,15 @@ def negative_controls(model, case: TeacherForcingCase, precision: str, min_psnr_
                       control_prompt: list[int] | None = None) -> dict:
     """Can this gate case tell a right package from a broken one?
 
-    Each control runs the PyTorch step on the broken inputs (`control_case`) and scores it against
-    the case's reference exactly as the gate scores a package. `discriminates` is True when the
+    Each control runs the PyTorch twin (`TorchDecoder`: bind_memory, then the steps, as the gate runs
+    the package) on the broken inputs (`control_case`: the broken memory is what gets bound) and
+    scores it against the case's reference exactly as the gate scores a package. `discriminates` is True when the
     gate would refuse it. On random weights the output barely depends on the cross memory (the
     tiny test checkpoints: zero memory moves log-probs by ~2e-3, PSNR 81 dB, argmax unchanged), so
     the gate passes broken packages; this records that instead of leaving it unnoticed.
     """
     capacity = round_up(len(case.ids), ANE_MULTIPLE)
-    runtime = TorchStepRuntime(DecoderStep(model, capacity, case.cross_k.shape[2]))
+    runtime = TorchDecoder(StatefulDecoder(model, capacity, case.cross_k.shape[2]))
     results = {}
     for name in NEGATIVE_CONTROLS:
         broken = control_case(case, name, control_prompt)
@@ -520,6 +581,11 @@ def teacher_forcing_gate(report: dict) -> GateReport:
         f"{report['worst_psnr_db']:.1f} dB (need {report['min_psnr_db_required']}), mean KL "
         f"{report['mean_kl']:.3g} (max {report['max_kl_allowed']}), argmax "
         f"{report['argmax_agree']}/{report['argmax_steps']} decoding steps")
+    memory = report.get("memory")
+    if memory is not None and not memory["passed"]:
+        text += (f"; {BIND_FUNCTION} did not bind the memory it was given (states differing from it: "
+                 f"{memory['mismatched_states'] or 'none'}, self cache not cleared: {memory['uncleared'] or 'no'}, "
+                 f"memory_length {memory['memory_length']} for {memory['valid_frames']} valid frames)")
     details = {k: v for k, v in report.items() if k != "passed"}
     return GateReport(component=COMPONENT, passed=bool(report["passed"]), headline=headline, details=details, text=text)
 
@@ -578,7 +644,8 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
     if control_prompt is None:
         control_prompt = gate_prompt[::-1]
     result = {"path": str(path), "shapes": shapes.to_dict(), "parity": None, "written": False,
-              "functions": {"step": "main", "prefill": PREFILL_FUNCTION if prefill else None},
+              "functions": {"step": STEP_FUNCTION, "bind": BIND_FUNCTION,
+                            "prefill": PREFILL_FUNCTION if prefill else None},
               "prefill_length": len(gate_prompt) if prefill else None}
     if skip_existing(path, settings.force):
         return None, result
@@ -590,30 +657,31 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
         "com.cohere_coreml.eos_token_id": str(model.config.eos_token_id),
     }
 
-    def convert_step():
-        logger.info("decoder: tracing (L=%d Hkv=%d C=%d Tp=%d Dh=%d V=%d)", shapes.num_layers,
-                    shapes.num_kv_heads, shapes.capacity, shapes.memory_len, shapes.head_dim, shapes.vocab_size)
-        traced = trace_decoder_step(DecoderStep(model, capacity, memory_len).eval())
-        inputs, states, outputs = coreml_io(shapes)
-        return convert_module(
-            traced, inputs, outputs, settings, states=states, metadata=meta, descriptions=DECODER_DESCRIPTIONS,
-            short_description="Cohere Transcribe decoder step (stateful KV cache, log-softmax output)",
-        )
+    def convert(function: str):
+        """Trace and convert one function of the package (a single-function model named `main`)."""
+        if function == BIND_FUNCTION:
+            traced, descriptions = trace_decoder_bind(DecoderBind(model, capacity, memory_len)), BIND_DESCRIPTIONS
+            summary = "Cohere Transcribe decoder: bind one window's cross memory into the state"
+        elif function == PREFILL_FUNCTION:
+            traced = trace_decoder_prefill(DecoderPrefill(model, capacity, memory_len, prompt_len=len(gate_prompt)))
+            descriptions = DECODER_DESCRIPTIONS
+            summary = "Cohere Transcribe decoder prompt prefill (stateful KV cache, bound cross memory)"
+        else:
+            logger.info("decoder: tracing (L=%d Hkv=%d C=%d Tp=%d Dh=%d V=%d)", shapes.num_layers,
+                        shapes.num_kv_heads, shapes.capacity, shapes.memory_len, shapes.head_dim, shapes.vocab_size)
+            traced, descriptions = trace_decoder_step(DecoderStep(model, capacity, memory_len)), DECODER_DESCRIPTIONS
+            summary = "Cohere Transcribe decoder step (stateful KV cache + bound cross memory, log-softmax output)"
+        inputs, states, outputs = coreml_io(shapes, function, prompt_len=len(gate_prompt))
+        return convert_module(traced, inputs, outputs, settings, states=states,
+                              metadata={**meta, "com.cohere_coreml.function": function},
+                              descriptions={k: v for k, v in descriptions.items()
+                                            if k in {t.name for t in (*inputs, *states, *outputs)}},
+                              short_description=summary)
 
-    def convert_prefill():
-        pre = DecoderPrefill(model, capacity, memory_len, prompt_len=len(gate_prompt)).eval()
-        p_inputs, p_states, p_outputs = coreml_prefill_io(shapes, len(gate_prompt))
-        return convert_module(
-            trace_decoder_prefill(pre), p_inputs, p_outputs, settings, states=p_states,
-            metadata={**meta, "com.cohere_coreml.component": "decoder_prefill"},
-            short_description="Cohere Transcribe decoder prompt prefill (stateful KV cache)",
-        )
+    functions = [STEP_FUNCTION, BIND_FUNCTION] + ([PREFILL_FUNCTION] if prefill else [])
 
     def write(tmp: Path) -> None:
-        if prefill:
-            _save_with_prefill(convert_step, convert_prefill, tmp)
-        else:
-            convert_step().save(str(tmp))
+        save_multifunction({fn: (lambda fn=fn: convert(fn)) for fn in functions}, tmp)
 
     def prepare():
         # the PyTorch side of the gate, before the package is loaded: the reference and the controls
@@ -624,20 +692,20 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
                                      control_prompt=control_prompt)
 
         def gate(tmp_path: Path) -> GateReport:
-            from .runtime import load_model
+            from .decoder_runtime import DecoderRuntime
 
-            step_model = load_model(str(tmp_path), backend=backend)
-            produced = run_teacher_forcing(step_model, case)
-            report = teacher_forcing_report(case, produced, settings.precision, settings.min_psnr_db)
+            decoder = DecoderRuntime.load(tmp_path, backend=backend, prefill=prefill)
+            report = teacher_forcing_report(case, run_teacher_forcing(decoder, case), settings.precision,
+                                            settings.min_psnr_db)
+            report["memory"] = bound_memory_check(decoder, case)
             if prefill:
-                pre_model = load_model(str(tmp_path), backend=backend, function_name=PREFILL_FUNCTION)
-                trimmed, rows = run_prefill_teacher_forcing(step_model, pre_model, case)
+                trimmed, rows = run_prefill_teacher_forcing(decoder, case)
                 pre_report = teacher_forcing_report(trimmed, rows, settings.precision, settings.min_psnr_db)
                 report["prefill"] = {k: v for k, v in pre_report.items() if k != "per_step"}
-                for key in ("worst_psnr_db", "mean_kl"):
-                    report[key] = min(report[key], pre_report[key]) if key == "worst_psnr_db" else max(
-                        report[key], pre_report[key])
+                report["worst_psnr_db"] = min(report["worst_psnr_db"], pre_report["worst_psnr_db"])
+                report["mean_kl"] = max(report["mean_kl"], pre_report["mean_kl"])
                 report["passed"] = bool(report["passed"] and pre_report["passed"])
+            report["passed"] = bool(report["passed"] and report["memory"]["passed"])
             report["controls"] = controls
             report["discriminates"] = all(c["discriminates"] for c in controls.values() if c["applicable"])
             return teacher_forcing_gate(report)
@@ -647,10 +715,28 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
     return stage_gated(COMPONENT, settings, write, prepare), result
 
 
-def _save_with_prefill(convert_step, convert_prefill, tmp: Path) -> None:
-    """Merge step (`main`) and prefill into one multifunction package at `tmp` (weights stored once).
+def bound_memory_check(decoder, case: TeacherForcingCase) -> dict:
+    """bind_memory writes exactly the memory it was given: the state's cross_k / cross_v / cross_mask
+    read back equal the case's memory rounded to fp16, the self cache is zero, and memory_length
+    counts the valid frames."""
+    state = decoder.make_state()
+    for name in ("self_k", "self_v"):  # a dirty cache, which bind_memory must clear
+        shape, dtype = decoder.state_description[name]
+        state.write_state(name, np.ones(shape, dtype=dtype))
+    bound = decoder.bind(state, case.memory)
+    mismatched = [k for k, v in case.memory.items()
+                  if not np.array_equal(state.read_state(k), np.asarray(v, np.float32).astype(np.float16))]
+    dirty = [k for k in ("self_k", "self_v") if np.any(state.read_state(k))]
+    valid = int(np.sum(case.cross_mask > 0.5 * MASK_VALUE))
+    return {"memory_length": bound, "valid_frames": valid, "mismatched_states": mismatched, "uncleared": dirty,
+            "passed": bool(bound == valid and not mismatched and not dirty)}
 
-    Each program is converted, saved and dropped in turn (only one converted program in memory)."""
+
+def save_multifunction(converters: dict, tmp: Path) -> None:
+    """Convert each function (name -> callable returning a single-function MLModel), then merge them
+    into one package at `tmp` (`coremltools.utils.save_multifunction`: identical weights stored once;
+    `main` is the default function). Each program is converted, saved and dropped in turn (only one
+    converted program in memory)."""
     import shutil
     import tempfile
 
@@ -658,39 +744,38 @@ def _save_with_prefill(convert_step, convert_prefill, tmp: Path) -> None:
 
     scratch = Path(tempfile.mkdtemp(prefix="decoder-mf-"))
     try:
-        step_path, pre_path = scratch / "step.mlpackage", scratch / "prefill.mlpackage"
-        convert_step().save(str(step_path))
-        convert_prefill().save(str(pre_path))
+        singles = {}
+        for fn, convert in converters.items():
+            singles[fn] = scratch / f"{fn}.mlpackage"
+            convert().save(str(singles[fn]))
         descriptor = ct.utils.MultiFunctionDescriptor()
-        descriptor.add_function(str(step_path), src_function_name="main", target_function_name="main")
-        descriptor.add_function(str(pre_path), src_function_name="main", target_function_name=PREFILL_FUNCTION)
-        descriptor.default_function_name = "main"
+        for fn, single in singles.items():
+            descriptor.add_function(str(single), src_function_name="main", target_function_name=fn)
+        descriptor.default_function_name = STEP_FUNCTION
         merged = scratch / "merged.mlpackage"
         ct.utils.save_multifunction(descriptor, str(merged))
         merged_model = ct.models.MLModel(str(merged), skip_model_load=True)
-        step_meta = ct.models.MLModel(str(step_path), skip_model_load=True).user_defined_metadata
+        step_meta = ct.models.MLModel(str(singles[STEP_FUNCTION]), skip_model_load=True).user_defined_metadata
         merged_model.user_defined_metadata.update(dict(step_meta))
-        merged_model.user_defined_metadata["com.cohere_coreml.functions"] = f"main (step), {PREFILL_FUNCTION}"
+        merged_model.user_defined_metadata.pop("com.cohere_coreml.function", None)
+        merged_model.user_defined_metadata["com.cohere_coreml.functions"] = ", ".join(
+            f"{fn} (step)" if fn == STEP_FUNCTION else fn for fn in converters)
         merged_model.save(str(tmp))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def run_prefill_teacher_forcing(step_model, prefill_model, case: TeacherForcingCase):
-    """Prompt through `prefill_model` in one call, then the rest step by step with the SAME state.
+def run_prefill_teacher_forcing(decoder, case: TeacherForcingCase):
+    """Bind, the prompt through prefill in one call, then the rest step by step with the SAME state.
 
     Returns (trimmed case, rows): rows are the log-probs after positions P-1 .. S-1, the trimmed
     case holds the matching reference rows (its prompt_len is 1: every row is a decoding row).
     """
     p = case.prompt_len
-    cross = {"cross_k": case.cross_k, "cross_v": case.cross_v, "cross_mask": case.cross_mask}
-    state = step_model.make_state()
-    out = prefill_model.predict({"input_ids": np.array([case.ids[:p]], dtype=np.int32), **cross}, state=state)
-    rows = [np.asarray(out["log_probs"], dtype=np.float32).reshape(-1)]
+    state = decoder.new_state(case.memory)
+    rows = [np.asarray(decoder.prefill(state, case.ids[:p]), dtype=np.float32).reshape(-1)]
     for pos in range(p, len(case.ids)):
-        out = step_model.predict({"input_ids": np.array([[case.ids[pos]]], dtype=np.int32),
-                                  "position": np.array([pos], dtype=np.int32), **cross}, state=state)
-        rows.append(np.asarray(out["log_probs"], dtype=np.float32).reshape(-1))
+        rows.append(np.asarray(decoder.step(state, case.ids[pos], pos), dtype=np.float32).reshape(-1))
     trimmed = TeacherForcingCase(cross_k=case.cross_k, cross_v=case.cross_v, cross_mask=case.cross_mask,
                                  ids=case.ids[p - 1:], log_probs=case.log_probs[p - 1:], prompt_len=1)
     return trimmed, np.stack(rows)

@@ -244,6 +244,7 @@ def main():
     args = p.parse_args()
     m = json.loads((HERE / "manifest.json").read_text())
     vocab = json.loads((HERE / m["files"]["vocab"]).read_text())
+    fns = m["decoder"]["functions"]  # one state layout for all: bind once per window, then the steps
     try:  # the project's own front end and runtime when installed (exact; works on Linux too)
         from cohere_coreml.audio import FrontEndConfig, load_audio
         from cohere_coreml.audio import log_mel as cc_log_mel
@@ -253,7 +254,8 @@ def main():
         feats, n = cc_log_mel(wave, FrontEndConfig.from_dict(m["audio"]))
         feats = feats[:, :n]
         enc = load_model(str(HERE / m["files"]["encoder"]))
-        dec = load_model(str(HERE / m["files"]["decoder"]))
+        step = load_model(str(HERE / m["files"]["decoder"]), function_name=fns["step"])
+        bind = load_model(str(HERE / m["files"]["decoder"]), function_name=fns["bind"])
     except ImportError:
         import coremltools as ct
         import soundfile as sf
@@ -264,30 +266,35 @@ def main():
             raise SystemExit(f"resample the audio to {m['audio']['sampling_rate']} Hz first")
         feats, n = log_mel(wave, m["audio"])
         enc = ct.models.MLModel(str(HERE / m["files"]["encoder"]))
-        dec = ct.models.MLModel(str(HERE / m["files"]["decoder"]))
+        step = ct.models.MLModel(str(HERE / m["files"]["decoder"]), function_name=fns["step"])
+        bind = ct.models.MLModel(str(HERE / m["files"]["decoder"]), function_name=fns["bind"])
     frames = m["encoder"]["window_frames"]
     if n > frames:
         raise SystemExit(f"this example handles one window ({frames} frames); split longer audio")
     window = np.zeros((1, feats.shape[0], frames), np.float32)
     window[0, :, :n] = feats[:, :n]
     out = enc.predict({"input_features": window, "feature_length": np.array([n], np.int32)})
-    cross = {k: out[k] for k in ("cross_k", "cross_v", "cross_mask")}
-    state = dec.make_state()
+    state = step.make_state()
+    # the window's cross memory into the state, once: bind input name -> encoder output name
+    bind.predict({name: out[src] for name, src in m["decoder"]["bind_inputs"].items()}, state=state)
     prompt = m["languages"][args.language]["punctuation"]
     eos = set(m["tokens"]["eos_token_ids"])
     limit = min(args.max_new_tokens, m["decoder"]["max_new_tokens"])
-    ids, pos = [], 0
+
+    def feed(tok, pos):  # a step binds only the token and its position
+        return step.predict({"input_ids": np.array([[tok]], np.int32), "position": np.array([pos], np.int32)},
+                            state=state)["log_probs"]
+
+    ids = []
     for pos, tok in enumerate(prompt):
-        lp = dec.predict({"input_ids": np.array([[tok]], np.int32), "position": np.array([pos], np.int32), **cross},
-                         state=state)["log_probs"]
+        lp = feed(tok, pos)
     pos = len(prompt)
     while True:
         tok = int(np.argmax(lp))
         if tok in eos or len(ids) >= limit:
             break
         ids.append(tok)
-        lp = dec.predict({"input_ids": np.array([[tok]], np.int32), "position": np.array([pos], np.int32), **cross},
-                         state=state)["log_probs"]
+        lp = feed(tok, pos)
         pos += 1
     pieces = [vocab[str(i)] for i in ids if not (vocab[str(i)].startswith("<") and vocab[str(i)].endswith(">")
                                                   and not vocab[str(i)].startswith("<0x"))]

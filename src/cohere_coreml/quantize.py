@@ -424,9 +424,12 @@ def compress_package(src: Path, dst: Path, recipe: Recipe) -> dict:
                 logger.info("compressing %s function %s (%s)", src.name, fn, recipe.scheme)
                 model = extract_function(src, fn)
                 fn_weights = weight_tensors(load_function(src, fn)) if fn != default else weights
-                compressed, fn_skips, fn_fallen = compress_mlmodel(model, recipe, fn_weights)
-                skips.update(fn_skips)
-                fallen.update(fn_fallen)
+                if fn_weights:
+                    compressed, fn_skips, fn_fallen = compress_mlmodel(model, recipe, fn_weights)
+                    skips.update(fn_skips)
+                    fallen.update(fn_fallen)
+                else:  # nothing to compress (the decoder's bind_memory): merged as it is
+                    compressed = model
                 singles[fn] = scratch / f"{fn}.mlpackage"
                 compressed.save(str(singles[fn]))
                 del compressed, model
@@ -597,15 +600,28 @@ def encoder_outputs(model, data: GateData) -> list[dict[str, np.ndarray]]:
             for w, n in data.windows]
 
 
-def decoder_outputs(model, data: GateData) -> list[np.ndarray]:
-    """Teacher-forced log-probs (S, V) of each gate sequence, on the f16 encoder's memory."""
+def decoder_runtime(package: Path, step=None):
+    """The decoder package's functions on one state (`DecoderRuntime`); `step`: an already loaded
+    step function of it (e.g. one whose constants the sensitivity run replaces)."""
+    from .config import BIND_FUNCTION
+    from .decoder_runtime import DecoderRuntime
+    from .runtime import load_model
+
+    if step is None:
+        return DecoderRuntime.load(package, backend="mil", prefill=False)
+    return DecoderRuntime(step, load_model(str(package), backend="mil", function_name=BIND_FUNCTION))
+
+
+def decoder_outputs(decoder, data: GateData) -> list[np.ndarray]:
+    """Teacher-forced log-probs (S, V) of each gate sequence, on the f16 encoder's memory bound
+    through bind_memory. `decoder`: a `DecoderRuntime` (`decoder_runtime`)."""
     from .decoder import TeacherForcingCase, run_teacher_forcing
 
     rows = []
     for enc, ids, prompt in zip(data.encoder_ref, data.sequences, data.prompts):
         case = TeacherForcingCase(cross_k=enc["cross_k"], cross_v=enc["cross_v"], cross_mask=enc["cross_mask"],
                                   ids=ids, log_probs=None, prompt_len=len(prompt))
-        rows.append(run_teacher_forcing(model, case))
+        rows.append(run_teacher_forcing(decoder, case))
     return rows
 
 
@@ -673,6 +689,7 @@ def log_prob_error(reference: list[np.ndarray], produced: list[np.ndarray], prom
 
 
 def _component_score(component: str, model, data: GateData, reference) -> float:
+    """`model`: the encoder's loaded function, or the decoder's `DecoderRuntime`."""
     if component == "encoder":
         return encoder_psnr(reference, encoder_outputs(model, data))
     from .convert import psnr
@@ -699,11 +716,15 @@ def sensitivity(component: str, f16_package: Path, quantized_package: Path, data
     reference = data.encoder_ref if component == "encoder" else data.decoder_ref
     swaps = _swaps(f16_package, quantized_package, quant)
     names = [n for n in (names or swaps) if n in swaps]
-    result = {"all": _component_score(component, quant, data, reference), "per_weight": {},
+    if component == "decoder":  # the step's constants are swapped; bind_memory has none
+        scored_quant, scored_f16 = decoder_runtime(quantized_package, quant), decoder_runtime(f16_package, f16)
+    else:
+        scored_quant, scored_f16 = quant, f16
+    result = {"all": _component_score(component, scored_quant, data, reference), "per_weight": {},
               "windows": len(data.windows)}
     for name in tqdm(names, desc=f"{component} sensitivity", unit="weight", leave=False):
         with f16.replaced_constants(dict([swaps[name]])):
-            result["per_weight"][name] = _component_score(component, f16, data, reference)
+            result["per_weight"][name] = _component_score(component, scored_f16, data, reference)
     return result
 
 
@@ -729,6 +750,7 @@ def choose_fp16(component: str, f16_package: Path, quantized_package: Path, data
     quant = load_model(str(quantized_package), backend="mil")
     reference = data.encoder_ref if component == "encoder" else data.decoder_ref
     swaps = _swaps(f16_package, quantized_package, quant)
+    scored = decoder_runtime(f16_package, f16) if component == "decoder" else f16  # constants swapped in f16
     order = sorted(per_weight, key=lambda n: per_weight[n])
     kept: list[str] = []
     steps = []
@@ -739,7 +761,7 @@ def choose_fp16(component: str, f16_package: Path, quantized_package: Path, data
             if component == "encoder":
                 score = encoder_psnr(reference, encoder_outputs(f16, data))
             else:
-                produced = decoder_outputs(f16, data)
+                produced = decoder_outputs(scored, data)
                 score = min(psnr(r, o) for r, o in zip(reference, produced))
                 lp = log_prob_error(reference, produced, data.prompts, data.eos_ids)
                 step["log_prob_error_nats"] = {k: lp["abs_error_nats"].get(k) for k in ("median", "p99", "max")}
@@ -1047,8 +1069,8 @@ def component_gate(comp: str, package: Path, data: GateData, preset: str, gates:
     """
     from .runtime import load_model
 
-    loaded = load_model(str(package), backend="mil")
     if comp == "encoder":
+        loaded = load_model(str(package), backend="mil")
         worst = encoder_psnr(data.encoder_ref, encoder_outputs(loaded, data))
         need = gates["encoder_psnr_db"]
         passed = bool(worst >= need)
@@ -1058,7 +1080,7 @@ def component_gate(comp: str, package: Path, data: GateData, preset: str, gates:
             f"({len(data.windows)} windows)",
             details={"reference": "f16 encoder.mlpackage (runtime)", "preset": preset, "worst_psnr_db": worst,
                      "min_psnr_db": need, "windows": len(data.windows)})
-    lp = log_prob_error(data.decoder_ref, decoder_outputs(loaded, data), data.prompts, data.eos_ids)
+    lp = log_prob_error(data.decoder_ref, decoder_outputs(decoder_runtime(package), data), data.prompts, data.eos_ids)
     passed = bool(lp["worst_psnr_db"] >= gates["decoder_psnr_db"] and lp["mean_kl"] <= gates["decoder_mean_kl"])
     return GateReport(
         component=comp, passed=passed,

@@ -3,9 +3,10 @@
 Per window (at most one `split_long_audio` piece, zero-padded to the encoder's window):
 
     features (cohere_coreml.audio.log_mel + pad_to_window, or the bundle's frontend.mlpackage)
-      -> encoder.mlpackage : cross_k, cross_v, cross_mask
-      -> fresh decoder state, feed the language prompt one token per call
-      -> greedy: argmax(log_probs), feed it back, until eos or the cache capacity
+      -> encoder.mlpackage : cross_k, cross_v, cross_mask, encoder_length
+      -> decoder bind_memory : a fresh decoder state holding that cross memory (once per window)
+      -> the language prompt: one prefill call, or one step call per token
+      -> greedy: argmax(log_probs), feed it back (input_ids + position only), until eos or the cache capacity
 
 A window that stops without eos (the cache is full, or `max_new_tokens` reached) is returned with
 `truncated=True`: the tokens are the exact prefix greedy decoding would produce, never garbage.
@@ -25,11 +26,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from .bundle import Bundle, BundleError
+from .config import MEMORY_NAMES
+from .decoder_runtime import DecoderRuntime
 from .engines import Engine, TranscriptionResult, WindowResult, transcribe_files
 
 logger = logging.getLogger(__name__)
 
-DECODER_INPUTS = ("cross_k", "cross_v", "cross_mask")
 # Where a window's features come from: `audio.log_mel` ("python") or the bundle's frontend.mlpackage.
 FRONT_ENDS = ("python", "package")
 DEFAULT_FRONT_END = "python"
@@ -78,14 +80,11 @@ class Transcriber:
         functions = m["encoder"].get("functions") or {"main": {"frames": m["encoder"]["window_frames"]}}
         self.encoder_buckets = sorted((int(v["frames"]), fn) for fn, v in functions.items())
         self._encoders = {"main": self.encoder}
-        self.decoder = load_model(str(self.bundle.paths["decoder"]), backend=backend, compute_units=compute_units)
-        dec = m["decoder"]
-        prefill_fn = (dec.get("functions") or {}).get("prefill")
-        self.prefill = None
-        self.prefill_length = dec.get("prefill_length")
-        if use_prefill and prefill_fn:
-            self.prefill = load_model(str(self.bundle.paths["decoder"]), backend=backend, function_name=prefill_fn,
-                                      compute_units=compute_units)
+        # bind_memory + step (+ prefill) of decoder.mlpackage, one state per window
+        self.decoder = DecoderRuntime.load(self.bundle.paths["decoder"], backend=backend, compute_units=compute_units,
+                                           prefill=use_prefill)
+        self.prefill = self.decoder.prefill_model  # None without a (used) prefill function
+        self.prefill_length = self.decoder.prefill_length
         self.front_end_kind = front_end
         self._frontends: dict = {}  # front-end function name -> loaded model (loaded on first use)
         has_frontend = "frontend" in self.bundle.paths and bool(m.get("frontend"))
@@ -172,7 +171,7 @@ class Transcriber:
         out = self._encoders[fn].predict(
             {"input_features": features, "feature_length": np.array([int(n_valid)], dtype=np.int32)}
         )
-        missing = [k for k in DECODER_INPUTS if k not in out]
+        missing = [k for k in MEMORY_NAMES if k not in out]
         if missing:
             raise TranscriptionError(f"encoder package returned no {missing}: is it a {self.bundle.manifest['format']} encoder?")
         return out
@@ -183,7 +182,7 @@ class Transcriber:
 
         `repetition_guard` (a `decoding.RepetitionGuard`) stops a looping window (stop_reason
         "repetition", the loop kept once). Returns {"token_ids", "stop_reason", "truncated",
-        "prompt_s", "decode_s", "steps", "calls", "repetition"} (and "log_probs": list of (V,)
+        "bind_s", "prompt_s", "decode_s", "steps", "calls", "repetition"} (and "log_probs": list of (V,)
         arrays, one per decoder call, when `return_log_probs`; greedy only).
         """
         from .decoding import beam_search
@@ -201,17 +200,12 @@ class Transcriber:
                 raise TranscriptionError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
             if max_new_tokens < limit:
                 limit, reason_at_limit = int(max_new_tokens), "max_new_tokens"
-        cross = {k: encoder_out[k] for k in DECODER_INPUTS}
-        state = self.decoder.make_state()
+        t_bind = time.perf_counter()
+        state = self.decoder.new_state(encoder_out)  # bind_memory: the window's cross memory, once
         all_log_probs = []
 
         def step(token: int, position: int, beam_state=None) -> np.ndarray:
-            out = self.decoder.predict(
-                {"input_ids": np.array([[token]], dtype=np.int32), "position": np.array([position], dtype=np.int32),
-                 **cross},
-                state=state if beam_state is None else beam_state,
-            )
-            lp = np.asarray(out["log_probs"]).reshape(-1)
+            lp = self.decoder.step(state if beam_state is None else beam_state, token, position)
             if return_log_probs:
                 all_log_probs.append(lp.astype(np.float32))
             return lp
@@ -219,8 +213,7 @@ class Transcriber:
         t0 = time.perf_counter()
         calls = 0
         if self.prefill is not None and len(prompt) == self.prefill_length:
-            out = self.prefill.predict({"input_ids": np.array([prompt], dtype=np.int32), **cross}, state=state)
-            log_probs = np.asarray(out["log_probs"]).reshape(-1)
+            log_probs = self.decoder.prefill(state, prompt)
             if return_log_probs:
                 all_log_probs.append(log_probs.astype(np.float32))
             calls += 1
@@ -261,6 +254,7 @@ class Transcriber:
             "token_ids": generated,
             "stop_reason": stop_reason,
             "truncated": stop_reason != "eos",
+            "bind_s": t0 - t_bind,  # bind_memory (one call per window, not counted in "calls")
             "prompt_s": t1 - t0,
             "decode_s": t2 - t1,
             "steps": position,  # cache slots filled
@@ -295,6 +289,7 @@ class Transcriber:
             "front_end": self.front_end_kind,
             "encoder_s": t2 - t1,
             "encoder_function": encoder_function,
+            "bind_s": dec["bind_s"],
             "prompt_s": dec["prompt_s"],
             "decode_s": dec["decode_s"],
             "decoder_calls": dec["calls"],

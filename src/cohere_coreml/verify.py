@@ -7,8 +7,9 @@ For every clip and every window of it (the same split points as the reference ex
               ("frontend": PSNR, max |diff|, valid frames, padding zero);
 2. encoder  : encoder.mlpackage outputs (cross_k, cross_v, encoder_hidden_states) vs the PyTorch
               encoder + `decoder.proj` + each layer's cross k/v projections, PSNR over valid frames;
-3. decoder  : decoder.mlpackage under teacher forcing (fed the reference greedy sequence, with the
-              PyTorch cross memory, so this stage is measured alone): per-step log-prob PSNR and
+3. decoder  : decoder.mlpackage under teacher forcing (the PyTorch cross memory bound with its
+              bind_memory function, then fed the reference greedy sequence, so this stage is
+              measured alone): per-step log-prob PSNR and
               KL(PyTorch || package), argmax agreement;
 4. end to end: the Transcriber's greedy tokens (encoder + decoder packages) vs
               `model.generate(...)` with the same prompt and `max_new_tokens`, and the texts.

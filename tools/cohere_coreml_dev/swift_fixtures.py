@@ -5,7 +5,8 @@ tools/make_swift_fixtures.py. Writes into one folder (default out/swift-fixtures
 
     bundle/                  `cohere-coreml export` of the default model (--prefill --buckets 10, the
                              default components: front end, encoder, decoder). Packages already there
-                             are kept (the export skips them); the manifest is rewritten from disk.
+                             are kept (the export skips them) unless the bundle is of an older format
+                             (then all are re-exported); the manifest is rewritten from disk.
     tokens_bundle.json       token lists -> Python's `decode_ids` text (every list the Python tests
     tokens_tiny.json         decode, the trained model's transcripts, CJK byte fallback, random ids) for
                              the bundle's vocab.json and the tiny test checkpoint's (tiny_vocab.json)
@@ -68,8 +69,13 @@ def _env(threads: int) -> dict:
 def export_bundle(out: Path, model: Path, threads: int) -> Path:
     """The test bundle: exported once, then only missing components are added (the export skips the
     packages present) and the manifest is rewritten from the packages on disk."""
+    from cohere_coreml.bundle import FORMAT_VERSION
+
     bundle = out / "bundle"
-    cmd = _cli("export", "--model", str(model), "--out", str(bundle), *EXPORT_ARGS)
+    manifest = bundle / "manifest.json"
+    # packages of an older bundle format (e.g. format 1's decoder without bind_memory) are re-exported
+    stale = manifest.is_file() and json.loads(manifest.read_text()).get("format_version") != FORMAT_VERSION
+    cmd = _cli("export", "--model", str(model), "--out", str(bundle), *EXPORT_ARGS, *(["--force"] if stale else []))
     logger.info("test bundle: %s", " ".join(cmd))
     subprocess.run(cmd, check=True, env=_env(threads), stdout=subprocess.DEVNULL)
     if not (bundle / "manifest.json").is_file():
