@@ -84,7 +84,8 @@ public struct ModelIO: Codable, Equatable, Sendable {
 /// `manifest.json` of a bundle (docs/bundle.md). Swift names are camelCase; `CodingKeys` map the JSON's snake_case.
 public struct BundleManifest: Codable, Sendable {
     public static let formatName = "cohere-coreml-bundle"
-    /// The newest `format_version` this package reads.
+    /// The `format_version` this package reads (2: the decoder keeps the cross memory in its state,
+    /// written once per window by its bind function; format 1 bound it at every step and is refused).
     public static let supportedFormatVersion = 2
     public static let fileName = "manifest.json"
 
@@ -293,6 +294,11 @@ public struct BundleManifest: Codable, Sendable {
         guard version <= supportedFormatVersion else {
             throw BundleError.newerFormatVersion(found: version, supported: supportedFormatVersion)
         }
+        guard version == supportedFormatVersion else {
+            throw BundleError.unsupportedFormat(
+                "bundle format_version \(version) is an older format this package no longer reads (format \(supportedFormatVersion): "
+                    + "the decoder keeps the cross memory in its state): re-export the bundle with `cohere-coreml export --force`")
+        }
         let manifest: BundleManifest
         do {
             manifest = try JSONDecoder().decode(BundleManifest.self, from: data)
@@ -374,29 +380,24 @@ public struct BundleManifest: Codable, Sendable {
                       "cross_mask": .init(shape: [1, 1, 1, encoder.memoryLength], dtype: programFloat)])
     }
 
-    /// Whether the decoder keeps the cross memory in its state (format 2: a bind function writes it once
-    /// per window; step and prefill take no encoder-length input).
-    public var decoderBindsMemory: Bool { decoder.functions?.bind != nil }
-
     var crossMemoryArrays: [String: ArrayDescription] {
         ["cross_k": .init(shape: decoder.memoryShape, dtype: programFloat),
          "cross_v": .init(shape: decoder.memoryShape, dtype: programFloat),
          "cross_mask": .init(shape: [1, 1, 1, encoder.memoryLength], dtype: programFloat)]
     }
 
+    /// The decoder state every function shares: the KV cache and the window's cross memory (fp16).
     var decoderStates: [String: ArrayDescription] {
         var states: [String: ArrayDescription] = ["self_k": .init(shape: decoder.cacheShape, dtype: "float16"),
                                                   "self_v": .init(shape: decoder.cacheShape, dtype: "float16")]
-        if decoderBindsMemory {
-            for (name, a) in crossMemoryArrays { states[name] = .init(shape: a.shape, dtype: "float16") }
-        }
+        for (name, a) in crossMemoryArrays { states[name] = .init(shape: a.shape, dtype: "float16") }
         return states
     }
 
-    /// What the decoder step (or, with `prefillLength`, the prefill function) must take and return.
+    /// What the decoder step (or, with `prefillLength`, the prefill function) must take and return: only
+    /// the token(s) and position, whatever the audio length (the cross memory is in the state).
     public func expectedDecoderIO(prefillLength: Int? = nil) -> ModelIO {
         var inputs: [String: ArrayDescription] = ["input_ids": .init(shape: [1, prefillLength ?? 1], dtype: "int32")]
-        if !decoderBindsMemory { inputs.merge(crossMemoryArrays) { a, _ in a } }
         if prefillLength == nil { inputs["position"] = .init(shape: [1], dtype: "int32") }
         return ModelIO(inputs: inputs,
                        outputs: [decoder.output: .init(shape: [1, decoder.vocabSize], dtype: programFloat)],

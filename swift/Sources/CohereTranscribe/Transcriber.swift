@@ -29,7 +29,7 @@ public struct WindowTimings: Sendable, Codable {
     public var featuresSeconds: Double
     public var encoderSeconds: Double
     public var encoderFunction: String
-    /// Binding the window's cross memory into the decoder state (format-2 bundles; 0 otherwise).
+    /// Binding the window's cross memory into the decoder state (one bind call per window).
     public var bindSeconds: Double
     public var promptSeconds: Double
     public var decodeSeconds: Double
@@ -154,18 +154,18 @@ public actor CohereTranscriber {
         }
     }
 
-    /// Decoder functions: step, bind (format 2), prefill (when the bundle has it and `usePrefill`).
-    private func decoderModels() async throws -> (step: RuntimeModel, bind: RuntimeModel?, prefill: RuntimeModel?) {
+    /// Decoder functions: step, bind, prefill (when the bundle has it and `usePrefill`).
+    private func decoderModels() async throws -> (step: RuntimeModel, bind: RuntimeModel, prefill: RuntimeModel?) {
         let d = manifest.decoder
         let file = manifest.files.decoder
         let stepName = d.functions?.step ?? "main"
         let step = try await load("decoder/\(stepName)", file: file, function: stepName, units: computeUnits.decoder,
                                   expected: manifest.expectedDecoderIO(), component: "decoder")
-        var bind: RuntimeModel?
-        if let name = d.functions?.bind {
-            bind = try await load("decoder/\(name)", file: file, function: name, units: computeUnits.decoder,
-                                  expected: manifest.expectedBindIO(), component: "decoder")
+        guard let bindName = d.functions?.bind else {
+            throw BundleError.unreadableManifest("missing field 'decoder.functions.bind' (format 2 bundles bind the cross memory once per window)")
         }
+        let bind = try await load("decoder/\(bindName)", file: file, function: bindName, units: computeUnits.decoder,
+                                  expected: manifest.expectedBindIO(), component: "decoder")
         var prefill: RuntimeModel?
         if usePrefill, let name = d.functions?.prefill, let length = d.prefillLength {
             prefill = try await load("decoder/\(name)", file: file, function: name, units: computeUnits.decoder,
@@ -366,9 +366,9 @@ public actor CohereTranscriber {
         var decodeSeconds: Double
     }
 
-    /// The decoding loop of docs/bundle.md: fresh state, the cross memory bound into it once (format 2),
-    /// prompt (prefill when present), greedy to eos, the cache capacity or `maxNewTokens`. A step binds
-    /// only its token and position.
+    /// The decoding loop of docs/bundle.md: fresh state, the cross memory bound into it once by the bind
+    /// function, prompt (prefill when present), greedy to eos, the cache capacity or `maxNewTokens`. A
+    /// step binds only its token and position.
     func decode(cross: [String: Tensor], prompt: [Int], maxNewTokens: Int?) async throws -> Decoded {
         let capacity = manifest.decoder.capacity
         guard prompt.count < capacity else {
@@ -384,38 +384,31 @@ public actor CohereTranscriber {
         let output = manifest.decoder.output
         let state = try decoder.makeState()
         let tb = Date()
-        var memory: [String: Tensor] = [:]  // what every step binds besides its token and position
-        if let binder {
-            var inputs: [String: Tensor] = [:]
-            for (input, output) in manifest.decoder.bindInputs ?? [:] {
-                guard let t = cross[output] else {
-                    throw BundleError.ioMismatch(component: "decoder", function: binder.functionName,
-                                                 detail: "bind input '\(input)' takes '\(output)', which the encoder does not return")
-                }
-                inputs[input] = t
+        var bindInputs: [String: Tensor] = [:]  // the window's cross memory, bound into the state once
+        for (input, output) in manifest.decoder.bindInputs ?? [:] {
+            guard let t = cross[output] else {
+                throw BundleError.ioMismatch(component: "decoder", function: binder.functionName,
+                                             detail: "bind input '\(input)' takes '\(output)', which the encoder does not return")
             }
-            _ = try await binder.predict(inputs, state: state)
-        } else {
-            memory = cross  // format 1: the cross memory is an input of every call
+            bindInputs[input] = t
         }
-        let bindSeconds = binder == nil ? 0 : Date().timeIntervalSince(tb)
+        _ = try await binder.predict(bindInputs, state: state)
+        let bindSeconds = Date().timeIntervalSince(tb)
         func logProbs(_ out: [String: Tensor]) throws -> [Float] {
             guard let t = out[output] else { throw TranscriptionError.badOutput("the decoder package returned no \(output)") }
             return t.floats()
         }
         func step(_ token: Int, _ position: Int) async throws -> [Float] {
             try Task.checkCancellation()
-            var inputs = memory
-            inputs["input_ids"] = try Tensor(int32: [Int32(token)], shape: [1, 1])
-            inputs["position"] = try Tensor(int32: [Int32(position)], shape: [1])
+            let inputs = ["input_ids": try Tensor(int32: [Int32(token)], shape: [1, 1]),
+                          "position": try Tensor(int32: [Int32(position)], shape: [1])]
             return try logProbs(try await decoder.predict(inputs, state: state))
         }
         let t0 = Date()
         var calls = 0
         var scores: [Float] = []
         if let prefill, prompt.count == manifest.decoder.prefillLength {
-            var inputs = memory
-            inputs["input_ids"] = try Tensor(int32: prompt.map(Int32.init), shape: [1, prompt.count])
+            let inputs = ["input_ids": try Tensor(int32: prompt.map(Int32.init), shape: [1, prompt.count])]
             scores = try logProbs(try await prefill.predict(inputs, state: state))
             calls += 1
         } else {

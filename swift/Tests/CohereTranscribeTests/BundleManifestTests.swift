@@ -26,7 +26,16 @@ final class BundleManifestTests: XCTestCase {
         let m = try BundleManifest.load(bundle: Fixtures.bundle)
         let json = try manifestJSON()
         let decoder = json["decoder"] as! [String: Any]
-        XCTAssertEqual(m.formatVersion, 1)
+        XCTAssertEqual(m.formatVersion, 2)
+        XCTAssertEqual(m.decoder.functions?.bind, "bind_memory")
+        XCTAssertEqual(m.decoder.bindInputs, ["encoder_cross_k": "cross_k", "encoder_cross_v": "cross_v",
+                                              "encoder_cross_mask": "cross_mask"])
+        // the step takes no encoder-length input: the cross memory is in its state
+        let step = try XCTUnwrap(m.listedIO(component: "decoder", function: "main"))
+        XCTAssertEqual(Set(step.inputs.keys), ["input_ids", "position"])
+        XCTAssertEqual(Set(step.states.keys), ["self_k", "self_v", "cross_k", "cross_v", "cross_mask"])
+        XCTAssertEqual(m.listedIO(component: "decoder", function: "bind_memory")?.inputs["encoder_cross_k"]?.shape,
+                       m.decoder.memoryShape)
         XCTAssertEqual(m.decoder.capacity, decoder["capacity"] as? Int)
         XCTAssertEqual(m.decoder.cacheShape, decoder["cache_shape"] as? [Int])
         XCTAssertEqual(m.decoder.functions?.prefill, "prefill")
@@ -85,6 +94,16 @@ final class BundleManifestTests: XCTestCase {
         try FileManager.default.moveItem(at: outside, to: decoder)
         let loaded = try await CohereTranscriber(bundle: dir, runtime: try Fixtures.interpreter())
         XCTAssertEqual(loaded.manifest.files.decoder, manifest.files.decoder)
+    }
+
+    /// A format-1 bundle (the cross memory an input of every step) is refused with the command that
+    /// re-exports it.
+    func testOlderFormatVersionIsRefused() throws {
+        let dir = try editedBundle { $0["format_version"] = 1 }
+        XCTAssertThrowsError(try BundleManifest.load(bundle: dir)) { error in
+            guard case BundleError.unsupportedFormat(let message) = error else { return XCTFail("\(error)") }
+            XCTAssertTrue(message.contains("format_version 1") && message.contains("cohere-coreml export --force"), message)
+        }
     }
 
     func testNewerFormatVersionIsRefused() throws {
@@ -161,11 +180,11 @@ final class BundleManifestTests: XCTestCase {
     }
 
     /// manifest.json["section"]: the io block of `function` (encoder/frontend: functions[f].io; decoder:
-    /// io for the step, prefill_io for "prefill"), edited in place.
+    /// io for the step, prefill_io for "prefill", bind_io for "bind_memory"), edited in place.
     static func editIO(_ json: inout [String: Any], _ section: String, function: String, _ edit: (inout [String: Any]) -> Void) {
         var s = json[section] as! [String: Any]
         if section == "decoder" {
-            let key = function == "prefill" ? "prefill_io" : "io"
+            let key = function == "prefill" ? "prefill_io" : function == "bind_memory" ? "bind_io" : "io"
             var io = s[key] as! [String: Any]
             edit(&io)
             s[key] = io
@@ -200,6 +219,21 @@ final class BundleManifestTests: XCTestCase {
             XCTAssertEqual(component, "decoder")
             XCTAssertEqual(function, "prefill")
             XCTAssertTrue(detail.contains("input 'input_ids' is int32 [1, 10], the manifest says int32 [1, 11]"), detail)
+        }
+        let bind = try editedBundle { json in  // the bind function's io block: checked at init too
+            Self.editIO(&json, "decoder", function: "bind_memory") { io in
+                var outputs = io["outputs"] as! [String: Any]
+                outputs["memory_length"] = ["shape": [2], "dtype": "int32"]
+                io["outputs"] = outputs
+            }
+        }
+        do {
+            _ = try await CohereTranscriber(bundle: bind, runtime: runtime)
+            XCTFail("a wrong bind_io block was accepted")
+        } catch let error as BundleError {
+            guard case .ioMismatch(_, let function, let detail) = error else { return XCTFail("\(error)") }
+            XCTAssertEqual(function, "bind_memory")
+            XCTAssertTrue(detail.contains("output 'memory_length'"), detail)
         }
         var sections = [("encoder", "window_10s")]
         let manifest = try BundleManifest.load(bundle: Fixtures.bundle)

@@ -184,8 +184,8 @@ final class CoreMLRuntimeTests: XCTestCase {
 
     // MARK: decoder calls
 
-    /// What each decoder call binds: a step binds only O(1) inputs when the bundle keeps the cross memory
-    /// in the decoder state (format 2); the bind call binds the cross memory once per window.
+    /// What each decoder call binds: a step only its token and position (the cross memory is in the
+    /// decoder state); the bind call the cross memory, once per window.
     func testBytesBoundPerDecoderCall() async throws {
         #if os(Linux)
         let transcriber = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: try Fixtures.coreML())
@@ -197,11 +197,11 @@ final class CoreMLRuntimeTests: XCTestCase {
         let memory = manifest.decoder.memoryShape.reduce(1, *) * 2 * (manifest.precision == "fp32" ? 4 : 2)
             + manifest.encoder.memoryLength * (manifest.precision == "fp32" ? 4 : 2)
         let step = manifest.decoder.functions?.step ?? "main"
-        if let bind = manifest.decoder.functions?.bind {
-            XCTAssertEqual(bytes[step], 8)  // input_ids + position, int32
-            XCTAssertEqual(bytes[bind], memory)
-        } else {
-            XCTAssertEqual(bytes[step], 8 + memory)  // format 1: the cross memory rebound every step
+        let bind = try XCTUnwrap(manifest.decoder.functions?.bind)
+        XCTAssertEqual(bytes[step], 8)  // input_ids + position, int32: nothing that grows with the audio
+        XCTAssertEqual(bytes[bind], memory)  // the cross memory, once per window
+        if let prefill = manifest.decoder.functions?.prefill, let length = manifest.decoder.prefillLength {
+            XCTAssertEqual(bytes[prefill], 4 * length)
         }
         #else
         throw XCTSkip("the emulation's counters are Linux-only")
