@@ -43,6 +43,8 @@ from .config import (
     BIND_OUTPUT,
     FP16_MASK_VALUE,
     MEMORY_NAMES,
+    NEAR_TIE_FACTOR,
+    NEAR_TIE_TOP_K,
     PREFILL_FUNCTION,
     PROMPT_LENGTH,
     STEP_FUNCTION,
@@ -425,6 +427,35 @@ def teacher_forcing_case(model, memory_len: int, prompt: list[int], encoder_hidd
     )
 
 
+def argmax_flips(ref_log_probs: np.ndarray, out_log_probs: np.ndarray, positions=None,
+                 top_k: int = NEAR_TIE_TOP_K, factor: float = NEAR_TIE_FACTOR) -> dict:
+    """Argmax disagreements of `out` vs `ref` ((steps, V) log-probs), each judged against the error
+    measured at that step.
+
+    For a step whose argmax differs (reference token a, produced token b): margin = ref[a] - ref[b];
+    error = max |out - ref| over the reference's top-`top_k` tokens other than a and b (the error level of
+    that step, measured on tokens the flip does not involve: the two flipped tokens' own errors always
+    explain the flip). The flip is a near-tie when margin <= `factor` x error: what the measured error
+    could flip; otherwise it is decisive and refuses. Returns counts and one row per flip."""
+    ref = np.asarray(ref_log_probs, np.float64).reshape(len(ref_log_probs), -1)
+    out = np.asarray(out_log_probs, np.float64).reshape(len(out_log_probs), -1)
+    positions = list(range(len(ref))) if positions is None else list(positions)
+    rows = []
+    for i, pos in enumerate(positions):
+        a, b = int(ref[i].argmax()), int(out[i].argmax())
+        if a == b:
+            continue
+        top = [int(t) for t in np.argsort(-ref[i])[: top_k + 2] if t not in (a, b)][:top_k]
+        error = float(np.max(np.abs(out[i, top] - ref[i, top]))) if top else 0.0
+        margin = float(ref[i, a] - ref[i, b])
+        finite = bool(np.isfinite(margin) and np.isfinite(error))
+        rows.append({"position": int(pos), "ref_token": a, "out_token": b, "ref_margin_nats": margin,
+                     "step_error_nats": error, "near_tie": bool(finite and margin <= factor * error)})
+    near = sum(r["near_tie"] for r in rows)
+    return {"flips": len(rows), "near_tie_flips": near, "decisive_flips": len(rows) - near, "top_k": top_k,
+            "factor": factor, "rows": rows}
+
+
 def kl_rows(ref_log_probs: np.ndarray, out_log_probs: np.ndarray) -> np.ndarray:
     """KL(P_ref || P_out) per row of log-prob matrices (S, V) -> (S,)."""
     lp = np.asarray(ref_log_probs, np.float64)
@@ -474,9 +505,14 @@ def teacher_forcing_report(case: TeacherForcingCase, produced: np.ndarray, preci
             for i in range(len(case.ids))
         ],
     }
+    flips = argmax_flips(case.log_probs[decoding], produced[decoding], positions=range(decoding.start, len(case.ids)))
+    report["near_tie_flips"] = flips["near_tie_flips"]
+    report["decisive_flips"] = flips["decisive_flips"]
+    report["flips"] = flips["rows"]
+    # an argmax disagreement refuses only when it is not a near-tie the measured error could flip
     report["passed"] = bool(
         finite and report["worst_psnr_db"] >= min_psnr and report["mean_kl"] <= MAX_KL[precision]
-        and report["argmax_agree"] == report["argmax_steps"]
+        and flips["decisive_flips"] == 0
     )
     return report
 
@@ -563,7 +599,8 @@ def negative_controls(model, case: TeacherForcingCase, precision: str, min_psnr_
             continue
         rep = teacher_forcing_report(case, run_teacher_forcing(runtime, broken), precision, min_psnr_db)
         results[name] = {"applicable": True, "discriminates": not rep["passed"],
-                         **{k: rep[k] for k in ("worst_psnr_db", "mean_kl", "argmax_agree", "argmax_steps")}}
+                         **{k: rep[k] for k in ("worst_psnr_db", "mean_kl", "argmax_agree", "argmax_steps",
+                                                "near_tie_flips", "decisive_flips")}}
         if rep["passed"]:
             logger.warning("decoder gate: a package with %s would pass (worst PSNR %.1f dB, mean KL %.2g, argmax "
                            "%d/%d): this gate case cannot detect that defect (weights whose output barely "
@@ -574,13 +611,16 @@ def negative_controls(model, case: TeacherForcingCase, precision: str, min_psnr_
 
 def teacher_forcing_gate(report: dict) -> GateReport:
     """The decoder's `GateReport` from a `teacher_forcing_report` dict (figures kept as they are)."""
+    near = report.get("near_tie_flips", 0)
     headline = (f"worst PSNR {report['worst_psnr_db']:.1f} dB, mean KL {report['mean_kl']:.3g}, "
-                f"argmax {report['argmax_agree']}/{report['argmax_steps']} decoding steps")
+                f"argmax {report['argmax_agree']}/{report['argmax_steps']} decoding steps"
+                + (f" ({near} near-tie flip{'s' * (near != 1)}, tolerated)" if near else ""))
     text = "" if report["passed"] else (
         f"decoder.mlpackage does not match PyTorch under teacher forcing: worst PSNR "
         f"{report['worst_psnr_db']:.1f} dB (need {report['min_psnr_db_required']}), mean KL "
         f"{report['mean_kl']:.3g} (max {report['max_kl_allowed']}), argmax "
-        f"{report['argmax_agree']}/{report['argmax_steps']} decoding steps")
+        f"{report['argmax_agree']}/{report['argmax_steps']} decoding steps, "
+        f"{report.get('decisive_flips', 0)} flip(s) beyond what the measured error explains")
     memory = report.get("memory")
     if memory is not None and not memory["passed"]:
         text += (f"; {BIND_FUNCTION} did not bind the memory it was given (states differing from it: "
