@@ -10,6 +10,8 @@ RUN := $(UV) run --frozen
 # Swift toolchain: `swift` on PATH, else the toolchain at /opt/swift (the machines' install location)
 SWIFT ?= $(shell command -v swift 2>/dev/null || { [ -x /opt/swift/usr/bin/swift ] && echo /opt/swift/usr/bin/swift; })
 SWIFT_FIXTURES ?= out/swift-fixtures
+# seeded corpus of mutated manifests for the Swift fuzz test (tools/make_fuzz_manifests.py; docs/reliability.md)
+FUZZ_MANIFESTS ?= out/fuzz-manifests
 # torch threads of the Python processes the Swift step starts (fixtures, the interpreter child)
 SWIFT_TEST_THREADS ?= 2
 
@@ -63,12 +65,13 @@ test: sync
 swift-fixtures: sync
 	nice -n 10 $(RUN) python tools/make_swift_fixtures.py --out $(SWIFT_FIXTURES) --threads $(SWIFT_TEST_THREADS) \
 		--demo-clips $(DEMO_CLIPS) --demo-languages $(DEMO_LANGUAGES)
+	$(RUN) python tools/make_fuzz_manifests.py --manifest $(SWIFT_FIXTURES)/bundle/manifest.json --out $(FUZZ_MANIFESTS)
 
 swift-test:
 	@if [ -z "$(SWIFT)" ]; then echo "make swift-test: SKIPPED: no Swift toolchain (swift not on PATH, no /opt/swift)"; exit 0; fi; \
 	set -e; $(MAKE) swift-fixtures; \
 	export PATH="$$(dirname "$(SWIFT)"):$$PATH" COHERE_SWIFT_FIXTURES="$(abspath $(SWIFT_FIXTURES))" \
-		COHERE_SWIFT_THREADS="$(SWIFT_TEST_THREADS)"; \
+		COHERE_SWIFT_THREADS="$(SWIFT_TEST_THREADS)" COHERE_FUZZ_MANIFESTS="$(abspath $(FUZZ_MANIFESTS))"; \
 	nice -n 10 "$(SWIFT)" build --build-tests && nice -n 10 "$(SWIFT)" test --skip-build --disable-swift-testing
 
 export: sync

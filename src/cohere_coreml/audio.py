@@ -35,6 +35,7 @@ from .config import SILENCE_PEAK
 logger = logging.getLogger(__name__)
 
 LOG_ZERO_GUARD = 2.0**-24
+READ_BLOCK_FRAMES = 1 << 18  # frames per soundfile read
 NORM_EPSILON = 1e-5
 
 
@@ -110,18 +111,25 @@ def load_audio(source, sample_rate: int | None = None, target_rate: int = 16000)
         if sample_rate is not None and sample_rate != rate:
             raise AudioError(f"{source}: file is {rate} Hz but sample_rate={sample_rate} was given")
         name = str(source)
+        # a file's layout is known, (samples, channels): every channel is averaged, as the streamed
+        # reader (longform) and the Swift WAVReader do, whatever the channel and sample counts
+        mono = _to_mono_float(data, name, channels_last=True)
     else:
         if sample_rate is None:
             raise AudioError("sample_rate is required with a raw array (the model expects 16000 Hz audio)")
         data, rate, name = np.asarray(source), int(sample_rate), "audio array"
-    mono = _to_mono_float(data, name)
+        mono = _to_mono_float(data, name)
     if rate <= 0:
         raise AudioError(f"{name}: invalid sample rate {rate}")
+    check_waveform(mono, name)  # before resampling: the resampler refuses NaN/inf with its own exception
     if rate != target_rate:
         import librosa
 
         logger.debug("resampling %s from %d Hz to %d Hz", name, rate, target_rate)
         mono = librosa.resample(mono, orig_sr=rate, target_sr=target_rate, res_type="soxr_hq").astype(np.float32)
+        if mono.size == 0:
+            raise AudioError(f"{name} is too short to resample: {data.shape[0]} sample(s) at {rate} Hz give none at "
+                             f"{target_rate} Hz")
     check_waveform(mono, name)
     return np.ascontiguousarray(mono, dtype=np.float32)
 
@@ -141,8 +149,17 @@ def _read_file(path: Path) -> tuple[np.ndarray, int]:
     import soundfile as sf
 
     try:
-        data, rate = sf.read(str(path), dtype="float32", always_2d=True)  # (samples, channels)
-        return data, int(rate)
+        # block by block, not sf.read: a corrupt header can claim billions of frames, and sf.read allocates
+        # what the header claims up front (a 32 GiB MemoryError for a 250 kB FLAC with one byte changed)
+        with sf.SoundFile(str(path)) as f:
+            blocks, rate = [], int(f.samplerate)
+            while (block := f.read(READ_BLOCK_FRAMES, dtype="float32", always_2d=True)).shape[0]:
+                blocks.append(block)
+            channels = f.channels
+        data = np.concatenate(blocks) if blocks else np.zeros((0, channels), np.float32)
+        return data, rate  # (samples, channels)
+    except MemoryError:
+        raise AudioError(f"audio file {path} decodes to more samples than fit in memory") from None
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError):
         pass
     try:
@@ -159,7 +176,9 @@ def _read_file(path: Path) -> tuple[np.ndarray, int]:
     return (data.T if data.ndim == 2 else data), int(rate)
 
 
-def _to_mono_float(data: np.ndarray, name: str) -> np.ndarray:
+def _to_mono_float(data: np.ndarray, name: str, channels_last: bool = False) -> np.ndarray:
+    """float32 mono of integer or float audio; 2-D: `channels_last` (a file's (samples, channels)), else
+    the layout is told from the shape (at most 8 channels)."""
     if data.size == 0:  # before the channel average: mean of 0 samples would be 1 NaN
         raise AudioError(f"{name} is empty (0 samples)")
     if data.dtype.kind in "iu":
@@ -172,7 +191,9 @@ def _to_mono_float(data: np.ndarray, name: str) -> np.ndarray:
         data = data.astype(np.float32, copy=False)
     elif data.dtype.kind == "b" or data.dtype.kind == "O":
         raise AudioError(f"{name}: audio must be numeric, got dtype {data.dtype}")
-    if data.ndim == 2:
+    if data.ndim == 2 and channels_last:
+        data = data.mean(axis=1)
+    elif data.ndim == 2:
         if data.shape[1] <= 8 and data.shape[0] >= data.shape[1]:
             data = data.mean(axis=1)  # (samples, channels)
         elif data.shape[0] <= 8:

@@ -20,8 +20,10 @@ The manifest format is documented for Swift developers in docs/bundle.md.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -33,6 +35,7 @@ from typing import Any
 from .config import (
     BIND_FUNCTION,
     BIND_INPUT_PREFIX,
+    BIND_OUTPUT,
     BUCKETS_METADATA_KEY,
     FRONTEND_FUNCTIONS_METADATA_KEY,
     MEMORY_NAMES,
@@ -385,7 +388,11 @@ class Bundle:
     paths: dict[str, Path] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, dirs: str | os.PathLike | Sequence[str | os.PathLike]) -> "Bundle":
+    def load(cls, dirs: str | os.PathLike | Sequence[str | os.PathLike], check_package_io: bool = True) -> "Bundle":
+        """Read and check the manifest (`check_manifest`: every field the loop reads, its type, range and
+        consistency), the presence and size of every listed file, and (`check_package_io`) that every
+        package function has the io the manifest lists (`check_packages`). Any problem: BundleError
+        naming the field or file."""
         if isinstance(dirs, (str, os.PathLike)):
             dirs = [dirs]
         dirs = [Path(d) for d in dirs]
@@ -400,14 +407,16 @@ class Bundle:
                 f"no {MANIFEST_NAME} in {', '.join(map(str, dirs))}: export the bundle with `cohere-coreml export`"
             )
         try:
-            manifest = json.loads(manifest_path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as err:  # JSONDecodeError is a ValueError
             raise BundleError(f"{manifest_path} is not readable JSON: {err}") from err
+        if not isinstance(manifest, dict):
+            raise BundleError(f"{manifest_path} is not a {FORMAT_NAME} manifest (not a JSON object)")
         if manifest.get("format") != FORMAT_NAME:
             raise BundleError(f"{manifest_path} is not a {FORMAT_NAME} manifest")
         version = manifest.get("format_version")
-        if not isinstance(version, int):
-            raise BundleError(f"{manifest_path} has no integer format_version ({version!r}): re-export the bundle")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise BundleError(f"{manifest_path}: field 'format_version' must be a positive integer, got {_show(version)}")
         if version > FORMAT_VERSION:
             raise BundleError(
                 f"{manifest_path} has format_version {version}; this tool reads format {FORMAT_VERSION}: update cohere-coreml"
@@ -421,14 +430,24 @@ class Bundle:
         bundle = cls(dirs=dirs, manifest=manifest)
         from .integrity import IntegrityError, check_sizes, safe_path
 
+        files = manifest.get("files")
+        if not isinstance(files, dict):
+            raise BundleError(f"{manifest_path}: field 'files' must be an object naming the bundle's files, "
+                              f"got {_show(files)}")
         try:  # every file the manifest names stays inside the bundle
-            for key, name in (manifest.get("files") or {}).items():
+            for key, name in files.items():
                 if name is not None:
                     safe_path(name, f"{manifest_path}: files.{key}")
         except IntegrityError as err:
             raise BundleError(str(err)) from err
-        for key in ("encoder", "decoder", "vocab", "tokenizer"):
-            name = manifest["files"].get(key)
+        suffixes = {"encoder": ".mlpackage", "decoder": ".mlpackage", "frontend": ".mlpackage", "vocab": ".json",
+                    "tokenizer": "tokenizer.json", "processor_config": ".json", "tokenizer_config": ".json"}
+        for key, suffix in suffixes.items():
+            name = files.get(key)
+            if name is not None and not name.endswith(suffix):
+                raise BundleError(f"{manifest_path}: field 'files.{key}' is {name!r}; it names a {suffix} file")
+        for key in ("encoder", "decoder", "vocab", "tokenizer", "processor_config"):
+            name = files.get(key)
             if name is None:
                 raise BundleError(f"{manifest_path} describes no {key}: export it (`cohere-coreml export`)")
             found = next((d / name for d in dirs if (d / name).exists()), None)
@@ -436,16 +455,24 @@ class Bundle:
                 raise BundleError(f"bundle is missing {name} (looked in {', '.join(map(str, dirs))})")
             bundle.paths[key] = found
         bundle.paths["tokenizer_dir"] = bundle.paths["tokenizer"].parent
-        frontend = manifest["files"].get("frontend")  # optional: frontend.mlpackage
-        if frontend is not None:
-            found = next((d / frontend for d in dirs if (d / frontend).exists()), None)
-            if found is None:
-                raise BundleError(f"bundle is missing {frontend} (looked in {', '.join(map(str, dirs))})")
-            bundle.paths["frontend"] = found
+        for key in ("frontend",):  # optional: frontend.mlpackage
+            name = files.get(key)
+            if name is not None:
+                found = next((d / name for d in dirs if (d / name).exists()), None)
+                if found is None:
+                    raise BundleError(f"bundle is missing {name} (looked in {', '.join(map(str, dirs))})")
+                bundle.paths[key] = found
         try:
             check_sizes(dirs, manifest)  # presence and size of every file the manifest lists
         except IntegrityError as err:
-            raise BundleError(str(err)) from err
+            raise BundleError(str(err) if MANIFEST_NAME in str(err) else f"{manifest_path}: {err}") from err
+        vocab = _read_json(bundle.paths["vocab"], "files.vocab")
+        if not isinstance(vocab, dict) or not all(isinstance(v, str) for v in vocab.values()):
+            raise BundleError(f"{bundle.paths['vocab']} (files.vocab) is not an {{id: piece}} table")
+        processor = _read_json(bundle.paths["processor_config"], "files.processor_config")
+        check_manifest(manifest, str(manifest_path), vocab=vocab, processor=processor)
+        if check_package_io:
+            check_packages(bundle, str(manifest_path))
         return bundle
 
     # convenience accessors ------------------------------------------------------------------
@@ -471,3 +498,410 @@ class Bundle:
         if language not in self.manifest["languages"]:
             raise UnknownLanguageError(language)
         return [int(i) for i in self.manifest["languages"][language]["punctuation" if punctuation else "no_punctuation"]]
+
+
+# --------------------------------------------------------------------------------------------------
+# Manifest checks (Bundle.load): every field the loop reads, typed, in range, and consistent with the
+# manifest's io blocks, which are compared with the packages themselves
+# --------------------------------------------------------------------------------------------------
+
+MAX_DIM = 2**31 - 1  # Core ML shapes and int32 ids
+COMPUTE_UNITS = ("all", "cpu_only", "cpu_and_gpu", "cpu_and_ne")
+IO_DTYPES = ("float16", "float32", "int32")
+PRECISIONS = ("fp16", "fp32")
+_MISSING = object()
+
+
+class _Fields:
+    """Typed reads of manifest fields by dotted path; every failure is a BundleError naming the field."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, field: str, problem: str):
+        raise BundleError(f"{self.where}: field '{field}' {problem}")
+
+    def get(self, obj: dict, key: str, path: str, optional: bool = False):
+        value = obj.get(key, _MISSING)
+        if value is _MISSING or (optional and value is None):
+            if optional:
+                return None
+            self.fail(path, "is missing")
+        return value
+
+    def obj(self, obj: dict, key: str, path: str, optional: bool = False) -> dict | None:
+        value = self.get(obj, key, path, optional)
+        if value is None and optional:
+            return None
+        if not isinstance(value, dict):
+            self.fail(path, f"must be an object, got {_show(value)}")
+        return value
+
+    def int(self, obj: dict, key: str, path: str, lo: int = 0, hi: int = MAX_DIM, optional: bool = False) -> int | None:
+        value = self.get(obj, key, path, optional)
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(path, f"must be an integer, got {_show(value)}")
+        if not lo <= value <= hi:
+            self.fail(path, f"is {value}, outside [{lo}, {hi}]")
+        return value
+
+    def num(self, obj: dict, key: str, path: str, lo: float, hi: float, lo_open: bool = False,
+            hi_open: bool = False, optional: bool = False) -> float | None:
+        value = self.get(obj, key, path, optional)
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            self.fail(path, f"must be a finite number, got {_show(value)}")
+        if value < lo or value > hi or (lo_open and value == lo) or (hi_open and value == hi):
+            self.fail(path, f"is {value}, outside {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}")
+        return float(value)
+
+    def str(self, obj: dict, key: str, path: str, choices: Sequence[str] | None = None,
+            optional: bool = False) -> str | None:
+        value = self.get(obj, key, path, optional)
+        if value is None and optional:
+            return None
+        if not isinstance(value, str) or not value:
+            self.fail(path, f"must be a non-empty string, got {_show(value)}")
+        if choices is not None and value not in choices:
+            self.fail(path, f"is {value!r}, not one of {list(choices)}")
+        return value
+
+    def ints(self, obj: dict, key: str, path: str, lo: int = 0, hi: int = MAX_DIM, optional: bool = False):
+        value = self.get(obj, key, path, optional)
+        if value is None and optional:
+            return None
+        if not isinstance(value, list):
+            self.fail(path, f"must be a list of integers, got {_show(value)}")
+        for i, item in enumerate(value):
+            if isinstance(item, bool) or not isinstance(item, int) or not lo <= item <= hi:
+                self.fail(f"{path}[{i}]", f"must be an integer in [{lo}, {hi}], got {_show(item)}")
+        return value
+
+    def io(self, obj: dict, key: str, path: str, optional: bool = False) -> dict | None:
+        """An io block {"inputs"|"outputs"|"states": {name: {"shape": [int], "dtype": str}}}."""
+        block = self.obj(obj, key, path, optional)
+        if block is None:
+            return None
+        for kind in ("inputs", "outputs", "states"):
+            arrays = self.obj(block, kind, f"{path}.{kind}")
+            for name, desc in arrays.items():
+                where = f"{path}.{kind}.{name}"
+                if not isinstance(desc, dict):
+                    self.fail(where, f"must be an object, got {_show(desc)}")
+                self.ints(desc, "shape", f"{where}.shape", lo=0)
+                self.str(desc, "dtype", f"{where}.dtype", IO_DTYPES)
+        return block
+
+    def shape(self, block: dict, kind: str, name: str, path: str) -> list[int]:
+        desc = block[kind].get(name)
+        if desc is None:
+            self.fail(f"{path}.{kind}", f"lists no {name!r} (has {sorted(block[kind])})")
+        return desc["shape"]
+
+    def equal(self, field: str, value, other_field: str, other) -> None:
+        if value != other:
+            self.fail(field, f"is {_show(value)} but {other_field} is {_show(other)}: they must agree")
+
+
+def _show(value) -> str:
+    text = json.dumps(value, allow_nan=True) if isinstance(value, (dict, list, str, int, float, type(None))) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _read_json(path: Path, what: str):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise BundleError(f"{path} ({what}) is not readable JSON: {err}") from err
+
+
+# the processor config's feature extractor key -> the manifest's audio field
+_PROCESSOR_AUDIO_KEYS = {"sampling_rate": "sampling_rate", "n_fft": "n_fft", "win_length": "win_length",
+                         "hop_length": "hop_length", "feature_size": "n_mels", "preemphasis": "preemphasis",
+                         "max_audio_clip_s": "max_audio_clip_s", "overlap_chunk_second": "overlap_chunk_second",
+                         "min_energy_window_samples": "min_energy_window_samples"}
+
+
+def check_manifest(manifest, where: str, vocab: dict | None = None, processor: dict | None = None) -> None:
+    """Every field `Transcriber` and the Swift package read: present, of its type and range, and
+    consistent with each other and with the manifest's `io` blocks (`check_packages` ties those to
+    the packages). `vocab` (vocab.json) checks the prompts and eos ids; `processor` (processor_config.json)
+    the audio settings. Raises BundleError naming the field."""
+    from .tokens import BOS_TOKEN, EOS_TOKEN, LANGUAGES, NO_SPACE_LANGUAGES, PAD_TOKEN, UnknownLanguageError, prompt_tokens
+
+    f = _Fields(where)
+    if not isinstance(manifest, dict):
+        raise BundleError(f"{where}: the manifest must be a JSON object, got {_show(manifest)}")
+    precision = f.str(manifest, "precision", "precision", PRECISIONS, optional=True)
+
+    # audio: the front end (cohere_coreml.audio.FrontEndConfig)
+    audio = f.obj(manifest, "audio", "audio")
+    rate = f.int(audio, "sampling_rate", "audio.sampling_rate", lo=1000, hi=1_000_000)
+    n_fft = f.int(audio, "n_fft", "audio.n_fft", lo=2, hi=1 << 16)
+    f.int(audio, "win_length", "audio.win_length", lo=1, hi=n_fft)
+    hop = f.int(audio, "hop_length", "audio.hop_length", lo=1, hi=n_fft)
+    n_mels = f.int(audio, "n_mels", "audio.n_mels", lo=1, hi=4096)
+    f.num(audio, "preemphasis", "audio.preemphasis", 0.0, 1.0, hi_open=True)
+    f.num(audio, "dither", "audio.dither", 0.0, 1.0, optional=True)
+    clip = f.num(audio, "max_audio_clip_s", "audio.max_audio_clip_s", 0.0, 3600.0, lo_open=True)
+    f.num(audio, "overlap_chunk_second", "audio.overlap_chunk_second", 0.0, clip, hi_open=True)
+    f.int(audio, "min_energy_window_samples", "audio.min_energy_window_samples", lo=1, hi=MAX_DIM)
+    audio_window = f.int(audio, "window_frames", "audio.window_frames", lo=1, optional=True)
+    if processor is not None:
+        settings = processor.get("feature_extractor", processor) if isinstance(processor, dict) else None
+        if not isinstance(settings, dict) or "sampling_rate" not in settings:
+            raise BundleError(f"{where}: files.processor_config holds no feature-extractor settings")
+        for key, field_name in _PROCESSOR_AUDIO_KEYS.items():
+            if key in settings and settings[key] != audio[field_name]:
+                f.fail(f"audio.{field_name}", f"is {_show(audio[field_name])} but the checkpoint's processor config "
+                       f"(files.processor_config) says {key} = {_show(settings[key])}")
+
+    # encoder: window, memory, one function per window (length buckets), each with its io
+    enc = f.obj(manifest, "encoder", "encoder")
+    window = f.int(enc, "window_frames", "encoder.window_frames", lo=2)
+    if audio_window is not None:
+        f.equal("audio.window_frames", audio_window, "encoder.window_frames", window)
+    encoder_frames = f.int(enc, "encoder_frames", "encoder.encoder_frames", lo=1)
+    memory_len = f.int(enc, "memory_len", "encoder.memory_len", lo=encoder_frames)
+    f.equal("encoder.num_mel_bins", f.int(enc, "num_mel_bins", "encoder.num_mel_bins", lo=1), "audio.n_mels", n_mels)
+    enc_functions = f.obj(enc, "functions", "encoder.functions")
+    if "main" not in enc_functions:
+        f.fail("encoder.functions", f"has no 'main' function (has {sorted(enc_functions)})")
+    frames_of = {}
+    for name, fn in enc_functions.items():
+        path = f"encoder.functions.{name}"
+        if not isinstance(fn, dict):
+            f.fail(path, f"must be an object, got {_show(fn)}")
+        frames_of[name] = f.int(fn, "frames", f"{path}.frames", lo=2, hi=window)
+        f.num(fn, "window_seconds", f"{path}.window_seconds", 0.0, 3600.0, lo_open=True, optional=True)
+        f.io(fn, "io", f"{path}.io")
+    f.equal("encoder.functions.main.frames", frames_of["main"], "encoder.window_frames", window)
+    f.io(enc, "io", "encoder.io")
+    f.equal("encoder.io", enc["io"], "encoder.functions.main.io", enc_functions["main"]["io"])
+
+    # decoder: cache, prompt, functions and io of the step (and prefill)
+    dec = f.obj(manifest, "decoder", "decoder")
+    capacity = f.int(dec, "capacity", "decoder.capacity", lo=2)
+    prompt_len = f.int(dec, "prompt_length", "decoder.prompt_length", lo=1, hi=capacity - 1)
+    f.equal("decoder.max_new_tokens", f.int(dec, "max_new_tokens", "decoder.max_new_tokens", lo=1),
+            "decoder.capacity - decoder.prompt_length + 1", capacity - prompt_len + 1)
+    layers = f.int(dec, "num_layers", "decoder.num_layers", lo=1)
+    f.int(dec, "num_attention_heads", "decoder.num_attention_heads", lo=1)
+    kv_heads = f.int(dec, "num_key_value_heads", "decoder.num_key_value_heads", lo=1)
+    head_dim = f.int(dec, "head_dim", "decoder.head_dim", lo=1)
+    f.int(dec, "hidden_size", "decoder.hidden_size", lo=1)
+    vocab_size = f.int(dec, "vocab_size", "decoder.vocab_size", lo=1)
+    f.equal("decoder.cache_shape", f.ints(dec, "cache_shape", "decoder.cache_shape"),
+            "[num_layers, num_key_value_heads, capacity, head_dim]", [layers, kv_heads, capacity, head_dim])
+    memory_shape = f.ints(dec, "memory_shape", "decoder.memory_shape")
+    f.equal("decoder.memory_shape", memory_shape, "[num_layers, num_key_value_heads, encoder.memory_len, head_dim]",
+            [layers, kv_heads, memory_len, head_dim])
+    output = f.str(dec, "output", "decoder.output", ("log_probs",))
+    functions = f.obj(dec, "functions", "decoder.functions")
+    f.str(functions, "step", "decoder.functions.step")
+    prefill = f.str(functions, "prefill", "decoder.functions.prefill", optional=True)
+    prefill_len = f.int(dec, "prefill_length", "decoder.prefill_length", lo=1, hi=capacity - 1, optional=True)
+    if (prefill is None) != (prefill_len is None):
+        f.fail("decoder.prefill_length", f"is {_show(prefill_len)} but decoder.functions.prefill is {_show(prefill)}: "
+               "both are set (a prefill function) or both null")
+    program_float = "float32" if precision == "fp32" else "float16"
+    step_io = f.io(dec, "io", "decoder.io")
+    prefill_io = f.io(dec, "prefill_io", "decoder.prefill_io", optional=True)
+    if (prefill is None) != (prefill_io is None):
+        f.fail("decoder.prefill_io", f"must be given exactly when decoder.functions.prefill is (it is {_show(prefill)})")
+    cache = [layers, kv_heads, capacity, head_dim]
+    for path, io, ids_len in (("decoder.io", step_io, 1), ("decoder.prefill_io", prefill_io, prefill_len)):
+        if io is None:
+            continue
+        expected = {("inputs", "input_ids"): ([1, ids_len], "int32"),
+                    ("outputs", output): ([1, vocab_size], program_float),
+                    ("states", "self_k"): (cache, "float16"), ("states", "self_v"): (cache, "float16")}
+        if path == "decoder.io":
+            expected[("inputs", "position")] = ([1], "int32")
+        # format 2: the cross memory is in the state (fp16), never an input of a step or prefill call
+        expected.update({("states", "cross_k"): (memory_shape, "float16"), ("states", "cross_v"): (memory_shape, "float16"),
+                         ("states", "cross_mask"): ([1, 1, 1, memory_len], "float16")})
+        takes = sorted(n for kind, n in expected if kind == "inputs")
+        if isinstance(io.get("inputs"), dict) and sorted(io["inputs"]) != takes:
+            f.fail(f"{path}.inputs", f"are {sorted(io['inputs'])}; a format-{FORMAT_VERSION} decoder call takes {takes} "
+                   "(the cross memory is bound into the state by decoder.functions.bind)")
+        for (kind, name), (shape, dtype) in expected.items():
+            got = f.shape(io, kind, name, path)
+            what = {"self_k": "decoder.cache_shape", "self_v": "decoder.cache_shape", "input_ids":
+                    "decoder.prefill_length" if ids_len != 1 else "[1, 1]", "position": "[1]",
+                    output: "[1, decoder.vocab_size]", "cross_mask": "[1, 1, 1, encoder.memory_len]"}.get(name, "decoder.memory_shape")
+            f.equal(f"{path}.{kind}.{name}.shape", got, what, shape)
+            f.equal(f"{path}.{kind}.{name}.dtype", io[kind][name]["dtype"],
+                    "the dtype of precision " + repr(precision) if name not in ("input_ids", "position") else "int32",
+                    dtype)
+    # the bind function: the encoder's memory in (under decoder.bind_inputs' names), memory_length out
+    bind = f.str(functions, "bind", "decoder.functions.bind")
+    bind_inputs = f.obj(dec, "bind_inputs", "decoder.bind_inputs")
+    want_inputs = {BIND_INPUT_PREFIX + name: name for name in MEMORY_NAMES}
+    if bind_inputs != want_inputs:
+        f.fail("decoder.bind_inputs", f"is {_show(bind_inputs)}; the {bind!r} function takes {want_inputs}")
+    bind_io = f.io(dec, "bind_io", "decoder.bind_io")
+    memory_of = {"cross_k": (memory_shape, program_float), "cross_v": (memory_shape, program_float),
+                 "cross_mask": ([1, 1, 1, memory_len], program_float)}
+    expected = {("inputs", i): memory_of[o] for i, o in want_inputs.items()}
+    expected.update({("outputs", BIND_OUTPUT): ([1], "int32"), ("states", "self_k"): (cache, "float16"),
+                     ("states", "self_v"): (cache, "float16"),
+                     **{("states", n): (shape, "float16") for n, (shape, _) in memory_of.items()}})
+    for (kind, name), (shape, dtype) in expected.items():
+        f.equal(f"decoder.bind_io.{kind}.{name}.shape", f.shape(bind_io, kind, name, "decoder.bind_io"),
+                "the shape of " + ("the encoder's " + want_inputs[name] if kind == "inputs" else name), shape)
+        f.equal(f"decoder.bind_io.{kind}.{name}.dtype", bind_io[kind][name]["dtype"], "dtype", dtype)
+    # every encoder function's io: features of its frames in, the decoder's memory out
+    for name, fn in enc_functions.items():
+        path = f"encoder.functions.{name}.io"
+        io = fn["io"]
+        checks = {("inputs", "input_features"): ([1, n_mels, frames_of[name]], "float32",
+                                                 f"[1, audio.n_mels, encoder.functions.{name}.frames]"),
+                  ("inputs", "feature_length"): ([1], "int32", "[1]"),
+                  ("outputs", "cross_k"): (memory_shape, program_float, "decoder.memory_shape"),
+                  ("outputs", "cross_v"): (memory_shape, program_float, "decoder.memory_shape"),
+                  ("outputs", "cross_mask"): ([1, 1, 1, memory_len], program_float, "[1, 1, 1, encoder.memory_len]")}
+        for (kind, array), (shape, dtype, what) in checks.items():
+            f.equal(f"{path}.{kind}.{array}.shape", f.shape(io, kind, array, path), what, shape)
+            f.equal(f"{path}.{kind}.{array}.dtype", io[kind][array]["dtype"], "the program's dtype", dtype)
+
+    # frontend (optional): one function per encoder window, same names and frames
+    files = manifest["files"]
+    front = f.obj(manifest, "frontend", "frontend", optional=True)
+    if (front is None) != (files.get("frontend") is None):
+        f.fail("frontend", "and files.frontend must be given together (a bundle with frontend.mlpackage has both)")
+    if front is not None:
+        f.str(front, "compute_units", "frontend.compute_units", COMPUTE_UNITS, optional=True)
+        f.str(front, "precision", "frontend.precision", PRECISIONS, optional=True)
+        fe_functions = f.obj(front, "functions", "frontend.functions")
+        if sorted(fe_functions) != sorted(enc_functions):
+            f.fail("frontend.functions", f"are {sorted(fe_functions)} but encoder.functions are {sorted(enc_functions)}: "
+                   "one front-end function per encoder window, same names")
+        for name, fn in fe_functions.items():
+            path = f"frontend.functions.{name}"
+            if not isinstance(fn, dict):
+                f.fail(path, f"must be an object, got {_show(fn)}")
+            samples = f.int(fn, "samples", f"{path}.samples", lo=1)
+            frames = f.int(fn, "frames", f"{path}.frames", lo=1)
+            f.num(fn, "window_seconds", f"{path}.window_seconds", 0.0, 3600.0, lo_open=True, optional=True)
+            f.equal(f"{path}.frames", frames, f"encoder.functions.{name}.frames", frames_of[name])
+            f.equal(f"{path}.frames", frames, f"the frames of {path}.samples with audio.n_fft and audio.hop_length",
+                    (samples + 2 * (n_fft // 2) - n_fft) // hop)
+            io = f.io(fn, "io", f"{path}.io")
+            for kind, array, shape, what in (("inputs", "audio", [1, samples], f"[1, {path}.samples]"),
+                                             ("inputs", "audio_length", [1], "[1]"),
+                                             ("outputs", "input_features", [1, n_mels, frames], f"[1, audio.n_mels, {path}.frames]"),
+                                             ("outputs", "feature_length", [1], "[1]")):
+                f.equal(f"{path}.io.{kind}.{array}.shape", f.shape(io, kind, array, f"{path}.io"), what, shape)
+        f.io(front, "io", "frontend.io")
+        f.equal("frontend.io", front["io"], "frontend.functions.main.io", fe_functions["main"]["io"])
+
+    # tokens, generation, languages (the prompts): ids inside the vocabulary, pieces as the tokenizer's
+    tokens = f.obj(manifest, "tokens", "tokens")
+    f.equal("tokens.vocab_size", f.int(tokens, "vocab_size", "tokens.vocab_size", lo=1), "decoder.vocab_size", vocab_size)
+    eos = f.ints(tokens, "eos_token_ids", "tokens.eos_token_ids", hi=vocab_size - 1)
+    if not eos:
+        f.fail("tokens.eos_token_ids", "is empty: a decoder needs an end token")
+    f.equal("tokens.eos_token_id", f.int(tokens, "eos_token_id", "tokens.eos_token_id", hi=vocab_size - 1),
+            "tokens.eos_token_ids[0]", eos[0])
+    for key in ("pad_token_id", "bos_token_id", "decoder_start_token_id"):
+        f.int(tokens, key, f"tokens.{key}", hi=vocab_size - 1, optional=True)
+    gen = f.obj(manifest, "generation", "generation")
+    f.str(gen, "strategy", "generation.strategy", ("greedy",))
+    f.int(gen, "upstream_max_new_tokens", "generation.upstream_max_new_tokens", lo=1, optional=True)
+    no_space = gen.get("no_space_languages", _MISSING)
+    if no_space != sorted(NO_SPACE_LANGUAGES):
+        f.fail("generation.no_space_languages", f"is {_show(None if no_space is _MISSING else no_space)}, "
+               f"expected {sorted(NO_SPACE_LANGUAGES)} (the languages whose windows are joined without a space)")
+    languages = f.obj(manifest, "languages", "languages")
+    if sorted(languages) != sorted(LANGUAGES):  # the writer lists every language the tokenizer has a prompt for
+        f.fail("languages", f"has prompts for {sorted(languages)[:20]}, expected one per language of the model: "
+               f"{', '.join(LANGUAGES)}")
+    for lang, prompts in languages.items():
+        if lang not in LANGUAGES:
+            f.fail(f"languages.{lang}", f"is not a supported language ({', '.join(LANGUAGES)})")
+        if not isinstance(prompts, dict):
+            f.fail(f"languages.{lang}", f"must be an object, got {_show(prompts)}")
+        for kind in ("punctuation", "no_punctuation"):
+            path = f"languages.{lang}.{kind}"
+            ids = f.ints(prompts, kind, path, hi=vocab_size - 1)
+            f.equal(f"{path} (length)", len(ids), "decoder.prompt_length", prompt_len)
+            if vocab is not None:
+                try:
+                    want = prompt_tokens(lang, punctuation=kind == "punctuation")
+                except UnknownLanguageError:  # pragma: no cover - LANGUAGES checked above
+                    want = []
+                got = [vocab.get(str(i)) for i in ids]
+                if got != want:
+                    f.fail(path, f"decodes to {got} in files.vocab, expected the prompt {want}")
+    starts = {ids[0] for prompts in languages.values() for ids in prompts.values()}
+    start = tokens.get("decoder_start_token_id")
+    if start is not None and starts != {start}:
+        f.fail("tokens.decoder_start_token_id", f"is {start} but the prompts in languages start with {sorted(starts)}")
+    if vocab is not None:
+        for key, piece in (("pad_token_id", PAD_TOKEN), ("bos_token_id", BOS_TOKEN)):
+            if tokens.get(key) is not None and vocab.get(str(tokens[key])) != piece:
+                f.fail(f"tokens.{key}", f"is {tokens[key]}, which files.vocab reads as {vocab.get(str(tokens[key]))!r}, "
+                       f"not {piece!r}")
+        missing = [i for i in eos if str(i) not in vocab]
+        if missing:
+            f.fail("tokens.eos_token_ids", f"has ids {missing} that files.vocab does not hold")
+        if vocab.get(str(eos[0])) != EOS_TOKEN:
+            f.fail("tokens.eos_token_id", f"is {eos[0]}, which files.vocab reads as {vocab.get(str(eos[0]))!r}, "
+                   f"not {EOS_TOKEN!r}")
+
+
+def _package_stamp(path: Path) -> tuple:
+    """What identifies a package's contents cheaply (every file's size and mtime)."""
+    return tuple(sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns)
+                        for p in path.rglob("*") if p.is_file()))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_package_io(path: str, function_name: str | None, stamp: tuple) -> tuple[dict, str, tuple[str, ...]]:
+    from .runtime.package import read_package
+
+    spec = read_package(path, function_name=function_name)
+    return package_io(path, spec.function_name), spec.function_name, tuple(sorted(spec.function_names))
+
+
+def check_packages(bundle: "Bundle", where: str) -> None:
+    """Every function the manifest names exists in its package, the package has no function the
+    manifest omits, and each function's inputs/outputs/states equal the manifest's `io` block."""
+    from .runtime.errors import RuntimeBackendError
+
+    m = bundle.manifest
+    dec = m["decoder"]
+    listed = {"encoder": {name: (fn["io"], f"encoder.functions.{name}") for name, fn in m["encoder"]["functions"].items()},
+              "decoder": {dec["functions"]["step"]: (dec["io"], "decoder.functions.step")}}
+    listed["decoder"][dec["functions"]["bind"]] = (dec["bind_io"], "decoder.functions.bind")
+    if dec["functions"].get("prefill") is not None:
+        listed["decoder"][dec["functions"]["prefill"]] = (dec["prefill_io"], "decoder.functions.prefill")
+    if m.get("frontend") is not None:
+        listed["frontend"] = {name: (fn["io"], f"frontend.functions.{name}")
+                              for name, fn in m["frontend"]["functions"].items()}
+    for component, functions in listed.items():
+        path = bundle.paths[component]
+        stamp = _package_stamp(path)
+        try:
+            _, default, present = _cached_package_io(str(path), None, stamp)
+        except RuntimeBackendError as err:
+            raise BundleError(f"{where}: files.{component} ({path.name}) is not a readable package: {err}") from err
+        if component == "decoder" and dec["functions"]["step"] != default:
+            raise BundleError(f"{where}: field 'decoder.functions.step' is {dec['functions']['step']!r} but "
+                              f"{path.name}'s default function is {default!r}")
+        if sorted(functions) != list(present):
+            raise BundleError(f"{where}: {component} functions {sorted(functions)} (manifest) differ from the "
+                              f"functions of {path.name} {list(present)}")
+        for name, (io, field_name) in functions.items():
+            actual, _, _ = _cached_package_io(str(path), name, stamp)
+            if actual != io:
+                diff = next((f"{kind}.{array}: package {actual[kind].get(array)}, manifest {io[kind].get(array)}"
+                             for kind in ("inputs", "outputs", "states")
+                             for array in sorted(set(actual[kind]) | set(io[kind]))
+                             if actual[kind].get(array) != io[kind].get(array)), "extra keys")
+                raise BundleError(f"{where}: field '{field_name}' io differs from function {name!r} of {path.name} "
+                                  f"({diff})")

@@ -146,13 +146,30 @@ def manifest_sections(bundle_dir: str | os.PathLike) -> dict:
 
 
 def _listed(manifest: dict, manifest_path: Path) -> dict[str, dict]:
-    files = (manifest.get("checksums") or {}).get("files")
+    checksums = manifest.get("checksums") if isinstance(manifest, dict) else None
+    files = checksums.get("files") if isinstance(checksums, dict) else None
     if not isinstance(files, dict) or not files:
         raise IntegrityError(f"{manifest_path} has no checksums (written before integrity records existed): "
                              "rebuild the bundle or run `cohere-coreml bundle finalize`")
     for rel in files:
         safe_path(rel, f"{manifest_path}: checksums entry")
+    check_table(files)
     return files
+
+
+def check_table(files) -> None:
+    """IntegrityError naming the entry unless `files` is {safe relative path: {"sha256": 64 hex, "size": int >= 0}}."""
+    if not isinstance(files, dict):
+        raise IntegrityError(f"manifest field 'checksums.files' must be an object, got {type(files).__name__}",
+                             ["checksums.files: not an object"])
+    for rel, want in files.items():
+        safe_path(rel, "manifest checksums entry")
+        size = want.get("size") if isinstance(want, dict) else None
+        digest = want.get("sha256") if isinstance(want, dict) else None
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0 \
+                or not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise IntegrityError(f"manifest field 'checksums.files.{rel}' must be {{\"sha256\": 64 hex digits, "
+                                 f"\"size\": bytes >= 0}}, got {str(want)[:80]}", [f"{rel}: malformed checksum entry"])
 
 
 def _read_manifest(bundle_dir: Path) -> tuple[dict, Path]:
@@ -160,8 +177,8 @@ def _read_manifest(bundle_dir: Path) -> tuple[dict, Path]:
     if not path.is_file():
         raise IntegrityError(f"{bundle_dir} has no {MANIFEST_NAME}", [MANIFEST_NAME + ": missing"])
     try:
-        return json.loads(path.read_text()), path
-    except json.JSONDecodeError as err:
+        return json.loads(path.read_text(encoding="utf-8")), path
+    except (UnicodeDecodeError, ValueError) as err:  # JSONDecodeError is a ValueError
         raise IntegrityError(f"{path} is not valid JSON: {err}", [MANIFEST_NAME + ": unreadable"]) from err
 
 
@@ -198,9 +215,20 @@ def check_bundle(bundle_dir: str | os.PathLike, hashes: bool = True) -> dict:
 def check_sizes(bundle_dirs, manifest: dict) -> None:
     """Presence and size of every listed file, searched over one or more folders (cheap; for
     loading). No-op for manifests without checksums."""
-    listed = (manifest.get("checksums") or {}).get("files")
+    checksums = manifest.get("checksums")
+    if checksums is None:
+        return
+    if not isinstance(checksums, dict):
+        raise IntegrityError(f"manifest field 'checksums' must be an object, got {type(checksums).__name__}",
+                             ["checksums: not an object"])
+    listed = checksums.get("files")
     if not listed:
         return
+    check_table(listed)
+    total = checksums.get("total_bytes")
+    if total is not None and total != sum(v["size"] for v in listed.values()):
+        raise IntegrityError(f"manifest field 'checksums.total_bytes' is {str(total)[:40]} but the listed files hold "
+                             f"{sum(v['size'] for v in listed.values())} bytes", ["checksums.total_bytes: wrong"])
     dirs = [Path(bundle_dirs)] if isinstance(bundle_dirs, (str, os.PathLike)) else [Path(d) for d in bundle_dirs]
     problems = []
     for rel, want in sorted(listed.items()):

@@ -23,14 +23,21 @@ Requests (every request may carry an "id", echoed in its response):
     {"op": "quit"}                                   -> {"ok": true}, then the server exits 0
 
 A failed request gets {"ok": false, "error": message, "type": exception class name} and the server
-keeps serving (its payload bytes, if any, have been consumed). End of input ends the server.
-Logging goes to stderr; nothing but protocol messages is written to stdout.
+keeps serving (its payload bytes, if any, have been consumed: every request that lists "arrays" has
+them read first, whatever its op). Limits: a header line holds at most MAX_HEADER_BYTES (a longer one
+is skipped and refused), an array at most MAX_ARRAY_BYTES, a shape at most MAX_RANK dimensions; NaN
+and Infinity are not JSON. Two things end the server with status 1 and a one-line message on stderr
+(after an error response): input that ends inside a payload, and a descriptor whose "nbytes" is not a
+non-negative integer within the limit (the server cannot tell where the next header starts, a
+`StreamError`). End of input between messages ends the server with status 0.
+Logging goes to stderr, never a traceback; nothing but protocol messages is written to stdout.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 from typing import BinaryIO
 
@@ -45,40 +52,90 @@ PROTOCOL_VERSION = 1
 DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32}
 
 
+MAX_HEADER_BYTES = 1 << 20  # one JSON header line
+MAX_ARRAY_BYTES = 1 << 32  # one array payload
+MAX_RANK = 16
+MAX_DIM = 2**31 - 1
+READ_CHUNK = 1 << 24  # payloads are read in pieces: a declared size is never allocated up front
+
+
 class ProtocolError(ValueError):
     """A request that does not follow the protocol (bad JSON, unknown op or id, bad array)."""
+
+
+class StreamError(ProtocolError):
+    """A payload of unknown length: the stream cannot be resynchronised (the server reports it and exits 1)."""
 
 
 def _describe(description) -> dict:
     return {k: {"shape": [int(d) for d in shape], "dtype": np.dtype(dt).name} for k, (shape, dt) in description.items()}
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _read_exact(stream: BinaryIO, nbytes: int, name) -> bytes:
+    parts, got = [], 0
+    while got < nbytes:
+        data = stream.read(min(READ_CHUNK, nbytes - got))
+        if not data:
+            raise EOFError(f"input ended inside array {name!r} ({got} of {nbytes} bytes)")
+        parts.append(data)
+        got += len(data)
+    return b"".join(parts)
+
+
 def read_arrays(stream: BinaryIO, descriptors: list) -> dict[str, np.ndarray]:
-    """Read the payloads listed by `descriptors` from `stream` (all of them, even after an error)."""
+    """Read the payloads listed by `descriptors` from `stream` (all of them, even after an error).
+
+    Raises StreamError when a payload's size is unknown or beyond MAX_ARRAY_BYTES (the stream is lost),
+    EOFError when the input ends inside a payload, ProtocolError for a bad name, dtype or shape."""
     if not isinstance(descriptors, list):
-        raise ProtocolError("'arrays' must be a list of array descriptors")
+        raise ProtocolError(f"'arrays' must be a list of array descriptors, got {type(descriptors).__name__}")
     raw = []
-    for d in descriptors:
-        try:
-            nbytes = int(d["nbytes"])
-        except (KeyError, TypeError, ValueError):
-            raise ProtocolError(f"array descriptor without a valid 'nbytes': {d!r}") from None
-        data = stream.read(nbytes)
-        if len(data) != nbytes:
-            raise EOFError(f"input ended inside array {d.get('name')!r} ({len(data)} of {nbytes} bytes)")
-        raw.append((d, data))
+    for i, d in enumerate(descriptors):
+        nbytes = d.get("nbytes") if isinstance(d, dict) else None
+        if not _is_int(nbytes) or not 0 <= nbytes <= MAX_ARRAY_BYTES:
+            raise StreamError(f"array descriptor {i} has no valid 'nbytes' (an integer in [0, {MAX_ARRAY_BYTES}]): "
+                              f"{str(d)[:200]}; the payload length is unknown, the stream cannot be resynchronised")
+        raw.append((d, _read_exact(stream, nbytes, d.get("name"))))
     arrays = {}
     for d, data in raw:
         name, dtype, shape = d.get("name"), d.get("dtype"), d.get("shape")
+        if not isinstance(name, str) or not name:
+            raise ProtocolError(f"array name must be a non-empty string, got {str(name)[:100]!r}")
+        if name in arrays:
+            raise ProtocolError(f"array {name!r} is listed twice")
         if dtype not in DTYPES:
-            raise ProtocolError(f"array {name!r}: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise ProtocolError(f"array {name!r}: shape must be a list of non-negative ints, got {shape!r}")
-        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
+            raise ProtocolError(f"array {name!r}: dtype must be one of {sorted(DTYPES)}, got {str(dtype)[:100]!r}")
+        if not isinstance(shape, list) or len(shape) > MAX_RANK \
+                or not all(_is_int(s) and 0 <= s <= MAX_DIM for s in shape):
+            raise ProtocolError(f"array {name!r}: shape must be a list of at most {MAX_RANK} integers in "
+                                f"[0, {MAX_DIM}], got {str(shape)[:100]}")
+        expected = math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize
         if expected != len(data):
             raise ProtocolError(f"array {name!r}: {dtype} {shape} needs {expected} bytes, got {len(data)}")
         arrays[name] = np.frombuffer(data, dtype=np.dtype(DTYPES[dtype]).newbyteorder("<")).reshape(shape).astype(DTYPES[dtype])
     return arrays
+
+
+def _no_constants(name: str):
+    raise ProtocolError(f"{name} is not JSON (the protocol carries finite numbers only)")
+
+
+def parse_header(line: bytes) -> dict:
+    """One request header: a JSON object (ProtocolError otherwise, naming the problem)."""
+    try:
+        request = json.loads(line, parse_constant=_no_constants)
+    except RecursionError:
+        raise ProtocolError("request header is nested too deeply") from None
+    except UnicodeDecodeError as err:
+        raise ProtocolError(f"request header is not UTF-8 ({err})") from None
+    # (a json.JSONDecodeError goes to the client as is: type "JSONDecodeError", the position in the line)
+    if not isinstance(request, dict):
+        raise ProtocolError(f"a request must be a JSON object, got {type(request).__name__}")
+    return request
 
 
 def write_message(stream: BinaryIO, header: dict, arrays: dict[str, np.ndarray] | None = None) -> None:
@@ -116,13 +173,13 @@ class Server:
         return f"{prefix}{self._next}"
 
     def _model(self, handle):
-        if handle not in self.models:
-            raise ProtocolError(f"unknown model handle {handle!r}")
+        if not isinstance(handle, str) or handle not in self.models:
+            raise ProtocolError(f"unknown model handle {str(handle)[:100]!r}")
         return self.models[handle]
 
     def _state(self, handle):
-        if handle not in self.states:
-            raise ProtocolError(f"unknown state handle {handle!r}")
+        if not isinstance(handle, str) or handle not in self.states:
+            raise ProtocolError(f"unknown state handle {str(handle)[:100]!r}")
         return self.states[handle][1]
 
     def handle(self, request: dict, stream_in: BinaryIO) -> tuple[dict, dict | None]:
@@ -130,17 +187,25 @@ class Server:
         from . import load_model
 
         op = request.get("op")
+        if "arrays" in request or op == "predict":
+            inputs = read_arrays(stream_in, request.get("arrays", []))  # consume payloads first, whatever the op
+            if op != "predict":
+                raise ProtocolError(f"op {str(op)[:100]!r} takes no arrays (only predict does)")
         if op == "predict":
-            inputs = read_arrays(stream_in, request.get("arrays", []))  # consume payloads first
             model = self._model(request.get("model"))
             state = None if request.get("state") is None else self._state(request["state"])
             return {"ok": True}, model.predict(inputs, state=state)
         if op == "load":
-            path = request.get("path")
-            if not isinstance(path, str):
+            path, function = request.get("path"), request.get("function")
+            units = request.get("compute_units") or "all"
+            if not isinstance(path, str) or not path:
                 raise ProtocolError("'load' needs a 'path' (string)")
-            model = load_model(path, backend=self.backend, function_name=request.get("function"),
-                               compute_units=request.get("compute_units") or "all", num_threads=self.num_threads)
+            if function is not None and not isinstance(function, str):
+                raise ProtocolError(f"'function' must be a string or null, got {str(function)[:100]}")
+            if units not in ("all", "cpu_only", "cpu_and_gpu", "cpu_and_ne"):
+                raise ProtocolError(f"'compute_units' must be all, cpu_only, cpu_and_gpu or cpu_and_ne, got {str(units)[:100]!r}")
+            model = load_model(path, backend=self.backend, function_name=function, compute_units=units,
+                               num_threads=self.num_threads)
             handle = self._handle("m")
             self.models[handle] = model
             return {"ok": True, "model": handle, "function": model.function_name, "backend": model.backend,
@@ -154,48 +219,77 @@ class Server:
             return {"ok": True, "state": handle}, None
         if op == "read_state":
             name = request.get("name")
-            return {"ok": True}, {name: self._state(request.get("state")).read_state(name)}
+            state = self._state(request.get("state"))
+            if not isinstance(name, str):
+                raise ProtocolError(f"'read_state' needs a state 'name' (string), got {str(name)[:100]}")
+            return {"ok": True}, {name: state.read_state(name)}
         if op == "free":
             if "model" in request:
                 self._model(request["model"])
-                del self.models[request["model"]]
             if "state" in request:
                 self._state(request["state"])
-                del self.states[request["state"]]
+            self.models.pop(request.get("model"), None) if isinstance(request.get("model"), str) else None
+            self.states.pop(request.get("state"), None) if isinstance(request.get("state"), str) else None
             return {"ok": True}, None
-        raise ProtocolError(f"unknown op {op!r}; ops: load, make_state, predict, read_state, free, quit")
+        raise ProtocolError(f"unknown op {str(op)[:100]!r}; ops: load, make_state, predict, read_state, free, quit")
+
+    def _read_header(self, stream_in: BinaryIO) -> bytes | None:
+        """The next header line (None at end of input); a line over MAX_HEADER_BYTES is skipped and refused."""
+        line = stream_in.readline(MAX_HEADER_BYTES + 1)
+        if len(line) > MAX_HEADER_BYTES and not line.endswith(b"\n"):
+            while True:  # skip the rest of the line, a bounded piece at a time
+                rest = stream_in.readline(MAX_HEADER_BYTES)
+                if not rest or rest.endswith(b"\n"):
+                    break
+            raise ProtocolError(f"request header longer than {MAX_HEADER_BYTES} bytes, skipped")
+        return line or None
 
     def serve(self, stream_in: BinaryIO, stream_out: BinaryIO) -> int:
         write_message(stream_out, {"ok": True, "protocol": PROTOCOL, "version": PROTOCOL_VERSION})
         while True:
-            line = stream_in.readline()
-            if not line:
-                return 0  # end of input
-            if not line.strip():
-                continue
             request: dict = {}
+            exit_status = None
             try:
-                request = json.loads(line)
-                if not isinstance(request, dict):
-                    raise ProtocolError("a request must be a JSON object")
+                line = self._read_header(stream_in)
+                if line is None:
+                    return 0  # end of input
+                if not line.strip():
+                    continue
+                request = parse_header(line)
                 if request.get("op") == "quit":
                     write_message(stream_out, {"ok": True, "id": request.get("id")})
                     return 0
                 header, arrays = self.handle(request, stream_in)
-            except EOFError as err:
-                logger.error("%s", err)
-                return 1
+            except (EOFError, StreamError) as err:
+                # the stream is lost (input ended inside a payload, or a payload of unknown length)
+                logger.error("serve-runtime: %s; exiting", err)
+                header, arrays, exit_status = {"ok": False, "error": str(err), "type": type(err).__name__}, None, 1
             except (ValueError, RuntimeBackendError, InputValidationError, KeyError, TypeError) as err:
-                # bad JSON, protocol errors, package / input errors: reported, the server keeps serving
+                # protocol errors, package / input errors: reported, the server keeps serving
                 header, arrays = {"ok": False, "error": str(err), "type": type(err).__name__}, None
-            header["id"] = request.get("id") if isinstance(request, dict) else None
-            write_message(stream_out, header, arrays)
+            except Exception as err:  # noqa: BLE001 - anything else a package run raises: reported, never a traceback
+                logger.error("serve-runtime: request failed: %s: %s", type(err).__name__, err)
+                header, arrays = {"ok": False, "error": f"{type(err).__name__}: {err}", "type": type(err).__name__}, None
+            header["id"] = request.get("id")
+            try:
+                write_message(stream_out, header, arrays)
+            except (TypeError, ValueError) as err:  # an output the protocol cannot carry
+                write_message(stream_out, {"ok": False, "error": f"cannot send the response: {err}",
+                                           "type": type(err).__name__, "id": request.get("id")})
+            if exit_status is not None:
+                return exit_status
 
 
 def cmd_serve_runtime(args) -> int:
     protocol_out = sys.stdout.buffer
     sys.stdout = sys.stderr  # anything a library prints must not corrupt the protocol stream
-    return Server(backend=args.backend, num_threads=args.num_threads).serve(sys.stdin.buffer, protocol_out)
+    try:
+        return Server(backend=args.backend, num_threads=args.num_threads).serve(sys.stdin.buffer, protocol_out)
+    except (BrokenPipeError, ConnectionResetError):
+        print("cohere-coreml serve-runtime: the client closed the output stream; exiting", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 def add_command(subparsers) -> None:

@@ -1,0 +1,155 @@
+@testable import CohereTranscribe
+import Foundation
+import XCTest
+
+/// Fuzzing of the Swift readers (docs/reliability.md): the seeded corpus of mutated manifests that
+/// tools/make_fuzz_manifests.py writes (the Python fuzz test's generator, run by `make swift-fixtures`)
+/// through `BundleManifest.decode`, and seeded random / truncated / corrupted WAV bytes through
+/// `WAVReader.parse`. Property: a value, or the package's own error type (`BundleError`, `AudioError`)
+/// with a message; never another error, never a crash (a trap or an out-of-bounds read ends the run).
+final class ManifestFuzzTests: XCTestCase {
+    /// Deterministic generator (SplitMix64): the same cases on every run.
+    struct SeededGenerator: RandomNumberGenerator {
+        var state: UInt64
+        mutating func next() -> UInt64 {
+            state &+= 0x9E37_79B9_7F4A_7C15
+            var z = state
+            z = (z ^ (z >> 30)) &* 0xBF58_476D_1CE4_E5B9
+            z = (z ^ (z >> 27)) &* 0x94D0_49BB_1331_11EB
+            return z ^ (z >> 31)
+        }
+    }
+
+    static let seed: UInt64 = 22
+    /// WAV cases: COHERE_FUZZ=long runs many more (as the Python fuzz tests do).
+    static var wavCases: Int { ProcessInfo.processInfo.environment["COHERE_FUZZ"] == "long" ? 20000 : 600 }
+
+    /// The corpus folder: $COHERE_FUZZ_MANIFESTS (set by `make swift-test`; missing files are then a
+    /// failure) or out/fuzz-manifests; without either the test is skipped, naming the command.
+    func corpus() throws -> [URL] {
+        let env = ProcessInfo.processInfo.environment["COHERE_FUZZ_MANIFESTS"]
+        let dir = env.map { URL(fileURLWithPath: $0) } ?? Fixtures.repoRoot.appendingPathComponent("out/fuzz-manifests")
+        let files = ((try? FileManager.default.contentsOfDirectory(atPath: dir.path)) ?? [])
+            .filter { $0.hasPrefix("manifest-") && $0.hasSuffix(".json") }.sorted()
+        if files.isEmpty {
+            let message = "no fuzz corpus in \(dir.path): run `make swift-fixtures` (or tools/make_fuzz_manifests.py)"
+            if env != nil { XCTFail(message) }
+            throw XCTSkip(message)
+        }
+        return files.map { dir.appendingPathComponent($0) }
+    }
+
+    /// Everything a loaded manifest offers callers, exercised: none of it may trap on a decoded manifest.
+    func exercise(_ m: BundleManifest) throws {
+        _ = m.encoderBuckets
+        for language in m.languages.keys.sorted() {
+            _ = try m.prompt(language: language)
+            _ = try m.prompt(language: language, punctuation: false)
+        }
+        for b in m.encoderBuckets {
+            _ = m.listedIO(component: "encoder", function: b.function)
+            _ = m.expectedEncoderIO(frames: b.frames)
+        }
+        _ = m.listedIO(component: "decoder", function: m.decoder.functions?.step ?? "main")
+        _ = m.expectedDecoderIO()
+        _ = m.expectedDecoderIO(prefillLength: m.decoder.prefillLength)
+        _ = m.frontEndFunction(samples: 16000, frames: 100)
+        for (name, f) in m.frontend?.functions ?? [:] {
+            _ = m.listedIO(component: "frontend", function: name)
+            _ = m.expectedFrontEndIO(samples: f.samples, frames: f.frames)
+        }
+    }
+
+    func testMutatedManifestsDecodeOrThrowBundleError() throws {
+        let files = try corpus()
+        var decoded = 0, refused = 0, exercisedErrors = 0
+        for url in files {
+            let data = try Data(contentsOf: url)
+            do {
+                let m = try BundleManifest.decode(data)
+                decoded += 1
+                do { try exercise(m) } catch is BundleError { exercisedErrors += 1 }
+            } catch let error as BundleError {
+                XCTAssertFalse(error.description.isEmpty, url.lastPathComponent)
+                refused += 1
+            } catch {
+                XCTFail("\(url.lastPathComponent): \(type(of: error)) escaped BundleManifest.decode: \(error)")
+            }
+        }
+        print("ManifestFuzzTests: \(files.count) manifests (seed 22): decoded \(decoded), BundleError \(refused) "
+              + "(\(exercisedErrors) decoded ones refused by an accessor)")
+        XCTAssertEqual(decoded + refused, files.count)
+        XCTAssertGreaterThan(refused, files.count / 2, "most mutations break a field the decoder reads")
+    }
+
+    // MARK: - WAVReader.parse
+
+    /// A valid RIFF/WAVE header for `format` (1 PCM, 3 float), then `data`.
+    static func wav(format: Int, channels: Int, rate: Int, bits: Int, data: [UInt8], extensible: Bool = false) -> [UInt8] {
+        func le(_ v: Int, _ n: Int) -> [UInt8] { (0..<n).map { UInt8(truncatingIfNeeded: v >> (8 * $0)) } }
+        let block = channels * bits / 8
+        var fmt = le(extensible ? 0xFFFE : format, 2) + le(channels, 2) + le(rate, 4) + le(rate * block, 4) + le(block, 2) + le(bits, 2)
+        if extensible { fmt += le(22, 2) + le(bits, 2) + le(0, 4) + le(format, 2) + [UInt8](repeating: 0, count: 14) }
+        let body = Array("WAVE".utf8) + Array("fmt ".utf8) + le(fmt.count, 4) + fmt + Array("data".utf8) + le(data.count, 4) + data
+        return Array("RIFF".utf8) + le(body.count, 4) + body
+    }
+
+    func testRandomAndCorruptedWAVBytesParseOrThrowAudioError() throws {
+        var rng = SeededGenerator(state: Self.seed)
+        var real: [[UInt8]] = []
+        for name in ["en_short.wav", "tiny_0.05s.wav", "silence_2s.wav"] {
+            let url = Fixtures.repoRoot.appendingPathComponent("tests/data/audio/\(name)")
+            real.append([UInt8](try Data(contentsOf: url)))
+        }
+        let encodings: [(Int, Int)] = [(1, 8), (1, 16), (1, 24), (1, 32), (3, 32), (3, 64), (1, 12), (3, 16), (2, 16), (1, 0)]
+        var parsed = 0, refused = 0
+        for i in 0..<Self.wavCases {
+            var bytes: [UInt8]
+            switch i % 6 {
+            case 0:  // random bytes, half of them behind a RIFF/WAVE header
+                bytes = (0..<Int.random(in: 0...512, using: &rng)).map { _ in UInt8.random(in: 0...255, using: &rng) }
+                if Bool.random(using: &rng) { bytes = Array("RIFF".utf8) + [0, 0, 0, 0] + Array("WAVE".utf8) + bytes }
+            case 1:  // a real file cut short (every length of the header, then anywhere)
+                let source = real[i % real.count]
+                let cut = i < 600 ? min(i / 6, source.count) : Int.random(in: 0...source.count, using: &rng)
+                bytes = Array(source.prefix(cut))
+            case 2:  // bytes flipped anywhere in the first 64 (the header) or the rest
+                bytes = real[i % real.count]
+                for _ in 0..<Int.random(in: 1...6, using: &rng) {
+                    let at = Bool.random(using: &rng) ? Int.random(in: 0..<64, using: &rng) : Int.random(in: 0..<bytes.count, using: &rng)
+                    bytes[at] ^= UInt8.random(in: 1...255, using: &rng)
+                }
+            case 3:  // one header field overwritten: sizes, format, channels, rate, block align, bits
+                bytes = real[i % real.count]
+                let field = [(4, 4), (16, 4), (20, 2), (22, 2), (24, 4), (32, 2), (34, 2), (40, 4)].randomElement(using: &rng)!
+                let value = [0, 1, 7, 255, 0xFFFF, 0xFFFF_FFFF, 0x7FFF_FFFF, 12345].randomElement(using: &rng)!
+                for k in 0..<field.1 { bytes[field.0 + k] = UInt8(truncatingIfNeeded: value >> (8 * k)) }
+            default:  // a synthesised header of any encoding, 0-8 channels, with a ragged data chunk
+                let (format, bits) = encodings.randomElement(using: &rng)!
+                let data = (0..<Int.random(in: 0...300, using: &rng)).map { _ in UInt8.random(in: 0...255, using: &rng) }
+                bytes = Self.wav(format: format, channels: Int.random(in: 0...8, using: &rng),
+                                 rate: [0, 8000, 16000, 44100, 192000, 0x7FFF_FFFF].randomElement(using: &rng)!, bits: bits,
+                                 data: data, extensible: i % 12 == 5)
+                if Bool.random(using: &rng) { bytes = Array(bytes.prefix(Int.random(in: 0...bytes.count, using: &rng))) }
+            }
+            do {
+                let wav = try WAVReader.parse(Data(bytes), name: "case-\(i).wav")
+                XCTAssertGreaterThanOrEqual(wav.channels, 1)
+                XCTAssertGreaterThan(wav.sampleRate, 0)
+                XCTAssertLessThanOrEqual(wav.mono.count * wav.channels * wav.bitsPerSample / 8, bytes.count, "case \(i)")
+                if !wav.isFloat {
+                    XCTAssertTrue(wav.mono.allSatisfy { $0 >= -1 && $0 <= 1 }, "case \(i): PCM outside [-1, 1]")
+                }
+                parsed += 1
+            } catch let error as AudioError {
+                XCTAssertTrue(error.description.contains("case-\(i).wav"), "case \(i): \(error) names no file")
+                refused += 1
+            } catch {
+                XCTFail("case \(i): \(type(of: error)) escaped WAVReader.parse: \(error)")
+            }
+        }
+        print("ManifestFuzzTests: \(Self.wavCases) WAV cases (seed \(Self.seed)): parsed \(parsed), AudioError \(refused)")
+        XCTAssertGreaterThan(refused, Self.wavCases / 4)
+        XCTAssertGreaterThan(parsed, Self.wavCases / 10)
+    }
+}

@@ -1,0 +1,45 @@
+"""Write the seeded corpus of mutated manifests the Swift fuzz test decodes (ManifestFuzzTests.swift).
+
+    python tools/make_fuzz_manifests.py --manifest out/swift-fixtures/bundle/manifest.json \
+        --out out/fuzz-manifests [--count 400 --seed 22]
+
+Same generator as tests/test_fuzz_manifest.py (cohere_coreml_dev.fuzz.corpus): 1-3 field mutations per
+manifest, one in eight a corrupted JSON text. `make swift-fixtures` runs it; index.json names the
+source, seed and count. Deterministic: the same manifest and seed give the same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cohere_coreml_dev.fuzz import corpus  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--manifest", required=True, help="a real exported manifest.json to mutate")
+    p.add_argument("--out", required=True, help="folder for manifest-NNNN.json and index.json")
+    p.add_argument("--count", type=int, default=400)
+    p.add_argument("--seed", type=int, default=22)
+    args = p.parse_args(argv)
+    manifest = json.loads(Path(args.manifest).read_text())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("manifest-*.json"):
+        old.unlink()
+    files = corpus(manifest, args.count, args.seed)
+    for name, text in files:
+        (out / name).write_text(text, encoding="utf-8", errors="surrogatepass")
+    (out / "index.json").write_text(json.dumps({"source": str(args.manifest), "seed": args.seed, "count": args.count,
+                                                "files": [name for name, _ in files]}, indent=1))
+    print(f"wrote {len(files)} mutated manifests to {out} (seed {args.seed})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
