@@ -27,7 +27,7 @@ import torch.nn as nn
 from transformers.models.cohere_asr.modeling_cohere_asr import eager_attention_forward
 
 from .config import ANE_MULTIPLE, FP16_MASK_VALUE, PREFILL_FUNCTION, PROMPT_LENGTH, round_up
-from .convert import MIN_PSNR_DB, ExportSettings, convert_module, psnr, skip_existing
+from .convert import MIN_PSNR_DB, ExportSettings, convert_module, psnr, skip_installed
 from .gate import GateReport, StagedPackage, stage_gated
 from .reference import cross_memory
 from .shapes import DecoderShapes, cache_capacity
@@ -580,7 +580,7 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
     result = {"path": str(path), "shapes": shapes.to_dict(), "parity": None, "written": False,
               "functions": {"step": "main", "prefill": PREFILL_FUNCTION if prefill else None},
               "prefill_length": len(gate_prompt) if prefill else None}
-    if skip_existing(path, settings.force):
+    if skip_installed(settings, COMPONENT):
         return None, result
     meta = {
         "com.cohere_coreml.component": "decoder",

@@ -93,11 +93,13 @@ def swift_usage(folder: str) -> list[str]:
         "(`docs/bundle.md` of cohere-transcribe-coreml)."]
 
 
-def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None) -> str:
+def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None, manifest: dict | None = None) -> str:
     """README.md of a bundle: Hub metadata header, files and sizes, gate figures, usage; with a
-    `cohere-coreml bench` report, the presets compared on its dataset."""
+    `cohere-coreml bench` report, the presets compared on its dataset. `manifest`: the manifest to
+    describe (default: the bundle's manifest.json). The card never lists itself, so it depends only on
+    the other files: finalizing twice, or again after an interruption, writes the same card."""
     root = Path(bundle_dir)
-    m = json.loads((root / MANIFEST_NAME).read_text())
+    m = manifest if manifest is not None else json.loads((root / MANIFEST_NAME).read_text())
     preset = m.get("preset") or ("f16" if not (root / "compression.json").is_file() else "unknown")
     languages = sorted(m.get("languages", {}))
     header = [
@@ -113,6 +115,8 @@ def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None) -> str:
     ]
     sizes = {}
     for rel, info in file_table(root).items():
+        if rel == README:
+            continue
         top = rel.split("/", 1)[0]
         sizes[top] = sizes.get(top, 0) + info["size"]
     lines = [*header, "", f"# {m.get('model_id', 'model')} for Core ML ({preset})", "",
@@ -304,11 +308,23 @@ if __name__ == "__main__":
 
 
 def finalize_bundle(bundle_dir: str | os.PathLike, bench: str | os.PathLike | None = None) -> Path:
-    """Write README.md (with `bench`, a bench.json, the presets table) and example_inference.py, then the
-    manifest's integrity sections (last)."""
+    """Write example_inference.py and README.md (with `bench`, a bench.json, the presets table), then the
+    manifest's integrity sections (last).
+
+    Each file is written atomically and only when its content changes, and the manifest last: an
+    interrupted finalize leaves the bundle as it was or with a file the manifest does not list yet
+    (`bundle check` refuses it), never a partial file, and running it again completes it. Finalizing a
+    finalized bundle again (same bench report) changes nothing."""
+    from .convert import sweep_stale_temporaries, write_text_atomic
+    from .integrity import manifest_sections
+
     root = Path(bundle_dir)
     if not (root / MANIFEST_NAME).is_file():
         raise PublishError(f"{root} has no manifest.json: export the bundle first")
+    try:
+        manifest = json.loads((root / MANIFEST_NAME).read_text())
+    except json.JSONDecodeError as err:
+        raise PublishError(f"{root / MANIFEST_NAME} is not readable JSON: {err}") from err
     report = None
     if bench is not None:
         try:
@@ -316,16 +332,11 @@ def finalize_bundle(bundle_dir: str | os.PathLike, bench: str | os.PathLike | No
             report["engines"], report["dataset"]["name"]  # noqa: B018 - the shape of a bench report
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise PublishError(f"{bench} is not a `cohere-coreml bench` report (bench.json): {err}") from err
-    _write_text_atomic(root / EXAMPLE, EXAMPLE_SOURCE)
-    refresh_manifest(root)  # sizes for the card
-    _write_text_atomic(root / README, model_card(root, report))
+    sweep_stale_temporaries(root)  # `.README.md.tmp-<pid>` of a finalize that was killed
+    write_text_atomic(root / EXAMPLE, EXAMPLE_SOURCE, if_changed=True)
+    card = model_card(root, report, manifest={**manifest, **manifest_sections(root)})  # preset, min_os from disk
+    write_text_atomic(root / README, card, if_changed=True)
     return refresh_manifest(root)
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------------------------
