@@ -26,7 +26,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -318,18 +317,30 @@ def write_bundle(out_dir: str | os.PathLike, model, processor) -> Path:
     from .audio import FrontEndConfig
     from .tokens import export_vocab
 
+    from . import faults
+    from .convert import temporary_dir
+    from .integrity import invalidate_manifest
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = processor.tokenizer
-    # processor files (tokenizer + feature extractor settings) via a temp folder, then moved in
-    tmp = Path(tempfile.mkdtemp(prefix=".processor.", dir=out_dir))
+    # processor files (tokenizer + feature extractor settings) via a hidden temp folder, then moved in;
+    # a file that changes makes the manifest stale: it goes first (a rerun of a complete export that
+    # changes nothing keeps the bundle valid at every instant)
+    tmp = temporary_dir(out_dir, "processor")
     try:
+        faults.point("write/processor", tmp)
         processor.save_pretrained(tmp)
-        for f in tmp.iterdir():
-            os.replace(f, out_dir / f.name)
+        for f in sorted(tmp.iterdir()):
+            dst = out_dir / f.name
+            if dst.is_file() and f.is_file() and dst.read_bytes() == f.read_bytes():
+                continue
+            invalidate_manifest(out_dir)
+            faults.point(f"replace/{f.name}", dst)
+            os.replace(f, dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    export_vocab(tokenizer, out_dir / VOCAB_FILE)
+    export_vocab(tokenizer, out_dir / VOCAB_FILE, if_changed=True, before_change=lambda: invalidate_manifest(out_dir))
     front_end = FrontEndConfig.from_processor(processor, dither=0.0).to_dict()
     enc_pkg, dec_pkg, fe_pkg = out_dir / ENCODER_FILE, out_dir / DECODER_FILE, out_dir / FRONTEND_FILE
     source = getattr(model, "source", None)
@@ -362,7 +373,7 @@ def write_manifest(manifest: dict, out_dir: str | os.PathLike) -> Path:
 
     out_dir = Path(out_dir)
     manifest = {**manifest, **manifest_sections(out_dir)}
-    write_json_atomic(manifest, out_dir / MANIFEST_NAME)
+    write_json_atomic(manifest, out_dir / MANIFEST_NAME, if_changed=True)
     logger.info("wrote %s", out_dir / MANIFEST_NAME)
     return out_dir / MANIFEST_NAME
 

@@ -19,7 +19,9 @@ Each sub-command lives next to the stage it drives and is registered here explic
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -115,10 +117,39 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except Exception as err:  # noqa: BLE001 - only the package's own error types are reported briefly
+        full = _disk_full(err)
+        if full is not None:
+            where = f" writing {full.filename}" if full.filename else ""
+            print(f"cohere-coreml {args.command}: error: {full.strerror or 'no space left on device'}{where}: free "
+                  "space and run the command again (nothing incomplete was put in place: docs/reliability.md)",
+                  file=sys.stderr)
+            return 2
         if not _is_user_error(err):
             raise
         print(f"cohere-coreml {args.command}: error: {err}", file=sys.stderr)
         return 2
+
+
+def _disk_full(err: BaseException) -> OSError | None:
+    """The OSError ENOSPC / EDQUOT (full disk, quota) behind `err` (itself or a cause), if any.
+
+    `shutil.copytree` (coremltools saves packages with it) gathers its failures into one
+    `shutil.Error` without an errno: [(src, dst, "[Errno 28] No space left on device: ...")]."""
+    import shutil
+
+    full = (errno.ENOSPC, errno.EDQUOT)
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, shutil.Error) and err.args and isinstance(err.args[0], list):
+            for entry in err.args[0]:
+                if len(entry) == 3 and any(f"[Errno {code}]" in str(entry[2]) for code in full):
+                    code = next(c for c in full if f"[Errno {c}]" in str(entry[2]))
+                    return OSError(code, os.strerror(code), entry[1])
+        if isinstance(err, OSError) and err.errno in full:
+            return err
+        err = err.__cause__ or err.__context__
+    return None
 
 
 if __name__ == "__main__":

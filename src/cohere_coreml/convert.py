@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
@@ -304,6 +305,17 @@ def skip_existing(path: Path, force: bool) -> bool:
     return False
 
 
+def skip_installed(settings: ExportSettings, component: str) -> bool:
+    """`skip_existing` for a gated component: skipped only when its package AND its gate report
+    (`<component>.parity.json`, written right after the package is installed) are in place. A package
+    without its report is what an export interrupted between the two leaves: it is exported again."""
+    path, report = settings.package_path(component), settings.report_path(component)
+    if path.exists() and not settings.force and not report.is_file():
+        logger.warning("%s has no %s (an interrupted export?): exporting it again", path, report.name)
+        return False
+    return skip_existing(path, settings.force)
+
+
 def write_package_atomic(
     write: Callable[[Path], Any],
     path: str | Path,
@@ -339,12 +351,21 @@ def staging_path(path: str | Path) -> Path:
 
 
 def install_package(tmp: str | Path, path: str | Path) -> None:
-    """Rename the finished package `tmp` to `path`, replacing an older one only once `tmp` is in place."""
+    """Rename the finished package `tmp` to `path`, replacing an older one only once `tmp` is in place.
+
+    A bundle manifest next to `path` stops describing the folder here, so it is removed first
+    (`integrity.invalidate_manifest`): an interrupted install never leaves a manifest over other files."""
+    from . import faults
+    from .integrity import invalidate_manifest
+
     tmp, path = Path(tmp), Path(path)
     old = path.with_name(f".{path.stem}.old-{os.getpid()}.mlpackage")
     try:
+        invalidate_manifest(path.parent)
+        faults.point(f"install/{path.stem}", path)
         if path.exists():
             os.rename(path, old)
+            faults.point(f"swap/{path.stem}", path)
         os.rename(tmp, path)
     except BaseException:
         _remove(tmp)
@@ -360,13 +381,85 @@ def remove_package(path: str | Path) -> None:
     _remove(Path(path))
 
 
-def write_json_atomic(data: Any, path: str | Path) -> Path:
+def write_json_atomic(data: Any, path: str | Path, if_changed: bool = False) -> Path:
+    """`data` as indented JSON at `path`, atomically (`write_text_atomic`)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=_json_default) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True, default=_json_default) + "\n",
+                      if_changed=if_changed)
     return path
+
+
+def write_text_atomic(path: str | Path, text: str, if_changed: bool = False,
+                      before_change: Callable[[], Any] | None = None) -> bool:
+    """Write `text` to `path` so that `path` is always either the old file or the new one.
+
+    The text goes to the hidden `.<name>.tmp-<pid>` (never listed as a bundle file, removed when the
+    write fails, e.g. on a full disk; swept by `sweep_stale_temporaries` after a kill), then is renamed
+    over `path`. With `if_changed`, a file that already holds `text` is left alone (False returned).
+    `before_change()` runs just before the first change (e.g. removing a manifest the change makes stale).
+    Mode: the process umask's default (0644 usually), like any new file.
+    """
+    from . import faults
+
+    path = Path(path)
+    data = text.encode("utf-8")
+    if if_changed and path.is_file() and path.stat().st_size == len(data) and path.read_bytes() == data:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if before_change is not None:
+        before_change()
+    faults.point(f"write/{path.name}", path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        faults.point(f"replace/{path.name}", path)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return True
+
+
+# temporaries of this package: `.<name>.tmp-<pid>...`, `.<name>.old-<pid>...`, `.<prefix>.tmp-<pid>-XXXX`
+TEMPORARY_NAME = re.compile(r"^\..+?\.(?:tmp|old)-(\d+)(?:[.-]|$)")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def sweep_stale_temporaries(folder: str | Path, prefix: str = "") -> list[Path]:
+    """Remove the hidden temporaries (`.<name>.tmp-<pid>...`, `.<name>.old-<pid>...`) in `folder` whose
+    process is gone: what a killed export or quantize leaves. Only names starting with `.<prefix>`;
+    a live process's temporaries (a concurrent run) are kept. Returns what was removed."""
+    folder = Path(folder)
+    removed = []
+    if not folder.is_dir():
+        return removed
+    for entry in folder.iterdir():
+        m = TEMPORARY_NAME.match(entry.name)
+        if m is None or not entry.name.startswith(f".{prefix}") or entry.is_symlink() or _alive(int(m.group(1))):
+            continue
+        _remove(entry)
+        removed.append(entry)
+        logger.info("removed %s (left by an interrupted run, process %s)", entry, m.group(1))
+    return removed
+
+
+def temporary_dir(parent: str | Path, name: str) -> Path:
+    """A new hidden scratch folder `.<name>.tmp-<pid>-XXXX` in `parent` (swept once its process is gone)."""
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix=f".{name}.tmp-{os.getpid()}-", dir=parent))
 
 
 def _json_default(obj):

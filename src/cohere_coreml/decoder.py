@@ -50,7 +50,7 @@ from .config import (
     STEP_FUNCTION,
     round_up,
 )
-from .convert import MIN_PSNR_DB, ExportSettings, convert_module, psnr, skip_existing
+from .convert import MIN_PSNR_DB, ExportSettings, convert_module, psnr, skip_installed
 from .gate import GateReport, StagedPackage, stage_gated
 from .reference import cross_memory
 from .shapes import DecoderShapes, cache_capacity
@@ -687,7 +687,7 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
               "functions": {"step": STEP_FUNCTION, "bind": BIND_FUNCTION,
                             "prefill": PREFILL_FUNCTION if prefill else None},
               "prefill_length": len(gate_prompt) if prefill else None}
-    if skip_existing(path, settings.force):
+    if skip_installed(settings, COMPONENT):
         return None, result
     meta = {
         "com.cohere_coreml.component": "decoder",

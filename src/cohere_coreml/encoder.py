@@ -25,7 +25,6 @@ import contextlib
 import json
 import logging
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from .config import BUCKETS_METADATA_KEY, FP16_MASK_VALUE
-from .convert import ExportError, ExportSettings, convert_module, psnr, skip_existing
+from .convert import ExportError, ExportSettings, convert_module, psnr, skip_installed, temporary_dir
 from .gate import GateCase, GateReport, StagedPackage, compare_cases, default_gate_audio, stage_gated
 from .reference import cross_memory
 from .shapes import EncoderShapes, ShapeError, bucket_shapes, encoder_shapes
@@ -398,7 +397,7 @@ def stage_encoder(model, settings: ExportSettings, processor=None, clips: list[n
     """`convert_encoder` up to the gate: the package written to its temporary path (traced and
     converted inside the writer, so neither outlives it) and the gate's PyTorch references
     computed. `finish()` the result to gate and install it (the model is not needed any more)."""
-    if skip_existing(settings.package_path(COMPONENT), settings.force):
+    if skip_installed(settings, COMPONENT):
         return None
     shapes = encoder_shapes(model, settings.window_seconds, processor)
     logger.info("encoder shapes: %s", shapes)
@@ -458,7 +457,7 @@ def stage_encoder_buckets(model, settings: ExportSettings, bucket_seconds, proce
     """`convert_encoder_buckets` up to the gate (see `stage_encoder`)."""
     import coremltools as ct
 
-    if skip_existing(settings.package_path(COMPONENT), settings.force):
+    if skip_installed(settings, COMPONENT):
         return None
     shapes_by_fn = bucket_shapes(model, settings.window_seconds, bucket_seconds, processor)
     buckets_meta = {fn: {"window_seconds": sh.window_seconds, "frames": sh.frames,
@@ -467,7 +466,7 @@ def stage_encoder_buckets(model, settings: ExportSettings, bucket_seconds, proce
     settings.out_dir.mkdir(parents=True, exist_ok=True)
 
     def write(tmp: Path):
-        scratch = Path(tempfile.mkdtemp(prefix=".encoder-buckets-", dir=settings.out_dir))
+        scratch = temporary_dir(settings.out_dir, "encoder-buckets")
         try:
             descriptor = ct.utils.MultiFunctionDescriptor()
             for fn, shapes in shapes_by_fn.items():

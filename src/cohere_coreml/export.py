@@ -97,7 +97,7 @@ def _stage_decoder(job: ExportJob) -> StagedPackage | None:
 
     shapes = job.plan.decoder
     path = job.settings.package_path("decoder")
-    if path.exists() and not job.settings.force:
+    if path.exists() and not job.settings.force and job.settings.report_path("decoder").is_file():  # to be skipped
         present = decoder_package_info(path)["shapes"]
         if (present["capacity"], present["memory_len"]) != (shapes.capacity, shapes.memory_len):
             raise ExportError(f"{path} has cache {present['capacity']} / memory {present['memory_len']}, the export "
@@ -185,11 +185,13 @@ def stage_export(model, processor, settings: ExportSettings, components: Sequenc
     After this returns the model is no longer needed (the caller may free it), so the gates'
     interpreter copies of the packages never sit next to the PyTorch weights in memory.
     """
+    from .convert import sweep_stale_temporaries
     from .tokens import prompt_ids
 
     unknown = sorted(set(components) - set(COMPONENTS))
     if unknown:
         raise ExportError(f"unknown component(s) {unknown}; choose from {tuple(COMPONENTS)}")
+    sweep_stale_temporaries(settings.out_dir)  # staging packages of an export that was killed
     prompt = prompt_ids(processor.tokenizer, GATE_LANGUAGE)
     control_prompt = prompt_ids(processor.tokenizer, CONTROL_LANGUAGE, punctuation=False)
     plan = export_plan(model, processor, settings.window_seconds, max_new_tokens, prompt_len=len(prompt),

@@ -34,7 +34,6 @@ import json
 import logging
 import math
 import shutil
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -55,7 +54,8 @@ from .audio import (
     stft_window,
 )
 from .config import FRONTEND_FUNCTIONS_METADATA_KEY
-from .convert import CorrectnessReport, ExportError, ExportSettings, convert_module, report_correctness, skip_existing
+from .convert import (CorrectnessReport, ExportError, ExportSettings, convert_module, report_correctness, skip_installed,
+                      temporary_dir)
 from .gate import GateCase, GateReport, StagedPackage, default_gate_audio, stage_gated
 from .shapes import FrontEndShapes, ShapeError
 
@@ -403,14 +403,14 @@ def stage_frontend(config: FrontEndConfig, settings: ExportSettings, shapes_by_f
         raise FrontEndInputError(f"front-end functions {sorted(shapes_by_fn)} have no 'main' (the full window)")
     if config.dither:
         config = FrontEndConfig.from_dict({**config.to_dict(), "dither": 0.0})
-    if skip_existing(settings.package_path(COMPONENT), settings.force):
+    if skip_installed(settings, COMPONENT):
         return None
     functions_meta = {fn: {"window_seconds": sh.window_seconds, "samples": sh.samples, "frames": sh.frames}
                       for fn, sh in shapes_by_fn.items()}
     settings.out_dir.mkdir(parents=True, exist_ok=True)
 
     def write(tmp: Path):
-        scratch = Path(tempfile.mkdtemp(prefix=".frontend-", dir=settings.out_dir))
+        scratch = temporary_dir(settings.out_dir, "frontend")
         try:
             singles = {}
             for fn, shapes in shapes_by_fn.items():

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .convert import ExportSettings, ParityError, report_correctness, skip_existing, write_json_atomic
+from .convert import ExportSettings, ParityError, report_correctness, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,7 @@ class StagedPackage:
         `<component>.parity-failed.json`, an older package and report stay untouched.
         """
         from .convert import install_package, remove_package
+        from .integrity import invalidate_manifest
 
         component, settings = self.component, self.settings
         path = settings.package_path(component)
@@ -143,7 +144,15 @@ class StagedPackage:
             raise
         finally:
             self.gate = None  # its references are not needed any more
-        install_package(self.tmp, path)
+        # the order a kill at any point can interrupt: no manifest over changing files, no report of
+        # another package (a package without its report is exported again: `convert.skip_installed`)
+        try:
+            invalidate_manifest(settings.out_dir)
+            settings.report_path(component).unlink(missing_ok=True)
+        except BaseException:
+            remove_package(self.tmp)
+            raise
+        install_package(self.tmp, path)  # removes the staging package itself when it fails
         write_json_atomic(report.to_dict(), settings.report_path(component))
         settings.failed_report_path(component).unlink(missing_ok=True)
         return report
@@ -159,19 +168,22 @@ def stage_gated(component: str, settings: ExportSettings, write: Callable[[Path]
                 prepare: GatePreparer) -> StagedPackage | None:
     """First half of `export_gated`: `write(tmp_path)`, then `prepare()` the gate's references.
 
-    Returns None when the package exists and `settings.force` is off (skipped). `write` should
+    Returns None when the package and its report exist and `settings.force` is off (skipped). `write` should
     build what it saves (trace, convert) itself, so nothing of the conversion outlives it; the
     gate is not prepared under `settings.skip_verify`.
     """
-    from .convert import remove_package, staging_path
+    from . import faults
+    from .convert import remove_package, skip_installed, staging_path
 
     path = settings.package_path(component)
     tmp = staging_path(path)
-    if skip_existing(path, settings.force):
+    if skip_installed(settings, component):
         return None
     remove_package(tmp)
     try:
+        faults.point(f"stage/{component}", tmp)
         write(tmp)
+        faults.point(f"staged/{component}", tmp)
         gate = None if settings.skip_verify else prepare()
     except BaseException:
         remove_package(tmp)

@@ -117,9 +117,9 @@ def file_table(bundle_dir: str | os.PathLike) -> dict[str, dict]:
 
 def min_os(bundle_dir: str | os.PathLike) -> dict[str, str]:
     """Minimum OS versions: the highest Core ML specification version among the bundle's packages."""
-    import coremltools as ct
+    from .runtime.package import read_spec  # read only (coremltools' loader rewrites each package's Manifest.json)
 
-    versions = [ct.utils.load_spec(str(p)).specificationVersion for p in sorted(Path(bundle_dir).glob("*.mlpackage"))]
+    versions = [read_spec(p).specificationVersion for p in sorted(Path(bundle_dir).glob("*.mlpackage"))]
     if not versions:
         return {}
     v = max(versions)
@@ -143,6 +143,22 @@ def manifest_sections(bundle_dir: str | os.PathLike) -> dict:
     return {"preset": preset, "recipe": recipe, "min_os": min_os(root),
             "checksums": {"algorithm": "sha256", "files": files,
                           "total_bytes": sum(f["size"] for f in files.values())}}
+
+
+def invalidate_manifest(bundle_dir: str | os.PathLike) -> bool:
+    """Remove `bundle_dir/manifest.json` before a file it describes changes (export installs a package,
+    replaces the tokenizer or vocab): until the new manifest is written last, the folder holds no
+    manifest rather than one that describes other files, so an interrupted export leaves nothing that
+    `Bundle.load` or `bundle check` accepts. True when there was one."""
+    from . import faults
+
+    path = Path(bundle_dir) / MANIFEST_NAME
+    if not path.is_file():
+        return False
+    faults.point(f"unlink/{MANIFEST_NAME}", path)
+    path.unlink()
+    logger.info("removed %s until the bundle is complete again", path)
+    return True
 
 
 def _listed(manifest: dict, manifest_path: Path) -> dict[str, dict]:

@@ -93,11 +93,13 @@ def swift_usage(folder: str) -> list[str]:
         "(`docs/bundle.md` of cohere-transcribe-coreml)."]
 
 
-def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None) -> str:
+def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None, manifest: dict | None = None) -> str:
     """README.md of a bundle: Hub metadata header, files and sizes, gate figures, usage; with a
-    `cohere-coreml bench` report, the presets compared on its dataset."""
+    `cohere-coreml bench` report, the presets compared on its dataset. `manifest`: the manifest to
+    describe (default: the bundle's manifest.json). The card never lists itself, so it depends only on
+    the other files: finalizing twice, or again after an interruption, writes the same card."""
     root = Path(bundle_dir)
-    m = json.loads((root / MANIFEST_NAME).read_text())
+    m = manifest if manifest is not None else json.loads((root / MANIFEST_NAME).read_text())
     preset = m.get("preset") or ("f16" if not (root / "compression.json").is_file() else "unknown")
     languages = sorted(m.get("languages", {}))
     header = [
@@ -113,6 +115,8 @@ def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None) -> str:
     ]
     sizes = {}
     for rel, info in file_table(root).items():
+        if rel == README:
+            continue
         top = rel.split("/", 1)[0]
         sizes[top] = sizes.get(top, 0) + info["size"]
     name = m.get("base_model") or m.get("model_id") or "model"
@@ -314,24 +318,31 @@ if __name__ == "__main__":
 
 def finalize_bundle(bundle_dir: str | os.PathLike, bench: str | os.PathLike | None = None,
                     base_model: str | None = None) -> Path:
-    """Write README.md (with `bench`, a bench.json, the presets table) and example_inference.py, then the
+    """Write example_inference.py and README.md (with `bench`, a bench.json, the presets table), then the
     manifest's integrity sections (last). `base_model`: the checkpoint's Hub id, recorded in the manifest
-    and the card's metadata (for a bundle exported from a folder whose config named none)."""
+    and the card's metadata (for a bundle exported from a folder whose config named none).
+
+    Each file is written atomically and only when its content changes, and the manifest last: an
+    interrupted finalize leaves the bundle as it was or with a file the manifest does not list yet
+    (`bundle check` refuses it), never a partial file, and running it again completes it. Finalizing a
+    finalized bundle again (same bench report) changes nothing."""
+    from .convert import sweep_stale_temporaries, write_text_atomic
+    from .integrity import manifest_sections
+
     root = Path(bundle_dir)
     if not (root / MANIFEST_NAME).is_file():
         raise PublishError(f"{root} has no manifest.json: export the bundle first")
+    try:
+        manifest = json.loads((root / MANIFEST_NAME).read_text())
+    except json.JSONDecodeError as err:
+        raise PublishError(f"{root / MANIFEST_NAME} is not readable JSON: {err}") from err
     if base_model is not None:
         from .checkpoint import CheckpointError, check_hub_id
 
         try:
-            check_hub_id(base_model)
+            manifest["base_model"] = check_hub_id(base_model)
         except CheckpointError as err:
             raise PublishError(str(err)) from None
-        from .bundle import write_manifest
-
-        manifest = json.loads((root / MANIFEST_NAME).read_text())
-        manifest["base_model"] = base_model
-        write_manifest(manifest, root)
     report = None
     if bench is not None:
         try:
@@ -339,16 +350,16 @@ def finalize_bundle(bundle_dir: str | os.PathLike, bench: str | os.PathLike | No
             report["engines"], report["dataset"]["name"]  # noqa: B018 - the shape of a bench report
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise PublishError(f"{bench} is not a `cohere-coreml bench` report (bench.json): {err}") from err
-    _write_text_atomic(root / EXAMPLE, EXAMPLE_SOURCE)
-    refresh_manifest(root)  # sizes for the card
-    _write_text_atomic(root / README, model_card(root, report))
-    return refresh_manifest(root)
+    sweep_stale_temporaries(root)  # `.README.md.tmp-<pid>` of a finalize that was killed
+    write_text_atomic(root / EXAMPLE, EXAMPLE_SOURCE, if_changed=True)
+    card = model_card(root, report, manifest={**manifest, **manifest_sections(root)})  # preset, min_os from disk
+    write_text_atomic(root / README, card, if_changed=True)
+    if base_model is None:
+        return refresh_manifest(root)
+    from .bundle import write_manifest
 
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    current = json.loads((root / MANIFEST_NAME).read_text())
+    return write_manifest({**current, "base_model": base_model}, root)  # the manifest last, as always
 
 
 # --------------------------------------------------------------------------------------------

@@ -37,7 +37,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -373,13 +372,16 @@ def extract_function(path: Path, function_name: str):
     """
     import coremltools as ct
 
-    src = ct.models.MLModel(str(path), skip_model_load=True)
-    spec = src.get_spec()
+    from .runtime.package import package_files, read_spec
+
+    # read only: coremltools' own loader rewrites the f16 package's Manifest.json (a kill then would
+    # leave a stray file in the source bundle)
+    spec, weights_dir = read_spec(path), package_files(path)[1]
     functions = spec.mlProgram.functions
     if function_name not in functions:
         raise QuantizeError(f"{path} has no function {function_name!r} (has {sorted(functions)})")
     if len(functions) == 1 and function_name == "main":
-        return src
+        return ct.models.MLModel(spec, weights_dir=weights_dir, skip_model_load=True)
     kept = type(functions[function_name])()
     kept.CopyFrom(functions[function_name])
     for name in list(functions.keys()):
@@ -392,7 +394,7 @@ def extract_function(path: Path, function_name: str):
         getattr(desc, part).extend(getattr(fdesc, part))
     del desc.functions[:]
     desc.defaultFunctionName = ""
-    return ct.models.MLModel(spec, weights_dir=src.weights_dir, skip_model_load=True)
+    return ct.models.MLModel(spec, weights_dir=weights_dir, skip_model_load=True)
 
 
 def compress_package(src: Path, dst: Path, recipe: Recipe) -> dict:
@@ -404,7 +406,8 @@ def compress_package(src: Path, dst: Path, recipe: Recipe) -> dict:
     """
     import coremltools as ct
 
-    from .convert import weight_file_bytes
+    from .convert import temporary_dir, weight_file_bytes
+    from .runtime.package import read_spec
 
     functions = package_functions(src)
     default = functions[0] if "main" not in functions else "main"
@@ -417,7 +420,7 @@ def compress_package(src: Path, dst: Path, recipe: Recipe) -> dict:
         fallen: dict[str, str] = {}
     else:
         skips, fallen = {}, {}
-        scratch = Path(tempfile.mkdtemp(prefix=".compress-", dir=dst.parent))
+        scratch = temporary_dir(dst.parent, "compress")
         try:
             singles = {}
             for fn in functions:
@@ -443,7 +446,7 @@ def compress_package(src: Path, dst: Path, recipe: Recipe) -> dict:
                 merged = scratch / "merged.mlpackage"
                 ct.utils.save_multifunction(descriptor, str(merged))
                 merged_model = ct.models.MLModel(str(merged), skip_model_load=True)
-                source_meta = ct.models.MLModel(str(src), skip_model_load=True).user_defined_metadata
+                source_meta = read_spec(src).description.metadata.userDefined
                 merged_model.user_defined_metadata.update(dict(source_meta))
                 merged_model.save(str(dst))
                 one = weight_file_bytes(singles[default])
@@ -914,7 +917,8 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
     The PyTorch checkpoint (`model`) is only used by the held-out gate (tokens / WER vs PyTorch);
     without it that gate compares with the f16 bundle through the runtime.
     """
-    from .convert import ExportSettings, ParityError, release_memory, write_json_atomic
+    from . import faults
+    from .convert import ExportSettings, ParityError, release_memory, sweep_stale_temporaries, write_json_atomic
     from .gate import export_gated
     from .publish import finalize_bundle
 
@@ -929,6 +933,7 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
         raise QuantizeError(f"{out} exists; use --force to replace it")
     gates = GATES[preset]
     out.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale_temporaries(out.parent, prefix=f"{out.name}.")  # `.q8.tmp-<pid>` of a killed build
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -959,6 +964,7 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
             report["components"][comp] = section
             release_memory()  # the gated package's interpreter copy, before the next component
         report["compress_seconds"] = round(time.perf_counter() - t0, 1)
+        faults.point(f"copy/{out.name}", tmp)
         _copy_bundle_files(src, tmp)
         _write_manifest(src, tmp)  # provisional (the held-out gate loads the bundle)
         if not skip_gate:
@@ -980,12 +986,7 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
         write_json_atomic(report, tmp / COMPRESSION_FILE)
         _write_manifest(src, tmp)
         finalize_bundle(tmp)  # README.md, example_inference.py, then the manifest's checksums (last)
-        if out.exists():
-            for hidden in out.glob(".*"):  # the checkout's q8/.gitkeep stays (hidden: not part of the bundle)
-                if hidden.is_file():
-                    shutil.copy2(hidden, tmp / hidden.name)
-            shutil.rmtree(out)
-        os.rename(tmp, out)
+        _install_bundle(tmp, out)
         if not skip_gate:  # a gated build replaces an earlier refusal; an ungated one says nothing new
             refusal_path(out).unlink(missing_ok=True)
     except ParityError as err:
@@ -1004,6 +1005,31 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
         raise
     logger.info("wrote %s (%s)", out, preset)
     return report
+
+
+def _install_bundle(tmp: Path, out: Path) -> None:
+    """Rename the complete bundle `tmp` to `out`. An older `out` is renamed aside first (hidden
+    `.<out>.old-<pid>`, removed once the new one is in place; put back if the rename fails), so at
+    every instant `out` is the old bundle, the new one, or (between two renames) absent."""
+    from . import faults
+    from .convert import TEMPORARY_NAME
+
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    faults.point(f"install/{out.name}", out)
+    try:
+        if out.exists():
+            for hidden in out.glob(".*"):  # the checkout's q8/.gitkeep stays (hidden: not part of the bundle)
+                if hidden.is_file() and not TEMPORARY_NAME.match(hidden.name):
+                    shutil.copy2(hidden, tmp / hidden.name)
+            os.rename(out, old)
+            faults.point(f"swap/{out.name}", out)
+        os.rename(tmp, out)
+    except BaseException:
+        if old.exists() and not out.exists():
+            os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def build_component(comp: str, f16_package: Path, dst: Path, recipe: Recipe, data: GateData | None, *,

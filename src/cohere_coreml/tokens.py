@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -143,18 +142,17 @@ def vocab_table(tokenizer) -> dict[str, str]:
     return {str(i): table[i] for i in sorted(table)}
 
 
-def export_vocab(tokenizer, path: str | os.PathLike) -> Path:
+def export_vocab(tokenizer, path: str | os.PathLike, if_changed: bool = False, before_change=None) -> Path:
     """Write `vocab.json` (id -> piece) for clients that do not run Python.
 
     Pieces follow SentencePiece conventions: "▁" marks a word boundary (a space), `<0xNN>` is one raw
     byte of UTF-8 (consecutive byte pieces are joined, then decoded), and special tokens look like
     `<|...|>` and are dropped from transcripts.
     """
+    from .convert import write_text_atomic
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = json.dumps(vocab_table(tokenizer), ensure_ascii=False, indent=0)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    # atomically, through a hidden temporary (`if_changed`, `before_change`: see write_text_atomic)
+    write_text_atomic(path, json.dumps(vocab_table(tokenizer), ensure_ascii=False, indent=0), if_changed=if_changed,
+                      before_change=before_change)
     return path

@@ -37,16 +37,49 @@ class PackageSpec:
     function_names: list[str]
 
 
-def _load_spec(path: str):
-    import coremltools as ct
+def package_files(path: str | os.PathLike) -> tuple[str, str | None]:
+    """(spec file, weights folder or None) of an `.mlpackage`, from its Manifest.json, read only.
 
+    coremltools' ModelPackage (behind `MLModel(path)` and `utils.load_spec`) rewrites Manifest.json on
+    every open, through a visible `Manifest.<uuid>` temporary inside the package: a process killed
+    then leaves that file in the bundle (and a read-only bundle cannot be opened). Reading the JSON
+    here writes nothing."""
+    import json
+
+    path = os.fspath(path)
+    try:
+        with open(os.path.join(path, "Manifest.json"), encoding="utf-8") as f:
+            manifest = json.load(f)
+        entries = manifest["itemInfoEntries"]
+        root = entries[manifest["rootModelIdentifier"]]["path"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PackageLoadError(f"cannot read model package {path}: its Manifest.json is unreadable ({exc})") from exc
+    data = os.path.join(path, "Data")
+    weights = next((e["path"] for e in entries.values()
+                    if e.get("name") == "weights" and e.get("author") == "com.apple.CoreML"), None)
+    return os.path.join(data, root), (os.path.join(data, weights) if weights is not None else None)
+
+
+def read_spec(path: str | os.PathLike):
+    """The `Model_pb2.Model` spec of an `.mlpackage` folder or `.mlmodel` file, without writing to it."""
+    from coremltools.proto import Model_pb2
+
+    path = os.fspath(path)
+    spec_file = package_files(path)[0] if os.path.isdir(path) else path
+    spec = Model_pb2.Model()
+    try:
+        with open(spec_file, "rb") as f:
+            spec.ParseFromString(f.read())
+    except Exception as exc:  # OSError, protobuf DecodeError
+        raise PackageLoadError(f"cannot read model package {path}: {exc}") from exc
+    return spec
+
+
+def _load_spec(path: str):
     if not os.path.exists(path):
         raise PackageLoadError(f"model package not found: {path}")
-    try:
-        mlmodel = ct.models.MLModel(path, skip_model_load=True)
-    except Exception as exc:  # coremltools raises many kinds of errors for bad packages
-        raise PackageLoadError(f"cannot read model package {path}: {exc}") from exc
-    return mlmodel.get_spec(), mlmodel.weights_dir
+    weights_dir = package_files(path)[1] if os.path.isdir(path) else None
+    return read_spec(path), weights_dir
 
 
 def read_package(path: str | os.PathLike, function_name: str | None = None) -> PackageSpec:
