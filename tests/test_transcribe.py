@@ -393,3 +393,40 @@ def test_decoder_receives_the_processor_prompt(trained_bundle, trained_reference
             assert [c[0] for c in fed] == result.windows[0].token_ids[:len(fed)]  # then its own predictions
             outputs.add(tuple(result.windows[0].token_ids))
     assert len(outputs) >= 3, "the prompt must change the transcript for this check to mean anything"
+
+
+def test_one_transcriber_shared_by_threads_gives_the_sequential_results(trained):
+    """Threads sharing one Transcriber get exactly the sequential transcripts, and its calls never
+    overlap (the documented lock): the probe counts decode calls running at once."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cohere_coreml.audio import load_audio
+
+    _, _, tr = trained
+    utterances = heldout_utterances(per_language=2)
+    waves = [load_audio(u["path"]) for u in utterances]
+    sequential = [tr.transcribe(w, u["language"]).windows[0].token_ids for w, u in zip(waves, utterances)]
+    assert len({tuple(t) for t in sequential}) == len(sequential)  # the clips differ: a mix-up would show
+    inside, most, guard = [0], [0], threading.Lock()
+    original = type(tr).decode.__wrapped__  # the method without the lock: the probe sits inside it
+
+    def probe(self, *args, **kwargs):
+        with guard:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            with guard:
+                inside[0] -= 1
+
+    tr.decode = probe.__get__(tr)  # instance attribute: transcribe_window's self.decode, still under the lock
+    try:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            results = list(pool.map(lambda i: tr.transcribe(waves[i], utterances[i]["language"]).windows[0].token_ids,
+                                    list(range(len(waves))) * 2))
+    finally:
+        del tr.decode
+    assert results == sequential * 2
+    assert most[0] == 1

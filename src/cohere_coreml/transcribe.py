@@ -18,8 +18,10 @@ manifest; nothing comes from the Python-side checkpoint.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 
@@ -41,6 +43,17 @@ class TranscriptionError(RuntimeError):
     """The packages produced something the loop cannot use (missing outputs, bad shapes, NaN)."""
 
 
+def _serialized(method):
+    """Run a `Transcriber` method under the instance's lock (reentrant: transcribe -> transcribe_window)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class Transcriber:
     """Greedy transcription with a bundle's encoder + decoder packages, through the runtime interface.
 
@@ -54,6 +67,11 @@ class Transcriber:
         compute_units: Core ML compute units of the encoder and decoder ("all", "cpu_only",
             "cpu_and_gpu", "cpu_and_ne"); the front end runs on the units its manifest entry names.
             Ignored by the interpreter.
+
+    Thread safety: one `Transcriber` may be shared by threads; its calls (`transcribe`,
+    `transcribe_window`, `encode`, `decode`) run one at a time under an internal lock (each window has its
+    own decoder state, but lazily loaded functions and a Core ML model's prediction queue are shared).
+    For parallel transcription use one `Transcriber` per thread.
     """
 
     def __init__(self, bundle: str | os.PathLike | Sequence[str | os.PathLike] | Bundle, backend: str = "auto",
@@ -98,6 +116,7 @@ class Transcriber:
         self.capacity = self.bundle.capacity
         self.window_frames = self.bundle.window_frames
         self.eos_ids = self.bundle.eos_ids
+        self._lock = threading.RLock()  # calls run one at a time (see the class docstring)
 
     # -- one window -----------------------------------------------------------------------------
     def bucket_for(self, n_valid: int) -> tuple[int, str]:
@@ -154,6 +173,7 @@ class Transcriber:
                                      f"expected {n_valid} of (1, M, >= {frames})")
         return feats[:, :, :frames], n_valid, encoder_function
 
+    @_serialized
     def encode(self, features: np.ndarray, n_valid: int) -> dict[str, np.ndarray]:
         """features (M, F) or (1, M, F) float32 window -> encoder outputs.
 
@@ -176,6 +196,7 @@ class Transcriber:
             raise TranscriptionError(f"encoder package returned no {missing}: is it a {self.bundle.manifest['format']} encoder?")
         return out
 
+    @_serialized
     def decode(self, encoder_out: dict[str, np.ndarray], prompt: Sequence[int], max_new_tokens: int | None = None,
                return_log_probs: bool = False, beams: int = 1, repetition_guard=None) -> dict:
         """Greedy (or, with `beams` > 1, beam search) decode of one window from its encoder outputs.
@@ -265,6 +286,7 @@ class Transcriber:
             result["log_probs"] = all_log_probs
         return result
 
+    @_serialized
     def transcribe_window(self, waveform: np.ndarray, prompt: Sequence[int], max_new_tokens: int | None = None,
                           index: int = 0, start_s: float = 0.0, beams: int = 1,
                           repetition_guard=None) -> WindowResult:
@@ -304,6 +326,7 @@ class Transcriber:
                             decoding={"beams": beams, "repetition": dec["repetition"]})
 
     # -- whole clips ----------------------------------------------------------------------------
+    @_serialized
     def transcribe(self, audio, language: str = "en", punctuation: bool = True,
                    max_new_tokens: int | None = None, progress: bool = False, beams: int = 1,
                    repetition_guard=None) -> TranscriptionResult:
