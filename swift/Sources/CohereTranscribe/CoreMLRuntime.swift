@@ -131,7 +131,10 @@ public final class CoreMLRuntime: ModelRuntime, @unchecked Sendable {
             return target
         }
         return try await CompileRegistry.shared.compiled(target: target) { [self] in
-            if CoreMLRuntime.isComplete(target) { return target }  // compiled by a caller we waited for
+            if CoreMLRuntime.isComplete(target) {  // installed by a compile that finished meanwhile
+                count(target, compiled: false)
+                return target
+            }
             let temporary: URL
             do {
                 temporary = try await MLModel.compileModel(at: package)
@@ -168,7 +171,9 @@ public final class CoreMLRuntime: ModelRuntime, @unchecked Sendable {
     }
 }
 
-/// One compile per cached target in this process: concurrent callers await the same task.
+/// One compile per cached target in this process: callers that arrive while it compiles await the
+/// same task; once it is done the task is dropped (later callers find the cache entry on disk, and a
+/// failed or since-deleted entry is compiled again).
 actor CompileRegistry {
     static let shared = CompileRegistry()
     private var tasks: [String: Task<URL, Error>] = [:]
@@ -178,13 +183,8 @@ actor CompileRegistry {
         if let task = tasks[key] { return try await task.value }
         let task = Task { try await work() }
         tasks[key] = task
-        do {
-            let url = try await task.value
-            return url
-        } catch {
-            tasks[key] = nil  // a failed compile may be retried
-            throw error
-        }
+        defer { tasks[key] = nil }
+        return try await task.value
     }
 }
 
