@@ -48,7 +48,8 @@ def _serialized(method):
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        with self._lock:
+        # setdefault (atomic) also covers instances built without __init__ (test doubles)
+        with self.__dict__.setdefault("_lock", threading.RLock()):
             return method(self, *args, **kwargs)
 
     return run
