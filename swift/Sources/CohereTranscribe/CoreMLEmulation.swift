@@ -9,6 +9,7 @@
 // SDK does not have does not compile here either, so `CoreMLRuntime.swift` is the same source on Linux,
 // macOS and iOS (it imports CoreML on Apple platforms and compiles against this file on Linux).
 //
+// Properties the SDK declares read-only are read-only here too (`private(set)`).
 // Behaviour, as on a device:
 // - `MLModel.compileModel(at:)` returns a temporary `<name>.mlmodelc` folder that is deleted when the
 //   process exits unless the caller moves it; `MLModel(contentsOf:configuration:)` and `MLModel.load`
@@ -185,7 +186,7 @@ open class MLMultiArray: NSObject, @unchecked Sendable {
     private let shapeValues: [Int]
     private let strideValues: [Int]
 
-    open var dataType: MLMultiArrayDataType
+    public private(set) var dataType: MLMultiArrayDataType
     open var shape: [NSNumber] { shapeValues.map { NSNumber(value: $0) } }
     /// In elements: the element at index i is at offset sum(i[d] * strides[d]).
     open var strides: [NSNumber] { strideValues.map { NSNumber(value: $0) } }
@@ -276,8 +277,8 @@ open class MLMultiArray: NSObject, @unchecked Sendable {
 
 @available(macOS 10.13, iOS 11.0, watchOS 4.0, tvOS 11.0, *)
 open class MLFeatureValue: NSObject, @unchecked Sendable {
-    open var type: MLFeatureType
-    open var multiArrayValue: MLMultiArray?
+    public private(set) var type: MLFeatureType
+    public private(set) var multiArrayValue: MLMultiArray?
 
     public init(multiArray: MLMultiArray) {
         self.type = .multiArray
@@ -294,7 +295,7 @@ public protocol MLFeatureProvider: NSObjectProtocol {
 
 @available(macOS 10.13, iOS 11.0, watchOS 4.0, tvOS 11.0, *)
 open class MLDictionaryFeatureProvider: NSObject, MLFeatureProvider, @unchecked Sendable {
-    open var dictionary: [String: MLFeatureValue]
+    public private(set) var dictionary: [String: MLFeatureValue]
 
     /// Values are `MLFeatureValue`s or what `MLFeatureValue` wraps (here: `MLMultiArray`).
     public init(dictionary: [String: Any]) throws {
@@ -321,8 +322,8 @@ open class MLDictionaryFeatureProvider: NSObject, MLFeatureProvider, @unchecked 
 
 @available(macOS 10.13, iOS 11.0, watchOS 4.0, tvOS 11.0, *)
 open class MLMultiArrayConstraint: NSObject, @unchecked Sendable {
-    open var shape: [NSNumber]
-    open var dataType: MLMultiArrayDataType
+    public private(set) var shape: [NSNumber]
+    public private(set) var dataType: MLMultiArrayDataType
     init(shape: [Int], dataType: MLMultiArrayDataType) {
         self.shape = shape.map { NSNumber(value: $0) }
         self.dataType = dataType
@@ -332,8 +333,8 @@ open class MLMultiArrayConstraint: NSObject, @unchecked Sendable {
 @available(macOS 15.0, iOS 18.0, watchOS 11.0, tvOS 18.0, visionOS 2.0, *)
 open class MLStateConstraint: NSObject, @unchecked Sendable {
     /// `[Int]` in Swift (the Objective-C `bufferShape` is refined for Swift by the overlay).
-    public var bufferShape: [Int]
-    open var dataType: MLMultiArrayDataType
+    public private(set) var bufferShape: [Int]
+    public private(set) var dataType: MLMultiArrayDataType
     init(bufferShape: [Int], dataType: MLMultiArrayDataType) {
         self.bufferShape = bufferShape
         self.dataType = dataType
@@ -342,12 +343,12 @@ open class MLStateConstraint: NSObject, @unchecked Sendable {
 
 @available(macOS 10.13, iOS 11.0, watchOS 4.0, tvOS 11.0, *)
 open class MLFeatureDescription: NSObject, @unchecked Sendable {
-    open var name: String
-    open var type: MLFeatureType
+    public private(set) var name: String
+    public private(set) var type: MLFeatureType
     open var isOptional: Bool { false }
-    open var multiArrayConstraint: MLMultiArrayConstraint?
+    public private(set) var multiArrayConstraint: MLMultiArrayConstraint?
     @available(macOS 15.0, iOS 18.0, watchOS 11.0, tvOS 18.0, visionOS 2.0, *)
-    open var stateConstraint: MLStateConstraint?
+    public private(set) var stateConstraint: MLStateConstraint?
 
     init(name: String, array: MLMultiArrayConstraint? = nil, state: MLStateConstraint? = nil) {
         self.name = name
@@ -359,10 +360,10 @@ open class MLFeatureDescription: NSObject, @unchecked Sendable {
 
 @available(macOS 10.13, iOS 11.0, watchOS 4.0, tvOS 11.0, *)
 open class MLModelDescription: NSObject, @unchecked Sendable {
-    open var inputDescriptionsByName: [String: MLFeatureDescription]
-    open var outputDescriptionsByName: [String: MLFeatureDescription]
+    public private(set) var inputDescriptionsByName: [String: MLFeatureDescription]
+    public private(set) var outputDescriptionsByName: [String: MLFeatureDescription]
     @available(macOS 15.0, iOS 18.0, watchOS 11.0, tvOS 18.0, visionOS 2.0, *)
-    open var stateDescriptionsByName: [String: MLFeatureDescription]
+    public private(set) var stateDescriptionsByName: [String: MLFeatureDescription]
 
     init(inputs: [String: MLFeatureDescription], outputs: [String: MLFeatureDescription],
          states: [String: MLFeatureDescription]) {
@@ -407,9 +408,9 @@ public final class MLState: NSObject, @unchecked Sendable {
 
 @available(macOS 10.13, iOS 11.0, watchOS 4.0, tvOS 11.0, *)
 open class MLModel: NSObject, @unchecked Sendable {
-    open var modelDescription: MLModelDescription
+    public private(set) var modelDescription: MLModelDescription
     @available(macOS 10.14, iOS 12.0, watchOS 5.0, tvOS 12.0, *)
-    open var configuration: MLModelConfiguration
+    public private(set) var configuration: MLModelConfiguration
     private let handle: String
     private let backend: InterpreterRuntime
     private let function: String
