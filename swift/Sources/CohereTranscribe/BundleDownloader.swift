@@ -431,13 +431,10 @@ public final class BundleDownloader: Sendable {
               !revision.unicodeScalars.contains(where: { $0.value < 0x20 || $0 == "\\" }) else {
             throw DownloadError.invalidArgument("revision '\(revision)' is not a branch, tag or commit")
         }
-        if let reason = unsafeReason(folder) {
+        if let reason = BundlePath.unsafeReason(folder) {
             throw DownloadError.invalidArgument("folder '\(folder)' is not a relative path: \(reason)")
         }
     }
-
-    /// Why `path` (from a manifest) is not a plain normalised relative path inside the bundle, or nil.
-    static func unsafeReason(_ path: String) -> String? { BundlePath.unsafeReason(path) }
 
     private static func removeUnlisted(in staging: URL, keeping table: ChecksumTable) throws {
         var directories: Set<String> = []
@@ -593,7 +590,7 @@ struct ChecksumTable {
         var entries: [Entry] = []
         var seen: [String: String] = [:]   // case-folded path -> path (a case-insensitive volume has one file for both)
         for path in files.keys.sorted() {
-            if let reason = BundleDownloader.unsafeReason(path) {
+            if let reason = BundlePath.unsafeReason(path) {
                 throw DownloadError.unsafePath(path: path, reason: reason)
             }
             if path == BundleManifest.fileName || path == BundleDownloader.pendingManifestName || path.hasSuffix(".part") {

@@ -161,8 +161,9 @@ public actor CohereTranscriber {
         let stepName = d.functions?.step ?? "main"
         let step = try await load("decoder/\(stepName)", file: file, function: stepName, units: computeUnits.decoder,
                                   expected: manifest.expectedDecoderIO(), component: "decoder")
-        guard let bindName = d.functions?.bind else {
-            throw BundleError.unreadableManifest("missing field 'decoder.functions.bind' (format 2 bundles bind the cross memory once per window)")
+        guard let bindName = d.functions?.bind, d.bindInputs?.isEmpty == false else {
+            throw BundleError.unreadableManifest("missing field 'decoder.functions.bind' or 'decoder.bind_inputs' "
+                + "(format 2 bundles bind the cross memory once per window)")
         }
         let bind = try await load("decoder/\(bindName)", file: file, function: bindName, units: computeUnits.decoder,
                                   expected: manifest.expectedBindIO(), component: "decoder")

@@ -379,10 +379,10 @@ final class BundleDownloaderTests: XCTestCase {
 
     func testPathRulesAndChecksumTable() throws {
         for bad in ["", "/a", "../a", "a/..", "a/../b", ".", "./a", "a/.", "a//b", "a/", "a\\b", "a\u{0}b", "e\u{301}.bin"] {
-            XCTAssertNotNil(BundleDownloader.unsafeReason(bad), bad)
+            XCTAssertNotNil(BundlePath.unsafeReason(bad), bad)
         }
         for good in ["a", "encoder.mlpackage/Data/com.apple.CoreML/weights/weight.bin", ".hidden", "a..b", "\u{e9}.bin", "a b"] {
-            XCTAssertNil(BundleDownloader.unsafeReason(good), good)
+            XCTAssertNil(BundlePath.unsafeReason(good), good)
         }
         func parse(_ checksums: Any) throws -> ChecksumTable {
             try ChecksumTable.parse(JSONSerialization.data(withJSONObject: ["checksums": checksums]), source: "m")
