@@ -14,7 +14,8 @@ import torch
 
 from cohere_coreml import encoder as E
 from cohere_coreml.bundle import encoder_package_info
-from cohere_coreml.convert import ExportSettings, ParityError, psnr
+from cohere_coreml.convert import ExportSettings, ParityError
+from cohere_coreml.parity import psnr
 from cohere_coreml.shapes import ShapeError, choose_bucket, encoder_frames
 
 from .helpers import broken_encoder_trace
@@ -330,7 +331,7 @@ def test_cli_failing_gate_exits_nonzero_and_writes_no_package(tiny_checkpoint, t
 
 def test_length_buckets_share_weights_and_keep_the_contract(tiny_reference, tmp_path):
     """Multifunction encoder: `main` = 3 s window, `window_2s` = 2 s bucket padded to main's memory."""
-    from cohere_coreml.convert import weight_file_bytes
+    from cohere_coreml.files import weight_file_bytes
     from cohere_coreml.runtime import load_model
 
     model, processor = tiny_reference

@@ -86,7 +86,9 @@ def test_components_know_nothing_of_each_other_or_the_bundle():
     graph = import_graph()
     for module, others in (("encoder", ("decoder", "frontend", "bundle", "export")),
                            ("decoder", ("encoder", "frontend", "bundle", "export")),
-                           ("frontend", ("encoder", "decoder", "bundle", "export"))):
+                           ("frontend", ("encoder", "decoder", "bundle", "export")),
+                           # the decoder's gate is handed the PyTorch twin: data flows decoder -> decoder_gate only
+                           ("decoder_gate", ("decoder", "encoder", "frontend", "bundle", "export"))):
         imported = graph[f"cohere_coreml.{module}"]
         assert not imported & {f"cohere_coreml.{o}" for o in others}, (module, sorted(imported))
 

@@ -151,7 +151,7 @@ def visible_files(folder: Path) -> dict[str, str]:
 
 def temporaries(folder: Path, prefix: str = "") -> list[str]:
     """Hidden temporaries of this package (`.<name>.tmp-<pid>...`, `.<name>.old-<pid>...`) in `folder`."""
-    from cohere_coreml.convert import TEMPORARY_NAME
+    from cohere_coreml.files import TEMPORARY_NAME
 
     if not folder.is_dir():
         return []
@@ -555,7 +555,7 @@ def test_enospc_point_raises_the_errno(monkeypatch, tmp_path):
     import errno
 
     from cohere_coreml import faults
-    from cohere_coreml.convert import write_text_atomic
+    from cohere_coreml.files import write_text_atomic
 
     monkeypatch.setenv(faults.ENV, "replace/*:2:enospc")
     faults.reset()

@@ -23,7 +23,7 @@ def macs_per_function(path: Path) -> dict[str, int]:
     import coremltools as ct
     from coremltools.converters.mil.frontend.milproto import load as milproto_load
 
-    from cohere_coreml.decoder import count_macs
+    from cohere_coreml_dev.macs import count_macs
 
     mlmodel = ct.models.MLModel(str(path), skip_model_load=True)
     spec = mlmodel.get_spec()
@@ -48,7 +48,8 @@ def main(argv=None) -> int:
 
     from cohere_coreml import encoder as E
     from cohere_coreml.shapes import bucket_function_name, encoder_shapes
-    from cohere_coreml.convert import ExportSettings, weight_file_bytes
+    from cohere_coreml.convert import ExportSettings
+    from cohere_coreml.files import weight_file_bytes
 
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)

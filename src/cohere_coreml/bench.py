@@ -498,7 +498,7 @@ def write_chart(report: dict, path: Path) -> Path | None:
 
 
 def write_outputs(report: dict, out_dir: str | os.PathLike) -> dict[str, Path]:
-    from .convert import write_json_atomic
+    from .files import write_json_atomic
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -318,7 +318,7 @@ def write_bundle(out_dir: str | os.PathLike, model, processor) -> Path:
     from .tokens import export_vocab
 
     from . import faults
-    from .convert import temporary_dir
+    from .files import temporary_dir
     from .integrity import invalidate_manifest
 
     out_dir = Path(out_dir)
@@ -368,7 +368,7 @@ def write_manifest(manifest: dict, out_dir: str | os.PathLike) -> Path:
     The one writer of manifests: `write_bundle` (export), `cohere-coreml quantize` (the f16
     manifest with the quantized bundle's sections) and `refresh_manifest` (after README.md ...).
     """
-    from .convert import write_json_atomic
+    from .files import write_json_atomic
     from .integrity import manifest_sections
 
     out_dir = Path(out_dir)

@@ -56,7 +56,7 @@ BIND_OUTPUT = "memory_length"  # int32 (1,): valid (unmasked) frames of the memo
 def round_up(n: int, multiple: int = ANE_MULTIPLE) -> int:
     return -(-int(n) // multiple) * multiple
 
-# Gate verdicts on argmax disagreements (decoder.argmax_flips): a step whose greedy token differs from the
+# Gate verdicts on argmax disagreements (parity.argmax_flips): a step whose greedy token differs from the
 # reference refuses only when the reference's margin between the two tokens exceeds NEAR_TIE_FACTOR x the
 # error measured at that step on the reference's other top-NEAR_TIE_TOP_K tokens; closer flips are
 # near-ties (counted, reported, not fatal: a random model or a real checkpoint's EOS ties).

@@ -33,8 +33,10 @@ import torch
 import torch.nn as nn
 
 from .config import BUCKETS_METADATA_KEY, FP16_MASK_VALUE
-from .convert import ExportError, ExportSettings, convert_module, psnr, skip_installed, temporary_dir
+from .convert import ExportError, ExportSettings, convert_module
+from .files import skip_installed, temporary_dir
 from .gate import GateCase, GateReport, StagedPackage, compare_cases, default_gate_audio, stage_gated
+from .parity import psnr
 from .reference import cross_memory
 from .shapes import EncoderShapes, ShapeError, bucket_shapes, encoder_shapes
 

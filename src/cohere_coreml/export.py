@@ -185,7 +185,7 @@ def stage_export(model, processor, settings: ExportSettings, components: Sequenc
     After this returns the model is no longer needed (the caller may free it), so the gates'
     interpreter copies of the packages never sit next to the PyTorch weights in memory.
     """
-    from .convert import sweep_stale_temporaries
+    from .files import sweep_stale_temporaries
     from .tokens import prompt_ids
 
     unknown = sorted(set(components) - set(COMPONENTS))
@@ -234,7 +234,7 @@ def export_checkpoint(model_ref: str, settings: ExportSettings, revision: str | 
     import torch
 
     from .checkpoint import check_hub_id, load_reference
-    from .convert import release_memory
+    from .memory import release_memory
 
     torch.set_grad_enabled(False)
     model, processor = load_reference(model_ref, revision=revision)

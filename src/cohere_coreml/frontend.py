@@ -54,9 +54,10 @@ from .audio import (
     stft_window,
 )
 from .config import FRONTEND_FUNCTIONS_METADATA_KEY
-from .convert import (CorrectnessReport, ExportError, ExportSettings, convert_module, report_correctness, skip_installed,
-                      temporary_dir)
+from .convert import ExportError, ExportSettings, convert_module
+from .files import skip_installed, temporary_dir
 from .gate import GateCase, GateReport, StagedPackage, default_gate_audio, stage_gated
+from .parity import CorrectnessReport, report_correctness
 from .shapes import FrontEndShapes, ShapeError
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from .convert import ExportSettings, ParityError, report_correctness, write_json_atomic
+from .convert import ExportSettings
+from .errors import ParityError
+from .files import install_package, remove_package, skip_installed, staging_path, write_json_atomic
+from .parity import report_correctness
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +123,6 @@ class StagedPackage:
         Raises `ParityError` when refused: the package is removed, the figures go to
         `<component>.parity-failed.json`, an older package and report stay untouched.
         """
-        from .convert import install_package, remove_package
         from .integrity import invalidate_manifest
 
         component, settings = self.component, self.settings
@@ -145,7 +147,7 @@ class StagedPackage:
         finally:
             self.gate = None  # its references are not needed any more
         # the order a kill at any point can interrupt: no manifest over changing files, no report of
-        # another package (a package without its report is exported again: `convert.skip_installed`)
+        # another package (a package without its report is exported again: `files.skip_installed`)
         try:
             invalidate_manifest(settings.out_dir)
             settings.report_path(component).unlink(missing_ok=True)
@@ -158,8 +160,6 @@ class StagedPackage:
         return report
 
     def discard(self) -> None:
-        from .convert import remove_package
-
         remove_package(self.tmp)
         self.gate = None
 
@@ -173,7 +173,6 @@ def stage_gated(component: str, settings: ExportSettings, write: Callable[[Path]
     gate is not prepared under `settings.skip_verify`.
     """
     from . import faults
-    from .convert import remove_package, skip_installed, staging_path
 
     path = settings.package_path(component)
     tmp = staging_path(path)
@@ -223,7 +222,7 @@ def compare_cases(component: str, package: str | Path, cases: Sequence[GateCase]
                   exact: Sequence[str] = (), function_name: str | None = None, backend: str = "auto",
                   details: Mapping[str, Any] | None = None) -> GateReport:
     """Run `package` on every case; every reference output must reach `min_psnr_db` (names in
-    `exact` must match exactly). Per-case figures come from `convert.report_correctness`."""
+    `exact` must match exactly). Per-case figures come from `parity.report_correctness`."""
     from .runtime import load_model
 
     if not cases:

@@ -149,7 +149,7 @@ def export_vocab(tokenizer, path: str | os.PathLike, if_changed: bool = False, b
     byte of UTF-8 (consecutive byte pieces are joined, then decoded), and special tokens look like
     `<|...|>` and are dropped from transcripts.
     """
-    from .convert import write_text_atomic
+    from .files import write_text_atomic
 
     path = Path(path)
     # atomically, through a hidden temporary (`if_changed`, `before_change`: see write_text_atomic)

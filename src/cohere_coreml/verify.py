@@ -68,8 +68,8 @@ def verify_bundle(model, processor, bundle_dirs, audio: Sequence, language: str 
     import torch
 
     from .audio import load_audio, log_mel, split_points
-    from .convert import psnr
-    from .decoder import TeacherForcingCase, run_teacher_forcing, teacher_forcing_report
+    from .decoder_gate import TeacherForcingCase, run_teacher_forcing, teacher_forcing_report
+    from .parity import psnr
     from .reference import cross_memory
     from .transcribe import Transcriber
 
@@ -277,7 +277,7 @@ def cmd_verify(args) -> int:
     import json
 
     from .checkpoint import load_reference
-    from .convert import write_json_atomic
+    from .files import write_json_atomic
 
     model, processor = load_reference(args.model, revision=args.revision)
     languages = None

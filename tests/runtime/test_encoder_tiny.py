@@ -8,7 +8,7 @@ import torch
 
 from cohere_coreml.runtime import load_model
 
-from cohere_coreml.convert import psnr
+from cohere_coreml.parity import psnr
 
 from .helpers import convert_torch, max_rel_err
 

@@ -8,7 +8,7 @@ import torch
 
 from cohere_coreml.runtime import InputValidationError, load_model
 
-from cohere_coreml.convert import psnr
+from cohere_coreml.parity import psnr
 
 D, L, STEPS = 16, 8, 8
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from cohere_coreml.runtime import load_model
 
-from cohere_coreml.convert import psnr
+from cohere_coreml.parity import psnr
 
 from .helpers import convert_torch, max_rel_err
 
