@@ -94,13 +94,13 @@ QOUT ?= q8
 PRESET ?= q8
 REPO_ID ?=
 DRY_RUN ?=
-# held-out set of the default model (greedy tokens / WER gate); EVAL_SET=none skips that gate
+# held-out set of the default model (greedy tokens / WER gate, `quantize --data`); EVAL_SET=none skips that gate
 EVAL_SET ?= tests/data/heldout
 
 quantize: sync
 	model="$(MODEL)"; [ -n "$$model" ] || model=$$($(RUN) cohere-coreml prepare-default | tail -n 1); \
 	$(RUN) cohere-coreml quantize --bundle "$(BUNDLE)" --out "$(QOUT)" --preset $(PRESET) --model "$$model" \
-		--eval-set "$(EVAL_SET)"
+		--data "$(EVAL_SET)"
 
 bundle-check: sync
 	$(RUN) cohere-coreml bundle check "$(BUNDLE)"

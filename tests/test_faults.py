@@ -40,7 +40,7 @@ FULL = os.environ.get("COHERE_COREML_FAULTS_FULL") == "1"
 REPORT = os.environ.get("COHERE_COREML_FAULTS_REPORT")
 SCRIPT = Path(sys.executable).with_name("cohere-coreml")  # the console script of this environment
 EXPORT_ARGS = ("--precision", "fp32", "--window-seconds", "2", "--max-tokens", "22", "--skip-verify")
-QUANTIZE_ARGS = ("--preset", "q8", "--skip-gate")
+QUANTIZE_ARGS = ("--preset", "q8", "--skip-verify")
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
              "HF_HUB_OFFLINE": "1"}
 

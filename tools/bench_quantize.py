@@ -7,7 +7,7 @@ Steps (each in its own process, so peak RSS is per step): write the checkpoint; 
 export` with its gates (the f16 bundle; `make export`); `cohere-coreml quantize` per preset with its
 gates vs the f16 packages (encoder PSNR; decoder PSNR, KL and the per-step log-prob error in nats; no
 held-out set: random weights transcribe nothing). A preset its gate refuses is rebuilt with
-`--skip-gate` so its size is still measured; the refused figures come from `<preset>.parity-failed.json`.
+`--skip-verify` so its size is still measured; the refused figures come from `<preset>.parity-failed.json`.
 Prints and writes (JSON) a table. Full size takes about an hour and ~16 GB: run it alone. Smoke run:
 
     uv run python tools/bench_quantize.py --encoder-layers 2 --out /tmp/bench_q
@@ -125,8 +125,8 @@ def main(argv=None) -> int:
         saved.write_text(json.dumps(figures, indent=2, default=str))
     for preset in args.presets:
         q = out / preset
-        cmd = ["quantize", "--bundle", str(f16), "--out", str(q), "--preset", preset, "--eval-set", "none", "--force"]
-        res = run_cli(cmd + (["--skip-gate"] if args.skip_gates else []), check=args.skip_gates,
+        cmd = ["quantize", "--bundle", str(f16), "--out", str(q), "--preset", preset, "--data", "none", "--force"]
+        res = run_cli(cmd + (["--skip-verify"] if args.skip_gates else []), check=args.skip_gates,
                       log=out / f"quantize-{preset}.log")
         entry: dict = {"seconds": res["seconds"], "peak_rss_gb": res["peak_rss_gb"]}
         if res["returncode"] != 0:  # refused by its gate: figures from the refusal, size from an ungated build
@@ -134,14 +134,14 @@ def main(argv=None) -> int:
             if not refusal.is_file():
                 raise SystemExit(f"quantize {preset} failed ({res['returncode']}):\n{res['stderr_tail']}")
             entry["gate"] = {"passed": False, **gate_figures(json.loads(refusal.read_text())["gate"])}
-            res = run_cli(cmd + ["--skip-gate"], log=out / f"quantize-{preset}-ungated.log")
+            res = run_cli(cmd + ["--skip-verify"], log=out / f"quantize-{preset}-ungated.log")
             entry.update(ungated_seconds=res["seconds"], ungated_peak_rss_gb=res["peak_rss_gb"])
         report = json.loads((q / "compression.json").read_text())
         entry.setdefault("gate", {"passed": report["gate"].get("passed"), **gate_figures(report["gate"])})
         entry.update(bytes=bundle_bytes(q), uncompressed_tensors={c: s["tensors"]["uncompressed"]
                                                                   for c, s in report["components"].items()})
         figures["bundles"][preset] = entry
-        rebuilt = (f"; refused, rebuilt with --skip-gate: {entry['ungated_seconds']} s, peak RSS "
+        rebuilt = (f"; refused, rebuilt with --skip-verify: {entry['ungated_seconds']} s, peak RSS "
                    f"{entry['ungated_peak_rss_gb']} GB" if "ungated_seconds" in entry else "")
         print(f"{preset}: {entry['seconds']} s, peak RSS {entry['peak_rss_gb']} GB{rebuilt}, gate {entry['gate']}",
               flush=True)

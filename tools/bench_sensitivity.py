@@ -3,12 +3,12 @@
 
 Compresses the decoder of an f16 bundle with one scheme (every weight, nothing skipped), measures
 each weight's sensitivity (decoder output PSNR vs f16 with only that weight quantized), then keeps
-the most sensitive weights fp16 one at a time (`quantize.choose_fp16`, the steps `--target-psnr`
+the most sensitive weights fp16 one at a time (`quantize.sensitivity.choose_fp16`, the steps `--target-psnr`
 takes) and prints, per step, the extra bytes and the per-step log-prob error vs the f16 decoder
 (median / p99 / max nats over the f16 top-16 tokens, and the eos id's max): the bound on which
 near-ties quantization can flip, and how fast keeping weights fp16 lowers it.
 
-    uv run python tools/bench_sensitivity.py --bundle f16 --eval-set tests/data/heldout
+    uv run python tools/bench_sensitivity.py --bundle f16 --data tests/data/heldout
     uv run python tools/bench_sensitivity.py --bundle /tmp/bench_full/f16 --max-kept 6   # full size
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundle", default="f16", help="an f16 bundle (default: %(default)s)")
-    parser.add_argument("--eval-set", default="none",
+    parser.add_argument("--data", default="none",
                         help="evaluation folder whose clips (2 per language) the gate data uses; 'none' (default): "
                         "the speech clips shipped with the package")
     parser.add_argument("--scheme", default="int8", help="compression scheme of the decoder (default: %(default)s)")
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
 
     bundle = Path(args.bundle)
     t0 = time.perf_counter()
-    clips = Q.packaged_gate_clips() if args.eval_set == "none" else Q.gate_clips(Path(args.eval_set))
+    clips = Q.packaged_gate_clips() if args.data == "none" else Q.gate_clips(Path(args.data))
     data = Q.build_gate_data(bundle, clips)
     f16_package = bundle / "decoder.mlpackage"
     with tempfile.TemporaryDirectory() as tmp:

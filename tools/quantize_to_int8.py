@@ -5,7 +5,7 @@ Thin entry point: `cohere-coreml quantize` (same options; see --help):
 
     uv run python tools/quantize_to_int8.py --bundle f16/ --out q8/
     uv run python tools/quantize_to_int8.py --bundle f16/ --out q8/ --model models/cohere-tiny-synth \
-        --eval-set tests/data/heldout
+        --data tests/data/heldout
 """
 
 import sys

@@ -3,8 +3,9 @@
 `evaluate_checkpoint` runs the transcriber interface (`engines.PyTorchEngine`, the same code path
 as `cohere-coreml bench --pytorch`) over a dataset folder (`datasets.load_folder`) and scores it
 with `metrics` (Whisper English normaliser for English, the basic one otherwise; CER for ja/zh/ko),
-so its WER equals the bench's. `greedy_decode` (batched `generate()`, `cohere_coreml.scoring`) stays for
-training-time evaluation (tools/cohere_coreml_dev/train.py).
+so its WER equals the bench's. `greedy_decode` (batched `generate()` over whole clips, no long-audio
+split) is the training-time evaluation (tools/cohere_coreml_dev/train.py, tools/train_tiny.py); the
+product's own evaluation path is the bench's (`engines`, `datasets`, `metrics`).
 
 The margin of a generated token is the gap between the best and the second-best log-probability at
 that step; a large median margin means argmax decisions survive FP16/INT8 rounding, which is what
@@ -18,18 +19,70 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from cohere_coreml.scoring import (  # noqa: F401 (one definition, shared with the quantization gate)
-    Decoded,
-    EvaluationError,
-    features_batch,
-    greedy_decode,
-    normalise_text,
-    word_error_rate,
-)
+from cohere_coreml.audio import load_audio, log_mel
+from cohere_coreml.datasets import DatasetError, load_folder
+from cohere_coreml.engines import PyTorchEngine
+from cohere_coreml.metrics import error_counts
+from cohere_coreml.scoring import features_batch, normalise_text
+from cohere_coreml.tokens import decode_ids, eos_id, prompt_ids
 
 logger = logging.getLogger(__name__)
 
+
+class EvaluationError(ValueError):
+    """An evaluation set is missing, empty or inconsistent."""
+
+
+@dataclass
+class Decoded:
+    text: str
+    ids: list[int]
+    margins: list[float]  # top-1 minus top-2 log-prob per generated token (eos included)
+
+
+def greedy_decode(
+    model,
+    tokenizer,
+    features: list[np.ndarray],
+    languages: list[str],
+    *,
+    punctuation: bool = True,
+    max_new_tokens: int = 128,
+    batch_size: int = 16,
+) -> list[Decoded]:
+    """Greedy `model.generate` on (n_mels, valid_frames) features, one prompt per clip's language."""
+    if len(features) != len(languages):
+        raise EvaluationError(f"{len(features)} feature arrays but {len(languages)} languages")
+    eos = eos_id(tokenizer)
+    order = np.argsort([-f.shape[1] for f in features], kind="stable")
+    results: dict[int, Decoded] = {}
+    with torch.no_grad():
+        for start in range(0, len(order), batch_size):
+            idx = [int(i) for i in order[start : start + batch_size]]
+            x, mask = features_batch([features[i] for i in idx])
+            prompts = torch.tensor([prompt_ids(tokenizer, languages[i], punctuation) for i in idx], dtype=torch.long)
+            gen = model.generate(
+                input_features=x,
+                attention_mask=mask,
+                decoder_input_ids=prompts,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                num_beams=1,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            new = gen.sequences[:, prompts.shape[1] :]  # (B, steps)
+            logits = torch.stack(gen.logits, dim=1).float()  # (B, steps, V)
+            logp = torch.log_softmax(logits, dim=-1)
+            top2 = torch.topk(logp, 2, dim=-1).values  # (B, steps, 2)
+            gaps = (top2[..., 0] - top2[..., 1]).numpy()
+            for row, i in enumerate(idx):
+                ids = new[row].tolist()
+                n = ids.index(eos) + 1 if eos in ids else len(ids)
+                results[i] = Decoded(decode_ids(tokenizer, ids[:n]), ids[:n], gaps[row, :n].tolist())
+    return [results[i] for i in range(len(features))]
 
 @dataclass
 class LanguageReport:
@@ -45,8 +98,6 @@ class LanguageReport:
 
 def summarise(refs: list[str], decoded: list[Decoded], languages: list[str]) -> dict[str, LanguageReport]:
     """Per language: WER (CER for ja/zh/ko) with `metrics.error_counts`, and the margins."""
-    from cohere_coreml.metrics import error_counts
-
     reports: dict[str, LanguageReport] = {}
     for lang in sorted(set(languages)):
         sel = [i for i, l in enumerate(languages) if l == lang]
@@ -67,10 +118,7 @@ def summarise(refs: list[str], decoded: list[Decoded], languages: list[str]) -> 
 
 
 def load_eval_set(directory: str | Path, config=None, limit_per_language: int | None = None):
-    """(features, n_valid, texts, languages, files) of a manifest folder, via the project front end."""
-    from cohere_coreml.audio import load_audio, log_mel
-    from cohere_coreml.datasets import DatasetError, load_folder
-
+    """(features, texts, languages, files) of a manifest folder, via the project front end."""
     try:
         dataset = load_folder(directory, limit_per_language)
     except DatasetError as err:
@@ -93,9 +141,6 @@ def evaluate_checkpoint(
 ) -> dict[str, LanguageReport]:
     """Evaluate a checkpoint on a manifest folder through the transcriber interface
     (`cohere_coreml.engines.PyTorchEngine`, greedy, one clip at a time)."""
-    from cohere_coreml.datasets import DatasetError, load_folder
-    from cohere_coreml.engines import PyTorchEngine
-
     try:
         dataset = load_folder(data_dir, limit_per_language)
     except DatasetError as err:

@@ -1,0 +1,56 @@
+"""Weight compression of an exported bundle: `f16/` -> `q8/` (or q8-hybrid, q4), gated.
+
+One job per module, the analysis steps apart from the apply steps (as in ml-stable-diffusion):
+
+    recipes      what is compressed: schemes, `Recipe`, presets and their gate thresholds
+    inventory    what a package holds: functions, weight tensors, compressed tensors, the
+                 per-tensor report of compression.json
+    compress     apply a recipe to one package with coremltools.optimize.coreml (per function of
+                 multifunction packages, the fallback pass, coremltools' skip reasons)
+    measure      the f16 references (`build_gate_data`) and the measurements against them
+                 (encoder PSNR, decoder teacher forcing, log-prob error, KL)
+    sensitivity  per-weight sensitivity and `--target-psnr` (`choose_fp16`)
+    gate         the component gates and the held-out gate (the bench's engines, datasets and metrics)
+    command      `quantize_bundle` (source check, bundle assembly, atomic install) and the CLI
+
+Only the names other modules, tools and tests use are re-exported here.
+"""
+
+from .command import add_command, check_source, format_summary, quantize_bundle, refusal_path, source_preset
+from .compress import compress_mlmodel, compress_package, extract_function
+from .gate import QuantizeGateError, compare_transcripts, component_gate, engine_transcripts, heldout_gate, heldout_report
+from .inventory import compressed_ops, compressed_tensors, load_function, package_functions, tensor_report, weight_tensors
+from .measure import (
+    GateData,
+    build_gate_data,
+    decoder_outputs,
+    decoder_runtime,
+    encoder_outputs,
+    encoder_psnr,
+    gate_clips,
+    log_prob_error,
+    packaged_gate_clips,
+)
+from .recipes import (
+    COMPONENTS,
+    DEFAULT_PRESET,
+    GATES,
+    PRESETS,
+    SCHEMES,
+    WEIGHT_THRESHOLD,
+    QuantizeError,
+    Recipe,
+    preset_recipes,
+    scheme_config,
+)
+from .sensitivity import choose_fp16, sensitivity
+
+__all__ = [
+    "COMPONENTS", "DEFAULT_PRESET", "GATES", "PRESETS", "SCHEMES", "WEIGHT_THRESHOLD", "GateData", "QuantizeError",
+    "QuantizeGateError", "Recipe", "add_command", "build_gate_data", "check_source", "choose_fp16",
+    "compare_transcripts", "component_gate", "compress_mlmodel", "compress_package", "compressed_ops",
+    "compressed_tensors", "decoder_outputs", "decoder_runtime", "encoder_outputs", "encoder_psnr", "engine_transcripts",
+    "extract_function", "format_summary", "gate_clips", "heldout_gate", "heldout_report", "load_function",
+    "log_prob_error", "package_functions", "packaged_gate_clips", "preset_recipes", "quantize_bundle", "refusal_path",
+    "scheme_config", "sensitivity", "source_preset", "tensor_report", "weight_tensors",
+]

@@ -1,0 +1,357 @@
+"""`cohere-coreml quantize`: f16 bundle in, quantized bundle out, gated; nothing written in place.
+
+    check the source (a complete f16 bundle) -> the f16 references (`measure.build_gate_data`) ->
+    per component: compress (`compress`, with `sensitivity` / `--target-psnr` when asked) into a
+    temporary package, gate it (`gate.component_gate`, through `cohere_coreml.gate.export_gated`) ->
+    copy the rest of the bundle -> held-out gate (`gate.heldout_gate`) -> compression.json, manifest,
+    README / example (`publish.finalize_bundle`) -> rename into `--out`
+
+The new bundle is built in a temporary folder next to `--out` and renamed only after every gate
+passed; a refused build leaves its figures beside the would-be bundle (`refusal_path`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import faults
+from ..bundle import MANIFEST_NAME, write_manifest
+from ..convert import (
+    TEMPORARY_NAME,
+    ExportSettings,
+    ParityError,
+    release_memory,
+    sweep_stale_temporaries,
+    write_json_atomic,
+)
+from ..gate import HELDOUT_COMPONENT, GateReport, export_gated
+from ..integrity import COMPRESSION_FILE, check_bundle
+from ..publish import finalize_bundle
+from .compress import compress_package
+from .gate import QuantizeGateError, component_gate, heldout_gate
+from .inventory import compressed_ops
+from .measure import GateData, build_gate_data, gate_clips, packaged_gate_clips
+from .recipes import COMPONENTS, DEFAULT_PRESET, GATES, PRESETS, SCHEMES, QuantizeError, Recipe, preset_recipes
+from .sensitivity import SENSITIVITY_WINDOWS, choose_fp16, sensitivity
+
+logger = logging.getLogger(__name__)
+
+
+def holds_files(folder: Path) -> bool:
+    """A folder with anything but hidden files (a reserved, empty `q8/` with its `.gitkeep` is free)."""
+    return folder.exists() and (not folder.is_dir() or any(not p.name.startswith(".") for p in folder.iterdir()))
+
+
+def refusal_path(out: Path) -> Path:
+    """Where a refused build's gate figures go: beside the bundle it would have been (`q4.parity-failed.json`),
+    never inside a folder that could pass for a bundle."""
+    return out.with_name(f"{out.name}.parity-failed.json")
+
+
+def write_refusal(out: Path, preset: str, reports: dict) -> Path:
+    path = refusal_path(out)
+    write_json_atomic({"preset": preset, "bundle": str(out), "passed": False, "gate": reports}, path)
+    return path
+
+
+def source_preset(bundle_dir: Path) -> str:
+    """Preset of an existing bundle ("f16" for a bundle without a compression report)."""
+    report = Path(bundle_dir) / COMPRESSION_FILE
+    if report.is_file():
+        return str(json.loads(report.read_text()).get("preset", "unknown"))
+    return "f16"
+
+
+def check_source(bundle_dir: Path) -> None:
+    """Refuse anything but a complete, uncompressed f16 bundle."""
+    bundle_dir = Path(bundle_dir)
+    if not (bundle_dir / MANIFEST_NAME).is_file():
+        raise QuantizeError(f"{bundle_dir} is not a bundle (no {MANIFEST_NAME}): export one with "
+                            "`cohere-coreml export` first")
+    manifest = json.loads((bundle_dir / MANIFEST_NAME).read_text())
+    if manifest.get("checksums"):
+        check_bundle(bundle_dir, hashes=True)  # names any file that changed since export
+    preset = source_preset(bundle_dir)
+    if manifest.get("preset", preset) != "f16" or preset != "f16":
+        preset = manifest.get("preset") if manifest.get("preset", "f16") != "f16" else preset
+        raise QuantizeError(f"{bundle_dir} is already a {preset!r} bundle: quantize the f16 bundle it was "
+                            "made from, not a quantized one (weights are compressed once)")
+    for comp in COMPONENTS:
+        pkg = bundle_dir / f"{comp}.mlpackage"
+        if not pkg.is_dir():
+            raise QuantizeError(f"{bundle_dir} has no {pkg.name}")
+        found = compressed_ops(pkg)
+        if found:
+            raise QuantizeError(f"{pkg} already holds compressed weights ({len(found)} ops, e.g. {found[0]}): "
+                                "quantize the f16 bundle, not a quantized one")
+
+
+def build_component(comp: str, f16_package: Path, dst: Path, recipe: Recipe, data: GateData | None, *,
+                    with_sensitivity: bool = False, target_psnr: float | None = None) -> dict:
+    """Compress one package into `dst` (with sensitivity, and `--target-psnr` keeping the most
+    sensitive weights fp16: the package is then rebuilt); returns its compression.json section."""
+    section = compress_package(f16_package, dst, recipe)
+    if recipe.scheme is None or data is None or not (with_sensitivity or target_psnr is not None):
+        return section
+    # encoder: one clip + the full window (each window is a full encoder run); decoder: all
+    sens_data = data.subset(SENSITIVITY_WINDOWS) if comp == "encoder" else data
+    sens = sensitivity(comp, f16_package, dst, sens_data)
+    section["sensitivity"] = {"metric": "component output PSNR (dB) vs f16 with only this weight quantized", **sens}
+    if target_psnr is not None and sens["all"] < target_psnr:
+        saved = {c["name"]: c["bytes_before"] - c["bytes_after"] for c in section["compressed"]}
+        choice = choose_fp16(comp, f16_package, dst, sens_data, sens["per_weight"], saved, target_psnr)
+        section["target_psnr"] = choice
+        if choice["kept_fp16"]:
+            recipe = Recipe(recipe.scheme, recipe.skip_names, recipe.skip_op_types, tuple(choice["kept_fp16"]))
+            shutil.rmtree(dst)
+            rebuilt = compress_package(f16_package, dst, recipe)
+            rebuilt["sensitivity"], rebuilt["target_psnr"] = section["sensitivity"], choice
+            section = rebuilt
+    return section
+
+
+def bundle_bytes(bundle_dir: Path) -> int:
+    return sum(f.stat().st_size for f in Path(bundle_dir).rglob("*") if f.is_file())
+
+
+def copy_bundle_files(src: Path, dst: Path) -> None:
+    """Everything of the f16 bundle but the packages compressed here, their gate reports and generated
+    docs. A package not compressed (frontend.mlpackage, fp32) is copied as is, with its gate report."""
+    skip = {f"{c}.mlpackage" for c in COMPONENTS} | {COMPRESSION_FILE, "README.md", "example_inference.py",
+                                                       MANIFEST_NAME}
+    skip |= {f"{c}.parity.json" for c in (*COMPONENTS, HELDOUT_COMPONENT)}
+    for f in src.iterdir():
+        if f.name in skip or f.name.endswith(".parity-failed.json") or f.name.startswith("."):
+            continue
+        if f.is_dir():
+            shutil.copytree(f, dst / f.name)
+        else:
+            shutil.copy2(f, dst / f.name)
+
+
+def write_bundle_manifest(src: Path, dst: Path) -> None:
+    """The f16 bundle's manifest (ids, prompts, shapes: the quantized packages have the same I/O) with
+    the sections `bundle.write_manifest` computes from `dst` (preset and recipe from compression.json,
+    min_os, checksums)."""
+    write_manifest(json.loads((src / MANIFEST_NAME).read_text()), dst)
+
+
+def install_bundle(tmp: Path, out: Path) -> None:
+    """Rename the complete bundle `tmp` to `out`. An older `out` is renamed aside first (hidden
+    `.<out>.old-<pid>`, removed once the new one is in place; put back if the rename fails), so at
+    every instant `out` is the old bundle, the new one, or (between two renames) absent."""
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    faults.point(f"install/{out.name}", out)
+    try:
+        if out.exists():
+            for hidden in out.glob(".*"):  # the checkout's q8/.gitkeep stays (hidden: not part of the bundle)
+                if hidden.is_file() and not TEMPORARY_NAME.match(hidden.name):
+                    shutil.copy2(hidden, tmp / hidden.name)
+            os.rename(out, old)
+            faults.point(f"swap/{out.name}", out)
+        os.rename(tmp, out)
+    except BaseException:
+        if old.exists() and not out.exists():
+            os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRESET, *, model: str | None = None,
+                    eval_dir: str | Path | None = None, target_psnr: float | None = None,
+                    with_sensitivity: bool = False, limit_per_language: int | None = None,
+                    force: bool = False, skip_verify: bool = False) -> dict:
+    """Build bundle `out` from f16 bundle `src` with `preset`, gated; returns compression.json's content.
+
+    The PyTorch checkpoint (`model`) is only used by the held-out gate (tokens / error rates vs
+    PyTorch); without it that gate compares with the f16 bundle through the runtime. `eval_dir`: the
+    held-out folder (`--data`); `skip_verify`: no gate at all (`--skip-verify`).
+    """
+    src, out = Path(src), Path(out)
+    recipes = preset_recipes(preset)
+    if preset == "f16":
+        raise QuantizeError("preset f16 is the exported bundle itself: choose q8, q8-hybrid or q4")
+    check_source(src)
+    if out.resolve() == src.resolve():
+        raise QuantizeError("--out must differ from --bundle (the f16 bundle is never modified)")
+    if holds_files(out) and not force:
+        raise QuantizeError(f"{out} exists; use --force to replace it")
+    gates = GATES[preset]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale_temporaries(out.parent, prefix=f"{out.name}.")  # `.q8.tmp-<pid>` of a killed build
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    report: dict[str, Any] = {"preset": preset, "source": str(src), "source_preset": "f16",
+                              "schemes": SCHEMES, "components": {}}
+    # the packages are written and gated like an export's (gate.export_gated), into the temporary bundle
+    settings = ExportSettings(out_dir=tmp, skip_verify=skip_verify)
+    gate_reports: dict[str, GateReport] = {}
+    try:
+        t0 = time.perf_counter()
+        data = None
+        if not skip_verify or with_sensitivity or target_psnr is not None:
+            # the f16 references first (through the runtime); no quantized package is loaded yet
+            clips = gate_clips(Path(eval_dir)) if eval_dir else packaged_gate_clips()
+            logger.info("gate data: %d clips through the f16 bundle", len(clips))
+            data = build_gate_data(src, clips)
+        for comp in COMPONENTS:
+            section: dict[str, Any] = {}
+
+            def write(path: Path, comp=comp, section=section) -> None:
+                section.update(build_component(comp, src / f"{comp}.mlpackage", path, recipes[comp], data,
+                                               with_sensitivity=with_sensitivity, target_psnr=target_psnr))
+
+            def gate(path: Path, comp=comp) -> GateReport:
+                return component_gate(comp, path, data, preset, gates)
+
+            gate_reports[comp] = export_gated(comp, settings, write, gate)
+            report["components"][comp] = section
+            release_memory()  # the gated package's interpreter copy, before the next component
+        report["compress_seconds"] = round(time.perf_counter() - t0, 1)
+        faults.point(f"copy/{out.name}", tmp)
+        copy_bundle_files(src, tmp)
+        write_bundle_manifest(src, tmp)  # provisional (the held-out gate loads the bundle)
+        if not skip_verify:
+            if eval_dir is not None:
+                held = heldout_gate(src, tmp, Path(eval_dir), gates, model=model,
+                                    limit_per_language=limit_per_language)
+                write_json_atomic(held.to_dict(), settings.report_path(HELDOUT_COMPONENT))
+                gate_reports[HELDOUT_COMPONENT] = held
+                if not held.passed:
+                    raise QuantizeGateError(f"the {preset} bundle failed its gate: {held.headline}", held.to_dict())
+            else:
+                logger.warning("no evaluation folder: the held-out token/WER gate did not run")
+            report["gate"] = {name: r.to_dict() for name, r in gate_reports.items()}
+            report["gate"].update(failures=[], passed=True)
+        else:
+            logger.warning("quantization gate skipped (--skip-verify)")
+            report["gate"] = {"skipped": True}
+        report["total_bytes"] = {"before": bundle_bytes(src), "after": bundle_bytes(tmp)}
+        write_json_atomic(report, tmp / COMPRESSION_FILE)
+        write_bundle_manifest(src, tmp)
+        finalize_bundle(tmp)  # README.md, example_inference.py, then the manifest's checksums (last)
+        install_bundle(tmp, out)
+        if not skip_verify:  # a gated build replaces an earlier refusal; an ungated one says nothing new
+            refusal_path(out).unlink(missing_ok=True)
+    except ParityError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        refused = err.report.to_dict() if isinstance(err.report, GateReport) else None
+        path = write_refusal(out, preset, {**{n: r.to_dict() for n, r in gate_reports.items()},
+                                           **({err.report.component: refused} if refused else {})})
+        raise QuantizeGateError(f"the {preset} bundle failed its gate: {refused['headline'] if refused else err} "
+                                f"(figures: {path})", refused) from err
+    except QuantizeGateError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        path = write_refusal(out, preset, {n: r.to_dict() for n, r in gate_reports.items()})
+        raise QuantizeGateError(f"{err} (figures: {path})", err.report) from err
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("wrote %s (%s)", out, preset)
+    return report
+
+
+def format_summary(report: dict) -> str:
+    lines = [f"preset {report['preset']}: bundle {report['total_bytes']['before']:,} -> "
+             f"{report['total_bytes']['after']:,} bytes"]
+    for comp, sec in report["components"].items():
+        wb = sec["weight_bytes"]
+        lines.append(f"  {comp:8s} {sec['recipe']['scheme'] or 'fp16':5s} weights {wb['before']:,} -> {wb['after']:,} "
+                     f"bytes ({sec['tensors']['compressed']}/{sec['tensors']['total']} tensors compressed)")
+        if "target_psnr" in sec:
+            t = sec["target_psnr"]
+            lines.append(f"           --target-psnr {t['target_psnr_db']}: {len(t['kept_fp16'])} weights kept fp16 "
+                         f"(+{t['extra_bytes']:,} bytes), PSNR {t['steps'][-1]['psnr_db']:.1f} dB")
+    gate = report.get("gate", {})
+    if "encoder" in gate:
+        d = gate["decoder"]
+        lines.append(f"  gate: encoder PSNR {gate['encoder']['worst_psnr_db']:.1f} dB; decoder PSNR "
+                     f"{d['worst_psnr_db']:.1f} dB, mean KL {d['mean_kl']:.3g}, argmax {d['argmax_agree']}/{d['steps']}, "
+                     f"log-prob error median/p99/max {d['abs_error_nats'].get('median', 0):.3g}/"
+                     f"{d['abs_error_nats'].get('p99', 0):.3g}/{d['abs_error_nats'].get('max', 0):.3g} nats")
+    if "heldout" in gate:
+        h = gate["heldout"]
+        lines.append(f"  held-out: {h['identical_clips']}/{h['clips']} clips identical to {h['baseline']}, "
+                     f"WER {100 * h['wer']:.2f} % ({h['baseline']} {100 * h['wer_baseline']:.2f} %)")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# The command line
+# --------------------------------------------------------------------------------------------
+
+
+class DeprecatedAlias(argparse.Action):
+    """An old spelling of an option (hidden from --help): sets the new option's value and records
+    the rename in `deprecated_flags`, which `cmd_quantize` logs as one warning line each."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)
+        namespace.deprecated_flags = [*getattr(namespace, "deprecated_flags", ()), (option_string, self.new)]
+
+
+def add_quantize_arguments(p) -> None:
+    p.add_argument("--bundle", default="f16", help="exported f16 bundle (default: %(default)s, as `make export` writes it)")
+    p.add_argument("--out", default="q8", help="new bundle folder (default: %(default)s)")
+    p.add_argument("--preset", choices=[k for k in PRESETS if k != "f16"], default=DEFAULT_PRESET,
+                   help="q8: int8 encoder + decoder; q8-hybrid: int8 encoder, fp16 decoder; q4: 4-bit palette "
+                   "encoder, int8 decoder (default: %(default)s)")
+    p.add_argument("--model", default=None,
+                   help="PyTorch checkpoint for the held-out gate (tokens/WER vs PyTorch), e.g. the checkpoint the "
+                   "bundle was exported from; without it the gate compares with the f16 bundle")
+    p.add_argument("--data", default="none",
+                   help="evaluation folder (manifest.json / manifest.jsonl: file, language, text; as `bench --data`) "
+                   "for the held-out gate and the gate clips, e.g. tests/data/heldout of the checkout (`make quantize` "
+                   "passes it); 'none' (default): no held-out gate, the gates run on the speech clips shipped with "
+                   "the package")
+    p.add_argument("--limit-per-language", type=int, default=None, help="use only the first N clips per language")
+    p.add_argument("--sensitivity", action="store_true",
+                   help="measure each weight's sensitivity (output PSNR with only it quantized) into compression.json")
+    p.add_argument("--target-psnr", type=float, default=None,
+                   help="keep the most sensitive weights fp16 until each component's output PSNR vs f16 reaches "
+                   "this (dB); implies --sensitivity")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--skip-verify", action="store_true", help="no gate (the bundle is written unchecked)")
+    # old spellings (one release): --eval-set was --data, --skip-gate was --skip-verify
+    p.add_argument("--eval-set", dest="data", action=DeprecatedAlias, new="--data")
+    p.add_argument("--skip-gate", dest="skip_verify", action=DeprecatedAlias, new="--skip-verify", nargs=0)
+
+
+def cmd_quantize(args) -> int:
+    for old, new in getattr(args, "deprecated_flags", ()):
+        logger.warning("%s is deprecated: use %s (the old spelling will be removed in the next release)", old, new)
+    eval_dir = None if str(args.data).lower() == "none" else args.data
+    report = quantize_bundle(args.bundle, args.out, args.preset, model=args.model, eval_dir=eval_dir,
+                             target_psnr=args.target_psnr, with_sensitivity=args.sensitivity,
+                             limit_per_language=args.limit_per_language, force=args.force,
+                             skip_verify=args.skip_verify)
+    print(format_summary(report))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def add_command(subparsers) -> None:
+    """Register `cohere-coreml quantize`."""
+    p = subparsers.add_parser(
+        "quantize", help="compress an exported f16 bundle's weights (q8, q8-hybrid, q4), gated",
+        description="Compress the weights of an exported f16 bundle with coremltools.optimize.coreml and write a "
+        "new bundle (packages, compression.json, gate reports, manifest with checksums). Each package is "
+        "gated against the f16 one (encoder PSNR; decoder PSNR, KL and log-prob error; <component>.parity.json) "
+        "and, with --data, the bundle on a held-out set (greedy tokens identical, or WER/CER within 0.5 points "
+        "of PyTorch in every language; heldout.parity.json); a failing bundle is not written.",
+    )
+    add_quantize_arguments(p)
+    p.set_defaults(func=cmd_quantize, deprecated_flags=())

@@ -1,0 +1,211 @@
+"""Apply a `Recipe` to one package with `coremltools.optimize.coreml` (the apply step).
+
+Everything that compresses is coremltools (`linear_quantize_weights`, `palettize_weights`); this
+module runs it per function of multifunction packages (coremltools refuses those: each function is
+compressed alone and the results merged with `save_multifunction`, which stores identical weights
+once), runs the recipe's fallback scheme over what the first pass silently left, collects
+coremltools' skip messages, and returns the package's `compression.json` section (`inventory`).
+
+coremltools is imported inside the functions that call it (heavy import, see `recipes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..convert import package_size_bytes, temporary_dir, weight_file_bytes
+from ..runtime.package import package_files, read_spec
+from .inventory import compressed_tensors, load_function, package_functions, tensor_report, weight_tensors
+from .recipes import WEIGHT_THRESHOLD, QuantizeError, Recipe, scheme_config
+
+logger = logging.getLogger(__name__)
+
+
+class CoremltoolsSkips(logging.Handler):
+    """Collects coremltools' skip messages during compression: {weight name: reason}.
+
+    coremltools logs "Invalid block_sizes; ... not divisible ..." (no name) and then "Cannot
+    perform quantization on <name>. Skipped this op."; the unnamed message is the reason.
+    """
+
+    NAMED = re.compile(r"(?:Cannot perform quantization on|op named) (\S+?)[.]? ")
+
+    def __init__(self):
+        super().__init__(level=logging.DEBUG)
+        self.reasons: dict[str, str] = {}
+        self.pending: list[str] = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        m = self.NAMED.search(msg + " ")
+        if m:
+            reason = "; ".join(self.pending) or msg
+            self.reasons[m.group(1)] = f"coremltools skipped it: {reason}"
+            self.pending = []
+        elif record.levelno >= logging.WARNING:
+            self.pending.append(msg)
+
+
+@contextlib.contextmanager
+def capture_coremltools_skips():
+    """coremltools logs skips on its own logger and (block-size messages) on the root logger."""
+    ct_logger, root = logging.getLogger("coremltools"), logging.getLogger()
+    handler = CoremltoolsSkips()
+    level, propagate = ct_logger.level, ct_logger.propagate
+    ct_logger.addHandler(handler)
+    root.addHandler(handler)
+    ct_logger.setLevel(logging.WARNING)
+    ct_logger.propagate = False
+    try:
+        yield handler
+    finally:
+        ct_logger.removeHandler(handler)
+        root.removeHandler(handler)
+        ct_logger.setLevel(level)
+        ct_logger.propagate = propagate
+
+
+def optimization_config(recipe: Recipe, weights: dict[str, dict]):
+    """`OptimizationConfig` of a recipe for a function whose weights are `weights`."""
+    import coremltools.optimize.coreml as cto  # heavy import
+
+    names = {name: None for name, info in weights.items() if recipe.skip_reason(name, info["consumers"])}
+    return cto.OptimizationConfig(global_config=scheme_config(recipe.scheme), op_name_configs=names)
+
+
+def run_coremltools(mlmodel, scheme: str, config):
+    """coremltools' linear quantizer (int8, int4) or palettizer (pal4, pal6) with `config`."""
+    import coremltools.optimize.coreml as cto  # heavy import
+
+    if scheme in ("int8", "int4"):
+        return cto.linear_quantize_weights(mlmodel, config)
+    return cto.palettize_weights(mlmodel, config)
+
+
+def compress_mlmodel(mlmodel, recipe: Recipe, weights: dict[str, dict]):
+    """Compress a single-function MLModel with coremltools; returns (model, coremltools skip reasons,
+    {weight name: why the recipe's fallback scheme compressed it})."""
+    import coremltools.optimize.coreml as cto  # heavy import
+
+    with capture_coremltools_skips() as skips:
+        out = run_coremltools(mlmodel, recipe.scheme, optimization_config(recipe, weights))
+    fallen: dict[str, str] = {}
+    if recipe.fallback:
+        done = compressed_tensors(out._mil_program.functions["main"])
+        left = [n for n, info in weights.items() if n not in done and not recipe.skip_reason(n, info["consumers"])
+                and int(np.prod(info["shape"])) > WEIGHT_THRESHOLD and len(info["shape"]) > 1]
+        if left:
+            logger.info("%d weights left by %s: %s", len(left), recipe.scheme, recipe.fallback)
+            fallen = {n: skips.reasons.get(n, f"coremltools' {recipe.scheme} skipped it without a reason") for n in left}
+            config = cto.OptimizationConfig(global_config=None,
+                                            op_name_configs={n: scheme_config(recipe.fallback) for n in left})
+            with capture_coremltools_skips() as more:
+                out = run_coremltools(out, recipe.fallback, config)
+            skips.reasons.update(more.reasons)
+    return out, skips.reasons, fallen
+
+
+def extract_function(path: Path, function_name: str):
+    """A single-function MLModel (function renamed `main`) of one function of a package.
+
+    coremltools' compression refuses multifunction models; the weights file is shared, so nothing
+    is copied until the model is saved.
+    """
+    import coremltools as ct  # heavy import
+
+    # read only: coremltools' own loader rewrites the f16 package's Manifest.json (a kill then would
+    # leave a stray file in the source bundle)
+    spec, weights_dir = read_spec(path), package_files(path)[1]
+    functions = spec.mlProgram.functions
+    if function_name not in functions:
+        raise QuantizeError(f"{path} has no function {function_name!r} (has {sorted(functions)})")
+    if len(functions) == 1 and function_name == "main":
+        return ct.models.MLModel(spec, weights_dir=weights_dir, skip_model_load=True)
+    kept = type(functions[function_name])()
+    kept.CopyFrom(functions[function_name])
+    for name in list(functions.keys()):
+        del functions[name]
+    functions["main"].CopyFrom(kept)
+    desc = spec.description
+    fdesc = next(f for f in desc.functions if f.name == function_name)
+    for part in ("input", "output", "state"):
+        del getattr(desc, part)[:]
+        getattr(desc, part).extend(getattr(fdesc, part))
+    del desc.functions[:]
+    desc.defaultFunctionName = ""
+    return ct.models.MLModel(spec, weights_dir=weights_dir, skip_model_load=True)
+
+
+def compress_package(src: Path, dst: Path, recipe: Recipe) -> dict:
+    """Write the compressed copy of package `src` to `dst`; returns its report section.
+
+    Multifunction packages: every function is compressed alone and the results are merged
+    (`coremltools.utils.save_multifunction`: identical weights stored once); the report says
+    whether the merged weight file stays the size of one function's (weights shared).
+    """
+    import coremltools as ct  # heavy import
+
+    functions = package_functions(src)
+    default = functions[0] if "main" not in functions else "main"
+    weights = weight_tensors(load_function(src, default))
+    section: dict[str, Any] = {"package": src.name, "recipe": recipe.to_dict(), "functions": functions}
+    t0 = time.perf_counter()
+    if recipe.scheme is None:
+        shutil.copytree(src, dst)
+        skips: dict[str, str] = {}
+        fallen: dict[str, str] = {}
+    else:
+        skips, fallen = {}, {}
+        scratch = temporary_dir(dst.parent, "compress")
+        try:
+            singles = {}
+            for fn in functions:
+                logger.info("compressing %s function %s (%s)", src.name, fn, recipe.scheme)
+                model = extract_function(src, fn)
+                fn_weights = weight_tensors(load_function(src, fn)) if fn != default else weights
+                if fn_weights:
+                    compressed, fn_skips, fn_fallen = compress_mlmodel(model, recipe, fn_weights)
+                    skips.update(fn_skips)
+                    fallen.update(fn_fallen)
+                else:  # nothing to compress (the decoder's bind_memory): merged as it is
+                    compressed = model
+                singles[fn] = scratch / f"{fn}.mlpackage"
+                compressed.save(str(singles[fn]))
+                del compressed, model
+            if len(functions) == 1:
+                os.rename(singles[default], dst)
+            else:
+                descriptor = ct.utils.MultiFunctionDescriptor()
+                for fn, single in singles.items():
+                    descriptor.add_function(str(single), src_function_name="main", target_function_name=fn)
+                descriptor.default_function_name = default
+                merged = scratch / "merged.mlpackage"
+                ct.utils.save_multifunction(descriptor, str(merged))
+                merged_model = ct.models.MLModel(str(merged), skip_model_load=True)
+                source_meta = read_spec(src).description.metadata.userDefined
+                merged_model.user_defined_metadata.update(dict(source_meta))
+                merged_model.save(str(dst))
+                one = weight_file_bytes(singles[default])
+                merged_bytes = weight_file_bytes(dst)
+                section["multifunction"] = {
+                    "single_function_weight_bytes": one, "merged_weight_bytes": merged_bytes,
+                    # shared when the merged file is at most the single one plus the weights that
+                    # differ between functions (e.g. per-window position tables of encoder buckets)
+                    "merged_over_single": round(merged_bytes / max(one, 1), 4),
+                }
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    section["compress_seconds"] = round(time.perf_counter() - t0, 2)
+    section.update(tensor_report(weights, load_function(dst, default), recipe, skips, fallen))
+    section["package_bytes"] = {"before": package_size_bytes(src), "after": package_size_bytes(dst)}
+    section["weight_file_bytes"] = {"before": weight_file_bytes(src), "after": weight_file_bytes(dst)}
+    return section

@@ -1,0 +1,167 @@
+"""The gates of a quantized bundle: each package vs the f16 one, and the bundle on a held-out set.
+
+Both follow the export's one interface (`cohere_coreml.gate.GateReport`): `component_gate` is the
+`gate` callback of `gate.export_gated` (`<component>.parity.json`), `heldout_gate` the report of the
+whole bundle (`heldout.parity.json`).
+
+The held-out gate is the bench's evaluation path: the clips of `datasets.load_folder`, transcribed
+by `engines.PyTorchEngine` (the checkpoint) and the bundle engine (`transcribe.BundleEngine`), both
+through `engines.Engine.transcribe` (the long-audio split included), scored by `metrics`
+(`error_counts`: WER, or CER for ja/zh/ko, after the language's normaliser) and
+`metrics.token_agreement`. The baseline runs first and is freed before the bundle loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..convert import release_memory
+from ..datasets import Dataset, load_folder
+from ..engines import Engine, PyTorchEngine
+from ..gate import HELDOUT_COMPONENT, GateReport
+from ..metrics import error_counts, token_agreement
+from ..runtime import load_model
+from ..transcribe import BundleEngine
+from .measure import GateData, decoder_outputs, decoder_runtime, encoder_outputs, encoder_psnr, log_prob_error
+from .recipes import QuantizeError
+
+logger = logging.getLogger(__name__)
+
+HELDOUT_MAX_NEW_TOKENS = 96  # per window, both engines (held-out clips are short sentences)
+
+
+class QuantizeGateError(RuntimeError):
+    """A quantized bundle failed its gate; nothing was written (`report`: the refusing GateReport's dict)."""
+
+    def __init__(self, message: str, report: dict | None = None):
+        super().__init__(message)
+        self.report = report
+
+
+def component_gate(comp: str, package: Path, data: GateData, preset: str, gates: dict) -> GateReport:
+    """A quantized package vs the f16 one, through the runtime, on the f16 references of `data`.
+
+    encoder: worst PSNR over the float outputs of every window. decoder: teacher forcing on the f16
+    bundle's greedy tokens and the f16 encoder's memory: PSNR, KL and the log-prob error figures.
+    """
+    if comp == "encoder":
+        loaded = load_model(str(package), backend="mil")
+        worst = encoder_psnr(data.encoder_ref, encoder_outputs(loaded, data))
+        need = gates["encoder_psnr_db"]
+        passed = bool(worst >= need)
+        return GateReport(
+            component=comp, passed=passed,
+            headline=f"encoder PSNR {worst:.1f} dB {'>=' if passed else '<'} {need} dB vs the f16 encoder "
+            f"({len(data.windows)} windows)",
+            details={"reference": "f16 encoder.mlpackage (runtime)", "preset": preset, "worst_psnr_db": worst,
+                     "min_psnr_db": need, "windows": len(data.windows)})
+    lp = log_prob_error(data.decoder_ref, decoder_outputs(decoder_runtime(package), data), data.prompts, data.eos_ids)
+    passed = bool(lp["worst_psnr_db"] >= gates["decoder_psnr_db"] and lp["mean_kl"] <= gates["decoder_mean_kl"]
+                  and lp["decisive_flips"] == 0)  # argmax flips refuse unless near-ties the measured error explains
+    return GateReport(
+        component=comp, passed=passed,
+        headline=f"decoder PSNR {lp['worst_psnr_db']:.1f} dB (min {gates['decoder_psnr_db']}), mean KL "
+        f"{lp['mean_kl']:.3g} (max {gates['decoder_mean_kl']}), argmax {lp['argmax_agree']}/{lp['steps']} vs the "
+        f"f16 decoder ({lp['near_tie_flips']} near-tie, {lp['decisive_flips']} decisive flips)",
+        details={"reference": "f16 decoder.mlpackage, teacher forcing on the f16 bundle's greedy tokens and the "
+                 "f16 encoder's memory", "preset": preset, **lp, "min_psnr_db": gates["decoder_psnr_db"],
+                 "max_mean_kl": gates["decoder_mean_kl"]})
+
+
+# --------------------------------------------------------------------------------------------
+# Held-out set: greedy tokens and error rates vs PyTorch (or vs the f16 bundle without a checkpoint)
+# --------------------------------------------------------------------------------------------
+
+
+def heldout_dataset(eval_dir: str | os.PathLike, limit_per_language: int | None = None) -> Dataset:
+    """The evaluation folder's clips (`datasets.load_folder`); every clip must be scorable."""
+    dataset = load_folder(eval_dir, limit_per_language)
+    bad = [f"{c.id}: {c.problem}" for c in dataset.clips if c.problem]
+    if bad:
+        raise QuantizeError(f"{eval_dir}: the held-out gate needs every clip: " + "; ".join(bad))
+    return dataset
+
+
+def engine_transcripts(make_engine: Callable[[], Engine], dataset: Dataset,
+                       max_new_tokens: int = HELDOUT_MAX_NEW_TOKENS) -> dict:
+    """Greedy token ids (all windows, eos included) and texts of every clip through one engine
+    (`Engine.transcribe`); the engine is freed before returning."""
+    engine = make_engine()
+    ids, texts = [], []
+    for clip in tqdm(dataset.clips, desc=f"held-out through {engine.kind} {Path(engine.name).name}", unit="clip",
+                     leave=False):
+        result = engine.transcribe(clip.audio, clip.language, max_new_tokens=max_new_tokens)
+        ids.append([t for w in result.windows for t in w.token_ids])
+        texts.append(result.text)
+    del engine
+    release_memory()
+    return {"files": [os.path.relpath(c.audio, dataset.name) for c in dataset.clips],
+            "refs": [c.text for c in dataset.clips], "languages": [c.language for c in dataset.clips],
+            "ids": ids, "texts": texts}
+
+
+def compare_transcripts(baseline: dict, produced: dict) -> dict:
+    """Token agreement, and per language the error rate (`metrics.error_counts`: WER, or CER for
+    ja/zh/ko, the bench's measure) of both sides and its increase; `worst_increase` is the largest
+    per-language increase (what the held-out gate bounds: an average over languages would hide one
+    language made worse). `wer` / `wer_baseline`: the same error counts pooled over all languages
+    (errors / reference units)."""
+    languages = {}
+    pooled = {"baseline": [0, 0], "produced": [0, 0]}  # [errors, units]
+    for lang in sorted(set(baseline["languages"])):
+        pick = [i for i, x in enumerate(baseline["languages"]) if x == lang]
+        refs = [baseline["refs"][i] for i in pick]
+        base = error_counts(refs, [baseline["texts"][i] for i in pick], lang)
+        mine = error_counts(refs, [produced["texts"][i] for i in pick], lang)
+        for side, counts in (("baseline", base), ("produced", mine)):
+            pooled[side][0] += counts["substitutions"] + counts["deletions"] + counts["insertions"]
+            pooled[side][1] += counts["units"]
+        languages[lang] = {"clips": len(pick), "metric": base["metric"], "baseline": base["rate"],
+                           "rate": mine["rate"], "increase": mine["rate"] - base["rate"],
+                           "identical_clips": sum(baseline["ids"][i] == produced["ids"][i] for i in pick)}
+    wer_base, wer = (errors / units if units else float("nan") for errors, units in pooled.values())
+    return {**token_agreement(baseline["ids"], produced["ids"]), "wer_baseline": wer_base, "wer": wer,
+            "wer_increase": wer - wer_base, "languages": languages,
+            "worst_increase": max((v["increase"] for v in languages.values()), default=0.0),
+            "differing_files": [f for f, a, b in zip(produced["files"], baseline["ids"], produced["ids"]) if a != b]}
+
+
+def heldout_report(baseline: dict, produced: dict, base_name: str, eval_set: str, gates: dict) -> GateReport:
+    """The held-out gate's verdict on two `engine_transcripts` of the same clips: passed when every
+    clip's greedy tokens are identical, or no language's error rate rose by more than
+    `gates["max_wer_increase"]`."""
+    cmp = compare_transcripts(baseline, produced)
+    cmp["baseline"] = base_name
+    cmp["eval_set"] = eval_set
+    cmp["max_wer_increase"] = gates["max_wer_increase"]
+    passed = bool(cmp["identical_clips"] == cmp["clips"] or cmp["worst_increase"] <= gates["max_wer_increase"])
+    worst = max(cmp["languages"], key=lambda lang: cmp["languages"][lang]["increase"])
+    w = cmp["languages"][worst]
+    return GateReport(
+        component=HELDOUT_COMPONENT, passed=passed,
+        headline=f"held-out: {cmp['identical_clips']}/{cmp['clips']} clips identical to {base_name}, "
+        f"WER {100 * cmp['wer']:.2f} % vs {100 * cmp['wer_baseline']:.2f} %; worst language {worst}: "
+        f"{w['metric'].upper()} {100 * w['rate']:.2f} % vs {100 * w['baseline']:.2f} % "
+        f"({100 * w['increase']:+.2f} points, max +{100 * gates['max_wer_increase']:.2f})",
+        details=cmp)
+
+
+def heldout_gate(f16_dir: Path, q_dir: Path, eval_dir: Path, gates: dict, *, model: str | None,
+                 limit_per_language: int | None) -> GateReport:
+    """Greedy tokens / error rates of the quantized bundle on `eval_dir` vs PyTorch (`model`;
+    computed first, the model freed before the bundle is loaded), or vs the f16 bundle without a
+    checkpoint."""
+    dataset = heldout_dataset(eval_dir, limit_per_language)
+    if model:
+        baseline = engine_transcripts(lambda: PyTorchEngine(model), dataset)
+        base_name = "pytorch"
+    else:
+        baseline = engine_transcripts(lambda: BundleEngine(f16_dir, backend="mil"), dataset)
+        base_name = "f16 bundle"
+    produced = engine_transcripts(lambda: BundleEngine(q_dir, backend="mil"), dataset)
+    return heldout_report(baseline, produced, base_name, Path(eval_dir).name, gates)
