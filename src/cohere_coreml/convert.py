@@ -36,19 +36,6 @@ from .errors import ExportError as ExportError
 from .errors import ExportSettingsError as ExportSettingsError
 from .errors import ParityError as ParityError
 
-# Moved to `files`, `memory` and `parity`; re-exported here only for quantize.py and publish.py
-# (being changed elsewhere) and tests/test_quantize.py, which still import them from `convert`.
-# Repoint those imports to the new modules, then delete this block.
-from .files import TEMPORARY_NAME as TEMPORARY_NAME
-from .files import package_size_bytes as package_size_bytes
-from .files import sweep_stale_temporaries as sweep_stale_temporaries
-from .files import temporary_dir as temporary_dir
-from .files import weight_file_bytes as weight_file_bytes
-from .files import write_json_atomic as write_json_atomic
-from .files import write_text_atomic as write_text_atomic
-from .memory import release_memory as release_memory
-from .parity import psnr as psnr
-
 logger = logging.getLogger(__name__)
 
 PRECISIONS = ("fp16", "fp32")

@@ -56,14 +56,6 @@ from .files import skip_installed
 from .gate import StagedPackage, stage_gated
 from .shapes import DecoderShapes, cache_capacity
 
-# Moved to `decoder_gate` / `parity`; re-exported here only for quantize.py (being turned into a
-# package elsewhere), which imports them from `decoder`. Repoint it (`from .decoder_gate import
-# TeacherForcingCase, run_teacher_forcing`, `from .parity import argmax_flips, kl_rows`), then delete this.
-from .decoder_gate import TeacherForcingCase as TeacherForcingCase
-from .decoder_gate import run_teacher_forcing as run_teacher_forcing
-from .parity import argmax_flips as argmax_flips
-from .parity import kl_rows as kl_rows
-
 logger = logging.getLogger(__name__)
 
 MASK_VALUE = FP16_MASK_VALUE

@@ -326,7 +326,7 @@ def finalize_bundle(bundle_dir: str | os.PathLike, bench: str | os.PathLike | No
     interrupted finalize leaves the bundle as it was or with a file the manifest does not list yet
     (`bundle check` refuses it), never a partial file, and running it again completes it. Finalizing a
     finalized bundle again (same bench report) changes nothing."""
-    from .convert import sweep_stale_temporaries, write_text_atomic
+    from .files import sweep_stale_temporaries, write_text_atomic
     from .integrity import manifest_sections
 
     root = Path(bundle_dir)

@@ -29,7 +29,7 @@ def test_log_prob_error_measures_the_difference():
     rows[0] -= np.log(np.sum(np.exp(rows[0]), -1, keepdims=True))
     rows[0] = rows[0].astype(np.float16).astype(np.float32)
     assert measure.log_prob_error(rows, rows, [[0]], [3])["mean_kl"] == pytest.approx(0.0, abs=1e-12)
-    # and a real difference has a KL above 0 (the decoder.kl_rows figure, both sides renormalised)
+    # and a real difference has a KL above 0 (the parity.kl_rows figure, both sides renormalised)
     moved = [rows[0] + np.float32(0.3) * (np.arange(50) == 7)]
     assert measure.log_prob_error(rows, moved, [[0]], [3])["mean_kl"] > 1e-4
     del rng

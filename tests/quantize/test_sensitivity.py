@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cohere_coreml import quantize as Q
-from cohere_coreml.convert import psnr
+from cohere_coreml.parity import psnr
 
 from ..conftest import HELDOUT_DIR
 

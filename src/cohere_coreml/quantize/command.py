@@ -23,14 +23,9 @@ from typing import Any
 
 from .. import faults
 from ..bundle import MANIFEST_NAME, write_manifest
-from ..convert import (
-    TEMPORARY_NAME,
-    ExportSettings,
-    ParityError,
-    release_memory,
-    sweep_stale_temporaries,
-    write_json_atomic,
-)
+from ..convert import ExportSettings, ParityError
+from ..files import TEMPORARY_NAME, sweep_stale_temporaries, write_json_atomic
+from ..memory import release_memory
 from ..gate import HELDOUT_COMPONENT, GateReport, export_gated
 from ..integrity import COMPRESSION_FILE, check_bundle
 from ..publish import finalize_bundle

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..convert import package_size_bytes, temporary_dir, weight_file_bytes
+from ..files import package_size_bytes, temporary_dir, weight_file_bytes
 from ..runtime.package import package_files, read_spec
 from .inventory import compressed_tensors, load_function, package_functions, tensor_report, weight_tensors
 from .recipes import WEIGHT_THRESHOLD, QuantizeError, Recipe, scheme_config

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..convert import release_memory
+from ..memory import release_memory
 from ..datasets import Dataset, load_folder
 from ..engines import Engine, PyTorchEngine
 from ..gate import HELDOUT_COMPONENT, GateReport

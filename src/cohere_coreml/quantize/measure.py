@@ -4,7 +4,7 @@
 encoder outputs of each window and the f16 bundle's own greedy decode (the teacher-forcing
 sequences and their log-probs). `sensitivity` and the component gates (`gate`) then measure a
 compressed package against those references: encoder PSNR, decoder teacher-forced log-probs,
-their PSNR, KL (`decoder.kl_rows`) and the per-step log-prob error in nats.
+their PSNR, KL (`parity.kl_rows`) and the per-step log-prob error in nats.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import numpy as np
 from ..audio import FrontEndConfig, load_audio, log_mel, pad_to_window
 from ..bundle import Bundle
 from ..config import BIND_FUNCTION
-from ..convert import log_softmax, psnr, release_memory
+from ..memory import release_memory
 from ..datasets import load_folder
-from ..decoder import TeacherForcingCase, argmax_flips, kl_rows, run_teacher_forcing
+from ..decoder_gate import TeacherForcingCase, run_teacher_forcing
+from ..parity import argmax_flips, kl_rows, psnr
 from ..decoder_runtime import DecoderRuntime
 from ..gate import default_gate_audio
 from ..runtime import load_model
@@ -161,9 +162,7 @@ def log_prob_error(reference: list[np.ndarray], produced: list[np.ndarray], prom
         flip.append(d.max(-1) - d.min(-1))
         for e in eos_ids:
             eos_err.append(o[:, e] - r[:, e])
-        # the reference renormalised too: fp16 log-probs do not sum to exactly 1, and kl_rows
-        # renormalises only its second argument (identical fp16 rows would otherwise give KL ~6e-5, not 0)
-        kls.append(kl_rows(log_softmax(r), o))
+        kls.append(kl_rows(r, o))  # both rows renormalised (fp16 log-probs do not sum to exactly 1)
         psnrs.append(psnr(ref, out))
         agree += int(np.sum(r.argmax(-1) == o.argmax(-1)))
         total += r.shape[0]
