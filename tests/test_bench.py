@@ -250,3 +250,37 @@ def test_merge_engine_refuses_another_dataset(folder, tmp_path, capsys):
 def _write(path, data):
     path.write_text(json.dumps(data))
     return path
+
+
+def test_each_bundle_flag_is_one_bundle_even_over_several_folders(folder, tmp_path, monkeypatch):
+    """`bench --bundle q8,f16 --bundle f16`: two rows; the first bundle's engine gets both folders (files
+    searched in order) and its identity is read from the folder holding each file (manifest and decoder
+    from q8, encoder from f16), not from the first folder alone."""
+    import hashlib
+
+    import cohere_coreml.bench as bench
+
+    path, answers = folder
+    q8, f16 = tmp_path / "q8", tmp_path / "f16"
+    for d, preset in ((q8, "q8"), (f16, None)):
+        d.mkdir()
+        (d / "manifest.json").write_text(json.dumps({"preset": preset} if preset else {}))
+    (q8 / "compression.json").write_text(json.dumps({"gate": {"passed": True}}))
+    for d, package, mib in ((f16, "encoder", 1.0), (f16, "decoder", 2.0), (q8, "decoder", 0.5)):
+        (d / f"{package}.mlpackage").mkdir()
+        (d / f"{package}.mlpackage" / "weight.bin").write_bytes(b"\0" * int(mib * 2**20))
+    loaded = []
+
+    def fake_transcriber(dirs, **kwargs):
+        loaded.append([p.name for p in dirs])
+        return ScriptedEngine(answers)
+
+    monkeypatch.setattr(bench, "Transcriber", fake_transcriber)
+    report = bench.run_bench([[str(q8), str(f16)], str(f16)], None, path)
+    assert loaded == [["q8", "f16"], ["f16"]]
+    first, second = (e["bundle"] for e in report["engines"])
+    assert report["engines"][0]["label"].startswith("q8,f16 (") and report["engines"][1]["label"].startswith("f16 (")
+    assert first["dir"] == f"{q8},{f16}" and first["preset"] == "q8" and first["gate"] == "passed"
+    assert first["manifest_sha256"] == hashlib.sha256((q8 / "manifest.json").read_bytes()).hexdigest()
+    assert first["size_mb"] == 1.5  # f16's encoder + q8's decoder
+    assert second["size_mb"] == 3.0 and second["preset"] == "f16" and second["gate"] == "export"

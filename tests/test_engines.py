@@ -58,24 +58,34 @@ def test_batch_of_silence_loads_no_model():
     assert not failed and entries[0]["status"] == "silent"
 
 
-def test_cli_reports_bad_files_and_exit_status(tmp_path, capsys, monkeypatch):
-    """`cohere-coreml transcribe` on silence + a corrupt file + speech, with a fake bundle engine."""
+def test_cli_reports_bad_files_and_exit_status(tmp_path, capsys, caplog, monkeypatch):
+    """`cohere-coreml transcribe` on silence + a corrupt file + speech, with a fake bundle engine: the
+    results alone on stdout (the corrupt file has no entry), the corrupt file named in the log, exit 1."""
     import json
 
     import cohere_coreml.transcribe as transcribe
     from cohere_coreml.cli import main
 
-    monkeypatch.setattr(transcribe, "BundleEngine", lambda *a, **k: CountingEngine())
+    monkeypatch.setattr(transcribe, "Transcriber", lambda *a, **k: CountingEngine())
     corrupt = tmp_path / "bad.wav"
     corrupt.write_bytes(b"RIFF" + b"x" * 64)
-    rc = main(["transcribe", str(AUDIO_DIR / "silence_2s.wav"), str(corrupt), str(AUDIO_DIR / "de_short.wav"),
-               "--bundle", str(tmp_path), "--language", "de", "--json"])
+    files = [str(AUDIO_DIR / "silence_2s.wav"), str(corrupt), str(AUDIO_DIR / "de_short.wav")]
+    rc = main(["transcribe", *files, "--bundle", str(tmp_path), "--language", "de", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert rc == 1
-    assert [d["status"] for d in data] == ["silent", "error", "ok"]
-    assert "cannot decode" in data[1]["error"]
+    assert [(d["audio"], d["status"]) for d in data] == [(files[0], "silent"), (files[2], "ok")]
+    assert not any("error" in d for d in data)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("bad.wav" in m and "cannot decode" in m for m in errors)
+    caplog.clear()
+    rc = main(["transcribe", *files, "--bundle", str(tmp_path), "--language", "de"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "bad.wav" not in out and "ERROR" not in out
+    assert out == f"== {files[0]}\n(silent)\n== {files[2]}\n{data[1]['text']}\n"
     rc = main(["transcribe", str(AUDIO_DIR / "de_short.wav"), "--bundle", str(tmp_path), "--language", "de"])
-    assert rc == 0
+    assert rc == 0 and capsys.readouterr().out == data[1]["text"] + "\n"
+    rc = main(["transcribe", str(corrupt), "--bundle", str(tmp_path), "--language", "de", "--json"])
+    assert rc == 1 and capsys.readouterr().out == ""  # one input file that failed: nothing on stdout
 
 
 @pytest.mark.parametrize("peak_ratio", [0.5, 2.0])

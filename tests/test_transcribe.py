@@ -126,7 +126,7 @@ def test_cross_memory_masking(setup):
     window, n_valid = pad_to_window(feats, n_valid, tr.window_frames)
     enc = tr.encode(window, n_valid)
     prompt = tr.bundle.prompt("en")
-    clean = tr.decode(enc, prompt, max_new_tokens=N_COMPARE)["token_ids"]
+    clean = tr.decode(enc, prompt, max_new_tokens=N_COMPARE).token_ids
 
     mask = np.asarray(enc["cross_mask"]).reshape(-1)
     n_enc = int(np.asarray(enc["encoder_length"]).reshape(-1)[0])
@@ -137,7 +137,7 @@ def test_cross_memory_masking(setup):
         arr = np.array(enc[key], dtype=np.float32, copy=True)
         arr[:, :, n_enc:, :] = rng.uniform(-1, 1, arr[:, :, n_enc:, :].shape) * 300.0
         garbage[key] = arr
-    masked = tr.decode(garbage, prompt, max_new_tokens=N_COMPARE)["token_ids"]
+    masked = tr.decode(garbage, prompt, max_new_tokens=N_COMPARE).token_ids
     assert masked == clean
     unmasked = dict(garbage, cross_mask=np.zeros_like(np.asarray(enc["cross_mask"])))
     # bind_memory counts the mask's valid frames: a mask that disagrees with encoder_length is refused
@@ -148,8 +148,8 @@ def test_cross_memory_masking(setup):
     del unmasked["encoder_length"]  # the control: the same broken mask without the length to check it by
     control = tr.decode(unmasked, prompt, max_new_tokens=N_COMPARE, return_log_probs=True)
     ref = tr.decode(garbage, prompt, max_new_tokens=N_COMPARE, return_log_probs=True)
-    assert control["token_ids"] != clean, "the unmasked garbage should change the greedy tokens"
-    assert not np.allclose(control["log_probs"][0], ref["log_probs"][0], atol=1e-2)
+    assert control.token_ids != clean, "the unmasked garbage should change the greedy tokens"
+    assert not np.allclose(control.log_probs[0], ref.log_probs[0], atol=1e-2)
 
 
 def test_capacity_truncates_to_reference_prefix(setup):
@@ -310,7 +310,7 @@ def test_length_bucketed_encoder(tmp_path):
     settings = ExportSettings(out_dir=tmp_path / "bundle", precision="fp32")
     export_model(model, processor, settings, max_new_tokens=MAX_NEW, buckets=[5.0])
     tr = Transcriber(tmp_path / "bundle", backend="mil")
-    assert tr.encoder_buckets == [(500, "window_5s"), (3500, "main")]
+    assert list(tr.encoder_buckets.items()) == [("window_5s", 500), ("main", 3500)]  # smallest first
     refs = set()
     for clip, lang, expected_fn in (("en_short.wav", "en", "window_5s"), ("es_medium.wav", "es", "window_5s"),
                                     ("en_long.wav", "en", "main")):
@@ -346,7 +346,7 @@ def test_trained_heldout_tokens_identical_to_generate(trained):
     assert_audio_sensitive(model, processor, waves[:3], language="en")
     parity = json.loads((tr.bundle.paths["decoder"].parent / "decoder.parity.json").read_text())
     assert parity["passed"] and parity["discriminates"], parity["controls"]
-    assert tr.prefill is not None and [fn for _, fn in tr.encoder_buckets] == ["window_2s", "main"]
+    assert tr.prefill is not None and list(tr.encoder_buckets) == ["window_2s", "main"]
     functions, matched = set(), 0
     for u, wav in zip(utterances, waves):
         prompt = processor.get_decoder_prompt_ids(language=u["language"], punctuation=True)
@@ -358,6 +358,53 @@ def test_trained_heldout_tokens_identical_to_generate(trained):
         matched += window.text == u["text"]
     assert functions == {"window_2s", "main"}
     assert matched >= len(utterances) // 2  # real transcripts, not just agreeing noise
+
+
+@pytest.mark.parametrize("front_end", ["python", "package"])
+def test_a_window_no_encoder_function_holds_is_refused(trained, trained_bundle, front_end):
+    """The bucket is `shapes.choose_bucket`'s: a window one hop longer than the full window raises
+    WindowTooLongError (it used to fall back to "main" silently), one exactly as long runs on "main"."""
+    from cohere_coreml.shapes import WindowTooLongError
+    from cohere_coreml.transcribe import Transcriber
+
+    _, _, python = trained
+    tr = python if front_end == "python" else Transcriber(trained_bundle, backend="mil", front_end="package")
+    prompt = tr.prompt("en")
+    hop = tr.front_end.hop_length
+    rng = np.random.default_rng(0)
+    full = (0.1 * rng.standard_normal(tr.window_frames * hop)).astype(np.float32)  # exactly the full window
+    window = tr.transcribe_window(full, prompt, max_new_tokens=2)
+    assert window.timings["encoder_function"] == "main" and len(window.token_ids) <= 2
+    longer = np.concatenate([full, full[:hop]])  # one mel frame more than any function holds
+    with pytest.raises(WindowTooLongError, match=f"{tr.window_frames + 1} mel frames do not fit"):
+        tr.transcribe_window(longer, prompt, max_new_tokens=2)
+
+
+def test_transcriber_is_an_engine_and_decode_returns_a_result(trained):
+    """One face: the Transcriber is the bundle Engine (bench and the CLI run it as is); `decode` returns a
+    DecodeResult whose stop reason is a StopReason that JSON writes as its string."""
+    from cohere_coreml.audio import load_audio, log_mel, pad_to_window
+    from cohere_coreml.decoding import DecodeResult, StopReason
+    from cohere_coreml.engines import Engine
+    from cohere_coreml.shapes import ShapeError
+
+    _, _, tr = trained
+    assert isinstance(tr, Engine) and tr.kind == "bundle" and tr.name == str(tr.bundle.dirs[0])
+    described = tr.describe()
+    assert described["backend"] == "mil" and described["compute_units"] is None and described["prefill"] is True
+    feats, n = log_mel(load_audio(heldout_utterances(per_language=1)[0]["path"]), tr.front_end)
+    fn = "window_2s" if n <= tr.encoder_buckets["window_2s"] else "main"
+    enc = tr.encode(*pad_to_window(feats, n, tr.encoder_buckets[fn]))
+    full = tr.decode(enc, tr.prompt("en"))
+    cut = tr.decode(enc, tr.prompt("en"), max_new_tokens=2)
+    assert isinstance(full, DecodeResult) and full.stop_reason is StopReason.EOS and not full.truncated
+    assert cut.stop_reason is StopReason.MAX_NEW_TOKENS and cut.truncated and cut.token_ids == full.token_ids[:2]
+    assert json.dumps([cut.stop_reason, full.stop_reason]) == '["max_new_tokens", "eos"]'
+    assert cut.calls == 1 + 1 and cut.steps == len(tr.prompt("en")) + 1 and cut.log_probs is None
+    with pytest.deprecated_call():  # the old dict access, kept for one release
+        assert cut["token_ids"] == cut.token_ids and cut["truncated"] is True
+    with pytest.raises(ShapeError, match="match no encoder function"):
+        tr.encode(feats[:, :123], 100)  # 123 frames: no function has that window
 
 
 @pytest.mark.parametrize("use_prefill", [True, False])

@@ -409,14 +409,16 @@ def split_points(waveform: np.ndarray, config: FrontEndConfig | None = None) -> 
         if search_end <= search_start:
             split = idx + chunk
         else:
-            split = _quietest(x, search_start, search_end, config.min_energy_window_samples)
+            split = quietest_window(x, search_start, search_end, config.min_energy_window_samples)
         split = max(idx + 1, min(split, total))
         ranges.append((idx, split))
         idx = split
     return [(s, e) for s, e in ranges if e > s]
 
 
-def _quietest(x: np.ndarray, start: int, end: int, window: int) -> int:
+def quietest_window(x: np.ndarray, start: int, end: int, window: int) -> int:
+    """Start of the lowest-energy `window`-sample stretch of x[start:end] (the midpoint when the range is
+    no longer than one window): the reference extractor's split point. Shared with `longform`'s stream."""
     segment = x[start:end]
     if segment.shape[0] <= window:
         return (start + end) // 2

@@ -28,13 +28,30 @@ bench.md (a Markdown table) and bench.png (WER vs bundle size, time per stage) i
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import platform
 import resource
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from . import __version__
+from .audio import AudioError
+from .cli_options import HelpFormatter, add_bundle_arg, add_decoding_args
+from .convert import git_hash
+from .files import write_json_atomic
+from .datasets import load_dataset
+from .decoding import TOKEN_LIMITS, RepetitionGuard, StopReason, loop_in
+from .engines import PyTorchEngine
+from .longform import check_audio
+from .metrics import error_counts, token_agreement
+from .transcribe import Transcriber
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +77,6 @@ def current_rss_mb() -> float:
 
 
 def machine() -> dict:
-    import torch
-
     info = {"platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads()}
@@ -76,17 +91,24 @@ def directory_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) / 2**20
 
 
-def bundle_info(bundle_dir: str | os.PathLike) -> dict:
-    """Identity of a benched bundle: manifest hash, preset, whether its quantization gate passed (or was
-    skipped), size of its encoder + decoder packages."""
-    import json
+def bundle_folders(bundle: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    """The folders of one bundle (`--bundle DIR` or `--bundle DIR,DIR2`: files searched in order)."""
+    return [Path(bundle)] if isinstance(bundle, (str, os.PathLike)) else [Path(d) for d in bundle]
 
-    d = Path(bundle_dir)
-    manifest = d / "manifest.json"
-    packages = [d / "encoder.mlpackage", d / "decoder.mlpackage"]
-    compression = d / "compression.json"
+
+def bundle_info(bundle: str | os.PathLike | Sequence[str | os.PathLike]) -> dict:
+    """Identity of a benched bundle (one folder, or several searched in order): manifest hash, preset,
+    whether its quantization gate passed (or was skipped), size of its encoder + decoder packages."""
+    dirs = bundle_folders(bundle)
+
+    def first(name: str) -> Path:  # the file the bundle uses: in the first folder holding it
+        return next((d / name for d in dirs if (d / name).exists()), dirs[0] / name)
+
+    manifest = first("manifest.json")
+    packages = [first("encoder.mlpackage"), first("decoder.mlpackage")]
+    compression = first("compression.json")
     gate = json.loads(compression.read_text()).get("gate", {}) if compression.is_file() else {}
-    return {"dir": str(d),
+    return {"dir": ",".join(str(d) for d in dirs),
             "manifest_sha256": hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None,
             "preset": json.loads(manifest.read_text()).get("preset", "f16") if manifest.is_file() else None,
             "gate": "skipped" if gate.get("skipped") else ("passed" if gate.get("passed") else
@@ -96,8 +118,6 @@ def bundle_info(bundle_dir: str | os.PathLike) -> dict:
 
 def agreement_with(reference: dict, engine: dict) -> dict:
     """Token agreement of `engine` with `reference` (two run_engine sections) on the clips both transcribed."""
-    from .metrics import token_agreement
-
     ref = {c["id"]: c["token_ids"] for c in reference["clips"] if "token_ids" in c}
     pairs = [(ref[c["id"]], c["token_ids"]) for c in engine["clips"] if "token_ids" in c and c["id"] in ref]
     return {"reference": reference["label"], **token_agreement([a for a, _ in pairs], [b for _, b in pairs])}
@@ -106,9 +126,6 @@ def agreement_with(reference: dict, engine: dict) -> dict:
 def run_engine(make_engine, dataset, *, max_new_tokens=None, beams=1, repetition_guard=None, warmup=True,
                progress=False) -> dict:
     """Load one engine and run every clip of `dataset`; returns the engine's section of the report."""
-    from .audio import AudioError
-    from .longform import check_audio
-
     rss_before = current_rss_mb()
     t0 = time.perf_counter()
     engine = make_engine()
@@ -119,8 +136,6 @@ def run_engine(make_engine, dataset, *, max_new_tokens=None, beams=1, repetition
     clips = []
     items = dataset.clips
     if progress:
-        from tqdm import tqdm
-
         items = tqdm(items, desc=f"{engine.kind} {engine.name}", unit="clip")
     for clip in items:
         row = {"id": clip.id, "language": clip.language, "reference": clip.text, "status": "ok"}
@@ -169,11 +184,9 @@ def run_engine(make_engine, dataset, *, max_new_tokens=None, beams=1, repetition
 def window_row(index, start_s, end_s, token_ids, stop_reason, timings: dict, eos_ids) -> dict:
     """One window of a report's clip: times, tokens (eos excluded), stop reason, loop flag, stage timings.
     Built the same way for in-process engines and for merged device runs (`merge_engine`)."""
-    from .decoding import loop_in
-
     return {"index": index, "start_s": round(start_s, 3), "end_s": round(end_s, 3),
             "tokens": len([x for x in token_ids if x not in eos_ids]), "stop_reason": stop_reason,
-            "loop": stop_reason == "repetition" or loop_in(token_ids, eos_ids) is not None,
+            "loop": stop_reason == StopReason.REPETITION or loop_in(token_ids, eos_ids) is not None,
             **{k: timings.get(k, 0.0) for k in STAGES}, "decoder_calls": timings.get("decoder_calls", 0)}
 
 
@@ -181,8 +194,6 @@ def summarise(clips: list[dict], dataset_name: str) -> dict:
     """An engine's figures from its clip rows (status ok / silent / problem): error counts per language
     after `metrics.normalise`, rates, stage totals, tokens/s, loop and truncation rates. The one scoring
     path of every row, in-process or merged."""
-    from .metrics import error_counts
-
     scored = [c for c in clips if c["status"] in ("ok", "silent")]
     if not scored:
         raise BenchError(f"no clip of {dataset_name} could be scored ({len(clips)} problems)")
@@ -213,7 +224,7 @@ def summarise(clips: list[dict], dataset_name: str) -> dict:
         "ms_per_decoder_call": (1000 * (stages["prompt_s"] + stages["decode_s"]) / sum(w["decoder_calls"] for w in windows)
                                 if any(w["decoder_calls"] for w in windows) else None),
         "loop_rate": sum(w["loop"] for w in windows) / len(windows) if windows else 0.0,
-        "truncation_rate": (sum(w["stop_reason"] in ("capacity", "max_new_tokens") for w in windows) / len(windows)
+        "truncation_rate": (sum(w["stop_reason"] in TOKEN_LIMITS for w in windows) / len(windows)
                             if windows else 0.0),
         "clips": clips,
     }
@@ -242,8 +253,6 @@ def merge_engine(path: str | os.PathLike, dataset, every_index: set[int] | None 
     The device's load times, memory and placement are kept under "swift" and "placement". `every_index`: the
     entries of the whole manifest when `dataset` is a --limit-per-language selection (the device's other clips
     are then left out, with a warning)."""
-    import json
-
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -300,7 +309,7 @@ def merge_engine(path: str | os.PathLike, dataset, every_index: set[int] | None 
     units = data.get("compute_units") or {}
     section = {
         "kind": "swift", "name": Path(str(bundle.get("dir") or "bundle")).name, "backend": data.get("runtime"),
-        "compute_units": None if data.get("runtime") != "coreml" else (  # as BundleEngine: None off Core ML
+        "compute_units": None if data.get("runtime") != "coreml" else (  # as Transcriber.describe: None off Core ML
             units.get("flag") or f"front end {units.get('front_end')}, encoder {units.get('encoder')}, "
                                  f"decoder {units.get('decoder')}"),
         "precision": bundle.get("precision"), "model_id": bundle.get("model_id"), "capacity": bundle.get("capacity"),
@@ -326,14 +335,9 @@ def merge_engine(path: str | os.PathLike, dataset, every_index: set[int] | None 
 
 def run_bench(bundles, pytorch, data, *, backend="auto", compute_units="all", max_new_tokens=None, beams=1,
               repetition_guard=None, limit_per_language=None, progress=False, merge=()) -> dict:
-    from . import __version__
-    from .convert import git_hash
-    from .datasets import load_dataset
-    from .engines import PyTorchEngine
-    from .transcribe import BundleEngine
-
+    """`bundles`: one entry per bundle, a folder or the list of its folders (searched in order)."""
     if not bundles and not pytorch and not merge:
-        raise BenchError("nothing to bench: give --bundle DIR (repeatable), --pytorch MODEL and/or --merge-engine FILE")
+        raise BenchError("nothing to bench: give --bundle DIR[,DIR...] (repeatable: one bundle each), --pytorch MODEL and/or --merge-engine FILE")
     dataset = load_dataset(str(data), limit_per_language)
     every_index = {c.index for c in (load_dataset(str(data)) if limit_per_language else dataset).clips}
     merged = [merge_engine(m, dataset, every_index) for m in merge]  # checked before any model loads
@@ -348,9 +352,10 @@ def run_bench(bundles, pytorch, data, *, backend="auto", compute_units="all", ma
         section = run_engine(lambda: PyTorchEngine(pytorch), dataset, **opts)
         report["engines"].append({"label": f"pytorch {Path(str(pytorch)).name}", **section})
     for b in bundles or []:
-        info = bundle_info(b)
-        section = run_engine(lambda: BundleEngine(b, backend=backend, compute_units=compute_units), dataset, **opts)
-        label = f"{Path(b).name} ({section.get('precision')}, {section.get('backend')})"
+        dirs = bundle_folders(b)
+        info = bundle_info(dirs)
+        section = run_engine(lambda: Transcriber(dirs, backend=backend, compute_units=compute_units), dataset, **opts)
+        label = f"{','.join(d.name for d in dirs)} ({section.get('precision')}, {section.get('backend')})"
         report["engines"].append({"label": label, "bundle": info, **section})
     for row in merged:
         if report["engines"] and row["options"] != report["engines"][0]["options"]:
@@ -498,8 +503,6 @@ def write_chart(report: dict, path: Path) -> Path | None:
 
 
 def write_outputs(report: dict, out_dir: str | os.PathLike) -> dict[str, Path]:
-    from .files import write_json_atomic
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": write_json_atomic(report, out / "bench.json")}
@@ -520,13 +523,9 @@ def write_outputs(report: dict, out_dir: str | os.PathLike) -> dict[str, Path]:
 
 
 def cmd_bench(args) -> int:
-    from .decoding import RepetitionGuard
-
     if args.beams < 1:
         raise BenchError(f"--beams must be >= 1, got {args.beams}")
     if args.threads:
-        import torch
-
         torch.set_num_threads(args.threads)
     report = run_bench(args.bundle, args.pytorch, args.data, backend=args.backend, compute_units=args.compute_units,
                        max_new_tokens=args.max_new_tokens, beams=args.beams,
@@ -543,16 +542,15 @@ def cmd_bench(args) -> int:
 
 def add_command(subparsers) -> None:
     """Register `cohere-coreml bench`."""
-    from .transcribe import add_decoding_args
-
     p = subparsers.add_parser(
         "bench", help="accuracy (WER/CER per language), speed by stage, memory, loops: PyTorch and bundles side by side",
         description="Run the PyTorch reference (--pytorch) and each bundle (--bundle, repeatable) over one dataset "
         "(a folder with manifest.jsonl or manifest.json: audio path, text, language), add device runs of the Swift "
         "package (--merge-engine, the JSON of `cohere-transcribe-swift bench`), and write bench.json, "
         "bench.md and bench.png into --out. WER uses the Whisper English normaliser for English and a basic "
-        "normaliser otherwise; CER for ja/zh/ko. Model load and the first (warm-up) run are timed apart.")
-    p.add_argument("--bundle", action="append", default=[], help="bundle folder (repeatable)")
+        "normaliser otherwise; CER for ja/zh/ko. Model load and the first (warm-up) run are timed apart.",
+        formatter_class=HelpFormatter)
+    add_bundle_arg(p, repeatable=True, required=False)
     p.add_argument("--pytorch", default=None, help="checkpoint folder or Hub id of the PyTorch reference")
     p.add_argument("--merge-engine", action="append", default=[], metavar="FILE.json",
                    help="the JSON of `cohere-transcribe-swift bench` on the same dataset (a Mac, an iOS device, or the "

@@ -60,7 +60,7 @@ class BundleError(ValueError):
     """A bundle folder is missing files or carries an unreadable / inconsistent manifest."""
 
 
-def _eos_ids(model) -> list[int]:
+def checkpoint_eos_ids(model) -> list[int]:
     """eos ids from the generation config (falls back to the model config), as a list."""
     gen = getattr(model, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
@@ -292,8 +292,8 @@ def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, deco
             "prefill_io": decoder.get("prefill_io"),  # the prefill function's (None without prefill)
         }
     manifest["tokens"] = {
-        "eos_token_ids": _eos_ids(model),
-        "eos_token_id": _eos_ids(model)[0],
+        "eos_token_ids": checkpoint_eos_ids(model),
+        "eos_token_id": checkpoint_eos_ids(model)[0],
         "pad_token_id": config.pad_token_id,
         "bos_token_id": config.bos_token_id,
         "decoder_start_token_id": config.decoder_start_token_id,

@@ -1,6 +1,7 @@
 """`cohere-coreml`: the command line of the toolkit.
 
-Each sub-command lives next to the stage it drives and is registered here explicitly:
+Each sub-command lives next to the stage it drives and is registered here explicitly (flags that
+several commands share, such as --bundle, are defined once in cohere_coreml.cli_options):
 
     prepare-default   this module (the checkout's default checkpoint)
     info, vocab       cohere_coreml.checkpoint
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
     # coremltools warns at import that its Core ML runtime is missing, on every Linux run: expected here
     logging.getLogger("coremltools").setLevel(logging.ERROR if args.verbose < 2 else logging.DEBUG)
+    for note in getattr(args, "deprecations", None) or []:  # old spellings still read (cli_options)
+        logger.warning("%s", note)
     try:
         return int(args.func(args) or 0)
     except Exception as err:  # noqa: BLE001 - only the package's own error types are reported briefly

@@ -10,6 +10,9 @@ The greedy loop lives in `Transcriber.decode`; this module adds what real audio 
   search makes exactly the greedy decisions (first index on ties), token for token.
 * `RepetitionGuard`: stops a window whose tail repeats an n-gram run (a decoder loop) and drops
   the repeated copies, keeping one. Off unless asked for; when nothing loops, it changes nothing.
+* `StopReason` (why a window stopped; str-valued, so JSON carries "eos", "max_new_tokens",
+  "capacity", "repetition" as the Swift package's `StopReason` spells them) and `DecodeResult`
+  (what `Transcriber.decode` returns for one window).
 
 Shapes: log_probs (V,) float per decoder call; token ids are Python ints.
 """
@@ -17,8 +20,10 @@ Shapes: log_probs (V,) float per decoder call; token ids are Python ints.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 
@@ -27,6 +32,57 @@ from .config import LENGTH_PENALTY, REPETITION_MAX_NGRAM, REPETITION_MIN_REPEATS
 
 class DecodingError(RuntimeError):
     """Decoding cannot go on (non-finite log-probs, bad options)."""
+
+
+class StopReason(StrEnum):
+    """Why a window's decoding stopped. The values are the strings JSON output carries (a member is
+    a `str`: `json.dumps` writes "eos"; the Swift package's `StopReason` mirrors eos, max_new_tokens,
+    capacity)."""
+
+    EOS = "eos"  # the model emitted an end-of-sequence token: the window is complete
+    MAX_NEW_TOKENS = "max_new_tokens"  # the caller's token limit was reached
+    CAPACITY = "capacity"  # the decoder's self-attention cache is full
+    REPETITION = "repetition"  # the repetition guard stopped a loop (kept once)
+
+    @property
+    def truncated(self) -> bool:
+        """True unless the window ended at eos (its tokens are then a prefix of the greedy output)."""
+        return self is not StopReason.EOS
+
+
+TOKEN_LIMITS = (StopReason.CAPACITY, StopReason.MAX_NEW_TOKENS)  # the reasons of a window cut by a token limit
+
+
+@dataclass
+class DecodeResult:
+    """One window decoded from its encoder outputs (`Transcriber.decode`).
+
+    Timings are seconds; `calls` counts decoder predictions (prompt tokens or 1 prefill, plus steps;
+    bind_memory is timed in `bind_s` and not counted)."""
+
+    token_ids: list[int]  # generated ids (prompt excluded; the eos id included when reached)
+    stop_reason: StopReason
+    bind_s: float  # bind_memory: the window's cross memory into a fresh state, once
+    prompt_s: float  # the prompt (one prefill call, or one step per token)
+    decode_s: float  # the generated tokens' steps
+    steps: int  # cache slots filled
+    calls: int  # decoder predictions made
+    repetition: dict | None = None  # {"ngram", "repeats", "start"} when the guard stopped a loop
+    log_probs: list[np.ndarray] | None = None  # with return_log_probs: one (V,) float32 array per call
+
+    @property
+    def truncated(self) -> bool:
+        """True when the window stopped without eos."""
+        return StopReason(self.stop_reason).truncated
+
+    def __getitem__(self, key: str):
+        """Deprecated: `result["token_ids"]`, the access of the dict `decode` returned before; use the
+        attributes. Kept for one release for callers not yet moved."""
+        warnings.warn(f"DecodeResult[{key!r}] is deprecated: use the attribute .{key}", DeprecationWarning,
+                      stacklevel=2)
+        if key not in ("truncated", *self.__dataclass_fields__):
+            raise KeyError(key)
+        return getattr(self, key)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -104,7 +160,7 @@ class Hypothesis:
     tokens: list[int]
     score: float  # sum of log-probs of every emitted token (before any trim)
     length: int  # tokens scored (normalisation length)
-    stop_reason: str  # "eos" | "max_new_tokens" | "capacity" | "repetition"
+    stop_reason: StopReason
     repetition: dict | None = None
 
     def normalised(self, length_penalty: float) -> float:
@@ -126,7 +182,7 @@ def beam_search(
     log_probs: np.ndarray,
     position: int,
     limit: int,
-    reason_at_limit: str,
+    reason_at_limit: StopReason,
     eos_ids,
     beams: int,
     length_penalty: float = LENGTH_PENALTY,
@@ -140,7 +196,7 @@ def beam_search(
         state, log_probs: the state after the prompt and the prediction for the first new token.
         position: the cache slot the first new token goes to.
         limit: most new tokens per hypothesis (the last one is emitted without being fed).
-        reason_at_limit: stop reason of a hypothesis that reaches `limit` ("capacity" | "max_new_tokens").
+        reason_at_limit: stop reason of a hypothesis that reaches `limit` (CAPACITY | MAX_NEW_TOKENS).
         eos_ids: ids that finish a hypothesis.
         beams: hypotheses kept per step (>= 1).
     Returns:
@@ -168,13 +224,13 @@ def beam_search(
             tokens = live[bi].tokens + [token]
             if token in eos:
                 if rank < beams:
-                    finished.append(Hypothesis(tokens, score, len(tokens), "eos"))
+                    finished.append(Hypothesis(tokens, score, len(tokens), StopReason.EOS))
                 continue
             hit = guard.find(tokens) if guard is not None else None
             if hit is not None:
-                finished.append(Hypothesis(guard.trim(tokens, hit), score, len(tokens), "repetition", hit))
+                finished.append(Hypothesis(guard.trim(tokens, hit), score, len(tokens), StopReason.REPETITION, hit))
             elif len(tokens) >= limit:
-                finished.append(Hypothesis(tokens, score, len(tokens), reason_at_limit))
+                finished.append(Hypothesis(tokens, score, len(tokens), StopReason(reason_at_limit)))
             else:
                 chosen.append((score, bi, tokens))
             if len(chosen) >= beams:

@@ -1,12 +1,12 @@
 """One transcriber interface, two implementations: the PyTorch reference and an exported bundle.
 
     engine = PyTorchEngine("models/cohere-tiny-synth")          # transformers generate()
-    engine = transcribe.BundleEngine("out/f16", backend="mil")   # Transcriber: interpreter or Core ML
+    engine = transcribe.Transcriber("out/f16", backend="mil")    # a bundle: interpreter or Core ML
     result = engine.transcribe("clip.flac", "en", beams=1, max_new_tokens=None, repetition_guard=None)
 
-Both split audio at the reference extractor's points (`longform.iter_windows`, streamed from the
+`Engine` is the interface; `PyTorchEngine` (here) and `transcribe.Transcriber` implement it. Both split audio at the reference extractor's points (`longform.iter_windows`, streamed from the
 file), compute the same log-mel features (`audio.log_mel`), decode every window with the same
-prompt, and return a `transcribe.TranscriptionResult` whose windows carry token ids, stop reason,
+prompt, and return a `TranscriptionResult` whose windows carry token ids, stop reason (`decoding.StopReason`),
 start/end times and stage timings (features, encoder, prompt, decode). `evaluate` and `bench`
 use only this interface; `transcribe_files` is the batch runner of `cohere-coreml transcribe`.
 """
@@ -19,10 +19,18 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
+from .audio import AudioError, FrontEndConfig, log_mel
+from .bundle import checkpoint_eos_ids
+from .checkpoint import load_reference
+from .config import DEFAULT_MAX_NEW_TOKENS, LENGTH_PENALTY
+from .decoding import StopReason
+from .longform import check_audio, iter_windows
+from .scoring import features_batch
+from .tokens import decode_ids, join_windows, prompt_ids
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +43,7 @@ class WindowResult:
     token_ids: list[int]  # generated ids (prompt excluded; the eos id included when reached)
     text: str
     truncated: bool  # True when the window stopped without eos
-    stop_reason: str  # "eos" | "max_new_tokens" | "capacity" | "repetition"
+    stop_reason: StopReason  # a str: "eos" | "max_new_tokens" | "capacity" | "repetition" in JSON
     timings: dict = field(default_factory=dict)  # seconds, call counts, encoder function used
     decoding: dict = field(default_factory=dict)  # beams, repetition found by the guard
 
@@ -101,9 +109,6 @@ class Engine(abc.ABC):
         digital silence gives an empty transcript marked `silent` with no model call; empty, NaN/inf
         or unreadable audio raises `AudioError`.
         """
-        from .longform import check_audio, iter_windows
-        from .tokens import join_windows
-
         prompt = self.prompt(language, punctuation)
         if check_audio(audio, self.front_end).status == "silent":
             logger.warning("%s is digitally silent: empty transcript, no model call",
@@ -113,8 +118,6 @@ class Engine(abc.ABC):
         windows = []
         pieces = iter_windows(audio, self.front_end)
         if progress:
-            from tqdm import tqdm
-
             pieces = tqdm(pieces, desc="windows", unit="window", leave=False)
         for i, (start, _end, piece) in enumerate(pieces):
             windows.append(self.transcribe_window(piece, prompt, index=i, start_s=start / sr,
@@ -136,11 +139,7 @@ class PyTorchEngine(Engine):
     kind = "pytorch"
 
     def __init__(self, model: str | os.PathLike, revision: str | None = None, margins: bool = False):
-        import torch
-
-        from .audio import FrontEndConfig
-        from .bundle import _eos_ids
-        from .checkpoint import load_reference
+        import torch  # torch and transformers only where the reference runs: they cost seconds to import
 
         t0 = time.perf_counter()
         torch.set_grad_enabled(False)
@@ -148,26 +147,19 @@ class PyTorchEngine(Engine):
         self.load_s = time.perf_counter() - t0
         self.tokenizer = self.processor.tokenizer
         self.front_end = FrontEndConfig.from_processor(self.processor, dither=0.0)
-        self.eos_ids = set(_eos_ids(self.model))
+        self.eos_ids = set(checkpoint_eos_ids(self.model))
         self.margins = margins  # keep top-1 minus top-2 log-prob per greedy token (evaluate)
         self.name = str(model)
 
     def prompt(self, language: str, punctuation: bool = True) -> list[int]:
-        from .tokens import prompt_ids
-
         return prompt_ids(self.tokenizer, language, punctuation)
 
     def describe(self) -> dict:
         return {**super().describe(), "backend": "pytorch", "precision": str(self.model.dtype).replace("torch.", "")}
 
     def transcribe_window(self, waveform, prompt, *, index, start_s, max_new_tokens, beams, repetition_guard):
-        import torch
+        import torch  # the reference only (see __init__)
         from transformers import StoppingCriteria, StoppingCriteriaList
-
-        from .audio import log_mel
-        from .config import DEFAULT_MAX_NEW_TOKENS, LENGTH_PENALTY
-        from .scoring import features_batch
-        from .tokens import decode_ids
 
         if beams < 1:
             raise ValueError(f"beams must be >= 1, got {beams}")
@@ -200,11 +192,11 @@ class PyTorchEngine(Engine):
         ids = ids[:end] if end is not None else [t for t in ids if t != pad]
         repetition = repetition_guard.find(ids) if repetition_guard is not None and end is None else None
         if end is not None:
-            stop_reason = "eos"
+            stop_reason = StopReason.EOS
         elif repetition is not None:
-            ids, stop_reason = repetition_guard.trim(ids, repetition), "repetition"
+            ids, stop_reason = repetition_guard.trim(ids, repetition), StopReason.REPETITION
         else:
-            stop_reason = "max_new_tokens"
+            stop_reason = StopReason.MAX_NEW_TOKENS
         decoding: dict = {"beams": beams, "repetition": repetition}
         if want_margins:
             logp = torch.log_softmax(torch.stack(gen.logits, dim=1)[0].float(), dim=-1)  # (steps, V)
@@ -216,7 +208,7 @@ class PyTorchEngine(Engine):
                    "prompt_s": 0.0, "decode_s": t3 - t2,  # generate(): prompt and steps together
                    "decoder_calls": steps, "ms_per_decoder_call": 1000.0 * (t3 - t2) / steps}
         return WindowResult(index=index, start_s=start_s, duration_s=len(waveform) / self.front_end.sampling_rate,
-                            token_ids=ids, text=text, truncated=stop_reason != "eos", stop_reason=stop_reason,
+                            token_ids=ids, text=text, truncated=stop_reason.truncated, stop_reason=stop_reason,
                             timings=timings, decoding=decoding)
 
 
@@ -231,11 +223,9 @@ def transcribe_files(paths: Sequence[str | os.PathLike], make_engine, language: 
 
     Returns (one dict per path in order, any_failed). Each dict has "audio" and "status":
     "ok" (+ the result's fields), "silent" (text "", no model call) or "error" (+ "error").
-    `make_engine()` is called at most once, after every file has been read and checked.
+    `make_engine()` is called at most once, after every file has been read and checked. A failed
+    file is logged (error level, naming the file) here.
     """
-    from .audio import AudioError, FrontEndConfig
-    from .longform import check_audio
-
     config = FrontEndConfig()  # checks only need the sample rate; every bundle and checkpoint here uses 16 kHz
     entries: list[dict] = []
     for path in paths:

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import soundfile as sf
 
-from .audio import AudioError, FrontEndConfig, _quietest, check_file, check_waveform, is_silent, load_audio, split_points
+from .audio import AudioError, FrontEndConfig, quietest_window, check_file, check_waveform, is_silent, load_audio, split_points
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,6 @@ class AudioCheck:
 
 
 def _soundfile_info(path: Path):
-    import soundfile as sf
-
     try:
         return sf.info(str(path))
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError):
@@ -50,8 +49,6 @@ def _soundfile_info(path: Path):
 
 def _blocks(path: Path, block: int) -> Iterator[np.ndarray]:
     """float32 mono blocks of a soundfile-readable file (channels averaged as audio.load_audio)."""
-    import soundfile as sf
-
     try:
         with sf.SoundFile(str(path)) as f:
             while True:
@@ -156,7 +153,7 @@ def _stream(path: Path, config: FrontEndConfig) -> Iterator[tuple[int, int, np.n
             yield idx, idx + rest.size, rest.copy()
             return
         search_start, search_end = max(0, chunk - context), chunk  # relative to idx
-        split = _quietest(rest, search_start, search_end, config.min_energy_window_samples)
+        split = quietest_window(rest, search_start, search_end, config.min_energy_window_samples)
         split = max(1, min(split, rest.size))
         yield idx, idx + split, rest[:split].copy()
         idx += split

@@ -18,11 +18,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .audio import FrontEndConfig
 from .config import ANE_MULTIPLE, DEFAULT_MAX_NEW_TOKENS, PROMPT_LENGTH, round_up
 
 
 class ShapeError(ValueError):
     """A window, length or capacity that the exported programs cannot have."""
+
+
+class WindowTooLongError(ShapeError):
+    """A window with more mel frames than any encoder function (length bucket) holds."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -53,7 +58,7 @@ def window_frames(window_seconds: float, sample_rate: int, hop_length: int) -> i
 def encoder_frames(model, frames):
     """Encoder frames for `frames` mel frames (int -> int, tensor/array -> int32 tensor), with
     transformers' own subsampling arithmetic."""
-    import torch
+    import torch  # only where a PyTorch model is measured (the runtime side needs no torch)
 
     lengths = torch.as_tensor(frames).reshape(-1)
     out = model.model.encoder._get_subsampling_output_length(lengths).to(torch.int32)
@@ -78,11 +83,18 @@ def bucket_function_name(window_seconds: float) -> str:
 
 
 def choose_bucket(buckets: dict[str, int], n_frames: int) -> str:
-    """The function with the smallest window that holds `n_frames` valid mel frames."""
-    fitting = [(frames, fn) for fn, frames in buckets.items() if frames >= n_frames]
+    """The encoder function ({name: window frames}, any order) with the smallest window that holds
+    `n_frames` valid mel frames (equal sizes: the first name in sort order).
+
+    The one bucket chooser: the `Transcriber` and the Swift fixtures use it. Raises
+    `WindowTooLongError` when no window holds the frames (never a silent fallback to "main")."""
+    if not buckets:
+        raise ShapeError("the encoder lists no function (no window to choose from)")
+    fitting = [(int(frames), fn) for fn, frames in buckets.items() if int(frames) >= n_frames]
     if not fitting:
-        raise ShapeError(f"{n_frames} mel frames do not fit any encoder window {sorted(buckets.values())}; "
-                         "split the audio first")
+        raise WindowTooLongError(f"{n_frames} mel frames do not fit any encoder window "
+                                 f"{sorted(int(f) for f in buckets.values())}: split the audio first "
+                                 "(audio.split_long_audio)")
     return min(fitting)[1]
 
 
@@ -170,8 +182,6 @@ def encoder_shapes(model, window_seconds: float, processor=None, frames: int | N
     `memory_frames` (length buckets): pad the memory to this many frames instead of
     round_up(T, 32), so a shorter window's outputs have the full window's shapes.
     """
-    from .audio import FrontEndConfig
-
     config = model.config
     enc = config.encoder_config
     front_end = FrontEndConfig.from_processor(processor) if processor is not None else FrontEndConfig()
@@ -289,8 +299,6 @@ def export_plan(model, processor, window_seconds: float, max_new_tokens: int = D
                 prompt_len: int = PROMPT_LENGTH, bucket_seconds=()) -> ExportPlan:
     """Shapes of an export: the decoder's memory length is the full window's padded encoder frames;
     the front end has one function per encoder function (same name, same window)."""
-    from .audio import FrontEndConfig
-
     encoder = bucket_shapes(model, window_seconds, bucket_seconds, processor)
     capacity = cache_capacity(max_new_tokens, prompt_len)
     decoder = DecoderShapes.from_config(model.config, capacity, encoder["main"].padded_frames)

@@ -9,7 +9,9 @@ Per window (at most one `split_long_audio` piece, zero-padded to the encoder's w
       -> greedy: argmax(log_probs), feed it back (input_ids + position only), until eos or the cache capacity
 
 A window that stops without eos (the cache is full, or `max_new_tokens` reached) is returned with
-`truncated=True`: the tokens are the exact prefix greedy decoding would produce, never garbage.
+`truncated=True` (`decoding.StopReason`): the tokens are the exact prefix greedy decoding would
+produce, never garbage. `Transcriber` is an `engines.Engine` (the interface `bench` and the CLI
+run); `Transcriber.decode` returns a `decoding.DecodeResult`.
 Window texts are joined as `CohereAsrProcessor.decode` joins chunks (no space for ja/zh).
 
 Everything the loop needs (prompt ids, eos, capacity, window) is read from the bundle's
@@ -19,6 +21,7 @@ manifest; nothing comes from the Python-side checkpoint.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import threading
@@ -27,10 +30,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .audio import AudioError, FrontEndConfig, check_waveform, log_mel, pad_to_window, valid_frames
 from .bundle import Bundle, BundleError
+from .cli_options import HelpFormatter, add_bundle_arg, add_decoding_args
 from .config import MEMORY_NAMES
 from .decoder_runtime import DecoderRuntime
+from .decoding import DecodeResult, RepetitionGuard, StopReason, beam_search
 from .engines import Engine, TranscriptionResult, WindowResult, transcribe_files
+from .runtime import load_model
+from .shapes import ShapeError, choose_bucket, choose_frontend_function
+from .tokens import check_language, decode_ids
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +64,12 @@ def _serialized(method):
     return run
 
 
-class Transcriber:
-    """Greedy transcription with a bundle's encoder + decoder packages, through the runtime interface.
+class Transcriber(Engine):
+    """Greedy transcription with a bundle's encoder + decoder packages, through the runtime interface:
+    the bundle `engines.Engine` (Core ML on macOS, the MIL interpreter elsewhere).
 
     Args:
-        bundle: bundle folder (or several folders searched in order) with manifest.json.
+        bundle: bundle folder (or several folders searched in order) with manifest.json, or a `Bundle`.
         backend: runtime backend: "auto" (Core ML on macOS, the MIL interpreter elsewhere),
             "coreml" or "mil".
         use_prefill: feed the prompt in one call when the decoder package has a prefill function.
@@ -75,12 +85,13 @@ class Transcriber:
     For parallel transcription use one `Transcriber` per thread.
     """
 
+    kind = "bundle"
+
     def __init__(self, bundle: str | os.PathLike | Sequence[str | os.PathLike] | Bundle, backend: str = "auto",
                  use_prefill: bool = True, front_end: str = DEFAULT_FRONT_END, compute_units: str = "all"):
+        # transformers is imported here, not at module level: it costs seconds, and the CLI imports
+        # this module for every command
         from transformers import PreTrainedTokenizerFast
-
-        from .audio import FrontEndConfig
-        from .runtime import load_model
 
         if front_end not in FRONT_ENDS:
             raise TranscriptionError(f"front_end must be one of {FRONT_ENDS}, got {front_end!r}")
@@ -95,9 +106,10 @@ class Transcriber:
             raise BundleError(f"cannot load the bundle's tokenizer: {err}") from err
         t0 = time.perf_counter()
         self.encoder = load_model(str(self.bundle.paths["encoder"]), backend=backend, compute_units=compute_units)
-        # length buckets (multifunction encoder): frames -> function name, smallest first
+        # length buckets (multifunction encoder): {function name: window frames}, smallest first
         functions = m["encoder"].get("functions") or {"main": {"frames": m["encoder"]["window_frames"]}}
-        self.encoder_buckets = sorted((int(v["frames"]), fn) for fn, v in functions.items())
+        self.encoder_buckets = {fn: frames for frames, fn in sorted((int(v["frames"]), fn)
+                                                                    for fn, v in functions.items())}
         self._encoders = {"main": self.encoder}
         # bind_memory + step (+ prefill) of decoder.mlpackage, one state per window
         self.decoder = DecoderRuntime.load(self.bundle.paths["decoder"], backend=backend, compute_units=compute_units,
@@ -117,20 +129,25 @@ class Transcriber:
         self.capacity = self.bundle.capacity
         self.window_frames = self.bundle.window_frames
         self.eos_ids = self.bundle.eos_ids
+        self.name = ",".join(str(d) for d in self.bundle.dirs)
         self._lock = threading.RLock()  # calls run one at a time (see the class docstring)
 
-    # -- one window -----------------------------------------------------------------------------
-    def bucket_for(self, n_valid: int) -> tuple[int, str]:
-        """(frames, encoder function) of the smallest window holding `n_valid` mel frames."""
-        for frames, fn in self.encoder_buckets:
-            if n_valid <= frames:
-                return frames, fn
-        return self.window_frames, "main"  # pad_to_window raises the clear error
+    # -- the Engine interface -------------------------------------------------------------------
+    def prompt(self, language: str, punctuation: bool = True) -> list[int]:
+        """The bundle's prompt ids for `language` (raises `UnknownLanguageError`)."""
+        return self.bundle.prompt(language, punctuation)
 
+    def describe(self) -> dict:
+        m = self.bundle.manifest
+        backend = self.decoder.backend
+        return {**super().describe(), "backend": backend,
+                "compute_units": self.compute_units if backend == "coreml" else None,
+                "precision": m.get("precision"), "model_id": m.get("model_id"), "capacity": self.capacity,
+                "prefill": self.prefill is not None}
+
+    # -- one window -----------------------------------------------------------------------------
     def _load_frontend(self, function_name: str):
         """One function of frontend.mlpackage, on the compute units its manifest entry names."""
-        from .runtime import load_model
-
         units = self.bundle.manifest["frontend"].get("compute_units", "cpu_and_gpu")
         return load_model(str(self.bundle.paths["frontend"]), backend=self.backend, function_name=function_name,
                           compute_units=units)
@@ -142,9 +159,6 @@ class Transcriber:
         frames); the front-end function is the smallest whose window holds the samples and those
         frames, its features cut to the encoder's F (frames beyond the valid ones are zero).
         """
-        from .audio import AudioError, check_waveform, valid_frames
-        from .shapes import ShapeError, choose_frontend_function
-
         if not self.frontend_functions:
             raise BundleError("the bundle has no frontend.mlpackage")
         x = np.asarray(waveform, dtype=np.float32).reshape(-1)
@@ -153,10 +167,8 @@ class Transcriber:
         if n_valid < 2:  # the same refusal as log_mel
             raise AudioError(f"audio is too short: {x.shape[0]} samples give {max(n_valid, 0)} feature frame(s); "
                              f"at least {2 * self.front_end.hop_length} samples are needed")
-        frames, encoder_function = self.bucket_for(n_valid)
-        if n_valid > frames:
-            raise AudioError(f"clip has {n_valid} feature frames but the window holds {frames}: split it with "
-                             "split_long_audio")
+        encoder_function = choose_bucket(self.encoder_buckets, n_valid)  # WindowTooLongError past every window
+        frames = self.encoder_buckets[encoder_function]
         try:
             fn = choose_frontend_function(self.frontend_functions, x.shape[0], min_frames=frames)
         except ShapeError as err:
@@ -178,14 +190,15 @@ class Transcriber:
     def encode(self, features: np.ndarray, n_valid: int) -> dict[str, np.ndarray]:
         """features (M, F) or (1, M, F) float32 window -> encoder outputs.
 
-        F selects the encoder function (the full window, or a length bucket of that many frames).
+        F selects the encoder function (the full window, or a length bucket of exactly that many frames).
         """
-        from .runtime import load_model
-
         features = np.asarray(features, dtype=np.float32)
         if features.ndim == 2:
             features = features[None]
-        fn = next((f for frames, f in self.encoder_buckets if frames == features.shape[-1]), "main")
+        fn = next((f for f, frames in self.encoder_buckets.items() if frames == features.shape[-1]), None)
+        if fn is None:
+            raise ShapeError(f"features of {features.shape[-1]} frames match no encoder function "
+                             f"{self.encoder_buckets}: pad them to one (audio.pad_to_window)")
         if fn not in self._encoders:
             self._encoders[fn] = load_model(str(self.bundle.paths["encoder"]), backend=self.backend, function_name=fn,
                                             compute_units=self.compute_units)
@@ -199,16 +212,15 @@ class Transcriber:
 
     @_serialized
     def decode(self, encoder_out: dict[str, np.ndarray], prompt: Sequence[int], max_new_tokens: int | None = None,
-               return_log_probs: bool = False, beams: int = 1, repetition_guard=None) -> dict:
+               return_log_probs: bool = False, beams: int = 1,
+               repetition_guard: RepetitionGuard | None = None) -> DecodeResult:
         """Greedy (or, with `beams` > 1, beam search) decode of one window from its encoder outputs.
 
-        `repetition_guard` (a `decoding.RepetitionGuard`) stops a looping window (stop_reason
-        "repetition", the loop kept once). Returns {"token_ids", "stop_reason", "truncated",
-        "bind_s", "prompt_s", "decode_s", "steps", "calls", "repetition"} (and "log_probs": list of (V,)
-        arrays, one per decoder call, when `return_log_probs`; greedy only).
+        `repetition_guard` stops a looping window (StopReason.REPETITION, the loop kept once).
+        Returns a `decoding.DecodeResult`: token_ids, stop_reason, truncated, bind_s, prompt_s,
+        decode_s, steps, calls, repetition, and log_probs (one (V,) array per decoder call) when
+        `return_log_probs` (greedy only).
         """
-        from .decoding import beam_search
-
         if beams < 1:
             raise TranscriptionError(f"beams must be >= 1, got {beams}")
         prompt = [int(t) for t in prompt]
@@ -216,12 +228,12 @@ class Transcriber:
             raise TranscriptionError(f"prompt of {len(prompt)} tokens does not fit the cache ({self.capacity} slots)")
         # every fed token takes one slot; the last prediction is emitted without being fed
         limit = self.capacity - len(prompt) + 1
-        reason_at_limit = "capacity"
+        reason_at_limit = StopReason.CAPACITY
         if max_new_tokens is not None:
             if max_new_tokens < 1:
                 raise TranscriptionError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
             if max_new_tokens < limit:
-                limit, reason_at_limit = int(max_new_tokens), "max_new_tokens"
+                limit, reason_at_limit = int(max_new_tokens), StopReason.MAX_NEW_TOKENS
         t_bind = time.perf_counter()
         state = self.decoder.new_state(encoder_out)  # bind_memory: the window's cross memory, once
         all_log_probs = []
@@ -259,11 +271,11 @@ class Transcriber:
             token = int(np.argmax(log_probs))
             generated.append(token)
             if token in self.eos_ids:
-                stop_reason = "eos"
+                stop_reason = StopReason.EOS
                 break
             repetition = repetition_guard.find(generated) if repetition_guard is not None else None
             if repetition is not None:
-                generated, stop_reason = repetition_guard.trim(generated, repetition), "repetition"
+                generated, stop_reason = repetition_guard.trim(generated, repetition), StopReason.REPETITION
                 break
             if len(generated) >= limit:
                 stop_reason = reason_at_limit
@@ -272,111 +284,57 @@ class Transcriber:
             position += 1
             calls += 1
         t2 = time.perf_counter()
-        result = {
-            "token_ids": generated,
-            "stop_reason": stop_reason,
-            "truncated": stop_reason != "eos",
-            "bind_s": t0 - t_bind,  # bind_memory (one call per window, not counted in "calls")
-            "prompt_s": t1 - t0,
-            "decode_s": t2 - t1,
-            "steps": position,  # cache slots filled
-            "calls": calls,  # decoder predictions made (prompt + steps, or 1 prefill + steps)
-            "repetition": repetition,  # {"ngram", "repeats", "start"} when the guard stopped a loop
-        }
-        if return_log_probs:
-            result["log_probs"] = all_log_probs
-        return result
+        return DecodeResult(token_ids=generated, stop_reason=StopReason(stop_reason), bind_s=t0 - t_bind,
+                            prompt_s=t1 - t0, decode_s=t2 - t1, steps=position, calls=calls, repetition=repetition,
+                            log_probs=all_log_probs if return_log_probs else None)
 
     @_serialized
     def transcribe_window(self, waveform: np.ndarray, prompt: Sequence[int], max_new_tokens: int | None = None,
                           index: int = 0, start_s: float = 0.0, beams: int = 1,
-                          repetition_guard=None) -> WindowResult:
-        from .audio import log_mel, pad_to_window
-        from .tokens import decode_ids
-
+                          repetition_guard: RepetitionGuard | None = None) -> WindowResult:
+        """One window (at most one `split_long_audio` piece): features -> encoder -> decode -> text."""
         t0 = time.perf_counter()
         if self.front_end_kind == "package":
             feats, n_valid, encoder_function = self.package_features(waveform)
         else:
             feats, n_valid = log_mel(waveform, self.front_end)
-            frames, encoder_function = self.bucket_for(n_valid)
-            feats, n_valid = pad_to_window(feats, n_valid, frames=frames)
+            encoder_function = choose_bucket(self.encoder_buckets, n_valid)  # WindowTooLongError past every window
+            feats, n_valid = pad_to_window(feats, n_valid, frames=self.encoder_buckets[encoder_function])
         t1 = time.perf_counter()
         enc = self.encode(feats, n_valid)
         t2 = time.perf_counter()
         dec = self.decode(enc, prompt, max_new_tokens, beams=beams, repetition_guard=repetition_guard)
-        text = decode_ids(self.tokenizer, [t for t in dec["token_ids"] if t not in self.eos_ids])
-        calls = max(dec["calls"], 1)
+        text = decode_ids(self.tokenizer, [t for t in dec.token_ids if t not in self.eos_ids])
         timings = {
             "features_s": t1 - t0,
             "front_end": self.front_end_kind,
             "encoder_s": t2 - t1,
             "encoder_function": encoder_function,
-            "bind_s": dec["bind_s"],
-            "prompt_s": dec["prompt_s"],
-            "decode_s": dec["decode_s"],
-            "decoder_calls": dec["calls"],
-            "ms_per_decoder_call": 1000.0 * (dec["prompt_s"] + dec["decode_s"]) / calls,
+            "bind_s": dec.bind_s,
+            "prompt_s": dec.prompt_s,
+            "decode_s": dec.decode_s,
+            "decoder_calls": dec.calls,
+            "ms_per_decoder_call": 1000.0 * (dec.prompt_s + dec.decode_s) / max(dec.calls, 1),
         }
         sr = self.front_end.sampling_rate
-        if dec["truncated"]:
-            logger.warning("window %d stopped without eos (%s) after %d tokens", index, dec["stop_reason"],
-                           len(dec["token_ids"]))
-        return WindowResult(index=index, start_s=start_s, duration_s=len(waveform) / sr, token_ids=dec["token_ids"],
-                            text=text, truncated=dec["truncated"], stop_reason=dec["stop_reason"], timings=timings,
-                            decoding={"beams": beams, "repetition": dec["repetition"]})
+        if dec.truncated:
+            logger.warning("window %d stopped without eos (%s) after %d tokens", index, dec.stop_reason,
+                           len(dec.token_ids))
+        return WindowResult(index=index, start_s=start_s, duration_s=len(waveform) / sr, token_ids=dec.token_ids,
+                            text=text, truncated=dec.truncated, stop_reason=dec.stop_reason, timings=timings,
+                            decoding={"beams": beams, "repetition": dec.repetition})
 
     # -- whole clips ----------------------------------------------------------------------------
     @_serialized
-    def transcribe(self, audio, language: str = "en", punctuation: bool = True,
-                   max_new_tokens: int | None = None, progress: bool = False, beams: int = 1,
-                   repetition_guard=None) -> TranscriptionResult:
+    def transcribe(self, audio, language: str = "en", punctuation: bool = True, *,
+                   max_new_tokens: int | None = None, beams: int = 1, repetition_guard: RepetitionGuard | None = None,
+                   progress: bool = False) -> TranscriptionResult:
         """Transcribe a file path (streamed window by window) or a float32 mono array at the bundle's
-        sample rate. Digital silence gives an empty transcript marked `silent` (no model call); empty
-        or NaN/inf audio raises `AudioError`. The loop is `engines.Engine.transcribe`, shared with
-        `cohere-coreml transcribe` and `bench`."""
-        return BundleEngine(self).transcribe(audio, language, punctuation, max_new_tokens=max_new_tokens,
-                                             beams=beams, repetition_guard=repetition_guard, progress=progress)
-
-
-class BundleEngine(Engine):
-    """An exported bundle through `Transcriber` (Core ML on macOS, the MIL interpreter elsewhere)."""
-
-    kind = "bundle"
-
-    def __init__(self, bundle, backend: str = "auto", use_prefill: bool = True, compute_units: str = "all",
-                 front_end: str | None = None):
-        """`bundle`: bundle folder(s) or a `Bundle` (loaded here), or a loaded `Transcriber` (used as is).
-        `front_end`: "python" or "package" (`Transcriber`'s; default: its default)."""
-        if isinstance(bundle, Transcriber):
-            self.transcriber = bundle
-            self.load_s = bundle.load_s
-        else:
-            t0 = time.perf_counter()
-            options = {} if front_end is None else {"front_end": front_end}
-            self.transcriber = Transcriber(bundle, backend=backend, use_prefill=use_prefill,
-                                           compute_units=compute_units, **options)
-            self.load_s = time.perf_counter() - t0
-        self.bundle = self.transcriber.bundle
-        self.front_end = self.transcriber.front_end
-        self.eos_ids = self.transcriber.eos_ids
-        self.compute_units = self.transcriber.compute_units
-        self.name = ",".join(str(d) for d in self.bundle.dirs)
-
-    def prompt(self, language: str, punctuation: bool = True) -> list[int]:
-        return self.bundle.prompt(language, punctuation)
-
-    def transcribe_window(self, waveform, prompt, *, index, start_s, max_new_tokens, beams, repetition_guard):
-        return self.transcriber.transcribe_window(waveform, prompt, max_new_tokens, index=index, start_s=start_s,
-                                                  beams=beams, repetition_guard=repetition_guard)
-
-    def describe(self) -> dict:
-        m = self.bundle.manifest
-        backend = self.transcriber.decoder.backend
-        return {**super().describe(), "backend": backend, "compute_units": self.compute_units if backend == "coreml" else None,
-                "precision": m.get("precision"), "model_id": m.get("model_id"), "capacity": self.transcriber.capacity,
-                "prefill": self.transcriber.prefill is not None}
-
+        sample rate: `engines.Engine.transcribe` (shared with `cohere-coreml transcribe` and `bench`),
+        here under the instance's lock. Digital silence gives an empty transcript marked `silent` (no
+        model call); empty or NaN/inf audio raises `AudioError`."""
+        return super().transcribe(audio, language, punctuation, max_new_tokens=max_new_tokens, beams=beams,
+                                  repetition_guard=repetition_guard, progress=progress)
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,13 +344,12 @@ class BundleEngine(Engine):
 
 def cmd_transcribe(args) -> int:
     """Every file is read and checked before the bundle loads; silent files give an empty transcript
-    (no model call); a bad file is reported (JSON too) and the others are still transcribed; the
-    exit status is 1 when any file failed."""
-    import json
+    (no model call); a bad file is reported on stderr (never on stdout) and the others are still
+    transcribed; the exit status is 1 when any file failed.
 
-    from .decoding import RepetitionGuard
-    from .tokens import check_language
-
+    stdout holds results only: in text mode each transcript (after a `== FILE` line when several files
+    are given), with --json one object per transcribed file (an object for one input file, a list for
+    several; a failed file has no entry)."""
     check_language(args.language)
     if args.beams < 1:
         raise TranscriptionError(f"--beams must be >= 1, got {args.beams}")
@@ -400,20 +357,19 @@ def cmd_transcribe(args) -> int:
         raise TranscriptionError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     entries, failed = transcribe_files(
         args.audio,
-        lambda: BundleEngine(args.bundle, backend=args.backend, use_prefill=not args.no_prefill,
-                             front_end=args.front_end, compute_units=args.compute_units),
+        lambda: Transcriber(args.bundle, backend=args.backend, use_prefill=not args.no_prefill,
+                            front_end=args.front_end, compute_units=args.compute_units),
         args.language, punctuation=not args.no_punctuation, progress=not args.json,
         max_new_tokens=args.max_new_tokens, beams=args.beams,
         repetition_guard=RepetitionGuard() if args.repetition_guard else None)
+    results = [e for e in entries if e["status"] != "error"]  # failures: logged on stderr by transcribe_files
     if args.json:
-        print(json.dumps(entries[0] if len(entries) == 1 else entries, indent=2, ensure_ascii=False))
+        if len(args.audio) > 1 or results:
+            print(json.dumps(results if len(args.audio) > 1 else results[0], indent=2, ensure_ascii=False))
         return 1 if failed else 0
-    for entry in entries:
-        if len(entries) > 1:
+    for entry in results:
+        if len(args.audio) > 1:
             print(f"== {entry['audio']}")
-        if entry["status"] == "error":
-            print(f"ERROR: {entry['error']}")
-            continue
         if entry["status"] == "silent":
             print("(silent)")
             continue
@@ -424,6 +380,8 @@ def cmd_transcribe(args) -> int:
             logger.info("window %d (%.1f-%.1f s): %d tokens, encoder %.2f s, decoder %d calls %.1f ms/call%s",
                         w["index"], w["start_s"], w["start_s"] + w["duration_s"], len(w["token_ids"]),
                         t["encoder_s"], t["decoder_calls"], t["ms_per_decoder_call"], flag)
+    if failed:
+        logger.error("%d of %d file(s) failed (named above)", len(entries) - len(results), len(entries))
     return 1 if failed else 0
 
 
@@ -435,11 +393,13 @@ def add_command(subparsers) -> None:
         "(encoder.mlpackage, decoder.mlpackage, manifest.json, tokenizer). Audio longer than 30 s is "
         "split into windows as the reference processor splits it, read from the file window by window. "
         "Every file is checked before the bundle loads: a digitally silent file gives an empty transcript "
-        "(no model call), a bad file is reported and the others are still transcribed (exit status 1). "
-        "Runs Core ML on macOS and the project's MIL interpreter elsewhere (--backend).",
+        "(no model call), a bad file is named on stderr and the others are still transcribed (exit status 1). "
+        "stdout holds the transcripts only. Runs Core ML on macOS and the project's MIL interpreter elsewhere "
+        "(--backend).",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("audio", nargs="+", help="audio file(s) (wav, flac, ...); resampled to 16 kHz mono")
-    p.add_argument("--bundle", required=True, nargs="+", help="export folder(s) holding manifest.json and the packages")
+    add_bundle_arg(p)
     p.add_argument("--language", required=True, help="language code: ar de el en es fr it ja ko nl pl pt vi zh")
     p.add_argument("--no-punctuation", action="store_true", help="prompt with <|nopnc|> (no punctuation/casing)")
     p.add_argument("--backend", default="auto", choices=("auto", "coreml", "mil"),
@@ -454,13 +414,3 @@ def add_command(subparsers) -> None:
                    help="Core ML compute units (macOS; ignored by the interpreter) (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON: text, token ids, timings, truncation per window")
     p.set_defaults(func=cmd_transcribe)
-
-
-def add_decoding_args(p) -> None:
-    """--max-new-tokens, --beams, --repetition-guard (transcribe and bench)."""
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="stop a window after N new tokens (default: the decoder cache capacity; PyTorch: 256)")
-    p.add_argument("--beams", type=int, default=1,
-                   help="beam search with N hypotheses, length-normalised; 1 = greedy (default: %(default)s)")
-    p.add_argument("--repetition-guard", action="store_true",
-                   help="stop a window whose tail repeats an n-gram run (a decoder loop), keep it once, report it")

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .cli_options import HelpFormatter, add_bundle_arg
+
 logger = logging.getLogger(__name__)
 
 
@@ -174,12 +176,12 @@ def verify_bundle(model, processor, bundle_dirs, audio: Sequence, language: str 
             eos = transcriber.eos_ids
             w["tokens"] = {
                 "reference": ref_ids,
-                "bundle": dec["token_ids"],
-                "identical": dec["token_ids"] == ref_ids,
-                "common_prefix": _common_prefix(dec["token_ids"], ref_ids),
-                "truncated": dec["truncated"],
+                "bundle": dec.token_ids,
+                "identical": dec.token_ids == ref_ids,
+                "common_prefix": _common_prefix(dec.token_ids, ref_ids),
+                "truncated": dec.truncated,
                 "reference_text": decode_ids(tokenizer, [t for t in ref_ids if t not in eos]),
-                "bundle_text": decode_ids(tokenizer, [t for t in dec["token_ids"] if t not in eos]),
+                "bundle_text": decode_ids(tokenizer, [t for t in dec.token_ids if t not in eos]),
             }
             windows.append(w)
         from .tokens import join_windows
@@ -305,10 +307,11 @@ def add_command(subparsers) -> None:
         "cross K/V (PSNR), every decoder step's log-probs under teacher forcing (PSNR, KL), and the final "
         "greedy tokens/text vs model.generate(). Prints a table (or JSON). On a Mac, --backend coreml "
         "checks the Core ML runtime itself.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", required=True, help="checkpoint (Hub id or folder) the bundle was exported from")
     p.add_argument("--revision", default=None, help="Hub revision of --model")
-    p.add_argument("--bundle", required=True, nargs="+", help="export folder(s) with manifest.json and the packages")
+    add_bundle_arg(p)
     p.add_argument("--audio", required=True, nargs="+", help="audio files to check")
     p.add_argument("--language", default="en", help="language of the clips (default: %(default)s)")
     p.add_argument("--languages", default=None, help="comma-separated language per clip (overrides --language)")

@@ -13,7 +13,7 @@ from cohere_coreml import quantize as Q
 from cohere_coreml.datasets import load_folder
 from cohere_coreml.engines import PyTorchEngine
 from cohere_coreml.quantize.gate import engine_transcripts
-from cohere_coreml.transcribe import BundleEngine
+from cohere_coreml.transcribe import Transcriber
 
 from ..conftest import HELDOUT_DIR, TRAINED_MODEL
 
@@ -57,7 +57,7 @@ def test_heldout_runs_the_bench_engines_with_the_long_audio_split(f16_bundle, tm
     """The gate's transcripts are the engines' own (`Engine.transcribe` over `datasets.load_folder`):
     the PyTorch side of a clip longer than one 35 s window is split at the reference extractor's
     points (several windows, all their tokens: before, it decoded the whole clip at once), equal to
-    `PyTorchEngine` run by hand; the bundle side is `BundleEngine`'s transcript of each clip."""
+    `PyTorchEngine` run by hand; the bundle side is `Transcriber`'s transcript of each clip."""
     utts = json.loads((HELDOUT_DIR / "manifest.json").read_text())["utterances"]
     en = [u for u in utts if u["language"] == "en"][:20]
     wav = np.concatenate([sf.read(HELDOUT_DIR / u["file"], dtype="float32")[0] for u in en])
@@ -71,11 +71,11 @@ def test_heldout_runs_the_bench_engines_with_the_long_audio_split(f16_bundle, tm
     assert torch_side["ids"] == [[t for w in by_hand.windows for t in w.token_ids]]
     assert torch_side["texts"] == [by_hand.text] and torch_side["files"] == ["long.flac"]
     assert len(torch_side["ids"][0]) > len(by_hand.windows[0].token_ids)  # every window's tokens
-    # the bundle side: BundleEngine over the same folder (first clip of the held-out set)
+    # the bundle side: Transcriber over the same folder (first clip of the held-out set)
     first = tmp_path / "first"
     first.mkdir()
     shutil.copy(HELDOUT_DIR / utts[0]["file"], first / utts[0]["file"])
     (first / "manifest.json").write_text(json.dumps({"utterances": [utts[0]]}))
-    bundle_side = engine_transcripts(lambda: BundleEngine(f16_bundle, backend="mil"), load_folder(first))
-    res = BundleEngine(f16_bundle, backend="mil").transcribe(first / utts[0]["file"], "en", max_new_tokens=96)
+    bundle_side = engine_transcripts(lambda: Transcriber(f16_bundle, backend="mil"), load_folder(first))
+    res = Transcriber(f16_bundle, backend="mil").transcribe(first / utts[0]["file"], "en", max_new_tokens=96)
     assert bundle_side["ids"] == [[t for w in res.windows for t in w.token_ids]] and bundle_side["texts"] == [res.text]

@@ -5,7 +5,7 @@ Both follow the export's one interface (`cohere_coreml.gate.GateReport`): `compo
 whole bundle (`heldout.parity.json`).
 
 The held-out gate is the bench's evaluation path: the clips of `datasets.load_folder`, transcribed
-by `engines.PyTorchEngine` (the checkpoint) and the bundle engine (`transcribe.BundleEngine`), both
+by `engines.PyTorchEngine` (the checkpoint) and the bundle engine (`transcribe.Transcriber`, an `Engine`), both
 through `engines.Engine.transcribe` (the long-audio split included), scored by `metrics`
 (`error_counts`: WER, or CER for ja/zh/ko, after the language's normaliser) and
 `metrics.token_agreement`. The baseline runs first and is freed before the bundle loads.
@@ -26,7 +26,7 @@ from ..engines import Engine, PyTorchEngine
 from ..gate import HELDOUT_COMPONENT, GateReport
 from ..metrics import error_counts, token_agreement
 from ..runtime import load_model
-from ..transcribe import BundleEngine
+from ..transcribe import Transcriber
 from .measure import GateData, decoder_outputs, decoder_runtime, encoder_outputs, encoder_psnr, log_prob_error
 from .recipes import QuantizeError
 
@@ -161,7 +161,7 @@ def heldout_gate(f16_dir: Path, q_dir: Path, eval_dir: Path, gates: dict, *, mod
         baseline = engine_transcripts(lambda: PyTorchEngine(model), dataset)
         base_name = "pytorch"
     else:
-        baseline = engine_transcripts(lambda: BundleEngine(f16_dir, backend="mil"), dataset)
+        baseline = engine_transcripts(lambda: Transcriber(f16_dir, backend="mil"), dataset)
         base_name = "f16 bundle"
-    produced = engine_transcripts(lambda: BundleEngine(q_dir, backend="mil"), dataset)
+    produced = engine_transcripts(lambda: Transcriber(q_dir, backend="mil"), dataset)
     return heldout_report(baseline, produced, base_name, Path(eval_dir).name, gates)

@@ -94,9 +94,9 @@ def build_gate_data(bundle_dir: Path, clips: Sequence[tuple[Path, str]], max_new
         enc = tr.encode(window, n)
         data.encoder_ref.append(enc)
         dec = tr.decode(enc, prompt, max_new_tokens=max_new_tokens, return_log_probs=True)
-        fed = list(prompt) + dec["token_ids"][:-1]
+        fed = list(prompt) + dec.token_ids[:-1]
         data.sequences.append(fed)
-        data.decoder_ref.append(np.stack(dec["log_probs"]))
+        data.decoder_ref.append(np.stack(dec.log_probs))
     del tr, bundle
     release_memory()  # the f16 packages are not needed again: give their memory back before compressing
     return data
