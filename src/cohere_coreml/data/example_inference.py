@@ -108,7 +108,7 @@ def encode(bundle: Bundle, samples: np.ndarray) -> dict:
     padded[0, :n] = samples
     frontend = bundle.function("frontend", frontend_function, m["frontend"]["compute_units"])
     fe = frontend.predict({"audio": padded, "audio_length": np.array([n], np.int32)})
-    features = fe["input_features"][:, :, :frames]  # (1, n_mels, frames); frames beyond `valid` are 0
+    features = np.ascontiguousarray(fe["input_features"][:, :, :frames])  # (1, n_mels, frames); 0 beyond `valid`
     encoder = bundle.function("encoder", encoder_function)
     return encoder.predict({"input_features": features,
                             "feature_length": np.asarray(fe["feature_length"], np.int32)})
