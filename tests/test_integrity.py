@@ -261,15 +261,8 @@ def test_model_card_and_example(bundle):
     assert "pipeline_tag: automatic-speech-recognition" in header and "library_name: coreml" in header
     assert "license: apache-2.0" in header and "- en" in header
     assert "encoder.mlpackage" in text and "Parity" in text
-    proc = subprocess.run([sys.executable, str(bundle / "example_inference.py"), str(AUDIO_DIR / "en_short.wav"),
-                           "--language", "en", "--max-new-tokens", "5"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    # the shipped example's loop (bind once, then steps of input_ids + position) transcribes as the Transcriber
-    from cohere_coreml.transcribe import Transcriber
-
-    expected = Transcriber(bundle, backend="mil", use_prefill=False).transcribe(
-        AUDIO_DIR / "en_short.wav", "en", max_new_tokens=5).text
-    assert expected and proc.stdout.strip() == expected
+    # the shipped example is run in its own venv (numpy, soundfile, coremltools only): tests/test_example.py
+    assert (bundle / "example_inference.py").is_file()
 
 
 def test_model_card_shows_the_swift_package(bundle):

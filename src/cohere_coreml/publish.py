@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from importlib import resources
 from pathlib import Path
 
 from .bundle import MANIFEST_NAME, refresh_manifest
@@ -68,6 +69,17 @@ def presets_table(bench: dict) -> list[str]:
                    "for use). " if skipped else "")
               + f"Tool {bench.get('tool_version')} ({str(bench.get('tool_git_hash'))[:12]}), {bench.get('created_utc')}."]
     return lines
+
+
+def python_usage() -> list[str]:
+    """The model card's Python section: the bundle's own `example_inference.py` (package data,
+    `example_source`), which needs numpy, soundfile and coremltools only."""
+    return [
+        f"Python (macOS 15+, Core ML): [`{EXAMPLE}`]({EXAMPLE}) in this folder transcribes a 16 kHz audio file "
+        "with this folder's packages (front end, encoder, decoder: greedy, long audio split into windows); "
+        "it needs numpy, soundfile and coremltools only. Read it to port the loop.", "", "```bash",
+        "pip install numpy soundfile coremltools", f"python {EXAMPLE} audio.wav --language en   # --json: token ids",
+        "```"]
 
 
 def swift_usage(folder: str) -> list[str]:
@@ -186,134 +198,14 @@ def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None, manifes
               f"iOS {min_os.get('iOS', '18.0')}+ / macOS {min_os.get('macOS', '15.0')}+ (stateful ML programs); Apple "
               "silicon recommended (Neural Engine). The first Neural Engine load compiles the model and can take "
               "minutes; later loads use the cache.", "",
-              "## Use it", "", "Python (macOS: Core ML; Linux: needs the cohere-coreml interpreter):", "", "```bash",
-              "pip install coremltools numpy soundfile", "python example_inference.py audio.wav --language en", "```",
-              "", *swift_usage(preset if preset != "unknown" else root.name), ""]
+              "## Use it", "", *python_usage(), "", *swift_usage(preset if preset != "unknown" else root.name), ""]
     return "\n".join(lines)
 
 
-EXAMPLE_SOURCE = '''#!/usr/bin/env python
-"""Transcribe an audio file with this Core ML bundle (standalone: numpy + coremltools + soundfile).
-
-    python example_inference.py audio.wav --language en
-
-Runs the packages with Core ML (macOS). Uses cohere_coreml (its exact front end and, on Linux,
-its MIL interpreter) when installed; otherwise computes the log-mel features with numpy.
-"""
-import argparse
-import json
-from pathlib import Path
-
-import numpy as np
-
-HERE = Path(__file__).resolve().parent
-
-
-def log_mel(wave, a):
-    """The model's front end (CohereAsrFeatureExtractor, dither 0) in numpy."""
-    n_fft, hop, win, n_mels, sr = a["n_fft"], a["hop_length"], a["win_length"], a["n_mels"], a["sampling_rate"]
-    n_valid = (len(wave) + 2 * (n_fft // 2) - n_fft) // hop
-    x = np.append(wave[:1], wave[1:] - a["preemphasis"] * wave[:-1]).astype(np.float64)
-    x = np.pad(x, n_fft // 2)
-    w = np.zeros(n_fft)
-    off = (n_fft - win) // 2
-    w[off:off + win] = np.hanning(win)
-    frames = np.lib.stride_tricks.sliding_window_view(x, n_fft)[::hop][: n_valid + 1] * w
-    power = np.abs(np.fft.rfft(frames, axis=-1)) ** 2
-    fft_f = np.linspace(0, sr / 2, n_fft // 2 + 1)
-
-    def hz_to_mel(f):
-        f = np.asarray(f, dtype=np.float64)
-        lin = f / (200.0 / 3)
-        return np.where(f >= 1000, 15 + np.log(np.maximum(f, 1e-10) / 1000) / (np.log(6.4) / 27), lin)
-
-    def mel_to_hz(m):
-        return np.where(m >= 15, 1000 * np.exp((np.log(6.4) / 27) * (m - 15)), m * 200.0 / 3)
-
-    pts = mel_to_hz(np.linspace(hz_to_mel(0), hz_to_mel(sr / 2), n_mels + 2))
-    fb = np.maximum(0, np.minimum((fft_f[None] - pts[:-2, None]) / (pts[1:-1, None] - pts[:-2, None]),
-                                  (pts[2:, None] - fft_f[None]) / (pts[2:, None] - pts[1:-1, None])))
-    fb *= (2.0 / (pts[2:] - pts[:-2]))[:, None]
-    mel = np.log(fb @ power.T + 2.0 ** -24)[:, :n_valid]
-    mean = mel.mean(1, keepdims=True)
-    std = mel.std(1, ddof=1, keepdims=True) if n_valid > 1 else np.zeros_like(mean)
-    return ((mel - mean) / (std + 1e-5)).astype(np.float32), n_valid
-
-
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("audio")
-    p.add_argument("--language", default="en")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    args = p.parse_args()
-    m = json.loads((HERE / "manifest.json").read_text())
-    vocab = json.loads((HERE / m["files"]["vocab"]).read_text())
-    fns = m["decoder"]["functions"]  # one state layout for all: bind once per window, then the steps
-    try:  # the project's own front end and runtime when installed (exact; works on Linux too)
-        from cohere_coreml.audio import FrontEndConfig, load_audio
-        from cohere_coreml.audio import log_mel as cc_log_mel
-        from cohere_coreml.runtime import load_model
-
-        wave = load_audio(args.audio, target_rate=m["audio"]["sampling_rate"])
-        feats, n = cc_log_mel(wave, FrontEndConfig.from_dict(m["audio"]))
-        feats = feats[:, :n]
-        enc = load_model(str(HERE / m["files"]["encoder"]))
-        step = load_model(str(HERE / m["files"]["decoder"]), function_name=fns["step"])
-        bind = load_model(str(HERE / m["files"]["decoder"]), function_name=fns["bind"])
-    except ImportError:
-        import coremltools as ct
-        import soundfile as sf
-
-        wave, sr = sf.read(args.audio, dtype="float32", always_2d=True)
-        wave = wave.mean(1)
-        if sr != m["audio"]["sampling_rate"]:
-            raise SystemExit(f"resample the audio to {m['audio']['sampling_rate']} Hz first")
-        feats, n = log_mel(wave, m["audio"])
-        enc = ct.models.MLModel(str(HERE / m["files"]["encoder"]))
-        step = ct.models.MLModel(str(HERE / m["files"]["decoder"]), function_name=fns["step"])
-        bind = ct.models.MLModel(str(HERE / m["files"]["decoder"]), function_name=fns["bind"])
-    frames = m["encoder"]["window_frames"]
-    if n > frames:
-        raise SystemExit(f"this example handles one window ({frames} frames); split longer audio")
-    window = np.zeros((1, feats.shape[0], frames), np.float32)
-    window[0, :, :n] = feats[:, :n]
-    out = enc.predict({"input_features": window, "feature_length": np.array([n], np.int32)})
-    state = step.make_state()
-    # the window's cross memory into the state, once: bind input name -> encoder output name
-    bind.predict({name: out[src] for name, src in m["decoder"]["bind_inputs"].items()}, state=state)
-    prompt = m["languages"][args.language]["punctuation"]
-    eos = set(m["tokens"]["eos_token_ids"])
-    limit = min(args.max_new_tokens, m["decoder"]["max_new_tokens"])
-
-    def feed(tok, pos):  # a step binds only the token and its position
-        return step.predict({"input_ids": np.array([[tok]], np.int32), "position": np.array([pos], np.int32)},
-                            state=state)["log_probs"]
-
-    ids = []
-    for pos, tok in enumerate(prompt):
-        lp = feed(tok, pos)
-    pos = len(prompt)
-    while True:
-        tok = int(np.argmax(lp))
-        if tok in eos or len(ids) >= limit:
-            break
-        ids.append(tok)
-        lp = feed(tok, pos)
-        pos += 1
-    pieces = [vocab[str(i)] for i in ids if not (vocab[str(i)].startswith("<") and vocab[str(i)].endswith(">")
-                                                  and not vocab[str(i)].startswith("<0x"))]
-    data = bytearray()
-    for piece in pieces:
-        if piece.startswith("<0x") and piece.endswith(">"):
-            data.append(int(piece[3:-1], 16))
-        else:
-            data += piece.encode()
-    print(data.decode("utf-8", errors="replace").replace("\\u2581", " ").strip())
-
-
-if __name__ == "__main__":
-    main()
-'''
+def example_source() -> str:
+    """The standalone example every bundle ships (package data `cohere_coreml/data/example_inference.py`:
+    numpy + soundfile + coremltools, the bundle's front-end, encoder and decoder packages)."""
+    return resources.files(__package__).joinpath("data", EXAMPLE).read_text(encoding="utf-8")
 
 
 def finalize_bundle(bundle_dir: str | os.PathLike, bench: str | os.PathLike | None = None,
@@ -351,7 +243,7 @@ def finalize_bundle(bundle_dir: str | os.PathLike, bench: str | os.PathLike | No
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise PublishError(f"{bench} is not a `cohere-coreml bench` report (bench.json): {err}") from err
     sweep_stale_temporaries(root)  # `.README.md.tmp-<pid>` of a finalize that was killed
-    write_text_atomic(root / EXAMPLE, EXAMPLE_SOURCE, if_changed=True)
+    write_text_atomic(root / EXAMPLE, example_source(), if_changed=True)
     card = model_card(root, report, manifest={**manifest, **manifest_sections(root)})  # preset, min_os from disk
     write_text_atomic(root / README, card, if_changed=True)
     if base_model is None:

@@ -1,0 +1,193 @@
+#!/usr/bin/env python
+"""Transcribe an audio file with this bundle's Core ML packages (numpy, soundfile, coremltools only).
+
+    pip install numpy soundfile coremltools
+    python example_inference.py audio.wav --language en [--no-punctuation] [--json]
+
+Runs on macOS 15+ (Core ML with model state). The bundle's packages do all the work:
+
+    frontend.mlpackage   16 kHz samples of one window -> log-mel input_features + feature_length
+    encoder.mlpackage    features -> the decoder's cross-attention memory (cross_k, cross_v, cross_mask)
+    decoder.mlpackage    bind_memory: a window's memory into a fresh state (once per window);
+                         main (the step): one token + its position -> log_probs, KV cache in the state;
+                         prefill (optional): the whole prompt in one call
+
+Every name and size below comes from manifest.json. The steps are those of "Decoding loop" in
+docs/bundle.md (cohere-transcribe-coreml): greedy decoding, audio longer than 30 s cut into
+windows at its quietest points as the model's processor cuts it.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import coremltools as ct
+import numpy as np
+import soundfile as sf
+
+BUNDLE = Path(__file__).resolve().parent
+UNITS = {"all": ct.ComputeUnit.ALL, "cpu_only": ct.ComputeUnit.CPU_ONLY,
+         "cpu_and_gpu": ct.ComputeUnit.CPU_AND_GPU, "cpu_and_ne": ct.ComputeUnit.CPU_AND_NE}
+
+
+class Bundle:
+    """manifest.json, vocab.json and the packages' functions (each loaded once, when first used)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        if not (folder / "manifest.json").is_file():
+            sys.exit(f"{folder} has no manifest.json: pass the bundle folder with --bundle")
+        self.manifest = json.loads((folder / "manifest.json").read_text())
+        if self.manifest.get("format_version") != 2:
+            sys.exit(f"{folder}: bundle format {self.manifest.get('format_version')}, this example reads format 2")
+        if "frontend" not in self.manifest["files"]:
+            sys.exit(f"{folder} has no frontend.mlpackage: re-export it with `cohere-coreml export`")
+        self.vocab = json.loads((folder / self.manifest["files"]["vocab"]).read_text())  # {"id": piece}
+        self.loaded = {}
+
+    def function(self, component: str, name: str, units: str = "all") -> ct.models.MLModel:
+        if (component, name) not in self.loaded:
+            path = self.folder / self.manifest["files"][component]
+            self.loaded[component, name] = ct.models.MLModel(str(path), compute_units=UNITS[units],
+                                                             function_name=name)
+        return self.loaded[component, name]
+
+
+def read_audio(path: str, sampling_rate: int) -> np.ndarray:
+    """float32 mono samples (channels averaged); the file must already be at the model's rate."""
+    samples, rate = sf.read(path, dtype="float32", always_2d=True)  # (samples, channels)
+    if rate != sampling_rate:
+        sys.exit(f"{path} is {rate} Hz: resample it to {sampling_rate} Hz first (e.g. ffmpeg -i IN -ar {sampling_rate} OUT.wav)")
+    if samples.shape[0] == 0:
+        sys.exit(f"{path} holds no samples")
+    return samples.mean(axis=1)
+
+
+def split_points(samples: np.ndarray, audio: dict) -> list[tuple[int, int]]:
+    """(start, end) of each window: the clip whole up to max_audio_clip_s - overlap_chunk_second
+    (30 s), else pieces of at most max_audio_clip_s (35 s), each cut at the start of the quietest
+    min_energy_window_samples window (RMS) in its last overlap_chunk_second (5 s)."""
+    sr, total = audio["sampling_rate"], len(samples)
+    chunk = round(audio["max_audio_clip_s"] * sr)
+    context = round(audio["overlap_chunk_second"] * sr)
+    window = audio["min_energy_window_samples"]
+    if total <= max(0.0, audio["max_audio_clip_s"] - audio["overlap_chunk_second"]) * sr or total <= chunk:
+        return [(0, total)]
+    ranges, start = [], 0
+    while start + chunk < total:
+        lo, hi = start + max(0, chunk - context), start + chunk
+        if hi - lo <= window:
+            cut = (lo + hi) // 2
+        else:
+            rms = [np.sqrt(np.mean(samples[i:i + window] ** 2)) for i in range(lo, hi - window, window)]
+            cut = lo + window * int(np.argmin(rms))  # the first quietest window
+        cut = max(start + 1, cut)
+        ranges.append((start, cut))
+        start = cut
+    ranges.append((start, total))
+    return ranges
+
+
+def encode(bundle: Bundle, samples: np.ndarray) -> dict:
+    """One window's samples -> the encoder's outputs (front end, then encoder, both Core ML)."""
+    m = bundle.manifest
+    audio, n = m["audio"], len(samples)
+    valid = (n + 2 * (audio["n_fft"] // 2) - audio["n_fft"]) // audio["hop_length"]  # mel frames of the clip
+    if valid < 2:
+        sys.exit(f"audio of {n} samples is too short (at least {2 * audio['hop_length']} are needed)")
+    # the smallest encoder window that holds the clip ("main" unless the bundle has length buckets)
+    fitting = sorted((f["frames"], name) for name, f in m["encoder"]["functions"].items() if f["frames"] >= valid)
+    if not fitting:
+        sys.exit(f"a window of {n} samples does not fit the encoder ({m['encoder']['window_frames']} frames)")
+    frames, encoder_function = fitting[0]
+    # the smallest front-end window that holds the samples and gives those frames
+    frontend_function = min((f["samples"], name) for name, f in m["frontend"]["functions"].items()
+                            if f["samples"] >= n and f["frames"] >= frames)[1]
+    padded = np.zeros((1, m["frontend"]["functions"][frontend_function]["samples"]), np.float32)  # (1, S)
+    padded[0, :n] = samples
+    frontend = bundle.function("frontend", frontend_function, m["frontend"]["compute_units"])
+    fe = frontend.predict({"audio": padded, "audio_length": np.array([n], np.int32)})
+    features = np.ascontiguousarray(fe["input_features"][:, :, :frames])  # (1, n_mels, frames); 0 beyond `valid`
+    encoder = bundle.function("encoder", encoder_function)
+    return encoder.predict({"input_features": features,
+                            "feature_length": np.asarray(fe["feature_length"], np.int32)})
+
+
+def decode(bundle: Bundle, memory: dict, prompt: list[int], max_new_tokens: int | None) -> list[int]:
+    """Greedy token ids of one window (the eos id included when reached, as generate() returns them)."""
+    d = bundle.manifest["decoder"]
+    step = bundle.function("decoder", d["functions"]["step"])
+    bind = bundle.function("decoder", d["functions"]["bind"])
+    state = step.make_state()  # one state per window, used with every decoder function
+    # the window's cross memory into the state, once: bind input name -> the encoder output it takes
+    bound = bind.predict({name: memory[output] for name, output in d["bind_inputs"].items()}, state=state)
+    if int(bound["memory_length"][0]) != int(memory["encoder_length"][0]):
+        sys.exit("bind_memory bound another number of frames than the encoder reports: broken bundle")
+
+    def feed(token: int, position: int) -> np.ndarray:  # a step binds only the token and its cache slot
+        out = step.predict({"input_ids": np.array([[token]], np.int32),
+                            "position": np.array([position], np.int32)}, state=state)
+        return out["log_probs"]  # (1, vocab)
+
+    if d["functions"].get("prefill") and len(prompt) == d["prefill_length"]:
+        prefill = bundle.function("decoder", d["functions"]["prefill"])
+        log_probs = prefill.predict({"input_ids": np.array([prompt], np.int32)}, state=state)["log_probs"]
+    else:
+        for position, token in enumerate(prompt):
+            log_probs = feed(token, position)
+    eos = set(bundle.manifest["tokens"]["eos_token_ids"])
+    limit = min(max_new_tokens or d["max_new_tokens"], d["max_new_tokens"])  # what the cache holds, + 1
+    tokens, position = [], len(prompt)
+    while True:
+        token = int(np.argmax(log_probs))
+        tokens.append(token)
+        if token in eos or len(tokens) >= limit:  # the last prediction is emitted without being fed
+            return tokens
+        log_probs = feed(token, position)
+        position += 1
+
+
+def detokenize(vocab: dict, ids: list[int]) -> str:
+    """Pieces joined, special tokens (<|...|>, <unk>, <pad>) dropped, byte pieces <0xNN> as UTF-8."""
+    data = bytearray()
+    for i in ids:
+        piece = vocab[str(i)]
+        if piece.startswith("<0x") and piece.endswith(">"):
+            data.append(int(piece[3:-1], 16))
+        elif not (piece.startswith("<") and piece.endswith(">")):
+            data += piece.encode("utf-8")
+    return data.decode("utf-8", errors="replace").replace("\u2581", " ").strip()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("audio", help="audio file (wav, flac, ...) at the model's sampling rate (16 kHz)")
+    p.add_argument("--language", default="en", help="language code (manifest.json: languages)")
+    p.add_argument("--no-punctuation", action="store_true", help="the prompt without punctuation and casing")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="stop a window after N tokens")
+    p.add_argument("--json", action="store_true", help="print text and token ids per window as JSON")
+    p.add_argument("--bundle", default=str(BUNDLE), help="bundle folder (default: this file's folder)")
+    args = p.parse_args()
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        sys.exit(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+
+    bundle = Bundle(Path(args.bundle))
+    m = bundle.manifest
+    if args.language not in m["languages"]:
+        sys.exit(f"language {args.language!r} is not in this bundle: {' '.join(sorted(m['languages']))}")
+    prompt = m["languages"][args.language]["no_punctuation" if args.no_punctuation else "punctuation"]
+    eos = set(m["tokens"]["eos_token_ids"])
+    samples = read_audio(args.audio, m["audio"]["sampling_rate"])
+    windows = []
+    for start, end in split_points(samples, m["audio"]):
+        ids = decode(bundle, encode(bundle, samples[start:end]), prompt, args.max_new_tokens)
+        windows.append({"start_s": start / m["audio"]["sampling_rate"], "token_ids": ids,
+                        "text": detokenize(bundle.vocab, [i for i in ids if i not in eos])})
+    separator = "" if args.language in m["generation"]["no_space_languages"] else " "
+    text = separator.join(w["text"] for w in windows if w["text"])
+    print(json.dumps({"text": text, "windows": windows}, ensure_ascii=False) if args.json else text)
+
+
+if __name__ == "__main__":
+    main()
