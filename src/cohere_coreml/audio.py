@@ -409,14 +409,16 @@ def split_points(waveform: np.ndarray, config: FrontEndConfig | None = None) -> 
         if search_end <= search_start:
             split = idx + chunk
         else:
-            split = _quietest(x, search_start, search_end, config.min_energy_window_samples)
+            split = quietest_window(x, search_start, search_end, config.min_energy_window_samples)
         split = max(idx + 1, min(split, total))
         ranges.append((idx, split))
         idx = split
     return [(s, e) for s, e in ranges if e > s]
 
 
-def _quietest(x: np.ndarray, start: int, end: int, window: int) -> int:
+def quietest_window(x: np.ndarray, start: int, end: int, window: int) -> int:
+    """Start of the quietest (lowest RMS) `window`-sample window of x[start:end], stepping by `window`
+    (the midpoint when the span holds no whole window): where `split_points` cuts."""
     segment = x[start:end]
     if segment.shape[0] <= window:
         return (start + end) // 2

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .audio import AudioError, FrontEndConfig, _quietest, check_file, check_waveform, is_silent, load_audio, split_points
+from .audio import (AudioError, FrontEndConfig, check_file, check_waveform, is_silent, load_audio, quietest_window,
+                    split_points)
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ def _stream(path: Path, config: FrontEndConfig) -> Iterator[tuple[int, int, np.n
             yield idx, idx + rest.size, rest.copy()
             return
         search_start, search_end = max(0, chunk - context), chunk  # relative to idx
-        split = _quietest(rest, search_start, search_end, config.min_energy_window_samples)
+        split = quietest_window(rest, search_start, search_end, config.min_energy_window_samples)
         split = max(1, min(split, rest.size))
         yield idx, idx + split, rest[:split].copy()
         idx += split

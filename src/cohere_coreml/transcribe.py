@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from . import streaming
 from .bundle import Bundle, BundleError
 from .config import MEMORY_NAMES
 from .decoder_runtime import DecoderRuntime
@@ -338,6 +339,11 @@ class Transcriber:
         return BundleEngine(self).transcribe(audio, language, punctuation, max_new_tokens=max_new_tokens,
                                              beams=beams, repetition_guard=repetition_guard, progress=progress)
 
+    def stream(self, language: str = "en", punctuation: bool = True, config: "streaming.StreamConfig | None" = None,
+               max_new_tokens: int | None = None) -> "streaming.StreamingSession":
+        """A live-transcription session: `feed(samples) -> [Update]`, then `finish()` (docs/streaming.md)."""
+        return streaming.StreamingSession(self, language, punctuation, config, max_new_tokens)
+
 
 class BundleEngine(Engine):
     """An exported bundle through `Transcriber` (Core ML on macOS, the MIL interpreter elsewhere)."""
@@ -394,6 +400,13 @@ def cmd_transcribe(args) -> int:
     from .tokens import check_language
 
     check_language(args.language)
+    if args.stream:
+        if args.beams != 1 or args.repetition_guard:
+            raise TranscriptionError("--stream decodes greedily: --beams and --repetition-guard do not apply")
+        return streaming.run_cli(args, lambda: Transcriber(args.bundle, backend=args.backend,
+                                                           use_prefill=not args.no_prefill,
+                                                           front_end=args.front_end,
+                                                           compute_units=args.compute_units))
     if args.beams < 1:
         raise TranscriptionError(f"--beams must be >= 1, got {args.beams}")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
@@ -452,7 +465,15 @@ def add_command(subparsers) -> None:
     add_decoding_args(p)
     p.add_argument("--compute-units", default="all", choices=("all", "cpu_only", "cpu_and_gpu", "cpu_and_ne"),
                    help="Core ML compute units (macOS; ignored by the interpreter) (default: %(default)s)")
-    p.add_argument("--json", action="store_true", help="print JSON: text, token ids, timings, truncation per window")
+    p.add_argument("--json", action="store_true", help="print JSON: text, token ids, timings, truncation per window "
+                   "(with --stream: one JSON line per update)")
+    p.add_argument("--stream", action="store_true",
+                   help="live transcription (docs/streaming.md): the file fed in 0.1 s chunks, partial and final "
+                   "updates while it arrives")
+    p.add_argument("--no-pace", action="store_true",
+                   help="with --stream: feed the file as fast as possible instead of at real time")
+    p.add_argument("--hop", type=float, default=streaming.StreamConfig.hop_s,
+                   help="with --stream: seconds of new audio between partial decodes (default: %(default)s)")
     p.set_defaults(func=cmd_transcribe)
 
 
