@@ -12,7 +12,7 @@ import pytest
 from cohere_coreml.audio import AudioError, FrontEndConfig, load_audio, split_points
 from cohere_coreml.cli import main
 from cohere_coreml.streaming import (UPDATE_SCHEMA, Segmenter, StreamConfig, StreamingError, StreamingSession,
-                                     common_prefix, frame_energies_db, local_agreement, stream_array)
+                                     common_prefix, frame_energies_db, frame_powers, local_agreement, stream_array)
 from cohere_coreml.transcribe import Transcriber
 
 from .conftest import heldout_utterances
@@ -49,8 +49,8 @@ def segments(x: np.ndarray, config: StreamConfig, max_segment: int = 35 * SR, fe
     seg = Segmenter(config, fe or FrontEndConfig(), max_segment)
     n = x.size // FRAME
     out = []
-    for energy in frame_energies_db(x[: n * FRAME].reshape(n, FRAME)):
-        event = seg.push(float(energy), lambda a, b: x[a:b])
+    for power in frame_powers(x[: n * FRAME].reshape(n, FRAME)):
+        event = seg.push(float(power), lambda a, b: x[a:b])
         if event is not None and event.kind != "open":
             out.append((event.kind, event.start, event.end))
     last = seg.finish(x.size)

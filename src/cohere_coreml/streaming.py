@@ -30,18 +30,22 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .audio import AudioError, FrontEndConfig, check_waveform, log_mel, pad_to_window, quietest_window, valid_frames
+from .audio import (AudioError, FrontEndConfig, check_waveform, load_audio, log_mel, pad_to_window, quietest_window,
+                    valid_frames)
 from .config import SILENCE_PEAK
+from .longform import check_audio
 from .tokens import decode_ids
 
 logger = logging.getLogger(__name__)
 
 UPDATE_TYPES = ("partial", "final")
-# energy of a frame in dB relative to full scale: 10 log10(mean(x^2) + ENERGY_EPSILON)
+# power of a frame: mean(x^2) + ENERGY_EPSILON (float64, summed in sample order); its energy in dB
+# relative to full scale is 10 log10(power)
 ENERGY_EPSILON = 1e-10
-# a frame below this energy is never speech: a segment always holds a frame whose RMS exceeds
+# a frame of lower power is never speech: a segment always holds a frame whose RMS exceeds
 # config.SILENCE_PEAK, so no segment is digital silence (which offline transcription skips)
-SILENCE_DB = 20.0 * math.log10(SILENCE_PEAK)
+SILENCE_POWER = SILENCE_PEAK**2
+SILENCE_DB = 10.0 * math.log10(SILENCE_POWER)
 # chunk size of `run_file` (the CLI's file source)
 FILE_CHUNK_S = 0.1
 
@@ -68,8 +72,9 @@ class StreamConfig:
     hangover_s: float = 0.3  # a segment ends after this much non-speech (the hangover)
     preroll_s: float = 0.1  # a segment starts this long before its first speech frame
     # hop schedule: the next partial is max(hop_s, hop_growth * segment length) after the last one
+    # (hop_s rounded to whole frames, the growth term rounded down to whole frames)
     hop_s: float = 0.5
-    hop_growth: float = 0.0
+    hop_growth: float = 0.5
     agreement: int = 2  # LocalAgreement-n
 
     def __post_init__(self):
@@ -95,10 +100,19 @@ def frames_of(seconds: float, frame_samples: int, sample_rate: int) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-def frame_energies_db(frames: np.ndarray) -> np.ndarray:
-    """(k, frame_samples) float32 samples -> (k,) energies in dB: 10 log10(mean(x^2) + 1e-10), float64."""
+def frame_powers(frames: np.ndarray) -> np.ndarray:
+    """(k, frame_samples) float32 samples -> (k,) float64 powers mean(x^2) + 1e-10.
+
+    The squares are summed one after the other in sample order (a cumulative sum, not numpy's
+    pairwise `mean`), so that another implementation with a plain loop gets the same bits.
+    """
     x = frames.astype(np.float64)
-    return 10.0 * np.log10(np.mean(x * x, axis=1) + ENERGY_EPSILON)
+    return np.cumsum(x * x, axis=1)[:, -1] / frames.shape[1] + ENERGY_EPSILON
+
+
+def frame_energies_db(frames: np.ndarray) -> np.ndarray:
+    """(k, frame_samples) samples -> (k,) energies in dB (10 log10 of `frame_powers`): for reports."""
+    return 10.0 * np.log10(frame_powers(frames))
 
 
 @dataclass(frozen=True)
@@ -114,9 +128,11 @@ class SegmentEvent:
 class Segmenter:
     """Frame-by-frame voice activity with a running noise floor and hangover; deterministic.
 
-    Frame k holds samples [k F, (k + 1) F), F = the front end's hop (10 ms). Its energy e_k (dB) is
-    speech when e_k > floor_k + on_db and e_k > SILENCE_DB, where floor_k = min(e_j) over the
-    frames j of the last floor_window_s (k included). A segment opens at the first speech frame
+    Frame k holds samples [k F, (k + 1) F), F = the front end's hop (10 ms). Its power p_k
+    (`frame_powers`) is speech when p_k > floor_k * 10 ** (on_db / 10) and p_k > SILENCE_POWER, where
+    floor_k = min(p_j) over the frames j of the last floor_window_s (k included): in dB, the energy
+    exceeds the running noise floor by more than on_db. Comparisons are in the power domain (no
+    logarithm per frame). A segment opens at the first speech frame
     (its start preroll_s earlier, never before the previous segment's end) and closes when
     hangover_s of consecutive non-speech frames have passed (end = end of that frame). A segment
     that reaches `max_segment` samples is cut where `audio.split_points` would cut it (the quietest
@@ -132,6 +148,7 @@ class Segmenter:
         self.floor_frames = frames_of(config.floor_window_s, self.frame, sr)
         self.hangover_frames = frames_of(config.hangover_s, self.frame, sr)
         self.preroll = int(round(config.preroll_s * sr / self.frame)) * self.frame
+        self.on_factor = 10.0 ** (config.on_db / 10.0)
         self.max_segment = int(max_segment)
         self.context = max(1, int(round(front_end.overlap_chunk_second * sr)))
         if self.max_segment < 2 * self.frame:
@@ -146,18 +163,18 @@ class Segmenter:
     def is_open(self) -> bool:
         return self.start is not None
 
-    def push(self, energy: float, audio: Callable[[int, int], np.ndarray]) -> SegmentEvent | None:
-        """One frame's energy -> the event it causes, if any. `audio(a, b)` returns samples [a, b)
+    def push(self, power: float, audio: Callable[[int, int], np.ndarray]) -> SegmentEvent | None:
+        """One frame's power (`frame_powers`) -> the event it causes, if any. `audio(a, b)` returns samples [a, b)
         (needed to find a cut point)."""
         k = self.k
         self.k += 1
-        while self._floor and self._floor[-1][1] >= energy:  # sliding minimum (monotonic deque)
+        while self._floor and self._floor[-1][1] >= power:  # sliding minimum (monotonic deque)
             self._floor.pop()
-        self._floor.append((k, energy))
+        self._floor.append((k, power))
         while self._floor[0][0] <= k - self.floor_frames:
             self._floor.popleft()
         floor = self._floor[0][1]
-        speech = energy > floor + self.config.on_db and energy > SILENCE_DB
+        speech = power > floor * self.on_factor and power > SILENCE_POWER
         frame_end = (k + 1) * self.frame
         if self.start is None:
             if not speech:
@@ -266,6 +283,7 @@ UPDATE_SCHEMA = {
         "text": {"type": "string"},
         "token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
         "confirmed_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "audio": {"type": "string"},  # `transcribe --stream --json` with several files: the file's path
     },
 }
 
@@ -395,8 +413,8 @@ class StreamingSession:
         last = self._received // self.frame
         if last > first:
             frames = self._slice(first * self.frame, last * self.frame).reshape(-1, self.frame)
-            for k, energy in zip(range(first, last), frame_energies_db(frames)):
-                updates.extend(self._frame(float(energy), (k + 1) * self.frame))
+            for k, power in zip(range(first, last), frame_powers(frames)):
+                updates.extend(self._frame(float(power), (k + 1) * self.frame))
         self._trim()
         return updates
 
@@ -415,9 +433,9 @@ class StreamingSession:
         return [self._final(event.start, event.end, self._received)]
 
     # -- per frame -----------------------------------------------------------------------------
-    def _frame(self, energy: float, frame_end: int) -> list[Update]:
+    def _frame(self, power: float, frame_end: int) -> list[Update]:
         self.stats.audio_s = frame_end / self.sr
-        event = self.segmenter.push(energy, self._slice)
+        event = self.segmenter.push(power, self._slice)
         if event is None:
             seg = self._segment
             if seg is not None and frame_end >= seg.next_partial:
@@ -438,7 +456,8 @@ class StreamingSession:
     def _partial(self, now: int) -> list[Update]:
         seg = self._segment
         length = now - seg.start
-        step = max(self.hop, int(round(self.config.hop_growth * length / self.frame)) * self.frame)
+        # whole frames, rounded down (no tie rule to agree on between implementations)
+        step = max(self.hop, math.floor(self.config.hop_growth * length / self.frame) * self.frame)
         seg.next_partial = now + step
         forced = self.prompt + seg.confirmed
         if len(forced) >= self.transcriber.capacity - 1:  # no room left to decode after the forced prefix
@@ -517,8 +536,6 @@ def iter_file(transcriber, path, language: str = "en", punctuation: bool = True,
     """Updates of an audio file fed in chunks of `chunk_s`, paced at real time (`pace`: chunk i is fed
     no earlier than i * chunk_s after the first) or as fast as possible. The file is loaded and
     resampled to the bundle's rate first (`audio.load_audio`)."""
-    from .audio import load_audio
-
     sr = int(transcriber.front_end.sampling_rate)
     wav = load_audio(path, target_rate=sr)
     session = StreamingSession(transcriber, language, punctuation, config, max_new_tokens)
@@ -539,8 +556,6 @@ def run_cli(args, make_transcriber: Callable[[], object]) -> int:
     config = StreamConfig(hop_s=args.hop)
     paths = list(args.audio)
     # check every file before the bundle loads (the same named errors as offline transcription)
-    from .longform import check_audio
-
     for path in paths:
         check_audio(path)
     transcriber = make_transcriber()
