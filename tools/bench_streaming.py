@@ -213,6 +213,64 @@ def summarise(runs) -> dict:
     return out
 
 
+def render_markdown(report: dict) -> str:
+    """The tables of docs/streaming.md from a report.json."""
+    lines = []
+    if "summary_dictations" in report:
+        s, per = report["summary_dictations"], report["per_language"]
+        langs = sorted(per)
+
+        def ms(d, key, q):
+            return f"{d[key][q]:.3f}"
+
+        lines += ["| figure | all | " + " | ".join(langs) + " |", "|---|---|" + "---|" * len(langs)]
+        rows = [("first partial after speech start, median / p95 (s)",
+                 lambda d: f"{ms(d, 'first_partial_s', 'median')} / {ms(d, 'first_partial_s', 'p95')}"),
+                ("final lag after speech end (synthesis end), median / p95 (s)",
+                 lambda d: f"{ms(d, 'final_lag_s', 'median')} / {ms(d, 'final_lag_s', 'p95')}"),
+                ("final lag after the acoustic end, median / p95 (s)",
+                 lambda d: f"{ms(d, 'final_lag_acoustic_s', 'median')} / {ms(d, 'final_lag_acoustic_s', 'p95')}"),
+                ("flicker: partial tokens changed or dropped by the next update / shown",
+                 lambda d: f"{d['flicker']['revised_tokens']} / {d['flicker']['partial_tokens_shown']}"),
+                ("confirmed tokens the final changed / final tokens",
+                 lambda d: f"{d['flicker']['confirmed_revised_by_final']} / {d['flicker']['final_tokens']}"),
+                ("dictation WER, streamed finals", lambda d: f"{100 * d['wer']:.1f} %"),
+                ("dictation WER, offline whole file", lambda d: f"{100 * d['offline_wer']:.1f} %"),
+                ("finals != offline of their segment / segments",
+                 lambda d: f"{d['final_offline_mismatches']} / {d['segments']}")]
+        for name, fn in rows:
+            lines.append(f"| {name} | {fn(s)} | " + " | ".join(fn(per[lang]) for lang in langs) + " |")
+        if "offline_per_utterance_wer" in report:
+            w = report["offline_per_utterance_wer"]
+            lines.append("| WER, offline, each held-out clip alone | | " + " | ".join(
+                f"{100 * w[lang]:.1f} %" for lang in langs) + " |")
+        lines += ["", "| compute per audio second | encoder calls | encoder audio-s | decoder calls |",
+                  "|---|---|---|---|"]
+        for name, key in (("streaming (partials + finals)", "compute_per_audio_s"),
+                          ("offline, the segments (the finals alone)", "offline_segments_compute_per_audio_s"),
+                          ("ratio", "compute_ratio_vs_offline_segments"),
+                          ("offline, whole file", "offline_compute_per_audio_s"),
+                          ("ratio vs whole file", "compute_ratio_vs_offline")):
+            d = s[key]
+            lines.append(f"| {name} | {d['encoder_calls']:.3g} | {d['encoder_audio_s']:.3g} | "
+                         f"{d['decoder_calls']:.3g} |")
+    if report.get("sweep"):
+        lines += ["", "| change | first partial median | final lag median / p95 | flicker | confirmed changed by final "
+                  "| WER | encoder audio-s / s (ratio vs segments) | decoder calls / s (ratio) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for row in report["sweep"]:
+            s = row["summary"]
+            r = s["compute_ratio_vs_offline_segments"]
+            c = s["compute_per_audio_s"]
+            change = ", ".join(f"{k} {v:g}" for k, v in row["change"].items()) or "defaults"
+            lines.append(f"| {change} | {s['first_partial_s']['median']:.2f} s | {s['final_lag_s']['median']:.2f} / "
+                         f"{s['final_lag_s']['p95']:.2f} s | {s['flicker']['revised_tokens']} | "
+                         f"{s['flicker']['confirmed_revised_by_final']} | {100 * s['wer']:.1f} % | "
+                         f"{c['encoder_audio_s']:.2f} ({r['encoder_audio_s']:.2f}x) | "
+                         f"{c['decoder_calls']:.1f} ({r['decoder_calls']:.2f}x) |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundle", required=True, nargs="+")
@@ -222,7 +280,11 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk", type=float, default=0.1, help="seconds per fed chunk (default: %(default)s)")
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--no-main", action="store_true", help="only the sweep")
+    parser.add_argument("--render", metavar="REPORT", help="print the markdown tables of a report.json and exit")
     args = parser.parse_args(argv)
+    if args.render:
+        print(render_markdown(json.loads(Path(args.render).read_text())), end="")
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     data = Path(args.data)
     manifest = json.loads((data / "manifest.json").read_text())
@@ -280,6 +342,7 @@ def main(argv=None) -> int:
                         s["final_lag_s"]["p95"], s["flicker"]["revised_tokens"], s["wer"],
                         s["compute_per_audio_s"]["encoder_audio_s"], s["compute_per_audio_s"]["decoder_calls"])
             (out_dir / name).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+    (out_dir / (Path(name).stem + ".md")).write_text(render_markdown(report))
     print(out_dir / name)
     return 0
 
