@@ -417,8 +417,8 @@ def split_points(waveform: np.ndarray, config: FrontEndConfig | None = None) -> 
 
 
 def quietest_window(x: np.ndarray, start: int, end: int, window: int) -> int:
-    """Start of the lowest-energy `window`-sample stretch of x[start:end] (the midpoint when the range is
-    no longer than one window): the reference extractor's split point. Shared with `longform`'s stream."""
+    """Start of the quietest (lowest RMS) `window`-sample window of x[start:end], stepping by `window`
+    (the midpoint when the span holds no whole window): where `split_points` cuts."""
     segment = x[start:end]
     if segment.shape[0] <= window:
         return (start + end) // 2

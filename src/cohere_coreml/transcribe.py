@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from . import streaming
 from .audio import AudioError, FrontEndConfig, check_waveform, log_mel, pad_to_window, valid_frames
 from .bundle import Bundle, BundleError
 from .cli_options import HelpFormatter, add_bundle_arg, add_decoding_args
@@ -289,17 +290,23 @@ class Transcriber(Engine):
                             log_probs=all_log_probs if return_log_probs else None)
 
     @_serialized
+    def features(self, waveform: np.ndarray) -> tuple[np.ndarray, int, str]:
+        """(features (1, M, F) padded to the smallest encoder window holding them, valid frames, that
+        window's encoder function) of one window's samples, by the transcriber's front end (Python or
+        the bundle's package). Raises `WindowTooLongError` past every window."""
+        if self.front_end_kind == "package":
+            return self.package_features(waveform)
+        feats, n_valid = log_mel(waveform, self.front_end)
+        encoder_function = choose_bucket(self.encoder_buckets, n_valid)
+        feats, n_valid = pad_to_window(feats, n_valid, frames=self.encoder_buckets[encoder_function])
+        return feats[None], n_valid, encoder_function
+
     def transcribe_window(self, waveform: np.ndarray, prompt: Sequence[int], max_new_tokens: int | None = None,
                           index: int = 0, start_s: float = 0.0, beams: int = 1,
                           repetition_guard: RepetitionGuard | None = None) -> WindowResult:
         """One window (at most one `split_long_audio` piece): features -> encoder -> decode -> text."""
         t0 = time.perf_counter()
-        if self.front_end_kind == "package":
-            feats, n_valid, encoder_function = self.package_features(waveform)
-        else:
-            feats, n_valid = log_mel(waveform, self.front_end)
-            encoder_function = choose_bucket(self.encoder_buckets, n_valid)  # WindowTooLongError past every window
-            feats, n_valid = pad_to_window(feats, n_valid, frames=self.encoder_buckets[encoder_function])
+        feats, n_valid, encoder_function = self.features(waveform)
         t1 = time.perf_counter()
         enc = self.encode(feats, n_valid)
         t2 = time.perf_counter()
@@ -336,6 +343,11 @@ class Transcriber(Engine):
         return super().transcribe(audio, language, punctuation, max_new_tokens=max_new_tokens, beams=beams,
                                   repetition_guard=repetition_guard, progress=progress)
 
+    def stream(self, language: str = "en", punctuation: bool = True, config: "streaming.StreamConfig | None" = None,
+               max_new_tokens: int | None = None) -> "streaming.StreamingSession":
+        """A live-transcription session: `feed(samples) -> [Update]`, then `finish()` (docs/streaming.md)."""
+        return streaming.StreamingSession(self, language, punctuation, config, max_new_tokens)
+
 
 # --------------------------------------------------------------------------------------------
 # `cohere-coreml transcribe` (registered by cli.py)
@@ -351,6 +363,13 @@ def cmd_transcribe(args) -> int:
     are given), with --json one object per transcribed file (an object for one input file, a list for
     several; a failed file has no entry)."""
     check_language(args.language)
+    if args.stream:
+        if args.beams != 1 or args.repetition_guard:
+            raise TranscriptionError("--stream decodes greedily: --beams and --repetition-guard do not apply")
+        return streaming.run_cli(args, lambda: Transcriber(args.bundle, backend=args.backend,
+                                                           use_prefill=not args.no_prefill,
+                                                           front_end=args.front_end,
+                                                           compute_units=args.compute_units))
     if args.beams < 1:
         raise TranscriptionError(f"--beams must be >= 1, got {args.beams}")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
@@ -412,5 +431,13 @@ def add_command(subparsers) -> None:
     add_decoding_args(p)
     p.add_argument("--compute-units", default="all", choices=("all", "cpu_only", "cpu_and_gpu", "cpu_and_ne"),
                    help="Core ML compute units (macOS; ignored by the interpreter) (default: %(default)s)")
-    p.add_argument("--json", action="store_true", help="print JSON: text, token ids, timings, truncation per window")
+    p.add_argument("--json", action="store_true", help="print JSON: text, token ids, timings, truncation per window "
+                   "(with --stream: one JSON line per update)")
+    p.add_argument("--stream", action="store_true",
+                   help="live transcription (docs/streaming.md): the file fed in 0.1 s chunks, partial and final "
+                   "updates while it arrives")
+    p.add_argument("--no-pace", action="store_true",
+                   help="with --stream: feed the file as fast as possible instead of at real time")
+    p.add_argument("--hop", type=float, default=streaming.StreamConfig.hop_s,
+                   help="with --stream: seconds of new audio between partial decodes (default: %(default)s)")
     p.set_defaults(func=cmd_transcribe)

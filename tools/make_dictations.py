@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""Dictations for the streaming bench: held-out utterances joined with pauses, times known exactly.
+
+Every held-out clip (tests/data/heldout, `tools/make_synthetic_speech.py --split heldout`) is
+espeak-ng speech with leading and trailing silence and white noise (`cohere_coreml_dev.synth._augment`:
+lead, trail = uniform(0.05, 0.4) s, the first two draws of the clip's seeded generator). Rebuilding
+the clip's synthesis plan (`plan_corpus`, same seed and split) gives those two lengths exactly, so the
+clip's speech is samples [lead, n - trail]. A dictation is the speech of `--per-dictation` utterances
+of one language, in manifest order, with pauses of uniform(--min-pause, --max-pause) s between them
+(1 s before the first, 1.5 s after the last). One background noise runs through the whole dictation:
+white noise at the level of the group's noisiest clip (each clip's own noise measured on its lead and
+trail), added to pauses and speech alike, so the noise floor is as stationary as in one recording
+(a clip's own noise adds at most 3 dB to it) instead of jumping by the clips' 15-40 dB SNR spread.
+The 75 s clip (tests/data/audio/en_long_75s.flac) is listed too, with its reference text and no
+utterance times.
+
+Writes <out>/<language>_dictation_<i>.flac and <out>/manifest.json:
+  {"dictations": [{"file", "language", "seconds", "text", "utterances": [{"id", "text", "start", "end"}] | null}]}
+
+Example:
+  uv run --frozen python tools/make_dictations.py --out out/dictations
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+
+from cohere_coreml.audio import load_audio
+from cohere_coreml.datasets import load_folder
+from cohere_coreml_dev.synth import SAMPLE_RATE, plan_corpus
+
+logger = logging.getLogger("make_dictations")
+
+ROOT = Path(__file__).resolve().parents[1]
+HELDOUT_DIR = ROOT / "tests" / "data" / "heldout"
+LONG_CLIP = ROOT / "tests" / "data" / "audio" / "en_long_75s.flac"
+LEAD_PAUSE_S = 1.0
+TRAIL_PAUSE_S = 1.5
+# synth._augment: leading/trailing silence drawn as uniform(LEAD_RANGE) seconds (lead first, then trail)
+LEAD_RANGE = (0.05, 0.4)
+
+
+def speech_bounds(heldout_dir: Path = HELDOUT_DIR) -> dict[str, tuple[int, int]]:
+    """{file name: (lead, trail) samples} of every held-out clip, from its synthesis plan."""
+    manifest = json.loads((heldout_dir / "manifest.json").read_text())
+    languages = manifest["languages"]
+    counts = {lang: sum(u["language"] == lang for u in manifest["utterances"]) for lang in languages}
+    if len(set(counts.values())) != 1:
+        raise SystemExit(f"held-out set is not balanced across languages ({counts}): cannot rebuild its plan")
+    jobs = plan_corpus(languages, next(iter(counts.values())), split=manifest["split"], seed=manifest["seed"],
+                       heldout_percent=manifest["heldout_percent"])
+    by_id = {j["id"]: j for j in jobs}
+    bounds = {}
+    for u in manifest["utterances"]:
+        job = by_id.get(Path(u["file"]).stem)
+        if job is None or job["text"] != u["text"]:
+            raise SystemExit(f"{u['file']}: its synthesis plan does not match the manifest (another seed or split?)")
+        rng = np.random.default_rng(job["seed"])
+        lead = int(SAMPLE_RATE * rng.uniform(*LEAD_RANGE))
+        trail = int(SAMPLE_RATE * rng.uniform(*LEAD_RANGE))
+        bounds[u["file"]] = (lead, trail)
+    return bounds
+
+
+def heldout_speech(heldout_dir: Path = HELDOUT_DIR) -> list[dict]:
+    """Held-out clips with their speech: {"id", "language", "text", "speech", "noise_std", "wav", "lead", "trail"}."""
+    bounds = speech_bounds(heldout_dir)
+    out = []
+    for clip in load_folder(heldout_dir).clips:
+        wav = load_audio(clip.audio, target_rate=SAMPLE_RATE)
+        lead, trail = bounds[clip.audio.name]
+        noise = np.concatenate([wav[:lead], wav[wav.size - trail:]])
+        out.append({"id": clip.id, "language": clip.language, "text": clip.text, "wav": wav, "lead": lead,
+                    "trail": trail, "speech": wav[lead: wav.size - trail], "noise_std": float(np.std(noise))})
+    return out
+
+
+def make_dictations(out_dir: Path, per_dictation: int = 15, min_pause: float = 0.3, max_pause: float = 2.0,
+                    seed: int = 0) -> list[dict]:
+    if not 10 <= per_dictation <= 20:
+        raise SystemExit(f"--per-dictation must be 10-20 utterances, got {per_dictation}")
+    if not 0 < min_pause <= max_pause:
+        raise SystemExit(f"pauses must satisfy 0 < min <= max, got {min_pause}, {max_pause}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    clips = heldout_speech()
+    entries = []
+    for language in sorted({c["language"] for c in clips}):
+        mine = [c for c in clips if c["language"] == language]
+        for d in range(len(mine) // per_dictation):
+            group = mine[d * per_dictation: (d + 1) * per_dictation]
+            pieces, utterances, pos = [], [], 0
+
+            def pause(seconds: float) -> None:
+                nonlocal pos
+                n = int(round(seconds * SAMPLE_RATE))
+                pieces.append(np.zeros(n, dtype=np.float32))
+                pos += n
+
+            pause(LEAD_PAUSE_S)
+            for i, clip in enumerate(group):
+                utterances.append({"id": clip["id"], "text": clip["text"], "start": pos / SAMPLE_RATE,
+                                   "end": (pos + clip["speech"].size) / SAMPLE_RATE,
+                                   "start_sample": pos, "end_sample": pos + clip["speech"].size})
+                pieces.append(clip["speech"])
+                pos += clip["speech"].size
+                pause(TRAIL_PAUSE_S if i == len(group) - 1 else float(rng.uniform(min_pause, max_pause)))
+            wav = np.concatenate(pieces)
+            background = max(c["noise_std"] for c in group)
+            wav = np.clip(wav + rng.normal(0.0, background, wav.size).astype(np.float32), -1.0, 1.0)
+            name = f"{language}_dictation_{d}.flac"
+            sf.write(out_dir / name, wav, SAMPLE_RATE, format="FLAC", subtype="PCM_16")
+            entries.append({"file": name, "language": language, "seconds": wav.size / SAMPLE_RATE,
+                            "text": " ".join(u["text"] for u in utterances), "utterances": utterances})
+            logger.info("%s: %d utterances, %.1f s", name, len(utterances), wav.size / SAMPLE_RATE)
+    long_text = next(e["text"] for e in json.loads((LONG_CLIP.parent / "manifest.json").read_text())["clips"]
+                     if e["file"] == LONG_CLIP.name)
+    long_wav = load_audio(LONG_CLIP, target_rate=SAMPLE_RATE)
+    sf.write(out_dir / LONG_CLIP.name, long_wav, SAMPLE_RATE, format="FLAC", subtype="PCM_16")
+    entries.append({"file": LONG_CLIP.name, "language": "en", "seconds": long_wav.size / SAMPLE_RATE,
+                    "text": long_text, "utterances": None})
+    manifest = {"sample_rate": SAMPLE_RATE, "seed": seed, "pauses_s": [min_pause, max_pause], "dictations": entries}
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
+    return entries
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="out/dictations", help="output folder (default: %(default)s)")
+    parser.add_argument("--per-dictation", type=int, default=15, help="utterances per dictation, 10-20")
+    parser.add_argument("--min-pause", type=float, default=0.3)
+    parser.add_argument("--max-pause", type=float, default=2.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    entries = make_dictations(Path(args.out), args.per_dictation, args.min_pause, args.max_pause, args.seed)
+    print(f"{len(entries)} dictations -> {args.out}/manifest.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
