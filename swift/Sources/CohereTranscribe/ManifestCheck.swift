@@ -261,6 +261,9 @@ enum ManifestCheck {
             }
         }
         if !problems.isEmpty {
+            let message = "\(bundle.path): \(problems.count) file(s) do not match \(BundleManifest.fileName):\n  "
+                + problems.joined(separator: "\n  ")
+            if problems.contains(where: { $0.contains("symbolic link") }) { throw BundleError.unsafePath(message) }
             throw BundleError.missingFile("\(bundle.path): \(problems.count) file(s) do not match \(BundleManifest.fileName):\n  "
                                           + problems.joined(separator: "\n  "))
         }
