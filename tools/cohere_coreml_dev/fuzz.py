@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from cohere_coreml.bundle import Bundle, BundleError
+from cohere_coreml.bundle import IO_DTYPES, Bundle, BundleError
 
 # values that replace a field: wrong types, empty / odd strings, out-of-range and non-finite numbers
 ODD_VALUES: tuple[Any, ...] = (
@@ -142,18 +142,46 @@ def corrupt_text(text: str, rng: random.Random) -> str:
 # one mutation per field and value class: every check of the loaders is hit by construction
 TARGETED: tuple[tuple[str, Any], ...] = (("delete", None), ("replace", None), ("replace", -1), ("replace", 0),
                                          ("replace", 2**40), ("replace", math.nan), ("replace", 1.5), ("replace", "x"),
-                                         ("replace", []), ("plus_one", None))
+                                         ("replace", []), ("plus_one", None), ("rename_key", "../outside"))
+
+
+def field_mutations(manifest: dict, path: tuple) -> list[tuple[str, Any]]:
+    """(operator, value) of TARGETED, and what only this field takes: another valid dtype (a dtype that
+    disagrees with the precision), another file of the bundle or a missing one (a `files` entry)."""
+    out = list(TARGETED)
+    current = _parent(manifest, path)[path[-1]]
+    if path[-1] == "dtype":
+        out += [("replace", dtype) for dtype in IO_DTYPES if dtype != current]
+    if len(path) == 2 and path[0] == "files" and isinstance(current, str):
+        out += [("replace", f"renamed-{current}")] + [("replace", other) for other in sorted(manifest["files"].values())
+                                                       if isinstance(other, str) and other != current]
+    return out
+
+
+def paired_mutations(manifest: dict) -> list[dict]:
+    """Checks that only two coordinated changes reach: eos ids that agree with each other but not with
+    vocab.json; a checksum size and the total that agree with each other but not with the file."""
+    out = []
+    if isinstance(manifest.get("tokens"), dict):
+        out.append(apply(apply(manifest, ("tokens", "eos_token_ids"), "replace", [0]), ("tokens", "eos_token_id"), "replace", 0))
+    listed = manifest.get("checksums", {}).get("files") if isinstance(manifest.get("checksums"), dict) else None
+    if isinstance(listed, dict) and listed and "total_bytes" in manifest["checksums"]:
+        first = sorted(listed)[0]
+        out.append(apply(apply(manifest, ("checksums", "files", first, "size"), "plus_one"), ("checksums", "total_bytes"), "plus_one"))
+    return out
 
 
 def targeted(manifest: dict) -> list[tuple[str, str]]:
-    """(name, JSON text) of every path of `manifest` mutated by each of TARGETED (a no-op skipped)."""
-    out = []
+    """(name, JSON text) of every path of `manifest` mutated by each of its `field_mutations` (a no-op
+    skipped), then the `paired_mutations`."""
+    texts = []
     for path in paths(manifest):
-        for operator, value in TARGETED:
+        for operator, value in field_mutations(manifest, path):
             mutated = apply(manifest, path, operator, value)
             if mutated != manifest:
-                out.append((f"manifest-t{len(out):04d}.json", json.dumps(mutated, allow_nan=True)))
-    return out
+                texts.append(json.dumps(mutated, allow_nan=True))
+    texts += [json.dumps(m, allow_nan=True) for m in paired_mutations(manifest)]
+    return [(f"manifest-t{i:04d}.json", text) for i, text in enumerate(texts)]
 
 
 def corpus(manifest: dict, count: int, seed: int) -> list[tuple[str, str]]:
