@@ -131,6 +131,37 @@ final class ManifestFuzzTests: XCTestCase {
         XCTAssertGreaterThan(accepted, 0, "the corpus holds manifests both loaders accept")
     }
 
+    /// `JSONValue` reads what Python's `json.loads` reads, and refuses what it refuses.
+    func testJSONValueReadsAsPythonDoes() throws {
+        let v = try JSONValue.parse(Data(#"{"b": [NaN, Infinity, -Infinity, 1.0, 1, true, 100000000000000000000], "a": "\u00e9\ud83d\ude00", "b2": {}, "a": 2}"#.utf8))
+        let o = try XCTUnwrap(v.object)
+        XCTAssertEqual(o.keys, ["b", "a", "b2"])  // file order; a repeated key keeps its place, takes the last value
+        XCTAssertEqual(o["a"], .int(2))
+        guard case .array(let items)? = o["b"] else { return XCTFail("\(v)") }
+        guard case .double(let nan) = items[0] else { return XCTFail("\(items[0])") }
+        XCTAssertTrue(nan.isNaN)
+        XCTAssertNotEqual(items[0], items[0])  // NaN equals nothing, as in Python
+        XCTAssertEqual(items[1], .double(.infinity))
+        XCTAssertEqual(items[2], .double(-.infinity))
+        guard case .double = items[3] else { return XCTFail("1.0 is a float: \(items[3])") }
+        XCTAssertEqual(items[3], items[4])  // but equal to 1, and to true (Python's ==)
+        XCTAssertEqual(items[4], items[5])
+        XCTAssertEqual(items[6], .bigInt("100000000000000000000"))
+        XCTAssertEqual(try JSONValue.parse(Data(#""\u00e9\ud83d\ude00""#.utf8)), .string("\u{e9}\u{1F600}"))
+        for bad in ["", "{", "{} x", "[1,]", "{\"a\" 1}", "\"a\u{01}b\"", "01", "-", "nan", "'a'", "[1] [2]", "\"\\x\""] {
+            XCTAssertThrowsError(try JSONValue.parse(Data(bad.utf8)), bad)
+        }
+        // a refusal names the field of the first check that fails (in check_manifest's order, not the file's)
+        var m = try XCTUnwrap(try JSONValue.parse(try Data(contentsOf: Fixtures.bundle.appendingPathComponent("manifest.json"))).object)
+        var audio = try XCTUnwrap(m["audio"]?.object)
+        audio["hop_length"] = .double(160.0)
+        audio["preemphasis"] = .double(.nan)
+        m["audio"] = .object(audio)
+        XCTAssertThrowsError(try BundleManifest.decode(Data(JSONValue.object(m).jsonText(nonFinite: true).utf8))) {
+            XCTAssertEqual(($0 as? BundleError)?.field, "audio.hop_length", "\($0)")
+        }
+    }
+
     // MARK: - WAVReader.parse
 
     /// A valid RIFF/WAVE header for `format` (1 PCM, 3 float), then `data`.
