@@ -334,8 +334,9 @@ enum ManifestCheck {
                 throw BundleError.unreadableManifest("files.processor_config holds no feature-extractor settings")
             }
             for (key, field) in processorAudioKeys {
-                if let want = settings[key], want != audio[field]! {
-                    throw fail("audio.\(field)", "is \(audio[field]!.shown) but the checkpoint's processor config "
+                let have = audio[field] ?? .null
+                if let want = settings[key], want != have {
+                    throw fail("audio.\(field)", "is \(have.shown) but the checkpoint's processor config "
                                + "(files.processor_config) says \(key) = \(want.shown)")
                 }
             }
