@@ -18,7 +18,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cohere_coreml_dev.fuzz import ODD_VALUES, OPERATORS, apply, changed_keys, corpus, corrupt_text, paths
+from cohere_coreml_dev.fuzz import (ODD_VALUES, OPERATORS, apply, changed_keys, corpus, corrupt_text, named_field,
+                                   field_mutations, paired_mutations, paths, targeted, verdicts)
 
 from .fuzz import Outcomes, fuzz_settings
 
@@ -149,3 +150,57 @@ def test_fields_the_loop_reads_are_checked_against_the_packages(fuzz_bundle, edi
     finally:
         (bundle_dir / "manifest.json").write_text(text)
     assert field in str(info.value) and "manifest.json" in str(info.value), str(info.value)
+
+
+def test_targeted_mutates_every_path_by_every_value_class(fuzz_bundle):
+    """The targeted part of the Swift corpus: each path of the manifest, each TARGETED class, no no-ops."""
+    _, text, _ = fuzz_bundle
+    manifest = json.loads(text)
+    files = targeted(manifest)
+    assert len({name for name, _ in files}) == len(files)
+    every = sum(len(field_mutations(manifest, p)) for p in paths(manifest)) + len(paired_mutations(manifest))
+    assert every * 0.9 < len(files) <= every  # only no-ops (a value replaced by itself ...) are left out
+    assert all(json.loads(mutated) != manifest for _, mutated in files)
+    # a field the loop reads, by every class: deleted, null, negative, zero, huge, NaN, fractional, a string
+    def capacity_only(mutated: dict) -> list[str]:
+        """[decoder.capacity of `mutated`, shown] when nothing else differs from the manifest, else []."""
+        dec = mutated.get("decoder")
+        if not isinstance(dec, dict):
+            return []
+        rest = {**mutated, "decoder": {k: v for k, v in dec.items() if k != "capacity"}}
+        if rest != {**manifest, "decoder": {k: v for k, v in manifest["decoder"].items() if k != "capacity"}}:
+            return []
+        return [repr(dec["capacity"]) if "capacity" in dec else "deleted"]
+
+    shown = {c for _, t in files for c in capacity_only(json.loads(t))}
+    assert shown == {"deleted", "None", "-1", "0", str(2**40), "nan", "1.5", "'x'", "[]",
+                     str(manifest["decoder"]["capacity"] + 1)}
+
+@pytest.mark.parametrize("message, field", [
+    ("m.json: field 'decoder.capacity' is 289 but ...", "decoder.capacity"),
+    ("m.json: files.vocab '../v.json' is refused: not normalised; bundle paths ...", "files.vocab"),
+    ("m.json describes no tokenizer: export it (`cohere-coreml export`)", "files.tokenizer"),
+    ("m.json is not readable JSON: Expecting value: line 1 column 1 (char 0)", None),
+    ("bundle is missing vocab2.json (looked in /b)", None),
+    ("/b: 1 file(s) do not match manifest.json:\n  vocab.json: size 1 != 2 in the manifest", None),
+])
+def test_named_field_reads_the_field_a_loader_error_names(message, field):
+    assert named_field(message) == field
+
+
+def test_verdicts_are_the_python_loaders_with_the_stage(fuzz_bundle):
+    """Accepted; refused before the packages (naming the field); refused only by the package io; unreadable."""
+    bundle_dir, text, _ = fuzz_bundle
+    manifest = json.loads(text)
+    capacity = apply(manifest, ("decoder", "capacity"), "replace", 1)  # below its range [2, ...]
+    step = apply(manifest, ("decoder", "functions", "step"), "replace", "x")
+    judged = verdicts(bundle_dir, [("same", text), ("capacity", json.dumps(capacity)), ("step", json.dumps(step)),
+                                   ("cut", text[:100])])
+    assert judged["same"] == {"accepted": True, "stage": None, "field": None, "error": None}
+    assert (judged["capacity"]["accepted"], judged["capacity"]["stage"], judged["capacity"]["field"]) == \
+        (False, "manifest", "decoder.capacity")
+    assert (judged["step"]["accepted"], judged["step"]["stage"], judged["step"]["field"]) == \
+        (False, "packages", "decoder.functions.step")
+    assert (judged["cut"]["accepted"], judged["cut"]["field"]) == (False, None)
+    assert "not readable JSON" in judged["cut"]["error"]
+    assert (bundle_dir / "manifest.json").read_text() == text  # the bundle itself is never written

@@ -4,8 +4,11 @@
         --out out/fuzz-manifests [--count 400 --seed 22]
 
 Same generator as tests/test_fuzz_manifest.py (cohere_coreml_dev.fuzz.corpus): 1-3 field mutations per
-manifest, one in eight a corrupted JSON text. `make swift-fixtures` runs it; index.json names the
-source, seed and count. Deterministic: the same manifest and seed give the same files.
+manifest, one in eight a corrupted JSON text (manifest-NNNN.json); and every field mutated by each value
+class of cohere_coreml_dev.fuzz.TARGETED (manifest-tNNNN.json). index.json names the source, seed and
+count, and records the Python loader's verdict of every file (`Bundle.load` beside the source bundle's
+files: accepted, or refused, at which stage and the field named), which the Swift test asserts. `make swift-fixtures`
+runs it. Deterministic: the same manifest and seed give the same files and verdicts.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cohere_coreml_dev.fuzz import corpus  # noqa: E402
+from cohere_coreml_dev.fuzz import corpus, targeted, verdicts  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,12 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("manifest-*.json"):
         old.unlink()
-    files = corpus(manifest, args.count, args.seed)
+    files = corpus(manifest, args.count, args.seed) + targeted(manifest)
     for name, text in files:
         (out / name).write_text(text, encoding="utf-8", errors="surrogatepass")
-    (out / "index.json").write_text(json.dumps({"source": str(args.manifest), "seed": args.seed, "count": args.count,
-                                                "files": [name for name, _ in files]}, indent=1))
-    print(f"wrote {len(files)} mutated manifests to {out} (seed {args.seed})")
+    source = Path(args.manifest).resolve()
+    judged = verdicts(source.parent, files)
+    (out / "index.json").write_text(json.dumps({"source": str(source), "seed": args.seed, "count": args.count,
+                                                "files": [name for name, _ in files], "verdicts": judged}, indent=1))
+    refused = sum(not v["accepted"] for v in judged.values())
+    print(f"wrote {len(files)} mutated manifests to {out} (seed {args.seed}): the Python loader refuses {refused} "
+          f"({sum(v['field'] is not None for v in judged.values())} naming a field), accepts {len(files) - refused}")
     return 0
 
 

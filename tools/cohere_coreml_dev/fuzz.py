@@ -12,7 +12,12 @@ import copy
 import json
 import math
 import random
+import re
+import tempfile
+from pathlib import Path
 from typing import Any
+
+from cohere_coreml.bundle import IO_DTYPES, Bundle, BundleError
 
 # values that replace a field: wrong types, empty / odd strings, out-of-range and non-finite numbers
 ODD_VALUES: tuple[Any, ...] = (
@@ -134,6 +139,51 @@ def corrupt_text(text: str, rng: random.Random) -> str:
                        '{"format": "cohere-coreml-bundle", "format_version": 1}'])
 
 
+# one mutation per field and value class: every check of the loaders is hit by construction
+TARGETED: tuple[tuple[str, Any], ...] = (("delete", None), ("replace", None), ("replace", -1), ("replace", 0),
+                                         ("replace", 2**40), ("replace", math.nan), ("replace", 1.5), ("replace", "x"),
+                                         ("replace", []), ("plus_one", None), ("rename_key", "../outside"))
+
+
+def field_mutations(manifest: dict, path: tuple) -> list[tuple[str, Any]]:
+    """(operator, value) of TARGETED, and what only this field takes: another valid dtype (a dtype that
+    disagrees with the precision), another file of the bundle or a missing one (a `files` entry)."""
+    out = list(TARGETED)
+    current = _parent(manifest, path)[path[-1]]
+    if path[-1] == "dtype":
+        out += [("replace", dtype) for dtype in IO_DTYPES if dtype != current]
+    if len(path) == 2 and path[0] == "files" and isinstance(current, str):
+        out += [("replace", f"renamed-{current}")] + [("replace", other) for other in sorted(manifest["files"].values())
+                                                       if isinstance(other, str) and other != current]
+    return out
+
+
+def paired_mutations(manifest: dict) -> list[dict]:
+    """Checks that only two coordinated changes reach: eos ids that agree with each other but not with
+    vocab.json; a checksum size and the total that agree with each other but not with the file."""
+    out = []
+    if isinstance(manifest.get("tokens"), dict):
+        out.append(apply(apply(manifest, ("tokens", "eos_token_ids"), "replace", [0]), ("tokens", "eos_token_id"), "replace", 0))
+    listed = manifest.get("checksums", {}).get("files") if isinstance(manifest.get("checksums"), dict) else None
+    if isinstance(listed, dict) and listed and "total_bytes" in manifest["checksums"]:
+        first = sorted(listed)[0]
+        out.append(apply(apply(manifest, ("checksums", "files", first, "size"), "plus_one"), ("checksums", "total_bytes"), "plus_one"))
+    return out
+
+
+def targeted(manifest: dict) -> list[tuple[str, str]]:
+    """(name, JSON text) of every path of `manifest` mutated by each of its `field_mutations` (a no-op
+    skipped), then the `paired_mutations`."""
+    texts = []
+    for path in paths(manifest):
+        for operator, value in field_mutations(manifest, path):
+            mutated = apply(manifest, path, operator, value)
+            if mutated != manifest:
+                texts.append(json.dumps(mutated, allow_nan=True))
+    texts += [json.dumps(m, allow_nan=True) for m in paired_mutations(manifest)]
+    return [(f"manifest-t{i:04d}.json", text) for i, text in enumerate(texts)]
+
+
 def corpus(manifest: dict, count: int, seed: int) -> list[tuple[str, str]]:
     """`count` (name, JSON text) mutated manifests, deterministic for `seed`: 1-3 field mutations each,
     one in eight a corrupted text; NaN/Infinity written as JSON extensions (Python reads them)."""
@@ -145,4 +195,44 @@ def corpus(manifest: dict, count: int, seed: int) -> list[tuple[str, str]]:
         else:
             text = json.dumps(random_mutations(manifest, rng, rng.randint(1, 3)), allow_nan=True)
         out.append((f"manifest-{i:04d}.json", text))
+    return out
+
+
+# what names a field in a BundleError: `field 'x.y'` (the checks), `files.key ... is refused` (a path),
+# `describes no key` (a required file)
+_FIELD = re.compile(r"field '([^']+)'")
+_FILES_PATH = re.compile(r": (files\.[A-Za-z0-9_]+) .* is refused")
+_NO_FILE = re.compile(r" describes no ([A-Za-z0-9_]+):")
+
+
+def named_field(message: str) -> str | None:
+    """The manifest field a BundleError message names, or None (unreadable JSON, a file on disk ...)."""
+    if m := _FIELD.search(message):
+        return m.group(1)
+    if m := _FILES_PATH.search(message):
+        return m.group(1)
+    if m := _NO_FILE.search(message):
+        return f"files.{m.group(1)}"
+    return None
+
+
+def verdicts(bundle_dir: Path, files: list[tuple[str, str]]) -> dict[str, dict]:
+    """{name: {"accepted": bool, "stage": None | "manifest" | "packages", "field": str | None, "error": str | None}}:
+    `Bundle.load` of each manifest text read beside the files of `bundle_dir` (the bundle it was mutated
+    from). "manifest": refused before the packages are opened (the Swift manifest loader's checks);
+    "packages": refused only by `check_packages` (a function or io the packages lack; Swift: `checkIO`)."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        manifest_dir = Path(tmp)
+        for name, text in files:
+            (manifest_dir / "manifest.json").write_text(text, encoding="utf-8", errors="surrogatepass")
+            verdict = {"accepted": True, "stage": None, "field": None, "error": None}
+            for stage, check_package_io in (("manifest", False), ("packages", True)):
+                try:
+                    Bundle.load([manifest_dir, bundle_dir], check_package_io=check_package_io)
+                except BundleError as err:
+                    message = str(err).replace(str(manifest_dir), "<manifest>")
+                    verdict = {"accepted": False, "stage": stage, "field": named_field(message), "error": message}
+                    break
+            out[name] = verdict
     return out

@@ -45,6 +45,18 @@ public enum BundlePath {
     }
 }
 
+extension BundleError {
+    /// The manifest field this error names (`invalidField`, or an unsafe `files` path), else nil.
+    public var field: String? {
+        switch self {
+        case .invalidField(let field, _): return field
+        case .unsafePath(let message) where message.hasPrefix("manifest files."):
+            return message.dropFirst("manifest ".count).split(separator: " ", maxSplits: 1).first.map(String.init)
+        default: return nil
+        }
+    }
+}
+
 /// Shape and element type of one input, output or state, as the manifest's `io` blocks list them.
 public struct ArrayDescription: Codable, Equatable, Sendable, CustomStringConvertible {
     public var shape: [Int]
@@ -268,40 +280,36 @@ public struct BundleManifest: Codable, Sendable {
         case precision, files, audio, encoder, decoder, frontend, tokens, generation, languages
     }
 
-    /// Decodes `data`, refusing another format or a newer `format_version` before anything else.
-    public static func decode(_ data: Data) throws -> BundleManifest {
-        struct Header: Decodable {
-            var format: String?
-            var formatVersion: Int?
-            enum CodingKeys: String, CodingKey {
-                case format
-                case formatVersion = "format_version"
-            }
-        }
-        let header: Header
+    /// Decodes `data` after the Python loader's checks (`ManifestCheck`, in its order): another format, a
+    /// newer or older `format_version`, an unsafe file path, then every field's type, range and
+    /// consistency, each refusal a `BundleError` naming the field. With `bundle` (the folder the manifest
+    /// describes) also what needs its files: every named file present, the `checksums` sizes, the
+    /// prompts and token ids against `vocab.json`, the audio settings against `processor_config.json`.
+    public static func decode(_ data: Data, bundle: URL? = nil) throws -> BundleManifest {
+        let document: JSONValue
         do {
-            header = try JSONDecoder().decode(Header.self, from: data)
+            document = try JSONValue.parse(data)
         } catch {
             throw BundleError.unreadableManifest("not JSON: \(error)")
         }
-        guard header.format == formatName else {
-            throw BundleError.unsupportedFormat(
-                "manifest format is \(header.format.map { "'\($0)'" } ?? "missing"), expected '\(formatName)'")
+        guard var object = document.object else {
+            throw BundleError.unsupportedFormat("manifest is not a JSON object, expected a '\(formatName)' manifest")
         }
-        guard let version = header.formatVersion else {
-            throw BundleError.unreadableManifest("no format_version")
+        try ManifestCheck.checkHeaderAndFiles(object, bundle: bundle)
+        try ManifestCheck.checkChecksums(object, bundle: bundle)
+        let read = try bundle.map { try ManifestCheck.readVocabAndProcessor(object, bundle: $0) }
+        try ManifestCheck.checkManifest(object, vocab: read?.vocab, processor: read?.processor)
+        // Fields the checks leave optional, as the types below read them: audio.window_frames is
+        // encoder.window_frames (checked equal when given); model_id is informational (a string or absent).
+        if var audio = object["audio"]?.object, (audio["window_frames"] ?? .null) == .null {
+            audio["window_frames"] = object["encoder"]!.object!["window_frames"]
+            object["audio"] = .object(audio)
         }
-        guard version <= supportedFormatVersion else {
-            throw BundleError.newerFormatVersion(found: version, supported: supportedFormatVersion)
-        }
-        guard version == supportedFormatVersion else {
-            throw BundleError.unsupportedFormat(
-                "bundle format_version \(version) is an older format this package no longer reads (format \(supportedFormatVersion): "
-                    + "the decoder keeps the cross memory in its state): re-export the bundle with `cohere-coreml export --force`")
-        }
-        let manifest: BundleManifest
+        if let id = object["model_id"], case .string = id {} else { object["model_id"] = nil }
         do {
-            manifest = try JSONDecoder().decode(BundleManifest.self, from: data)
+            // standard JSON of the checked document (a non-finite number or one beyond 64 bits is null:
+            // only fields nothing reads can hold one)
+            return try JSONDecoder().decode(BundleManifest.self, from: Data(JSONValue.object(object).jsonText().utf8))
         } catch let DecodingError.keyNotFound(key, context) {
             throw BundleError.unreadableManifest(
                 "missing field '\((context.codingPath.map(\.stringValue) + [key.stringValue]).joined(separator: "."))'")
@@ -311,12 +319,6 @@ public struct BundleManifest: Codable, Sendable {
         } catch {
             throw BundleError.unreadableManifest("\(error)")
         }
-        for (key, path) in manifest.files.named {
-            if let reason = BundlePath.unsafeReason(path) {
-                throw BundleError.unsafePath("manifest files.\(key) '\(path)' is refused: \(reason); bundle paths stay inside the bundle")
-            }
-        }
-        return manifest
     }
 
     /// Reads `manifest.json` from a bundle folder.
@@ -325,7 +327,7 @@ public struct BundleManifest: Codable, Sendable {
         guard FileManager.default.fileExists(atPath: url.path) else {
             throw BundleError.missingFile("no \(fileName) in \(bundle.path): export the bundle with `cohere-coreml export`")
         }
-        return try decode(try Data(contentsOf: url))
+        return try decode(try Data(contentsOf: url), bundle: bundle)
     }
 
     /// The decoder prompt of `language`.

@@ -12,6 +12,9 @@ public enum BundleError: Error, Equatable, CustomStringConvertible, LocalizedErr
     case noFrontEnd(String)
     /// A path that leaves the bundle, or a symbolic link inside it.
     case unsafePath(String)
+    /// A manifest field that is missing, of the wrong type, out of range or inconsistent with another
+    /// (`field`: its dotted JSON path, as the Python loader names it).
+    case invalidField(field: String, problem: String)
 
     public var description: String {
         switch self {
@@ -26,6 +29,7 @@ public enum BundleError: Error, Equatable, CustomStringConvertible, LocalizedErr
         case .unknownLanguage(let language, let available):
             return "unsupported language '\(language)'; the bundle has prompts for: \(available.joined(separator: ", "))"
         case .noFrontEnd(let s): return s
+        case .invalidField(let field, let problem): return "manifest.json: field '\(field)' \(problem)"
         }
     }
     public var errorDescription: String? { description }

@@ -145,7 +145,8 @@ final class BundleManifestTests: XCTestCase {
         }
     }
 
-    /// A manifest whose shapes do not match the packages: the transcriber names the array and both shapes.
+    /// A manifest whose shapes do not agree with each other is refused by the loader, naming the field; one
+    /// whose io blocks agree with its sizes but not with the packages: the transcriber names the array.
     func testPackageIOMismatchIsNamed() async throws {
         let runtime = try Fixtures.interpreter()
         let dir = try editedBundle { json in
@@ -159,17 +160,20 @@ final class BundleManifestTests: XCTestCase {
             _ = try await CohereTranscriber(bundle: dir, runtime: runtime)
             XCTFail("a mismatching manifest was accepted")
         } catch let error as BundleError {
-            guard case .ioMismatch(let component, _, let detail) = error else { return XCTFail("\(error)") }
-            XCTAssertEqual(component, "decoder")
-            XCTAssertTrue(detail.contains("cross_k") && detail.contains("the manifest says"), detail)
+            XCTAssertEqual(error.field, "decoder.memory_shape", "\(error)")
+            XCTAssertTrue("\(error)".contains("encoder.memory_len"), "\(error)")
         }
-        // a manifest io block that names an input the package lacks
+        // a manifest io block that names an input the package lacks (in encoder.io and functions.main.io,
+        // which the loader checks equal)
         let dir2 = try editedBundle { json in
             Self.editIO(&json, "encoder", function: "main") { io in
                 var inputs = io["inputs"] as! [String: Any]
                 inputs["speaker"] = ["shape": [1], "dtype": "int32"]
                 io["inputs"] = inputs
             }
+            var encoder = json["encoder"] as! [String: Any]
+            encoder["io"] = ((encoder["functions"] as! [String: Any])["main"] as! [String: Any])["io"]
+            json["encoder"] = encoder
         }
         do {
             _ = try await CohereTranscriber(bundle: dir2, runtime: runtime)
@@ -204,11 +208,13 @@ final class BundleManifestTests: XCTestCase {
     /// bucket and the front-end functions at prewarm (or first use).
     func testEveryFunctionIOBlockIsChecked() async throws {
         let runtime = try Fixtures.interpreter()
+        // (an io block that disagrees with the manifest's sizes is refused by the loader, naming the field;
+        // these agree with them and list an output the package lacks, or lack one it has)
         let prefill = try editedBundle { json in
             Self.editIO(&json, "decoder", function: "prefill") { io in
-                var inputs = io["inputs"] as! [String: Any]
-                inputs["input_ids"] = ["shape": [1, 11], "dtype": "int32"]
-                io["inputs"] = inputs
+                var outputs = io["outputs"] as! [String: Any]
+                outputs["extra"] = ["shape": [1], "dtype": "int32"]
+                io["outputs"] = outputs
             }
         }
         do {
@@ -218,12 +224,12 @@ final class BundleManifestTests: XCTestCase {
             guard case .ioMismatch(let component, let function, let detail) = error else { return XCTFail("\(error)") }
             XCTAssertEqual(component, "decoder")
             XCTAssertEqual(function, "prefill")
-            XCTAssertTrue(detail.contains("input 'input_ids' is int32 [1, 10], the manifest says int32 [1, 11]"), detail)
+            XCTAssertTrue(detail.contains("no output 'extra'"), detail)
         }
         let bind = try editedBundle { json in  // the bind function's io block: checked at init too
             Self.editIO(&json, "decoder", function: "bind_memory") { io in
                 var outputs = io["outputs"] as! [String: Any]
-                outputs["memory_length"] = ["shape": [2], "dtype": "int32"]
+                outputs["memory_length_2"] = ["shape": [2], "dtype": "int32"]
                 io["outputs"] = outputs
             }
         }
@@ -233,18 +239,26 @@ final class BundleManifestTests: XCTestCase {
         } catch let error as BundleError {
             guard case .ioMismatch(_, let function, let detail) = error else { return XCTFail("\(error)") }
             XCTAssertEqual(function, "bind_memory")
-            XCTAssertTrue(detail.contains("output 'memory_length'"), detail)
+            XCTAssertTrue(detail.contains("no output 'memory_length_2'"), detail)
         }
         var sections = [("encoder", "window_10s")]
         let manifest = try BundleManifest.load(bundle: Fixtures.bundle)
         if let frontend = manifest.frontend { sections += frontend.functions.keys.sorted().map { ("frontend", $0) } }
         for (section, function) in sections {
+            // encoder: an output the loader does not require dropped; front end (every output required):
+            // one the package lacks added (frontend.io is functions.main.io)
             let dir = try editedBundle { json in
                 Self.editIO(&json, section, function: function) { io in
                     var outputs = io["outputs"] as! [String: Any]
-                    let dropped = outputs.keys.sorted().first { $0 != "input_features" && $0 != "cross_k" }!
-                    outputs.removeValue(forKey: dropped)
+                    if section == "encoder" { outputs.removeValue(forKey: "encoder_hidden_states") } else {
+                        outputs["extra"] = ["shape": [1], "dtype": "int32"]
+                    }
                     io["outputs"] = outputs
+                }
+                if section == "frontend", function == "main" {
+                    var frontend = json["frontend"] as! [String: Any]
+                    frontend["io"] = ((frontend["functions"] as! [String: Any])["main"] as! [String: Any])["io"]
+                    json["frontend"] = frontend
                 }
             }
             let transcriber = try await CohereTranscriber(bundle: dir, runtime: runtime)  // loads only main functions
@@ -255,7 +269,8 @@ final class BundleManifestTests: XCTestCase {
                 guard case .ioMismatch(let component, let f, let detail) = error else { return XCTFail("\(error)") }
                 XCTAssertEqual(component, section)
                 XCTAssertEqual(f, function)
-                XCTAssertTrue(detail.contains("is not in the manifest"), detail)
+                XCTAssertTrue(detail.contains(section == "encoder" ? "output 'encoder_hidden_states' is not in the manifest"
+                                                                    : "no output 'extra'"), detail)
             }
         }
     }

@@ -4,9 +4,10 @@ import XCTest
 
 /// Fuzzing of the Swift readers (docs/reliability.md): the seeded corpus of mutated manifests that
 /// tools/make_fuzz_manifests.py writes (the Python fuzz test's generator, run by `make swift-fixtures`)
-/// through `BundleManifest.decode`, and seeded random / truncated / corrupted WAV bytes through
-/// `WAVReader.parse`. Property: a value, or the package's own error type (`BundleError`, `AudioError`)
-/// with a message; never another error, never a crash (a trap or an out-of-bounds read ends the run).
+/// through `BundleManifest.decode`, each with the Python loader's verdict to match, and seeded random /
+/// truncated / corrupted WAV bytes through `WAVReader.parse`. Property: a value, or the package's own
+/// error type (`BundleError`, `AudioError`) with a message; never another error, never a crash (a trap
+/// or an out-of-bounds read ends the run).
 final class ManifestFuzzTests: XCTestCase {
     /// Deterministic generator (SplitMix64): the same cases on every run.
     struct SeededGenerator: RandomNumberGenerator {
@@ -24,19 +25,35 @@ final class ManifestFuzzTests: XCTestCase {
     /// WAV cases: COHERE_FUZZ=long runs many more (as the Python fuzz tests do).
     static var wavCases: Int { ProcessInfo.processInfo.environment["COHERE_FUZZ"] == "long" ? 20000 : 600 }
 
-    /// The corpus folder: $COHERE_FUZZ_MANIFESTS (set by `make swift-test`; missing files are then a
-    /// failure) or out/fuzz-manifests; without either the test is skipped, naming the command.
-    func corpus() throws -> [URL] {
+    /// The Python loader's verdict of one corpus file (index.json, written by tools/make_fuzz_manifests.py):
+    /// accepted, or refused at `stage` "manifest" (before the packages are opened: what the Swift manifest
+    /// loader checks) or "packages" (only the package io differs: Swift's `checkIO`, at package load),
+    /// and the field its error names (nil: an unreadable text, a file on disk ...).
+    struct Verdict: Decodable {
+        var accepted: Bool
+        var stage: String?
+        var field: String?
+        var error: String?
+    }
+
+    struct Index: Decodable {
+        var source: String
+        var seed: Int
+        var files: [String]
+        var verdicts: [String: Verdict]
+    }
+
+    /// The corpus folder and its index: $COHERE_FUZZ_MANIFESTS (set by `make swift-test`; missing files are
+    /// then a failure) or out/fuzz-manifests; without either the test is skipped, naming the command.
+    func corpus() throws -> (dir: URL, index: Index) {
         let env = ProcessInfo.processInfo.environment["COHERE_FUZZ_MANIFESTS"]
         let dir = env.map { URL(fileURLWithPath: $0) } ?? Fixtures.repoRoot.appendingPathComponent("out/fuzz-manifests")
-        let files = ((try? FileManager.default.contentsOfDirectory(atPath: dir.path)) ?? [])
-            .filter { $0.hasPrefix("manifest-") && $0.hasSuffix(".json") }.sorted()
-        if files.isEmpty {
+        guard let data = try? Data(contentsOf: dir.appendingPathComponent("index.json")) else {
             let message = "no fuzz corpus in \(dir.path): run `make swift-fixtures` (or tools/make_fuzz_manifests.py)"
             if env != nil { XCTFail(message) }
             throw XCTSkip(message)
         }
-        return files.map { dir.appendingPathComponent($0) }
+        return (dir, try JSONDecoder().decode(Index.self, from: data))
     }
 
     /// Everything a loaded manifest offers callers, exercised: none of it may trap on a decoded manifest.
@@ -60,26 +77,89 @@ final class ManifestFuzzTests: XCTestCase {
         }
     }
 
-    func testMutatedManifestsDecodeOrThrowBundleError() throws {
-        let files = try corpus()
-        var decoded = 0, refused = 0, exercisedErrors = 0
-        for url in files {
-            let data = try Data(contentsOf: url)
+    /// Every corpus manifest through `BundleManifest.decode` beside the files of the bundle it was mutated
+    /// from (as `load(bundle:)` reads it): the Swift loader refuses what the Python loader refuses before
+    /// opening the packages, naming the same field, and accepts the rest (those Python refuses only for
+    /// the package io are accepted here, as Swift checks that when it loads a package); only
+    /// `BundleError`s escape; everything an accepted manifest offers callers works.
+    func testMutatedManifestsGetThePythonLoadersVerdict() throws {
+        let (dir, index) = try corpus()
+        let bundle = URL(fileURLWithPath: index.source).deletingLastPathComponent()
+        XCTAssertTrue(FileManager.default.fileExists(atPath: bundle.appendingPathComponent("vocab.json").path),
+                      "the corpus' source bundle \(bundle.path) is gone: run `make swift-fixtures`")
+        XCTAssertEqual(index.verdicts.count, index.files.count)
+        var accepted = 0, refused = 0, agree = 0, fieldsCompared = 0, packageStage = 0
+        var mismatches: [String] = []
+        let started = Date()
+        for name in index.files {
+            guard let verdict = index.verdicts[name] else { mismatches.append("\(name): no verdict in index.json"); continue }
+            let data = try Data(contentsOf: dir.appendingPathComponent(name))
+            let swiftAccepts = verdict.accepted || verdict.stage == "packages"
+            if verdict.stage == "packages" { packageStage += 1 }
             do {
-                let m = try BundleManifest.decode(data)
-                decoded += 1
-                do { try exercise(m) } catch is BundleError { exercisedErrors += 1 }
+                let m = try BundleManifest.decode(data, bundle: bundle)
+                accepted += 1
+                try exercise(m)
+                if swiftAccepts { agree += 1 } else {
+                    mismatches.append("\(name): Swift accepts, Python refuses (\(verdict.field ?? "no field")): \(verdict.error ?? "")")
+                }
             } catch let error as BundleError {
-                XCTAssertFalse(error.description.isEmpty, url.lastPathComponent)
                 refused += 1
+                XCTAssertFalse(error.description.isEmpty, name)
+                if swiftAccepts {
+                    mismatches.append("\(name): Swift refuses (\(error)), Python accepts")
+                } else if let field = verdict.field {
+                    fieldsCompared += 1
+                    if error.field == field { agree += 1 } else {
+                        mismatches.append("\(name): Swift names \(error.field ?? "no field") (\(error)), Python '\(field)': \(verdict.error ?? "")")
+                    }
+                } else {
+                    agree += 1
+                }
             } catch {
-                XCTFail("\(url.lastPathComponent): \(type(of: error)) escaped BundleManifest.decode: \(error)")
+                mismatches.append("\(name): \(type(of: error)) escaped BundleManifest.decode: \(error)")
             }
         }
-        print("ManifestFuzzTests: \(files.count) manifests (seed 22): decoded \(decoded), BundleError \(refused) "
-              + "(\(exercisedErrors) decoded ones refused by an accessor)")
-        XCTAssertEqual(decoded + refused, files.count)
-        XCTAssertGreaterThan(refused, files.count / 2, "most mutations break a field the decoder reads")
+        let pythonRefuses = index.verdicts.values.filter { !$0.accepted }.count
+        print("ManifestFuzzTests: \(index.files.count) manifests (seed \(index.seed)): Python refuses \(pythonRefuses) "
+              + "(\(packageStage) only for the package io), Swift refuses \(refused), accepts \(accepted); "
+              + "verdicts agree \(agree) (\(fieldsCompared) refusals compared by the field named); "
+              + String(format: "%.1f s", Date().timeIntervalSince(started)))
+        XCTAssertEqual(mismatches.count, 0, "\(mismatches.count) verdicts differ, first: \n" + mismatches.prefix(15).joined(separator: "\n"))
+        XCTAssertEqual(agree, index.files.count)
+        XCTAssertGreaterThan(refused, index.files.count / 2, "most mutations break a field the loader checks")
+        XCTAssertGreaterThan(accepted, 0, "the corpus holds manifests both loaders accept")
+    }
+
+    /// `JSONValue` reads what Python's `json.loads` reads, and refuses what it refuses.
+    func testJSONValueReadsAsPythonDoes() throws {
+        let v = try JSONValue.parse(Data(#"{"b": [NaN, Infinity, -Infinity, 1.0, 1, true, 100000000000000000000], "a": "\u00e9\ud83d\ude00", "b2": {}, "a": 2}"#.utf8))
+        let o = try XCTUnwrap(v.object)
+        XCTAssertEqual(o.keys, ["b", "a", "b2"])  // file order; a repeated key keeps its place, takes the last value
+        XCTAssertEqual(o["a"], .int(2))
+        guard case .array(let items)? = o["b"] else { return XCTFail("\(v)") }
+        guard case .double(let nan) = items[0] else { return XCTFail("\(items[0])") }
+        XCTAssertTrue(nan.isNaN)
+        XCTAssertNotEqual(items[0], items[0])  // NaN equals nothing, as in Python
+        XCTAssertEqual(items[1], .double(.infinity))
+        XCTAssertEqual(items[2], .double(-.infinity))
+        guard case .double = items[3] else { return XCTFail("1.0 is a float: \(items[3])") }
+        XCTAssertEqual(items[3], items[4])  // but equal to 1, and to true (Python's ==)
+        XCTAssertEqual(items[4], items[5])
+        XCTAssertEqual(items[6], .bigInt("100000000000000000000"))
+        XCTAssertEqual(try JSONValue.parse(Data(#""\u00e9\ud83d\ude00""#.utf8)), .string("\u{e9}\u{1F600}"))
+        for bad in ["", "{", "{} x", "[1,]", "{\"a\" 1}", "\"a\u{01}b\"", "01", "-", "nan", "'a'", "[1] [2]", "\"\\x\""] {
+            XCTAssertThrowsError(try JSONValue.parse(Data(bad.utf8)), bad)
+        }
+        // a refusal names the field of the first check that fails (in check_manifest's order, not the file's)
+        var m = try XCTUnwrap(try JSONValue.parse(try Data(contentsOf: Fixtures.bundle.appendingPathComponent("manifest.json"))).object)
+        var audio = try XCTUnwrap(m["audio"]?.object)
+        audio["hop_length"] = .double(160.0)
+        audio["preemphasis"] = .double(.nan)
+        m["audio"] = .object(audio)
+        XCTAssertThrowsError(try BundleManifest.decode(Data(JSONValue.object(m).jsonText(nonFinite: true).utf8))) {
+            XCTAssertEqual(($0 as? BundleError)?.field, "audio.hop_length", "\($0)")
+        }
     }
 
     // MARK: - WAVReader.parse
