@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
+from .fixture_data import TRAINED_BUCKETS, TRAINED_MAX_NEW_TOKENS, TRAINED_MODEL, TRAINED_WINDOW_S
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-DATA_DIR = Path(__file__).parent / "data"
-AUDIO_DIR = DATA_DIR / "audio"
-
-
-def audio_manifest() -> list[dict]:
-    """Entries of tests/data/audio/manifest.json (file, language, text, sample_rate, channels, ...)."""
-    path = AUDIO_DIR / "manifest.json"
-    if not path.is_file():
-        return []
-    data = json.loads(path.read_text())
-    entries = data["clips"] if isinstance(data, dict) else data
-    return [dict(e, path=AUDIO_DIR / e["file"]) for e in entries]
 
 
 @pytest.fixture(scope="session")
@@ -41,16 +29,9 @@ def tiny_reference(tiny_checkpoint):
     return load_reference(tiny_checkpoint)
 
 
-# The committed trained model: its transcripts depend on the audio and on the prompt, so it is
-# the fixture for end-to-end checks. Exported once per test run, as users run it (fp16, a length
-# bucket, the prefill function), with a short window: the held-out clips are 1.6-4 s long.
-TRAINED_MODEL = Path(__file__).resolve().parents[1] / "models" / "cohere-tiny-synth"
-HELDOUT_DIR = DATA_DIR / "heldout"
-TRAINED_WINDOW_S = 4.0
-TRAINED_BUCKETS = (2.0,)
-TRAINED_MAX_NEW_TOKENS = 54  # -> cache capacity round_up(10 + 54, 32) = 64
-
-
+# The committed trained model (fixture_data.TRAINED_MODEL): its transcripts depend on the audio and
+# on the prompt, so it is the fixture for end-to-end checks. Exported once per test run, as users run
+# it (fp16, a length bucket, the prefill function), with a short window: the held-out clips are 1.6-4 s.
 @pytest.fixture(scope="session")
 def trained_reference():
     """(model, processor) of models/cohere-tiny-synth, dither 0."""
@@ -77,13 +58,3 @@ def trained_bundle(trained_reference, tmp_path_factory) -> Path:
     export_model(model, processor, settings, max_new_tokens=TRAINED_MAX_NEW_TOKENS, buckets=TRAINED_BUCKETS,
                  prefill=True)
     return out
-
-
-def heldout_utterances(per_language: int) -> list[dict]:
-    """The first `per_language` held-out utterances of each language (tests/data/heldout)."""
-    data = json.loads((HELDOUT_DIR / "manifest.json").read_text())
-    picked: dict[str, list[dict]] = {}
-    for u in data["utterances"]:
-        if len(picked.setdefault(u["language"], [])) < per_language:
-            picked[u["language"]].append(dict(u, path=HELDOUT_DIR / u["file"]))
-    return [u for lang in sorted(picked) for u in picked[lang]]

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .conftest import AUDIO_DIR
+from .fixture_data import AUDIO_DIR
 
 # grouped kv heads, encoder width != decoder width (the shape most tests use)
 GQA = dict(num_key_value_heads=2, encoder_hidden_size=48, encoder_num_attention_heads=4)

@@ -15,7 +15,7 @@ from cohere_coreml.audio import (
     window_features,
 )
 
-from .conftest import audio_manifest
+from .fixture_data import audio_manifest
 
 CLIPS = audio_manifest()
 TOLERANCE = 1e-4  # max absolute difference on valid frames (issue: <= 1e-4)

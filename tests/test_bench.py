@@ -11,7 +11,7 @@ from cohere_coreml.datasets import load_folder
 from cohere_coreml.engines import Engine
 from cohere_coreml.transcribe import WindowResult
 
-from .conftest import AUDIO_DIR
+from .fixture_data import AUDIO_DIR
 
 TEXTS = {"en_short.wav": "call tom now", "de_short.wav": "ruf anna an", "es_short.wav": "hola"}
 
@@ -38,7 +38,6 @@ class ScriptedEngine(Engine):
 
 @pytest.fixture
 def folder(tmp_path):
-    import soundfile as sf
 
     from cohere_coreml.audio import load_audio
 
@@ -126,7 +125,7 @@ def test_pytorch_wer_equals_evaluate():
     from cohere_coreml.bench import run_bench
     from cohere_coreml_dev.evaluate import evaluate_checkpoint
 
-    from .conftest import HELDOUT_DIR, TRAINED_MODEL
+    from .fixture_data import HELDOUT_DIR, TRAINED_MODEL
 
     report = run_bench([], TRAINED_MODEL, HELDOUT_DIR, limit_per_language=2, max_new_tokens=4)
     languages = report["engines"][0]["languages"]

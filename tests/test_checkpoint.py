@@ -163,3 +163,22 @@ def test_local_folder_is_named_by_its_hub_id_or_its_name_never_its_path(tmp_path
     for bad in ("/home/me/ckpt", "name", "a/b/c", "../x"):
         with pytest.raises(CheckpointError, match="Hub id"):
             check_hub_id(bad)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+def test_loaded_model_keeps_no_map_of_the_checkpoint_file(tiny_checkpoint):
+    """transformers 5 leaves a safetensors file memory-mapped after `from_pretrained` (its pages stay
+    resident: +4.1 GB for the whole full-size export, docs/quantization.md); `load_reference` reads the
+    file instead. The control, transformers' default loading, keeps the map: this check can fail."""
+    from transformers import CohereAsrForConditionalGeneration
+
+    def mapped() -> bool:
+        return any(line.rstrip().endswith(".safetensors") and str(tiny_checkpoint) in line
+                   for line in Path("/proc/self/maps").read_text().splitlines())
+
+    model, _ = load_reference(tiny_checkpoint)
+    assert not mapped()
+    control = CohereAsrForConditionalGeneration.from_pretrained(tiny_checkpoint, use_safetensors=True,
+                                                                dtype=torch.float32)
+    assert mapped()
+    del control, model

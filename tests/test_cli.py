@@ -78,7 +78,7 @@ def test_old_space_separated_bundle_folders_still_read_with_a_deprecation_line(c
     assert old.deprecations == ["`--bundle q8 f16` is deprecated (space-separated folders of one bundle): write "
                                 "`--bundle q8,f16`; the old spelling goes in the next release"]
     # through main: the line is logged once logging is set up (silence: no bundle is loaded)
-    from .conftest import AUDIO_DIR
+    from .fixture_data import AUDIO_DIR
 
     with caplog.at_level("WARNING"):
         assert main(["transcribe", str(AUDIO_DIR / "silence_2s.wav"), "--bundle", "q8", "f16", "--language", "en"]) == 0
@@ -92,7 +92,7 @@ def test_transcribe_bad_file_among_good_ones_stdout_holds_only_results(trained_b
     names the bad file, exit status 1; the same with --json (no entry for the bad file)."""
     from cohere_coreml.transcribe import Transcriber
 
-    from .conftest import heldout_utterances
+    from .fixture_data import heldout_utterances
 
     good = [str(u["path"]) for u in heldout_utterances(per_language=2) if u["language"] == "en"]  # < 4 s windows
     bad = tmp_path / "corrupt.wav"

@@ -56,7 +56,6 @@ EXPECTED_T = {"same_width": 25, "gqa_wide_encoder": 25, "subsample4": 50}
 def _speech_features(n_mels: int, frames: int, processor) -> np.ndarray:
     """Real speech log-mel (n_mels, >= frames) from the committed clips (dither 0)."""
     from cohere_coreml.audio import FrontEndConfig, load_audio, log_mel
-
     from cohere_coreml.gate import default_gate_audio
 
     clips = default_gate_audio()
@@ -78,8 +77,8 @@ def _window(feats: np.ndarray, n: int, frames: int, fill: float = 0.0) -> np.nda
 def exported(request, tmp_path_factory):
     """(model, processor, shapes, runtime model, package path) of an FP32 export of each config."""
     from cohere_coreml.checkpoint import load_reference
-    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
     from cohere_coreml.runtime import load_model
+    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp(request.param)
@@ -250,8 +249,8 @@ def test_existing_package_is_skipped_unless_forced(exported):
 def test_fp16_export_passes_gate_and_masks_finitely(tmp_path):
     """fp16 program: the finfo.min attention mask must not become -inf/NaN on padded rows."""
     from cohere_coreml.checkpoint import load_reference
-    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
     from cohere_coreml.runtime import load_model
+    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", seed=5, **CONFIGS["gqa_wide_encoder"])
     model, processor = load_reference(ckpt)
@@ -271,8 +270,8 @@ def test_fp16_export_passes_gate_and_masks_finitely(tmp_path):
 def test_fp16_length_arithmetic_is_exact_above_2048(tmp_path):
     """Odd lengths > 2048 are not representable in fp16; encoder_length must still be exact."""
     from cohere_coreml.checkpoint import load_reference
-    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
     from cohere_coreml.runtime import load_model
+    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", seed=1, encoder_num_hidden_layers=1, num_hidden_layers=1)
     model, processor = load_reference(ckpt)

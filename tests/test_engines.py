@@ -10,7 +10,7 @@ import torch
 from cohere_coreml.engines import Engine, PyTorchEngine, transcribe_files
 from cohere_coreml.transcribe import WindowResult
 
-from .conftest import AUDIO_DIR
+from .fixture_data import AUDIO_DIR
 
 torch.set_num_threads(1)
 
@@ -115,7 +115,7 @@ def test_api_and_batch_agree_on_silence(tmp_path, peak_ratio):
 
 @pytest.fixture(scope="module")
 def trained():
-    from .conftest import TRAINED_MODEL
+    from .fixture_data import TRAINED_MODEL
 
     if not (TRAINED_MODEL / "config.json").is_file():
         pytest.skip("the committed trained model is missing")

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from cohere_coreml.scoring import features_batch, normalise_text
+from cohere_coreml.engines import features_batch
+from cohere_coreml.metrics import basic_normalise as normalise_text
 from cohere_coreml_dev.evaluate import Decoded, EvaluationError, greedy_decode, summarise
 
 
@@ -49,8 +50,8 @@ def test_summarise_margins_and_wer():
 def test_greedy_decode_matches_manual_greedy(tmp_path):
     """greedy_decode (batched generate) gives the same ids as a plain step-by-step argmax loop."""
     from cohere_coreml.checkpoint import load_reference
-    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
     from cohere_coreml.tokens import prompt_ids
+    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / "tiny", seed=3)
     model, processor = load_reference(path)

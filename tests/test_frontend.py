@@ -21,7 +21,7 @@ from cohere_coreml.frontend import (
 )
 from cohere_coreml.shapes import ShapeError, bucket_function_name, choose_frontend_function, frontend_shapes
 
-from .conftest import AUDIO_DIR, TRAINED_BUCKETS, TRAINED_WINDOW_S, audio_manifest, heldout_utterances
+from .fixture_data import AUDIO_DIR, TRAINED_BUCKETS, TRAINED_WINDOW_S, audio_manifest, heldout_utterances
 
 torch.set_num_threads(1)
 

@@ -23,11 +23,10 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from .conftest import AUDIO_DIR
+from .fixture_data import AUDIO_DIR
 from .fuzz import Outcomes, fuzz_settings
 
 RATES = [8000, 11025, 16000, 22050, 32000, 44100, 48000, 96000, 192000]

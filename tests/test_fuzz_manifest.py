@@ -18,8 +18,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cohere_coreml_dev.fuzz import (ODD_VALUES, OPERATORS, apply, changed_keys, corpus, corrupt_text, named_field,
-                                   field_mutations, paired_mutations, paths, targeted, verdicts)
+from cohere_coreml_dev.fuzz import (
+    ODD_VALUES,
+    OPERATORS,
+    apply,
+    changed_keys,
+    corpus,
+    corrupt_text,
+    field_mutations,
+    named_field,
+    paired_mutations,
+    paths,
+    targeted,
+    verdicts,
+)
 
 from .fuzz import Outcomes, fuzz_settings
 
@@ -204,3 +216,25 @@ def test_verdicts_are_the_python_loaders_with_the_stage(fuzz_bundle):
     assert (judged["cut"]["accepted"], judged["cut"]["field"]) == (False, None)
     assert "not readable JSON" in judged["cut"]["error"]
     assert (bundle_dir / "manifest.json").read_text() == text  # the bundle itself is never written
+
+
+@pytest.mark.parametrize("extra", [5, [], {"a": 1}, "x"])
+def test_unknown_key_in_a_language_entry_is_ignored_as_elsewhere(fuzz_bundle, tmp_path, extra):
+    """Found by the Swift port (issue 22): an extra key in `languages.<lang>` made `check_manifest`
+    raise TypeError / IndexError / KeyError (the prompts' first ids were read from every value).
+    Unknown keys are ignored, as Swift does and as everywhere else in the manifest; a broken prompt
+    next to it is still refused by name."""
+    from cohere_coreml.bundle import Bundle, BundleError
+
+    bundle_dir, text, original = fuzz_bundle
+    manifest = json.loads(text)
+    manifest["languages"]["en"]["extra"] = extra
+    (bundle_dir / "manifest.json").write_text(json.dumps(manifest))
+    try:
+        assert consumed(Bundle.load(bundle_dir)) == original
+        manifest["languages"]["en"]["punctuation"] = []
+        (bundle_dir / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(BundleError, match=r"languages\.en\.punctuation"):
+            Bundle.load(bundle_dir)
+    finally:
+        (bundle_dir / "manifest.json").write_text(text)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import AUDIO_DIR
+from .fixture_data import AUDIO_DIR
 
 SCHEMA = Path(__file__).resolve().parents[1] / "docs" / "manifest.schema.json"
 

@@ -9,7 +9,7 @@ import soundfile as sf
 from cohere_coreml.audio import AudioError, FrontEndConfig, load_audio, split_points
 from cohere_coreml.longform import check_audio, iter_windows
 
-from .conftest import AUDIO_DIR
+from .fixture_data import AUDIO_DIR
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 from cohere_coreml.datasets import DatasetError, load_dataset, load_folder
 from cohere_coreml.metrics import error_counts, normalise
 
-from .conftest import AUDIO_DIR
+from .fixture_data import AUDIO_DIR
 
 
 def test_normalisers():

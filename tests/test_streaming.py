@@ -11,11 +11,21 @@ import pytest
 
 from cohere_coreml.audio import AudioError, FrontEndConfig, load_audio, split_points
 from cohere_coreml.cli import main
-from cohere_coreml.streaming import (UPDATE_SCHEMA, Segmenter, StreamConfig, StreamingError, StreamingSession,
-                                     common_prefix, frame_energies_db, frame_powers, local_agreement, stream_array)
+from cohere_coreml.streaming import (
+    UPDATE_SCHEMA,
+    Segmenter,
+    StreamConfig,
+    StreamingError,
+    StreamingSession,
+    common_prefix,
+    frame_energies_db,
+    frame_powers,
+    local_agreement,
+    stream_array,
+)
 from cohere_coreml.transcribe import Transcriber
 
-from .conftest import heldout_utterances
+from .fixture_data import heldout_utterances
 
 SR = 16000
 FRAME = 160

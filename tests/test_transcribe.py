@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from .conftest import AUDIO_DIR, TRAINED_MAX_NEW_TOKENS, audio_manifest, heldout_utterances
+from .fixture_data import AUDIO_DIR, TRAINED_MAX_NEW_TOKENS, audio_manifest, heldout_utterances
 from .helpers import GQA, assert_audio_sensitive, record_decoder_inputs, reference_ids, sensitivity_clips, tiny_model
 
 torch.set_num_threads(1)
@@ -226,11 +226,11 @@ def test_silence_is_an_empty_transcript_marked_silent(setup, monkeypatch):
 @pytest.fixture(scope="module")
 def eos_setup(tmp_path_factory):
     """A tiny checkpoint whose eos logit is raised until greedy decoding ends with eos after a few tokens."""
-    from cohere_coreml.checkpoint import load_reference
-    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint, save_checkpoint
     from cohere_coreml.audio import load_audio
+    from cohere_coreml.checkpoint import load_reference
     from cohere_coreml.tokens import prompt_ids
     from cohere_coreml.transcribe import Transcriber
+    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint, save_checkpoint
 
     root = tmp_path_factory.mktemp("eos")
     model, processor = load_reference(make_tiny_checkpoint(root / "base", seed=5))

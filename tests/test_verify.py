@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from .conftest import AUDIO_DIR
+from .fixture_data import AUDIO_DIR
 from .helpers import GQA, assert_audio_sensitive, sensitivity_clips, tiny_model
 
 torch.set_num_threads(1)
@@ -100,8 +100,8 @@ def test_verify_detects_a_different_checkpoint(exported, tmp_path):
 
 def test_verify_refuses_incompatible_checkpoint(exported, tmp_path):
     from cohere_coreml.checkpoint import load_reference
-    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
     from cohere_coreml.verify import VerifyError, verify_bundle
+    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
 
     ckpt, out = exported
     model, processor = load_reference(make_tiny_checkpoint(tmp_path / "wide", seed=0, hidden_size=32))

@@ -47,9 +47,9 @@ def main(argv=None) -> int:
     from transformers import CohereAsrConfig, CohereAsrForConditionalGeneration
 
     from cohere_coreml import encoder as E
-    from cohere_coreml.shapes import bucket_function_name, encoder_shapes
     from cohere_coreml.convert import ExportSettings
     from cohere_coreml.files import weight_file_bytes
+    from cohere_coreml.shapes import bucket_function_name, encoder_shapes
 
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)

@@ -46,9 +46,9 @@ def main(argv=None) -> int:
     from transformers import CohereAsrConfig, CohereAsrForConditionalGeneration
 
     from cohere_coreml import encoder as E
-    from cohere_coreml.shapes import encoder_shapes
     from cohere_coreml.convert import ExportSettings
     from cohere_coreml.files import package_size_bytes, save_package_atomic, weight_file_bytes
+    from cohere_coreml.shapes import encoder_shapes
 
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)

@@ -32,8 +32,8 @@ def main(argv=None) -> int:
     from transformers import CohereAsrConfig, CohereAsrForConditionalGeneration
 
     from cohere_coreml.decoder import build_step_mlmodel
-    from cohere_coreml_dev.macs import count_macs
     from cohere_coreml.shapes import cache_capacity, memory_len
+    from cohere_coreml_dev.macs import count_macs
 
     torch.set_num_threads(1)
     # full-size decoder; a 1-layer encoder (the encoder is not part of the decode step)

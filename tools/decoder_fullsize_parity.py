@@ -37,8 +37,8 @@ def main(argv=None) -> int:
 
     from cohere_coreml.convert import ExportSettings
     from cohere_coreml.decoder import DecoderExportError, convert_decoder
-    from cohere_coreml.shapes import cache_capacity, encoder_shapes
     from cohere_coreml.decoder_runtime import DecoderRuntime
+    from cohere_coreml.shapes import cache_capacity, encoder_shapes
 
     torch.set_num_threads(1)
     config = CohereAsrConfig(encoder_config={"num_hidden_layers": 1}, decoder_start_token_id=13764)

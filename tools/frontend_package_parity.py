@@ -25,10 +25,10 @@ import numpy as np
 
 from cohere_coreml.audio import FrontEndConfig, load_audio, log_mel, mel_filters, split_long_audio
 from cohere_coreml.files import package_size_bytes
-from cohere_coreml.parity import psnr
 from cohere_coreml.frontend import check_case, reference_outputs, window_input
-from cohere_coreml.shapes import frontend_shapes
+from cohere_coreml.parity import psnr
 from cohere_coreml.runtime import load_model
+from cohere_coreml.shapes import frontend_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -59,7 +59,7 @@ class FrontEndConfig:
     min_energy_window_samples: int = 1600
 
     @classmethod
-    def from_feature_extractor(cls, fe, dither: float | None = None) -> "FrontEndConfig":
+    def from_feature_extractor(cls, fe, dither: float | None = None) -> FrontEndConfig:
         """From a `CohereAsrFeatureExtractor`; `dither=None` keeps the extractor's own value."""
         return cls(
             sampling_rate=int(fe.sampling_rate),
@@ -75,18 +75,18 @@ class FrontEndConfig:
         )
 
     @classmethod
-    def from_processor(cls, processor, dither: float | None = None) -> "FrontEndConfig":
+    def from_processor(cls, processor, dither: float | None = None) -> FrontEndConfig:
         return cls.from_feature_extractor(processor.feature_extractor, dither=dither)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dither: float | None = None) -> "FrontEndConfig":
+    def from_pretrained(cls, path: str | os.PathLike, dither: float | None = None) -> FrontEndConfig:
         """From a checkpoint folder's preprocessor/processor config."""
         from transformers import AutoFeatureExtractor
 
         return cls.from_feature_extractor(AutoFeatureExtractor.from_pretrained(str(path)), dither=dither)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "FrontEndConfig":
+    def from_dict(cls, data: dict) -> FrontEndConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 

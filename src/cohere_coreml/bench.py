@@ -45,10 +45,10 @@ from . import __version__
 from .audio import AudioError
 from .cli_options import HelpFormatter, add_bundle_arg, add_decoding_args
 from .convert import git_hash
-from .files import write_json_atomic
 from .datasets import load_dataset
 from .decoding import TOKEN_LIMITS, RepetitionGuard, StopReason, loop_in
 from .engines import PyTorchEngine
+from .files import write_json_atomic
 from .longform import check_audio
 from .metrics import error_counts, token_agreement
 from .transcribe import Transcriber

@@ -237,7 +237,7 @@ def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, deco
         "revision": revision,
         "tool_version": __version__,
         "tool_git_hash": git_hash(),
-        "created_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "created_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "precision": next(iter(precisions), None),
         "files": files,
         "audio": {**front_end, "window_frames": window_frames},
@@ -314,12 +314,11 @@ def write_bundle(out_dir: str | os.PathLike, model, processor) -> Path:
     The manifest describes the packages found in `out_dir` (read from their specs and metadata)
     and the checkpoint `model`/`processor` they were exported from.
     """
-    from .audio import FrontEndConfig
-    from .tokens import export_vocab
-
     from . import faults
+    from .audio import FrontEndConfig
     from .files import temporary_dir
     from .integrity import invalidate_manifest
+    from .tokens import export_vocab
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -399,7 +398,7 @@ class Bundle:
     paths: dict[str, Path] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, dirs: str | os.PathLike | Sequence[str | os.PathLike], check_package_io: bool = True) -> "Bundle":
+    def load(cls, dirs: str | os.PathLike | Sequence[str | os.PathLike], check_package_io: bool = True) -> Bundle:
         """Read and check the manifest (`check_manifest`: every field the loop reads, its type, range and
         consistency), the presence and size of every listed file, and (`check_package_io`) that every
         package function has the io the manifest lists (`check_packages`). Any problem: BundleError
@@ -641,7 +640,15 @@ def check_manifest(manifest, where: str, vocab: dict | None = None, processor: d
     consistent with each other and with the manifest's `io` blocks (`check_packages` ties those to
     the packages). `vocab` (vocab.json) checks the prompts and eos ids; `processor` (processor_config.json)
     the audio settings. Raises BundleError naming the field."""
-    from .tokens import BOS_TOKEN, EOS_TOKEN, LANGUAGES, NO_SPACE_LANGUAGES, PAD_TOKEN, UnknownLanguageError, prompt_tokens
+    from .tokens import (
+        BOS_TOKEN,
+        EOS_TOKEN,
+        LANGUAGES,
+        NO_SPACE_LANGUAGES,
+        PAD_TOKEN,
+        UnknownLanguageError,
+        prompt_tokens,
+    )
 
     f = _Fields(where)
     if not isinstance(manifest, dict):
@@ -650,7 +657,7 @@ def check_manifest(manifest, where: str, vocab: dict | None = None, processor: d
 
     # audio: the front end (cohere_coreml.audio.FrontEndConfig)
     audio = f.obj(manifest, "audio", "audio")
-    rate = f.int(audio, "sampling_rate", "audio.sampling_rate", lo=1000, hi=1_000_000)
+    f.int(audio, "sampling_rate", "audio.sampling_rate", lo=1000, hi=1_000_000)
     n_fft = f.int(audio, "n_fft", "audio.n_fft", lo=2, hi=1 << 16)
     f.int(audio, "win_length", "audio.win_length", lo=1, hi=n_fft)
     hop = f.int(audio, "hop_length", "audio.hop_length", lo=1, hi=n_fft)
@@ -848,7 +855,8 @@ def check_manifest(manifest, where: str, vocab: dict | None = None, processor: d
                 got = [vocab.get(str(i)) for i in ids]
                 if got != want:
                     f.fail(path, f"decodes to {got} in files.vocab, expected the prompt {want}")
-    starts = {ids[0] for prompts in languages.values() for ids in prompts.values()}
+    # the two prompts of each language (other keys are ignored, as everywhere in the manifest)
+    starts = {prompts[kind][0] for prompts in languages.values() for kind in ("punctuation", "no_punctuation")}
     start = tokens.get("decoder_start_token_id")
     if start is not None and starts != {start}:
         f.fail("tokens.decoder_start_token_id", f"is {start} but the prompts in languages start with {sorted(starts)}")
@@ -879,7 +887,7 @@ def _cached_package_io(path: str, function_name: str | None, stamp: tuple) -> tu
     return package_io(path, spec.function_name), spec.function_name, tuple(sorted(spec.function_names))
 
 
-def check_packages(bundle: "Bundle", where: str) -> None:
+def check_packages(bundle: Bundle, where: str) -> None:
     """Every function the manifest names exists in its package, the package has no function the
     manifest omits, and each function's inputs/outputs/states equal the manifest's `io` block."""
     from .runtime.errors import RuntimeBackendError

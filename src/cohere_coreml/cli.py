@@ -37,7 +37,7 @@ logger = logging.getLogger("cohere_coreml")
 CHECKOUT_DIR = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_DIR = CHECKOUT_DIR / "models" / "cohere-tiny-synth"
 
-DESCRIPTION = """\
+DESCRIPTION = f"""\
 Convert Cohere Transcribe (Conformer encoder + Transformer decoder) to Core ML packages, run them
 on Linux (MIL interpreter) or macOS (Core ML), and check them against the PyTorch reference.
 
@@ -51,8 +51,8 @@ Typical flow:
   cohere-coreml bundle check DIR                # every file's sha256 vs manifest.json
   cohere-coreml upload --bundle DIR --repo-id ORG/NAME --dry-run
 
-MODEL is a Hugging Face Hub id (default checkpoint: %s) or a local checkpoint folder.
-""" % DEFAULT_HUB_ID
+MODEL is a Hugging Face Hub id (default checkpoint: {DEFAULT_HUB_ID}) or a local checkpoint folder.
+"""
 
 
 class CliError(Exception):

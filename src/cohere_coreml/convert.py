@@ -161,7 +161,7 @@ def base_metadata(settings: ExportSettings, component: str) -> dict[str, str]:
         "com.cohere_coreml.deployment_target": settings.deployment_target,
         "com.cohere_coreml.window_seconds": f"{settings.window_seconds:g}",
         "com.cohere_coreml.license": settings.license,
-        "com.cohere_coreml.created_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "com.cohere_coreml.created_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "com.cohere_coreml.coremltools_version": ct.__version__,
         "com.cohere_coreml.torch_version": torch.__version__,
         "com.cohere_coreml.transformers_version": transformers.__version__,

@@ -49,7 +49,7 @@ class DecoderRuntime:
 
     @classmethod
     def load(cls, path: str | os.PathLike, backend: str = "auto", compute_units: str = "all",
-             prefill: bool = True, num_threads: int | None = None) -> "DecoderRuntime":
+             prefill: bool = True, num_threads: int | None = None) -> DecoderRuntime:
         """Load a decoder package's functions; `prefill`: also its prefill function when it has one."""
         from .runtime import load_model, read_package
 

@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tqdm import tqdm
@@ -29,8 +30,10 @@ from .checkpoint import load_reference
 from .config import DEFAULT_MAX_NEW_TOKENS, LENGTH_PENALTY
 from .decoding import StopReason
 from .longform import check_audio, iter_windows
-from .scoring import features_batch
 from .tokens import decode_ids, join_windows, prompt_ids
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +60,7 @@ class TranscriptionResult:
     silent: bool = False  # digital silence (`longform.check_audio`): empty text, no window, no model call
 
     @classmethod
-    def of_silence(cls, language: str, punctuation: bool = True) -> "TranscriptionResult":
+    def of_silence(cls, language: str, punctuation: bool = True) -> TranscriptionResult:
         return cls(text="", language=language, punctuation=punctuation, windows=[], silent=True)
 
     @property
@@ -77,6 +80,21 @@ class TranscriptionResult:
             "silent": self.silent,
             "windows": [asdict(w) for w in self.windows],
         }
+
+
+def features_batch(features: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad a list of (n_mels, t) features into torch (B, T, n_mels) + attention mask (B, T): the
+    `transformers` model's input."""
+    import torch  # the reference only (see PyTorchEngine.__init__)
+
+    n_mels = features[0].shape[0]
+    t_max = max(f.shape[1] for f in features)
+    x = torch.zeros(len(features), t_max, n_mels, dtype=torch.float32)
+    mask = torch.zeros(len(features), t_max, dtype=torch.long)
+    for i, f in enumerate(features):
+        x[i, : f.shape[1]] = torch.from_numpy(np.ascontiguousarray(f.T, dtype=np.float32))
+        mask[i, : f.shape[1]] = 1
+    return x, mask
 
 
 class Engine(abc.ABC):

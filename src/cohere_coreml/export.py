@@ -23,7 +23,6 @@ is one `Component` entry here plus its module.
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -31,8 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import (CONTROL_LANGUAGE, DEFAULT_HUB_ID, DEFAULT_MAX_NEW_TOKENS, DEFAULT_OUT_DIR, DEFAULT_WINDOW_SECONDS,
-                     GATE_LANGUAGE)
+from .config import (
+    CONTROL_LANGUAGE,
+    DEFAULT_HUB_ID,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_OUT_DIR,
+    DEFAULT_WINDOW_SECONDS,
+    GATE_LANGUAGE,
+)
 from .convert import MIN_PSNR_DB, ExportError, ExportSettings
 from .gate import StagedPackage
 from .shapes import ExportPlan, export_plan

@@ -23,8 +23,16 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from .audio import (AudioError, FrontEndConfig, check_file, check_waveform, is_silent, load_audio, quietest_window,
-                    split_points)
+from .audio import (
+    AudioError,
+    FrontEndConfig,
+    check_file,
+    check_waveform,
+    is_silent,
+    load_audio,
+    quietest_window,
+    split_points,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import functools
 import re
+import unicodedata
 
 CER_LANGUAGES = frozenset({"ja", "zh", "ko"})
 
 
 def basic_normalise(text: str) -> str:
-    """Lower case, punctuation removed (Unicode category P*), whitespace collapsed: the quantization
-    gate's normaliser (`scoring.normalise_text`), defined there once."""
-    from .scoring import normalise_text
-
-    return normalise_text(text)
+    """Unicode NFKC, lower case, punctuation removed (Unicode category P*), whitespace collapsed."""
+    text = unicodedata.normalize("NFKC", text).lower()
+    text = "".join(" " if unicodedata.category(ch).startswith("P") else ch for ch in text)
+    return re.sub(r"\s+", " ", text).strip()
 
 
 @functools.lru_cache(maxsize=1)

@@ -244,7 +244,7 @@ class DecoderShapes:
     max_positions: int  # decoder position table size
 
     @classmethod
-    def from_config(cls, config, capacity: int, memory_len: int) -> "DecoderShapes":
+    def from_config(cls, config, capacity: int, memory_len: int) -> DecoderShapes:
         shapes = cls(
             num_layers=config.num_hidden_layers,
             num_heads=config.num_attention_heads,

@@ -30,8 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .audio import (AudioError, FrontEndConfig, check_waveform, load_audio, quietest_window,
-                    valid_frames)
+from .audio import AudioError, FrontEndConfig, check_waveform, load_audio, quietest_window, valid_frames
 from .config import SILENCE_PEAK
 from .longform import check_audio
 from .tokens import decode_ids

@@ -343,8 +343,8 @@ class Transcriber(Engine):
         return super().transcribe(audio, language, punctuation, max_new_tokens=max_new_tokens, beams=beams,
                                   repetition_guard=repetition_guard, progress=progress)
 
-    def stream(self, language: str = "en", punctuation: bool = True, config: "streaming.StreamConfig | None" = None,
-               max_new_tokens: int | None = None) -> "streaming.StreamingSession":
+    def stream(self, language: str = "en", punctuation: bool = True, config: streaming.StreamConfig | None = None,
+               max_new_tokens: int | None = None) -> streaming.StreamingSession:
         """A live-transcription session: `feed(samples) -> [Update]`, then `finish()` (docs/streaming.md)."""
         return streaming.StreamingSession(self, language, punctuation, config, max_new_tokens)
 

@@ -15,7 +15,7 @@ import torch
 
 from cohere_coreml.quantize import quantize_bundle
 
-from ..conftest import HELDOUT_DIR, TRAINED_MODEL, heldout_utterances
+from ..fixture_data import HELDOUT_DIR, TRAINED_MODEL, heldout_utterances
 
 torch.set_num_threads(1)
 

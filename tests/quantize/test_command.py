@@ -15,7 +15,7 @@ from cohere_coreml.integrity import check_bundle
 from cohere_coreml.quantize import compress
 from cohere_coreml.transcribe import Transcriber
 
-from ..conftest import HELDOUT_DIR
+from ..fixture_data import HELDOUT_DIR
 
 
 @pytest.mark.slow

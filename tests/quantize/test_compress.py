@@ -10,7 +10,7 @@ from cohere_coreml.bundle import package_io
 from cohere_coreml.quantize import measure
 from cohere_coreml.runtime import load_model
 
-from ..conftest import HELDOUT_DIR
+from ..fixture_data import HELDOUT_DIR
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from cohere_coreml.engines import PyTorchEngine
 from cohere_coreml.quantize.gate import engine_transcripts
 from cohere_coreml.transcribe import Transcriber
 
-from ..conftest import HELDOUT_DIR, TRAINED_MODEL
+from ..fixture_data import HELDOUT_DIR, TRAINED_MODEL
 
 
 def test_heldout_gate_bounds_every_language():

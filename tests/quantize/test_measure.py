@@ -10,7 +10,7 @@ import pytest
 from cohere_coreml.quantize import measure
 from cohere_coreml.quantize.recipes import QuantizeError
 
-from ..conftest import HELDOUT_DIR
+from ..fixture_data import HELDOUT_DIR
 
 
 def test_log_prob_error_measures_the_difference():

@@ -7,7 +7,7 @@ import pytest
 from cohere_coreml import quantize as Q
 from cohere_coreml.parity import psnr
 
-from ..conftest import HELDOUT_DIR
+from ..fixture_data import HELDOUT_DIR
 
 pytestmark = pytest.mark.slow
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 
 import numpy as np
 import torch
 
 logging.getLogger("coremltools").setLevel(logging.ERROR)
-warnings.filterwarnings("ignore")
 
 
 def convert_torch(module, example_inputs, path, precision="fp32", input_dtypes=None, states=None,

@@ -18,8 +18,6 @@ from cohere_coreml.runtime import (
     load_model,
 )
 
-from .helpers import save_mil_program
-
 
 def _program(body, shapes, dtype="fp32"):
     import coremltools as ct

@@ -12,7 +12,7 @@ import numpy as np
 from cohere_coreml.runtime import load_model
 from cohere_coreml.runtime.serve import PROTOCOL, Server, read_arrays, write_message
 
-from .test_stateful import D, STEPS, toy  # noqa: F401  (the stateful toy package fixture)
+from .test_stateful import STEPS, D, toy  # noqa: F401  (the stateful toy package fixture)
 
 
 def _request(header: dict, arrays: dict | None = None) -> bytes:

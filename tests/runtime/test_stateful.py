@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from cohere_coreml.runtime import InputValidationError, load_model
-
 from cohere_coreml.parity import psnr
+from cohere_coreml.runtime import InputValidationError, load_model
 
 D, L, STEPS = 16, 8, 8
 

@@ -23,9 +23,9 @@ import torch
 
 from cohere_coreml.audio import load_audio, log_mel
 from cohere_coreml.datasets import DatasetError, load_folder
-from cohere_coreml.engines import PyTorchEngine
+from cohere_coreml.engines import PyTorchEngine, features_batch
+from cohere_coreml.metrics import basic_normalise as normalise_text
 from cohere_coreml.metrics import error_counts
-from cohere_coreml.scoring import features_batch, normalise_text
 from cohere_coreml.tokens import decode_ids, eos_id, prompt_ids
 
 logger = logging.getLogger(__name__)

@@ -369,7 +369,7 @@ def sample_sentence(language: str, rng: np.random.Generator) -> str:
 
 def is_heldout(text: str, language: str, heldout_percent: int = 6) -> bool:
     """Deterministic split: a sentence is held out iff the hash of (language, text) falls in the bucket."""
-    return zlib.crc32(f"{language}\t{text}".encode("utf-8")) % 100 < heldout_percent
+    return zlib.crc32(f"{language}\t{text}".encode()) % 100 < heldout_percent
 
 
 def sample_sentences(

@@ -18,7 +18,7 @@ import math
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -234,11 +234,12 @@ def train(cfg: TrainConfig) -> TrainResult:
     import torch.nn.functional as F
     from transformers import CohereAsrForConditionalGeneration
 
+    from cohere_coreml.audio import FrontEndConfig
+    from cohere_coreml.tokens import eos_id, prompt_ids
+
     from .checkpoints import build_config, init_subsampling, save_checkpoint
     from .evaluate import greedy_decode, load_eval_set, summarise
-    from cohere_coreml.audio import FrontEndConfig
     from .synth import read_manifest
-    from cohere_coreml.tokens import eos_id, prompt_ids
 
     t_start = time.time()
     torch.set_num_threads(1)

@@ -18,8 +18,22 @@ Only the names other modules, tools and tests use are re-exported here.
 
 from .command import add_command, check_source, format_summary, quantize_bundle, refusal_path, source_preset
 from .compress import compress_mlmodel, compress_package, extract_function
-from .gate import QuantizeGateError, compare_transcripts, component_gate, engine_transcripts, heldout_gate, heldout_report
-from .inventory import compressed_ops, compressed_tensors, load_function, package_functions, tensor_report, weight_tensors
+from .gate import (
+    QuantizeGateError,
+    compare_transcripts,
+    component_gate,
+    engine_transcripts,
+    heldout_gate,
+    heldout_report,
+)
+from .inventory import (
+    compressed_ops,
+    compressed_tensors,
+    load_function,
+    package_functions,
+    tensor_report,
+    weight_tensors,
+)
 from .measure import (
     GateData,
     build_gate_data,

@@ -25,9 +25,9 @@ from .. import faults
 from ..bundle import MANIFEST_NAME, write_manifest
 from ..convert import ExportSettings, ParityError
 from ..files import TEMPORARY_NAME, sweep_stale_temporaries, write_json_atomic
-from ..memory import release_memory
 from ..gate import HELDOUT_COMPONENT, GateReport, export_gated
 from ..integrity import COMPRESSION_FILE, check_bundle
+from ..memory import release_memory
 from ..publish import finalize_bundle
 from .compress import compress_package
 from .gate import QuantizeGateError, component_gate, heldout_gate

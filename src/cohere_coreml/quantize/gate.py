@@ -20,10 +20,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..memory import release_memory
 from ..datasets import Dataset, load_folder
 from ..engines import Engine, PyTorchEngine
 from ..gate import HELDOUT_COMPONENT, GateReport
+from ..memory import release_memory
 from ..metrics import error_counts, token_agreement
 from ..runtime import load_model
 from ..transcribe import Transcriber

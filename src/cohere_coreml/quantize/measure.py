@@ -19,12 +19,12 @@ import numpy as np
 from ..audio import FrontEndConfig, load_audio, log_mel, pad_to_window
 from ..bundle import Bundle
 from ..config import BIND_FUNCTION
-from ..memory import release_memory
 from ..datasets import load_folder
 from ..decoder_gate import TeacherForcingCase, run_teacher_forcing
-from ..parity import argmax_flips, kl_rows, psnr
 from ..decoder_runtime import DecoderRuntime
 from ..gate import default_gate_audio
+from ..memory import release_memory
+from ..parity import argmax_flips, kl_rows, psnr
 from ..runtime import load_model
 from ..transcribe import Transcriber
 from .recipes import QuantizeError
@@ -44,7 +44,7 @@ class GateData:
     decoder_ref: list[np.ndarray] = field(default_factory=list)  # (S, V) f16 decoder log-probs
     eos_ids: tuple[int, ...] = ()
 
-    def subset(self, indices: Sequence[int]) -> "GateData":
+    def subset(self, indices: Sequence[int]) -> GateData:
         """The same data restricted to some windows (sensitivity runs use few)."""
         pick = [list(range(len(self.windows)))[i] for i in indices]
         return GateData(windows=[self.windows[i] for i in pick], languages=[self.languages[i] for i in pick],

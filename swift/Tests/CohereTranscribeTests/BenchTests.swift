@@ -22,7 +22,7 @@ final class BenchTests: XCTestCase {
         for u in heldout["utterances"] as! [[String: Any]] {
             references[(u["file"] as! NSString).deletingPathExtension] = u["text"] as? String
         }
-        let dir = FileManager.default.temporaryDirectory.appendingPathComponent("bench-tests-\(UUID().uuidString)")
+        let dir = Fixtures.scratch.appendingPathComponent("bench-tests-\(UUID().uuidString)")
         try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
         addTeardownBlock { try? FileManager.default.removeItem(at: dir) }
         var entries: [[String: Any]] = []

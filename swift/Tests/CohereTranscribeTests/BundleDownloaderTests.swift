@@ -18,7 +18,7 @@ final class BundleDownloaderTests: XCTestCase {
     var servers: [HubTestServer] = []
 
     override func setUpWithError() throws {
-        work = FileManager.default.temporaryDirectory.appendingPathComponent("dl-\(UUID().uuidString)")
+        work = Fixtures.scratch.appendingPathComponent("dl-\(UUID().uuidString)")
         root = work.appendingPathComponent("hub")
         destination = work.appendingPathComponent("bundles/f16")
         try FileManager.default.createDirectory(at: root, withIntermediateDirectories: true)

@@ -12,7 +12,7 @@ final class BundleManifestTests: XCTestCase {
     func editedBundle(_ edit: (inout [String: Any]) -> Void) throws -> URL {
         var json = try manifestJSON()
         edit(&json)
-        let dir = FileManager.default.temporaryDirectory.appendingPathComponent("cohere-swift-\(UUID().uuidString)")
+        let dir = Fixtures.scratch.appendingPathComponent("cohere-swift-\(UUID().uuidString)")
         try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
         for name in try FileManager.default.contentsOfDirectory(atPath: Fixtures.bundle.path) where name != "manifest.json" {
             try FileManager.default.copyItem(at: Fixtures.bundle.appendingPathComponent(name),
@@ -80,7 +80,7 @@ final class BundleManifestTests: XCTestCase {
         let dir = try editedBundle { _ in }
         let manifest = try BundleManifest.load(bundle: dir)
         let decoder = dir.appendingPathComponent(manifest.files.decoder)
-        let outside = FileManager.default.temporaryDirectory.appendingPathComponent("outside-\(UUID().uuidString).mlpackage")
+        let outside = Fixtures.scratch.appendingPathComponent("outside-\(UUID().uuidString).mlpackage")
         try FileManager.default.moveItem(at: decoder, to: outside)
         try FileManager.default.createSymbolicLink(at: decoder, withDestinationURL: outside)
         do {

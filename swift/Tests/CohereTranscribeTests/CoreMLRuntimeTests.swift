@@ -13,7 +13,7 @@ final class CoreMLRuntimeTests: XCTestCase {
     }
 
     func temporaryFolder(_ tag: String) -> URL {
-        FileManager.default.temporaryDirectory.appendingPathComponent("cohere-swift-\(tag)-\(UUID().uuidString)", isDirectory: true)
+        Fixtures.scratch.appendingPathComponent("cohere-swift-\(tag)-\(UUID().uuidString)", isDirectory: true)
     }
 
     // MARK: strides

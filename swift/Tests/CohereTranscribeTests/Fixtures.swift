@@ -14,6 +14,18 @@ enum Fixtures {
 
     static var bundle: URL { dir.appendingPathComponent("bundle") }
 
+    /// This test process's scratch folder (bundle copies, caches, scripts): one folder under the system
+    /// temporary directory, removed when the process exits, so runs leave nothing behind (each edited
+    /// bundle copy is ~8 MB; earlier runs left gigabytes in /tmp).
+    static let scratch: URL = {
+        let url = FileManager.default.temporaryDirectory
+            .appendingPathComponent("cohere-swift-tests-\(ProcessInfo.processInfo.processIdentifier)-\(UUID().uuidString)",
+                                    isDirectory: true)
+        try? FileManager.default.createDirectory(at: url, withIntermediateDirectories: true)
+        atexit { try? FileManager.default.removeItem(at: Fixtures.scratch) }
+        return url
+    }()
+
     /// The fixture folder. Without fixtures a plain `swift test` skips the test, naming the command that
     /// makes them; when `COHERE_SWIFT_FIXTURES` is set (as `make swift-test` and CI do) missing fixtures
     /// are a failure, never a skip.
@@ -42,7 +54,7 @@ enum Fixtures {
         #if os(Linux)
         CoreMLEmulation.use(try interpreter())
         #endif
-        let cache = cacheDirectory ?? FileManager.default.temporaryDirectory
+        let cache = cacheDirectory ?? Fixtures.scratch
             .appendingPathComponent("cohere-swift-cache-\(UUID().uuidString)", isDirectory: true)
         return try CoreMLRuntime(cacheDirectory: cache)
     }

@@ -51,7 +51,7 @@ final class SHA256Tests: XCTestCase {
     }
 
     func testFileDigestsEqualSha256sum() throws {
-        let dir = FileManager.default.temporaryDirectory.appendingPathComponent("sha256-\(UUID().uuidString)")
+        let dir = Fixtures.scratch.appendingPathComponent("sha256-\(UUID().uuidString)")
         try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
         defer { try? FileManager.default.removeItem(at: dir) }
         var generator = SplitMix(seed: 42)
