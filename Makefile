@@ -21,11 +21,12 @@ MODEL ?=
 OUT ?= f16
 PRECISION ?= fp16
 
-.PHONY: help bootstrap sync demo test swift-test swift-fixtures export quantize verify bench upload bundle-check clean
+.PHONY: help bootstrap sync demo test test-fast lint swift-test swift-fixtures export quantize verify bench upload bundle-check clean
 
 help:
 	@echo "make demo      main job on the built-in default checkpoint"
-	@echo "make test      run the test suite (Python, then the Swift package: make swift-test)"
+	@echo "make test      run the test suite (ruff, Python, then the Swift package: make swift-test)"
+	@echo "make test-fast the inner loop: ruff and the fast Python tests (under 2 minutes)"
 	@echo "make export    MODEL=<hub id|folder> OUT=<dir> PRECISION=fp16|fp32: export Core ML packages"
 	@echo "make verify    MODEL=<hub id|folder> OUT=<bundle dir> AUDIO='a.wav b.wav' LANGUAGES=en,de: parity report"
 	@echo "make quantize  BUNDLE=f16 QOUT=q8 PRESET=q8|q8-hybrid|q4 MODEL=<ckpt>: compress an exported bundle, gated"
@@ -55,9 +56,22 @@ demo: sync
 		--max-new-tokens $(DEMO_MAX_NEW_TOKENS) --out "$$out/verify.json" \
 		--audio $(addprefix tests/data/audio/,$(DEMO_CLIPS)) --languages $(DEMO_LANGUAGES)
 
-test: sync
-	$(RUN) pytest
+PYTEST_ARGS ?=
+test: sync lint
+	$(RUN) pytest $(PYTEST_ARGS)
 	$(MAKE) swift-test
+
+# lint: ruff with the rule set in pyproject.toml ([tool.ruff.lint]); part of `make test`
+lint: sync
+	$(RUN) ruff check src tools tests exports
+
+# test-fast: the inner loop (under 2 minutes here): lint, then the tests not marked slow in the modules
+# that need no exported bundle (FAST_TESTS); `make test` runs everything
+FAST_TESTS ?= tests/test_metrics.py tests/test_tokens.py tests/test_shapes.py tests/test_parity.py tests/test_files.py \
+	tests/test_memory.py tests/test_checkpoint.py tests/test_audio.py tests/test_fuzz_manifest.py tests/quantize/test_recipes.py \
+	tests/test_swift_package.py tests/runtime/test_ops.py
+test-fast: sync lint
+	$(RUN) pytest -q -m "not slow" $(FAST_TESTS)
 
 # The Swift package (Package.swift, swift/): reference data from the Python pipeline (cached under
 # $(SWIFT_FIXTURES)), then build and `swift test`. Skipped with a message when no Swift toolchain exists.
