@@ -145,7 +145,7 @@ def flicker(updates) -> dict:
 
 
 def offline_compute(t: Transcriber, result, seconds: float) -> dict:
-    frames = {fn: f for f, fn in t.encoder_buckets}
+    frames = dict(t.encoder_buckets)  # {encoder function: frames}
     enc = sum(frames.get(w.timings["encoder_function"], t.window_frames) for w in result.windows)
     return {"encoder_calls": len(result.windows) / seconds, "encoder_audio_s": enc * 0.01 / seconds,
             "decoder_calls": sum(w.timings["decoder_calls"] for w in result.windows) / seconds}

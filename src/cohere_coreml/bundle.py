@@ -68,7 +68,10 @@ def checkpoint_eos_ids(model) -> list[int]:
         eos = model.config.eos_token_id
     if eos is None:
         raise BundleError("the checkpoint defines no eos_token_id (config or generation config)")
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    if not ids:
+        raise BundleError("the checkpoint's eos_token_id is an empty list (config or generation config)")
+    return ids
 
 
 def language_prompts(tokenizer) -> dict[str, dict[str, list[int]]]:

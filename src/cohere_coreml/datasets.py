@@ -48,7 +48,10 @@ class Dataset:
 
 
 def _entries(path: Path) -> list[dict]:
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DatasetError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     try:
         if path.suffix == ".jsonl":
             return [json.loads(line) for line in text.splitlines() if line.strip()]
@@ -81,11 +84,15 @@ def load_folder(directory: str | os.PathLike, limit_per_language: int | None = N
             continue
         counts[language] = counts.get(language, 0) + 1
         name = entry.get("file") or entry.get("audio") or entry.get("path")
+        if name is not None and not isinstance(name, str):
+            raise DatasetError(f"{path}: entry {i}: the audio file must be a string path, got {name!r}")
         text = str(entry.get("text") or "")
         audio = directory / name if name else None
         problem = None
         if audio is None:
             problem = "no audio file named"
+        elif not audio.resolve().is_relative_to(directory.resolve()):  # absolute, `..` or a link out of it
+            problem = f"audio file outside the dataset folder: {name}"
         elif not audio.is_file():
             problem = f"audio file not found: {audio}"
         elif not text.strip():

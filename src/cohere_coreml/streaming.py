@@ -369,7 +369,7 @@ class StreamingSession:
         max_segment = min(int(round(fe.max_audio_clip_s * self.sr)), window_samples)
         self.segmenter = Segmenter(self.config, fe, max_segment)
         self.hop = frames_of(self.config.hop_s, self.frame, self.sr) * self.frame
-        self.bucket_frames = {fn: frames for frames, fn in transcriber.encoder_buckets}
+        self.bucket_frames = dict(transcriber.encoder_buckets)  # {encoder function: frames}
         self.stats = StreamStats(frame_seconds=self.frame / self.sr)
         self._audio = np.zeros(0, dtype=np.float32)  # samples from absolute index self._offset
         self._offset = 0
