@@ -25,10 +25,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+import librosa
 import numpy as np
+import soundfile as sf
 
 from .config import SILENCE_PEAK
 
@@ -81,7 +84,7 @@ class FrontEndConfig:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, dither: float | None = None) -> FrontEndConfig:
         """From a checkpoint folder's preprocessor/processor config."""
-        from transformers import AutoFeatureExtractor
+        from transformers import AutoFeatureExtractor  # heavy: only reading a checkpoint's config needs it
 
         return cls.from_feature_extractor(AutoFeatureExtractor.from_pretrained(str(path)), dither=dither)
 
@@ -123,8 +126,6 @@ def load_audio(source, sample_rate: int | None = None, target_rate: int = 16000)
         raise AudioError(f"{name}: invalid sample rate {rate}")
     check_waveform(mono, name)  # before resampling: the resampler refuses NaN/inf with its own exception
     if rate != target_rate:
-        import librosa
-
         logger.debug("resampling %s from %d Hz to %d Hz", name, rate, target_rate)
         mono = librosa.resample(mono, orig_sr=rate, target_sr=target_rate, res_type="soxr_hq").astype(np.float32)
         if mono.size == 0:
@@ -146,7 +147,6 @@ def check_file(path: Path) -> None:
 
 def _read_file(path: Path) -> tuple[np.ndarray, int]:
     check_file(path)
-    import soundfile as sf
 
     try:
         # block by block, not sf.read: a corrupt header can claim billions of frames, and sf.read allocates
@@ -163,10 +163,6 @@ def _read_file(path: Path) -> tuple[np.ndarray, int]:
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError):
         pass
     try:
-        import warnings
-
-        import librosa
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             data, rate = librosa.load(str(path), sr=None, mono=False)
@@ -242,7 +238,7 @@ def mel_filters(config: FrontEndConfig) -> np.ndarray:
 
     Cached per config (building it costs ~40 ms, more than the features of a short clip); read-only.
     """
-    from transformers.audio_utils import mel_filter_bank
+    from transformers.audio_utils import mel_filter_bank  # heavy: audio imports without transformers
 
     filters = mel_filter_bank(
         num_frequency_bins=config.n_fft // 2 + 1,
@@ -261,7 +257,7 @@ def mel_filters(config: FrontEndConfig) -> np.ndarray:
 
 def stft_window(config: FrontEndConfig) -> np.ndarray:
     """Symmetric Hann window of win_length (float32, computed by torch exactly as the reference)."""
-    import torch
+    import torch  # heavy: audio imports without torch (bundle, export use FrontEndConfig only)
 
     return torch.hann_window(config.win_length, periodic=False, dtype=torch.float32).numpy()
 
@@ -273,7 +269,7 @@ def power_spectrum(x: np.ndarray, config: FrontEndConfig) -> np.ndarray:
     float64 FFT, or a window differing by 2e-7, moves near-silent low mel bins by up to 3e-4 in
     log-mel (measured), above the 1e-4 parity budget.
     """
-    import torch
+    import torch  # heavy (see stft_window)
 
     spectrum = torch.stft(
         torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)),
@@ -295,7 +291,7 @@ def valid_frames(num_samples: int, config: FrontEndConfig) -> int:
 
 def _dither_noise(num_samples: int, config: FrontEndConfig) -> np.ndarray:
     """The extractor's dither: torch normal noise seeded by the valid sample count."""
-    import torch
+    import torch  # heavy (see stft_window)
 
     generator = torch.Generator().manual_seed(num_samples)
     return config.dither * torch.randn(num_samples, dtype=torch.float32, generator=generator).numpy()
@@ -337,7 +333,7 @@ def normalize(features: np.ndarray, n_valid: int) -> np.ndarray:
     memory layout and reduction order: on constant input (silence) the reference's output is its own
     float32 rounding of the mean divided by 1e-5, which only the same arithmetic reproduces.
     """
-    import torch
+    import torch  # heavy (see stft_window)
 
     x = torch.from_numpy(features).T[None]  # (1, frames, n_mels), strides as the reference's permuted view
     mask = (torch.arange(x.shape[1]) < n_valid)[None, :, None]
@@ -422,7 +418,7 @@ def quietest_window(x: np.ndarray, start: int, end: int, window: int) -> int:
     segment = x[start:end]
     if segment.shape[0] <= window:
         return (start + end) // 2
-    import torch
+    import torch  # heavy (see stft_window)
 
     # torch for the energies: the same float32 reductions as the reference, so ties break alike
     seg = torch.from_numpy(np.ascontiguousarray(segment))

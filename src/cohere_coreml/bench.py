@@ -455,10 +455,10 @@ def format_markdown(report: dict) -> str:
 def write_chart(report: dict, path: Path) -> Path | None:
     """bench.png: mean WER/CER over languages vs package size, and time per audio second by stage."""
     try:
-        import matplotlib
+        import matplotlib  # heavy and optional: only the chart needs it
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # after use("Agg"), as matplotlib requires
     except ImportError:
         logger.warning("no chart: matplotlib is not installed")
         return None

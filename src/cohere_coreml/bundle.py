@@ -31,6 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from . import __version__, faults
+from .audio import FrontEndConfig
 from .config import (
     BIND_FUNCTION,
     BIND_INPUT_PREFIX,
@@ -41,7 +45,20 @@ from .config import (
     PREFILL_FUNCTION,
     STEP_FUNCTION,
 )
-from .integrity import MANIFEST_NAME
+from .convert import git_hash
+from .files import temporary_dir, write_json_atomic
+from .integrity import MANIFEST_NAME, IntegrityError, check_sizes, invalidate_manifest, manifest_sections, safe_path
+from .tokens import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    LANGUAGES,
+    NO_SPACE_LANGUAGES,
+    PAD_TOKEN,
+    UnknownLanguageError,
+    export_vocab,
+    prompt_ids,
+    prompt_tokens,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +93,6 @@ def checkpoint_eos_ids(model) -> list[int]:
 
 def language_prompts(tokenizer) -> dict[str, dict[str, list[int]]]:
     """{language: {"punctuation": ids, "no_punctuation": ids}} for the 14 languages."""
-    from .tokens import LANGUAGES, prompt_ids
-
     return {
         lang: {
             "punctuation": prompt_ids(tokenizer, lang, punctuation=True),
@@ -90,9 +105,7 @@ def language_prompts(tokenizer) -> dict[str, dict[str, list[int]]]:
 def package_io(path: str | os.PathLike, function_name: str | None = None) -> dict[str, dict[str, Any]]:
     """{"inputs"|"outputs"|"states": {name: {"shape": [...], "dtype": str}}} of a package's function
     (default: its default function), read from its spec (`cohere_coreml.runtime.package.describe`)."""
-    import numpy as np
-
-    from .runtime.package import describe, read_package
+    from .runtime.package import describe, read_package  # cohere_coreml.runtime imports torch; bundle loads without it
 
     described = describe(read_package(path, function_name=function_name))
     return {
@@ -104,7 +117,7 @@ def package_io(path: str | os.PathLike, function_name: str | None = None) -> dic
 
 def package_metadata(path: str | os.PathLike) -> dict[str, str]:
     """The package's user-defined metadata (`com.cohere_coreml.*`, written by `convert_module`)."""
-    from .runtime.package import read_package
+    from .runtime.package import read_package  # cohere_coreml.runtime imports torch; bundle loads without it
 
     return dict(read_package(path).spec.description.metadata.userDefined)
 
@@ -146,7 +159,7 @@ def encoder_package_info(path: str | os.PathLike) -> dict:
 def frontend_package_info(path: str | os.PathLike) -> dict:
     """Functions (window seconds, samples, frames, I/O of each), I/O, compute units and precision of
     an exported front-end package (the manifest's "frontend" section)."""
-    from .runtime.package import read_package
+    from .runtime.package import read_package  # cohere_coreml.runtime imports torch; bundle loads without it
 
     meta = package_metadata(path)
     try:
@@ -168,7 +181,7 @@ def frontend_package_info(path: str | os.PathLike) -> dict:
 
 def decoder_package_info(path: str | os.PathLike) -> dict:
     """Shapes, functions and I/O of an exported decoder package."""
-    from .runtime.package import describe, read_package
+    from .runtime.package import describe, read_package  # cohere_coreml.runtime imports torch; bundle loads without it
 
     meta = package_metadata(path)
     try:
@@ -202,10 +215,6 @@ def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, deco
     """The manifest dict (see docs/bundle.md) of the packages described by `encoder`/`decoder`/
     `frontend` (`encoder_package_info` / `decoder_package_info` / `frontend_package_info`, None when
     absent). Every id and size is read from the packages, `model` and `tokenizer`."""
-    from . import __version__
-    from .convert import git_hash
-    from .tokens import NO_SPACE_LANGUAGES
-
     config = model.config
     packages = {name: info for name, info in (("encoder", encoder), ("decoder", decoder)) if info is not None}
     # (a length-bucketed encoder records no precision of its own: its functions' metadata is per function)
@@ -317,12 +326,6 @@ def write_bundle(out_dir: str | os.PathLike, model, processor) -> Path:
     The manifest describes the packages found in `out_dir` (read from their specs and metadata)
     and the checkpoint `model`/`processor` they were exported from.
     """
-    from . import faults
-    from .audio import FrontEndConfig
-    from .files import temporary_dir
-    from .integrity import invalidate_manifest
-    from .tokens import export_vocab
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = processor.tokenizer
@@ -370,9 +373,6 @@ def write_manifest(manifest: dict, out_dir: str | os.PathLike) -> Path:
     The one writer of manifests: `write_bundle` (export), `cohere-coreml quantize` (the f16
     manifest with the quantized bundle's sections) and `refresh_manifest` (after README.md ...).
     """
-    from .files import write_json_atomic
-    from .integrity import manifest_sections
-
     out_dir = Path(out_dir)
     manifest = {**manifest, **manifest_sections(out_dir)}
     write_json_atomic(manifest, out_dir / MANIFEST_NAME, if_changed=True)
@@ -441,7 +441,6 @@ class Bundle:
                 f"by its {BIND_FUNCTION!r} function); re-export the bundle with `cohere-coreml export --force`"
             )
         bundle = cls(dirs=dirs, manifest=manifest)
-        from .integrity import IntegrityError, check_sizes, safe_path
 
         files = manifest.get("files")
         if not isinstance(files, dict):
@@ -506,8 +505,6 @@ class Bundle:
         return sorted(self.manifest["languages"])
 
     def prompt(self, language: str, punctuation: bool = True) -> list[int]:
-        from .tokens import UnknownLanguageError
-
         if language not in self.manifest["languages"]:
             raise UnknownLanguageError(language)
         return [int(i) for i in self.manifest["languages"][language]["punctuation" if punctuation else "no_punctuation"]]
@@ -643,16 +640,6 @@ def check_manifest(manifest, where: str, vocab: dict | None = None, processor: d
     consistent with each other and with the manifest's `io` blocks (`check_packages` ties those to
     the packages). `vocab` (vocab.json) checks the prompts and eos ids; `processor` (processor_config.json)
     the audio settings. Raises BundleError naming the field."""
-    from .tokens import (
-        BOS_TOKEN,
-        EOS_TOKEN,
-        LANGUAGES,
-        NO_SPACE_LANGUAGES,
-        PAD_TOKEN,
-        UnknownLanguageError,
-        prompt_tokens,
-    )
-
     f = _Fields(where)
     if not isinstance(manifest, dict):
         raise BundleError(f"{where}: the manifest must be a JSON object, got {_show(manifest)}")
@@ -884,7 +871,7 @@ def _package_stamp(path: Path) -> tuple:
 
 @functools.lru_cache(maxsize=64)
 def _cached_package_io(path: str, function_name: str | None, stamp: tuple) -> tuple[dict, str, tuple[str, ...]]:
-    from .runtime.package import read_package
+    from .runtime.package import read_package  # cohere_coreml.runtime imports torch; bundle loads without it
 
     spec = read_package(path, function_name=function_name)
     return package_io(path, spec.function_name), spec.function_name, tuple(sorted(spec.function_names))
@@ -893,7 +880,7 @@ def _cached_package_io(path: str, function_name: str | None, stamp: tuple) -> tu
 def check_packages(bundle: Bundle, where: str) -> None:
     """Every function the manifest names exists in its package, the package has no function the
     manifest omits, and each function's inputs/outputs/states equal the manifest's `io` block."""
-    from .runtime.errors import RuntimeBackendError
+    from .runtime.errors import RuntimeBackendError  # cohere_coreml.runtime imports torch; bundle loads without it
 
     m = bundle.manifest
     dec = m["decoder"]

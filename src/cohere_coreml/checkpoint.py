@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import DEFAULT_HUB_ID
+from .tokens import LANGUAGES, export_vocab, prompt_ids
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +81,8 @@ def resolve_checkpoint(model: str | os.PathLike, revision: str | None = None) ->
 
 
 def _download(repo_id: str, revision: str | None) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
+    from huggingface_hub import snapshot_download  # heavy (the Hub's HTTP stack, ~0.2 s): only a download needs it
+    from huggingface_hub.errors import (  # heavy (as above)
         GatedRepoError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
@@ -133,8 +134,8 @@ def load_reference(model: str | os.PathLike = DEFAULT_HUB_ID, revision: str | No
     The model is a `CohereAsrForConditionalGeneration` in eval mode (float32 unless `dtype` is given),
     loaded from safetensors only, without remote code. Raises `CheckpointError` naming the problem.
     """
-    import torch
-    from transformers import AutoProcessor, CohereAsrForConditionalGeneration, CohereAsrProcessor
+    import torch  # heavy: only loading the reference needs it
+    from transformers import AutoProcessor, CohereAsrForConditionalGeneration, CohereAsrProcessor  # heavy (as torch)
 
     source = resolve_checkpoint(model, revision)
     check_checkpoint_dir(source.local_dir)
@@ -162,8 +163,6 @@ def load_reference(model: str | os.PathLike = DEFAULT_HUB_ID, revision: str | No
 
 def describe(model, processor) -> dict:
     """Shapes and ids of a loaded checkpoint (what `cohere-coreml info` prints)."""
-    from .tokens import LANGUAGES, prompt_ids
-
     config = model.config
     enc = config.encoder_config
     n_params = sum(p.numel() for p in model.parameters())
@@ -228,9 +227,8 @@ def cmd_info(args) -> int:
 
 
 def cmd_vocab(args) -> int:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: only `vocab` needs it
 
-    from .tokens import export_vocab
 
     source = resolve_checkpoint(args.model, args.revision)
     check_checkpoint_dir(source.local_dir)

@@ -23,6 +23,7 @@ import argparse
 import errno
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -138,8 +139,6 @@ def _disk_full(err: BaseException) -> OSError | None:
 
     `shutil.copytree` (coremltools saves packages with it) gathers its failures into one
     `shutil.Error` without an errno: [(src, dst, "[Errno 28] No space left on device: ...")]."""
-    import shutil
-
     full = (errno.ENOSPC, errno.EDQUOT)
     seen = set()
     while err is not None and id(err) not in seen:

@@ -31,6 +31,8 @@ from typing import Any
 
 from cohere_coreml.config import DEFAULT_WINDOW_SECONDS
 
+from . import __version__
+
 # the errors of an export, importable from here as well (most exporters import them with the settings)
 from .errors import ExportError as ExportError
 from .errors import ExportSettingsError as ExportSettingsError
@@ -96,12 +98,12 @@ class ExportSettings:
         return float(self.min_psnr_db) if self.min_psnr_db is not None else MIN_PSNR_DB[self.precision]
 
     def ct_target(self):
-        import coremltools as ct
+        import coremltools as ct  # heavy: bundle and export import this module without it
 
         return getattr(ct.target, self.deployment_target)
 
     def ct_compute_precision(self):
-        import coremltools as ct
+        import coremltools as ct  # heavy: bundle and export import this module without it
 
         return ct.precision.FLOAT16 if self.precision == "fp16" else ct.precision.FLOAT32
 
@@ -145,11 +147,10 @@ def git_hash(short: bool = False) -> str:
 
 def base_metadata(settings: ExportSettings, component: str) -> dict[str, str]:
     """Metadata every package carries (all values strings, as Core ML requires)."""
-    import coremltools as ct
-    import torch
-    import transformers
+    import coremltools as ct  # heavy: bundle and export import this module without it
+    import torch  # heavy (as coremltools)
+    import transformers  # heavy (as coremltools)
 
-    from cohere_coreml import __version__
 
     return {
         "com.cohere_coreml.component": component,
@@ -208,7 +209,7 @@ def convert_module(
     Raises:
         ExportError: when coremltools cannot convert the graph (message names the component).
     """
-    import coremltools as ct
+    import coremltools as ct  # heavy: bundle and export import this module without it
 
     component = str((metadata or {}).get("com.cohere_coreml.component", "model"))
     kwargs = {}

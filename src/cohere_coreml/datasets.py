@@ -14,8 +14,10 @@ line (no download attempt hangs: HF_HUB_OFFLINE is honoured, the Hub probe has a
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,14 +117,11 @@ def load_dataset(name: str, limit_per_language: int | None = None) -> Dataset:
 
 
 def _load_hub(name: str) -> Dataset:
-    import importlib.util
-
     if importlib.util.find_spec("datasets") is None:
         raise DatasetError(f"{name!r} is not a folder, and Hugging Face datasets are unavailable: the `datasets` "
                            "package is not installed (pass a folder with a manifest instead)")
     if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
         raise DatasetError(f"{name!r}: the Hugging Face Hub is unreachable (offline mode is set)")
-    import urllib.request
 
     try:
         urllib.request.urlopen("https://huggingface.co/api/datasets?limit=1", timeout=HUB_PROBE_TIMEOUT_S)

@@ -270,7 +270,7 @@ def trace_decoder_prefill(prefill: DecoderPrefill):
 
 def coreml_states(shapes: DecoderShapes, names=("self_k", "self_v", *MEMORY_NAMES)):
     """The package's state declarations (fp16, static shapes), shared by every function."""
-    import coremltools as ct
+    import coremltools as ct  # heavy: the PyTorch side (decoder_gate, tests) needs none
 
     shape = {"self_k": shapes.cache_shape, "self_v": shapes.cache_shape, "cross_k": shapes.memory_shape,
              "cross_v": shapes.memory_shape, "cross_mask": (1, 1, 1, shapes.memory_len)}
@@ -279,7 +279,7 @@ def coreml_states(shapes: DecoderShapes, names=("self_k", "self_v", *MEMORY_NAME
 
 def coreml_io(shapes: DecoderShapes, function: str = STEP_FUNCTION, prompt_len: int | None = None):
     """coremltools (inputs, states, outputs) declarations of one function of the package."""
-    import coremltools as ct
+    import coremltools as ct  # heavy: the PyTorch side (decoder_gate, tests) needs none
 
     if function == BIND_FUNCTION:
         # no dtype: the program's precision, as the encoder's outputs (fp16 arrays in an fp16 bundle)
@@ -300,7 +300,7 @@ def coreml_io(shapes: DecoderShapes, function: str = STEP_FUNCTION, prompt_len: 
 def build_step_mlmodel(model, capacity: int, memory_len: int, precision: str = "fp16", recompute_cross_kv=False):
     """Trace the decode step and convert it to an (in-memory) Core ML ML program (for inspection:
     op counts, MACs). `recompute_cross_kv`: the comparison design (`RecomputingStep`)."""
-    import coremltools as ct
+    import coremltools as ct  # heavy: the PyTorch side (decoder_gate, tests) needs none
 
     if recompute_cross_kv:
         step = RecomputingStep(model, capacity, memory_len)
@@ -495,7 +495,7 @@ def save_multifunction(converters: dict, tmp: Path) -> None:
     into one package at `tmp` (`coremltools.utils.save_multifunction`: identical weights stored once;
     `main` is the default function). Each program is converted, saved and dropped in turn (only one
     converted program in memory)."""
-    import coremltools as ct
+    import coremltools as ct  # heavy: the PyTorch side (decoder_gate, tests) needs none
 
     scratch = Path(tempfile.mkdtemp(prefix="decoder-mf-"))
     try:

@@ -71,7 +71,7 @@ def teacher_forcing_case(model, memory_len: int, prompt: list[int], encoder_hidd
     """
     # imported here: `transformers.models.parakeet` loads sentencepiece, which the product must not import
     # on its own (tests/test_export.py::test_product_imports_no_training_or_synthesis_code)
-    from transformers.models.parakeet.modeling_parakeet import ParakeetEncoderModelOutput
+    from transformers.models.parakeet.modeling_parakeet import ParakeetEncoderModelOutput  # see the comment above
 
     enc_cfg = model.config.encoder_config
     with torch.no_grad():

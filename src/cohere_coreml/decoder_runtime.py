@@ -51,7 +51,10 @@ class DecoderRuntime:
     def load(cls, path: str | os.PathLike, backend: str = "auto", compute_units: str = "all",
              prefill: bool = True, num_threads: int | None = None) -> DecoderRuntime:
         """Load a decoder package's functions; `prefill`: also its prefill function when it has one."""
-        from .runtime import load_model, read_package
+        from .runtime import (  # cohere_coreml.runtime imports torch; this module loads without it
+            load_model,
+            read_package,
+        )
 
         functions = read_package(path).function_names
         if BIND_FUNCTION not in functions:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from .audio import FrontEndConfig, load_audio, log_mel
 from .config import BUCKETS_METADATA_KEY, FP16_MASK_VALUE
 from .convert import ExportError, ExportSettings, convert_module
 from .files import skip_installed, temporary_dir
@@ -70,7 +71,7 @@ def _fp16_safe_eager_attention(module, query, key, value, attention_mask, scalin
     fp16 program; fully masked (padding) rows then give NaN that leaks into valid frames through
     the values of later layers. Clamping keeps the masking (exp(-1e4) == 0) and stays finite.
     """
-    from transformers.models.parakeet import modeling_parakeet
+    from transformers.models.parakeet import modeling_parakeet  # heavy, and it loads sentencepiece (see decoder_gate)
 
     if attention_mask is not None:
         attention_mask = attention_mask.clamp(min=MASK_VALUE)
@@ -82,7 +83,7 @@ def _fp16_safe_eager_attention(module, query, key, value, attention_mask, scalin
 @contextlib.contextmanager
 def fp16_safe_encoder_attention(model):
     """Temporarily route the encoder's attention through `_fp16_safe_eager_attention`."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # heavy: this module loads without transformers
 
     AttentionInterface.register(_SAFE_ATTENTION, _fp16_safe_eager_attention)
     configs = {id(m.config): m.config for m in model.model.encoder.modules() if hasattr(m, "config")}
@@ -221,7 +222,7 @@ def _fp16_except_length_arithmetic():
     `feature_length`; in fp16 a length such as 2049 rounds to 2048 and `encoder_length` (and the
     masks) would be off by one for odd lengths above 2048. Those few scalar ops stay fp32.
     """
-    import coremltools as ct
+    import coremltools as ct  # heavy: the PyTorch side (reference, gates) needs none
 
     memo: dict[int, bool] = {}
 
@@ -260,7 +261,7 @@ def _op_input_vars(op):
 
 
 def convert_traced_encoder(traced, shapes: EncoderShapes, settings: ExportSettings, extra_metadata=None):
-    import coremltools as ct
+    import coremltools as ct  # heavy: the PyTorch side (reference, gates) needs none
 
     s = shapes
     inputs = [
@@ -297,7 +298,7 @@ def convert_traced_encoder(traced, shapes: EncoderShapes, settings: ExportSettin
 
 def _check_output_dtypes(mlmodel) -> None:
     """Integer outputs must stay int32 (the decoder reads them as ints)."""
-    from coremltools.proto import FeatureTypes_pb2 as ft
+    from coremltools.proto import FeatureTypes_pb2 as ft  # heavy: the PyTorch side (reference, gates) needs none
 
     for out in mlmodel.get_spec().description.output:
         if out.name == "encoder_length" and out.type.multiArrayType.dataType != ft.ArrayFeatureType.INT32:
@@ -457,7 +458,7 @@ def convert_encoder_buckets(
 def stage_encoder_buckets(model, settings: ExportSettings, bucket_seconds, processor=None, gate_audio=None,
                           extra_metadata: dict | None = None) -> StagedPackage | None:
     """`convert_encoder_buckets` up to the gate (see `stage_encoder`)."""
-    import coremltools as ct
+    import coremltools as ct  # heavy: the PyTorch side (reference, gates) needs none
 
     if skip_installed(settings, COMPONENT):
         return None
@@ -516,8 +517,6 @@ def gate_features(processor, shapes: EncoderShapes, audio_paths=None) -> list[np
     One entry per clip (cut to the window), plus one full window made of the clips' frames
     back to back, so the gate sees both a partial and a full `feature_length`.
     """
-    from .audio import FrontEndConfig, load_audio, log_mel
-
     paths = list(audio_paths) if audio_paths else default_gate_audio(max_clips=DEFAULT_GATE_CLIPS)
     if not paths:
         return []

@@ -177,7 +177,7 @@ class PyTorchEngine(Engine):
 
     def transcribe_window(self, waveform, prompt, *, index, start_s, max_new_tokens, beams, repetition_guard):
         import torch  # the reference only (see __init__)
-        from transformers import StoppingCriteria, StoppingCriteriaList
+        from transformers import StoppingCriteria, StoppingCriteriaList  # the reference only (as torch)
 
         if beams < 1:
             raise ValueError(f"beams must be >= 1, got {beams}")

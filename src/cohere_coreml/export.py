@@ -30,6 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import checkpoint
+from .audio import FrontEndConfig
+from .bundle import decoder_package_info, write_bundle
 from .config import (
     CONTROL_LANGUAGE,
     DEFAULT_HUB_ID,
@@ -39,8 +42,11 @@ from .config import (
     GATE_LANGUAGE,
 )
 from .convert import MIN_PSNR_DB, ExportError, ExportSettings
+from .files import sweep_stale_temporaries
 from .gate import StagedPackage
+from .memory import release_memory
 from .shapes import ExportPlan, export_plan
+from .tokens import prompt_ids
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +79,7 @@ class Component:
 
 
 def _stage_encoder(job: ExportJob) -> StagedPackage | None:
-    from . import encoder
+    from . import encoder  # loads torch: this module imports without it
 
     if job.buckets:  # one multifunction package: `main` = full window, `window_<s>s` = shorter buckets
         return encoder.stage_encoder_buckets(job.model, job.settings, job.buckets, job.processor, job.gate_audio)
@@ -87,8 +93,7 @@ def _stage_encoder(job: ExportJob) -> StagedPackage | None:
 
 def _stage_frontend(job: ExportJob) -> StagedPackage | None:
     """frontend.mlpackage: samples -> the encoder's input_features, one function per encoder window."""
-    from . import frontend
-    from .audio import FrontEndConfig
+    from . import frontend  # loads torch (as encoder)
 
     config = FrontEndConfig.from_processor(job.processor, dither=0.0)
     if config.n_mels != job.plan.window.n_mels:
@@ -97,8 +102,7 @@ def _stage_frontend(job: ExportJob) -> StagedPackage | None:
 
 
 def _stage_decoder(job: ExportJob) -> StagedPackage | None:
-    from . import decoder
-    from .bundle import decoder_package_info
+    from . import decoder  # loads transformers (seconds): the cli imports this module for every command
 
     shapes = job.plan.decoder
     path = job.settings.package_path("decoder")
@@ -157,8 +161,6 @@ class StagedExport:
     staged: dict[str, StagedPackage | None]  # None: present, skipped
 
     def finish(self) -> ExportResult:
-        from .bundle import write_bundle
-
         packages: dict[str, dict[str, Any]] = {}
         try:
             for name in list(self.staged):
@@ -190,9 +192,6 @@ def stage_export(model, processor, settings: ExportSettings, components: Sequenc
     After this returns the model is no longer needed (the caller may free it), so the gates'
     interpreter copies of the packages never sit next to the PyTorch weights in memory.
     """
-    from .files import sweep_stale_temporaries
-    from .tokens import prompt_ids
-
     unknown = sorted(set(components) - set(COMPONENTS))
     if unknown:
         raise ExportError(f"unknown component(s) {unknown}; choose from {tuple(COMPONENTS)}")
@@ -236,15 +235,12 @@ def export_checkpoint(model_ref: str, settings: ExportSettings, revision: str | 
     sum: every component is converted and its references computed (`stage_export`), then the model
     is freed, then the gates load the packages (`StagedExport.finish`).
     """
-    import torch
-
-    from .checkpoint import check_hub_id, load_reference
-    from .memory import release_memory
+    import torch  # heavy (as encoder)
 
     torch.set_grad_enabled(False)
-    model, processor = load_reference(model_ref, revision=revision)
+    model, processor = checkpoint.load_reference(model_ref, revision=revision)
     if base_model is not None:  # the Hub id of a checkpoint given as a folder whose config names none
-        model.source = dataclasses.replace(model.source, model_id=check_hub_id(base_model), base_model=base_model)
+        model.source = dataclasses.replace(model.source, model_id=checkpoint.check_hub_id(base_model), base_model=base_model)
     source = model.source
     settings = settings.replace(model_id=source.model_id, revision=source.revision or settings.revision)
     staged = stage_export(model, processor, settings, **options)

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from . import runtime
 from .audio import (
     LOG_ZERO_GUARD,
     NORM_EPSILON,
@@ -217,7 +218,7 @@ def describe_io(shapes: FrontEndShapes) -> dict[str, str]:
 
 def convert_traced_frontend(traced, config: FrontEndConfig, shapes: FrontEndShapes, settings: ExportSettings):
     """ML program of the traced front end, fp32 compute precision, with metadata."""
-    import coremltools as ct
+    import coremltools as ct  # heavy: the PyTorch side (gates, tests) needs none
 
     s = shapes
     inputs = [ct.TensorType(name="audio", shape=(1, s.samples), dtype=np.float32),
@@ -241,7 +242,7 @@ def convert_traced_frontend(traced, config: FrontEndConfig, shapes: FrontEndShap
         "log-mel features of the encoder",
         compute_precision=ct.precision.FLOAT32,
     )
-    from coremltools.proto import FeatureTypes_pb2 as ft
+    from coremltools.proto import FeatureTypes_pb2 as ft  # heavy: the PyTorch side (gates, tests) needs none
 
     for out in mlmodel.get_spec().description.output:
         if out.name == "feature_length" and out.type.multiArrayType.dataType != ft.ArrayFeatureType.INT32:
@@ -331,11 +332,9 @@ def run_gate(package: str | Path, cases: Sequence[GateCase], function_name: str 
              backend: str = "auto") -> GateReport:
     """Run every case through the package (`cohere_coreml.runtime`), compare with `log_mel`
     (`check_case`, the budget of the case's kind) and return the `GateReport` of all cases."""
-    from .runtime import load_model
-
     if not cases:
         raise ValueError(f"{COMPONENT} gate has no cases")
-    loaded = load_model(str(package), backend=backend, function_name=function_name)
+    loaded = runtime.load_model(str(package), backend=backend, function_name=function_name)
     where = f" function {function_name}" if function_name else ""
     results, texts = [], []
     for case in cases:
@@ -398,7 +397,7 @@ def stage_frontend(config: FrontEndConfig, settings: ExportSettings, shapes_by_f
                    gate_audio=None, _module_cls=FrontEndForCoreML) -> StagedPackage | None:
     """`convert_frontend` up to the gate: the package at its temporary path (converted inside the
     writer) and the gate's reference cases computed; `finish()` gates and installs it."""
-    import coremltools as ct
+    import coremltools as ct  # heavy: the PyTorch side (gates, tests) needs none
 
     if "main" not in shapes_by_fn:
         raise FrontEndInputError(f"front-end functions {sorted(shapes_by_fn)} have no 'main' (the full window)")

@@ -21,14 +21,17 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from . import faults
 from .convert import ExportSettings
 from .errors import ParityError
 from .files import install_package, remove_package, skip_installed, staging_path, write_json_atomic
+from .integrity import invalidate_manifest
 from .parity import report_correctness
 
 logger = logging.getLogger(__name__)
@@ -123,8 +126,6 @@ class StagedPackage:
         Raises `ParityError` when refused: the package is removed, the figures go to
         `<component>.parity-failed.json`, an older package and report stay untouched.
         """
-        from .integrity import invalidate_manifest
-
         component, settings = self.component, self.settings
         path = settings.package_path(component)
         try:
@@ -172,8 +173,6 @@ def stage_gated(component: str, settings: ExportSettings, write: Callable[[Path]
     build what it saves (trace, convert) itself, so nothing of the conversion outlives it; the
     gate is not prepared under `settings.skip_verify`.
     """
-    from . import faults
-
     path = settings.package_path(component)
     tmp = staging_path(path)
     if skip_installed(settings, component):
@@ -223,7 +222,7 @@ def compare_cases(component: str, package: str | Path, cases: Sequence[GateCase]
                   details: Mapping[str, Any] | None = None) -> GateReport:
     """Run `package` on every case; every reference output must reach `min_psnr_db` (names in
     `exact` must match exactly). Per-case figures come from `parity.report_correctness`."""
-    from .runtime import load_model
+    from .runtime import load_model  # cohere_coreml.runtime imports torch; gate loads without it
 
     if not cases:
         raise ValueError(f"{component} gate has no cases")
@@ -266,9 +265,7 @@ def compare_cases(component: str, package: str | Path, cases: Sequence[GateCase]
 
 def default_gate_audio(max_clips: int | None = None) -> list[Path]:
     """Speech clips shipped with the package (`cohere_coreml/data/gate_audio`), sorted by name."""
-    from importlib.resources import files
-
-    folder = files("cohere_coreml").joinpath(*GATE_AUDIO_PACKAGE_DIR)
+    folder = resources.files("cohere_coreml").joinpath(*GATE_AUDIO_PACKAGE_DIR)
     clips = sorted((Path(str(f)) for f in folder.iterdir() if f.name.endswith((".flac", ".wav"))),
                    key=lambda p: p.name)
     return clips[:max_clips] if max_clips is not None else clips

@@ -19,6 +19,8 @@ import re
 import unicodedata
 from pathlib import Path
 
+from . import faults
+
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"  # never listed: it cannot hold its own hash
@@ -117,7 +119,8 @@ def file_table(bundle_dir: str | os.PathLike) -> dict[str, dict]:
 
 def min_os(bundle_dir: str | os.PathLike) -> dict[str, str]:
     """Minimum OS versions: the highest Core ML specification version among the bundle's packages."""
-    from .runtime.package import read_spec  # read only (coremltools' loader rewrites each package's Manifest.json)
+    # read_spec reads only (coremltools' loader rewrites each package's Manifest.json)
+    from .runtime.package import read_spec  # cohere_coreml.runtime imports torch; integrity loads without it
 
     versions = [read_spec(p).specificationVersion for p in sorted(Path(bundle_dir).glob("*.mlpackage"))]
     if not versions:
@@ -150,8 +153,6 @@ def invalidate_manifest(bundle_dir: str | os.PathLike) -> bool:
     replaces the tokenizer or vocab): until the new manifest is written last, the folder holds no
     manifest rather than one that describes other files, so an interrupted export leaves nothing that
     `Bundle.load` or `bundle check` accepts. True when there was one."""
-    from . import faults
-
     path = Path(bundle_dir) / MANIFEST_NAME
     if not path.is_file():
         return False

@@ -28,7 +28,7 @@ def basic_normalise(text: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _english():
-    from transformers.models.whisper.english_normalizer import EnglishTextNormalizer
+    from transformers.models.whisper.english_normalizer import EnglishTextNormalizer  # heavy: English only
 
     return EnglishTextNormalizer({})
 
@@ -50,7 +50,7 @@ def error_counts(references: list[str], hypotheses: list[str], language: str | N
     Pairs whose normalised reference is empty are skipped (nothing to score against); an empty
     hypothesis counts as all deletions.
     """
-    import jiwer
+    import jiwer  # scoring only: importing the package must not load jiwer
 
     if len(references) != len(hypotheses):
         raise ValueError(f"{len(references)} references but {len(hypotheses)} hypotheses")

@@ -15,9 +15,11 @@ import os
 from importlib import resources
 from pathlib import Path
 
-from .bundle import MANIFEST_NAME, refresh_manifest
+from .bundle import MANIFEST_NAME, refresh_manifest, write_manifest
+from .checkpoint import CheckpointError, check_hub_id
+from .files import sweep_stale_temporaries, write_text_atomic
 from .gate import HELDOUT_COMPONENT
-from .integrity import IntegrityError, check_bundle, file_table
+from .integrity import IntegrityError, check_bundle, file_table, manifest_sections
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ def _mb(n: int) -> str:
 def presets_table(bench: dict) -> list[str]:
     """Markdown lines: every engine of a `cohere-coreml bench` report (PyTorch and bundles of several
     presets on one dataset): WER/CER per language and greedy tokens identical to the reference."""
-    from .bench import format_agreement, percent
+    from .bench import format_agreement, percent  # bench imports torch; publish loads without it
 
     engines = bench.get("engines", [])
     langs = sorted({lang for e in engines for lang in e["languages"]})
@@ -218,9 +220,6 @@ def finalize_bundle(bundle_dir: str | os.PathLike, bench: str | os.PathLike | No
     interrupted finalize leaves the bundle as it was or with a file the manifest does not list yet
     (`bundle check` refuses it), never a partial file, and running it again completes it. Finalizing a
     finalized bundle again (same bench report) changes nothing."""
-    from .files import sweep_stale_temporaries, write_text_atomic
-    from .integrity import manifest_sections
-
     root = Path(bundle_dir)
     if not (root / MANIFEST_NAME).is_file():
         raise PublishError(f"{root} has no manifest.json: export the bundle first")
@@ -229,8 +228,6 @@ def finalize_bundle(bundle_dir: str | os.PathLike, bench: str | os.PathLike | No
     except json.JSONDecodeError as err:
         raise PublishError(f"{root / MANIFEST_NAME} is not readable JSON: {err}") from err
     if base_model is not None:
-        from .checkpoint import CheckpointError, check_hub_id
-
         try:
             manifest["base_model"] = check_hub_id(base_model)
         except CheckpointError as err:
@@ -248,7 +245,6 @@ def finalize_bundle(bundle_dir: str | os.PathLike, bench: str | os.PathLike | No
     write_text_atomic(root / README, card, if_changed=True)
     if base_model is None:
         return refresh_manifest(root)
-    from .bundle import write_manifest
 
     current = json.loads((root / MANIFEST_NAME).read_text())
     return write_manifest({**current, "base_model": base_model}, root)  # the manifest last, as always
@@ -286,8 +282,8 @@ def upload_bundle(bundle_dir: str | os.PathLike, repo_id: str, revision: str | N
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", str(int(timeout)))
     os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", str(int(timeout)))
     try:
-        from huggingface_hub import HfApi
-        from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+        from huggingface_hub import HfApi  # heavy (the Hub's HTTP stack): only an upload needs it
+        from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled  # heavy (as above)
     except ImportError as err:  # pragma: no cover - huggingface_hub is a dependency
         raise PublishError(f"huggingface_hub is not installed: {err}") from err
     api = HfApi()  # token: HF_TOKEN or the `hf auth login` file; never read or printed here

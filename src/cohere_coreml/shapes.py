@@ -58,7 +58,7 @@ def window_frames(window_seconds: float, sample_rate: int, hop_length: int) -> i
 def encoder_frames(model, frames):
     """Encoder frames for `frames` mel frames (int -> int, tensor/array -> int32 tensor), with
     transformers' own subsampling arithmetic."""
-    import torch  # only where a PyTorch model is measured (the runtime side needs no torch)
+    import torch  # heavy: only where a PyTorch model is measured (shapes loads without torch)
 
     lengths = torch.as_tensor(frames).reshape(-1)
     out = model.model.encoder._get_subsampling_output_length(lengths).to(torch.int32)

@@ -16,6 +16,8 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from .files import write_text_atomic
+
 logger = logging.getLogger(__name__)
 
 # The 14 languages of the released model (same set as `CohereAsrProcessor`).
@@ -149,8 +151,6 @@ def export_vocab(tokenizer, path: str | os.PathLike, if_changed: bool = False, b
     byte of UTF-8 (consecutive byte pieces are joined, then decoded), and special tokens look like
     `<|...|>` and are dropped from transcripts.
     """
-    from .files import write_text_atomic
-
     path = Path(path)
     # atomically, through a hidden temporary (`if_changed`, `before_change`: see write_text_atomic)
     write_text_atomic(path, json.dumps(vocab_table(tokenizer), ensure_ascii=False, indent=0), if_changed=if_changed,

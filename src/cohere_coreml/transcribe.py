@@ -92,7 +92,7 @@ class Transcriber(Engine):
                  use_prefill: bool = True, front_end: str = DEFAULT_FRONT_END, compute_units: str = "all"):
         # transformers is imported here, not at module level: it costs seconds, and the CLI imports
         # this module for every command
-        from transformers import PreTrainedTokenizerFast
+        from transformers import PreTrainedTokenizerFast  # heavy (see above)
 
         if front_end not in FRONT_ENDS:
             raise TranscriptionError(f"front_end must be one of {FRONT_ENDS}, got {front_end!r}")

@@ -20,6 +20,7 @@ The same code runs against Core ML on a Mac (`backend="coreml"`).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -27,8 +28,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
+from .audio import load_audio, log_mel, pad_to_window, split_points
+from .checkpoint import load_reference
 from .cli_options import HelpFormatter, add_bundle_arg
+from .files import write_json_atomic
+from .parity import psnr
+from .tokens import decode_ids, join_windows, prompt_ids
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +58,6 @@ def _check_compatible(model, tokenizer, bundle) -> None:
                        ("hidden_size", cfg.hidden_size)):
         if int(dec[key]) != int(value):
             problems.append(f"decoder {key}: bundle {dec[key]} vs checkpoint {value}")
-    from .tokens import prompt_ids
 
     if bundle.prompt("en") != prompt_ids(tokenizer, "en"):
         problems.append("the English prompt ids differ (different tokenizer)")
@@ -67,13 +73,11 @@ def verify_bundle(model, processor, bundle_dirs, audio: Sequence, language: str 
     audio: file paths or float32 arrays at the bundle's sample rate; `languages` (same length)
     overrides `language` per clip.
     """
-    import torch
+    import torch  # heavy: verify imports without torch
 
-    from .audio import load_audio, log_mel, split_points
-    from .decoder_gate import TeacherForcingCase, run_teacher_forcing, teacher_forcing_report
-    from .parity import psnr
-    from .reference import cross_memory
-    from .transcribe import Transcriber
+    from .decoder_gate import TeacherForcingCase, run_teacher_forcing, teacher_forcing_report  # loads torch (as above)
+    from .reference import cross_memory  # loads torch (as above)
+    from .transcribe import Transcriber  # loads torch via cohere_coreml.runtime (as above)
 
     torch.set_grad_enabled(False)
     transcriber = Transcriber(bundle_dirs, backend=backend)
@@ -92,8 +96,6 @@ def verify_bundle(model, processor, bundle_dirs, audio: Sequence, language: str 
     clips = []
     items = list(enumerate(audio))
     if progress:
-        from tqdm import tqdm
-
         items = tqdm(items, desc="verify", unit="clip")
     for ci, source in items:
         lang = languages[ci] if languages is not None else language
@@ -128,7 +130,6 @@ def verify_bundle(model, processor, bundle_dirs, audio: Sequence, language: str 
             enc_valid = int(enc.attention_mask.sum())
             ref_memory = cross_memory(model, enc.last_hidden_state, enc_valid, memory_len)
             ref_k, ref_v, ref_mask = ref_memory["cross_k"], ref_memory["cross_v"], ref_memory["cross_mask"]
-            from .audio import pad_to_window
 
             window, _ = pad_to_window(ours, n_valid, frames=transcriber.window_frames)
             t0 = time.perf_counter()
@@ -156,7 +157,9 @@ def verify_bundle(model, processor, bundle_dirs, audio: Sequence, language: str 
             ref_ids = [int(t) for t in gen[0, len(prompt):]]
             # 3. decoder under teacher forcing with the reference memory
             fed = list(prompt) + ref_ids[:-1]
-            from transformers.models.parakeet.modeling_parakeet import ParakeetEncoderModelOutput
+            from transformers.models.parakeet.modeling_parakeet import (  # heavy; sentencepiece (see decoder_gate)
+                ParakeetEncoderModelOutput,
+            )
 
             enc_obj = ParakeetEncoderModelOutput(last_hidden_state=enc.last_hidden_state,
                                                  attention_mask=enc.attention_mask)
@@ -171,7 +174,6 @@ def verify_bundle(model, processor, bundle_dirs, audio: Sequence, language: str 
             w["decoder"]["per_step"] = [{k: s[k] for k in ("position", "psnr_db", "kl")} for s in tf["per_step"]]
             # 4. end to end through the packages
             dec = transcriber.decode(enc_out, prompt, max_new_tokens=n_new)
-            from .tokens import decode_ids
 
             eos = transcriber.eos_ids
             w["tokens"] = {
@@ -184,7 +186,6 @@ def verify_bundle(model, processor, bundle_dirs, audio: Sequence, language: str 
                 "bundle_text": decode_ids(tokenizer, [t for t in dec.token_ids if t not in eos]),
             }
             windows.append(w)
-        from .tokens import join_windows
 
         clips.append({"clip": name, "language": lang, "windows": windows,
                       "text": join_windows([w["tokens"]["bundle_text"] for w in windows], lang),
@@ -276,11 +277,6 @@ def format_table(report: dict) -> str:
 
 
 def cmd_verify(args) -> int:
-    import json
-
-    from .checkpoint import load_reference
-    from .files import write_json_atomic
-
     model, processor = load_reference(args.model, revision=args.revision)
     languages = None
     if args.languages:

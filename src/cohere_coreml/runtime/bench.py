@@ -18,11 +18,15 @@ import logging
 import multiprocessing
 import os
 import resource
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from . import load_model
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +49,7 @@ def _peak_rss_gb() -> float:
 
 
 def _encoder_config(layers):
-    from transformers import CohereAsrConfig
+    from transformers import CohereAsrConfig  # heavy: the interpreter phase (its peak RSS measured) loads none
 
     config = CohereAsrConfig()
     enc = config.encoder_config
@@ -67,8 +71,7 @@ def _time(fn, warmup: int, repeats: int) -> tuple[float, object]:
 
 def _build_reference(cfg: BenchConfig):
     """(wrapper module, features, n_params, build seconds): the same weights for a given seed."""
-    import torch
-    from transformers import AutoModel
+    from transformers import AutoModel  # heavy (as in _encoder_config)
 
     torch.manual_seed(cfg.seed)
     enc_cfg = _encoder_config(cfg.layers)
@@ -94,8 +97,6 @@ def _build_reference(cfg: BenchConfig):
 
 def _phase_torch(cfg: BenchConfig) -> dict:
     """Re-time eager torch on the reference weights (checks they are the same weights)."""
-    import torch
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     wrapper, features, _, _ = _build_reference(cfg)
@@ -108,8 +109,6 @@ def _phase_torch(cfg: BenchConfig) -> dict:
 
 
 def _phase_reference(cfg: BenchConfig) -> dict:
-    import torch
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)
@@ -121,7 +120,7 @@ def _phase_reference(cfg: BenchConfig) -> dict:
     np.save(out / "reference.npy", ref.numpy())
     logger.info("torch eager fp32: %.2f s", torch_s)
 
-    import coremltools as ct
+    import coremltools as ct  # heavy (as transformers in _encoder_config)
 
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -139,13 +138,9 @@ def _phase_reference(cfg: BenchConfig) -> dict:
     package = out / "encoder.mlpackage"
     tmp = out / "encoder.tmp.mlpackage"
     if tmp.exists():
-        import shutil
-
         shutil.rmtree(tmp)
     mlmodel.save(str(tmp))
     if package.exists():
-        import shutil
-
         shutil.rmtree(package)
     os.replace(tmp, package)
     convert_s = time.perf_counter() - t0
@@ -160,10 +155,6 @@ def _phase_reference(cfg: BenchConfig) -> dict:
 
 
 def _phase_interpreter(cfg: BenchConfig) -> dict:
-    import torch
-
-    from . import load_model
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)

@@ -26,7 +26,7 @@ def coreml_available() -> tuple[bool, str]:
     if sys.platform != "darwin":
         return False, f"Core ML needs macOS (this is {sys.platform})"
     try:
-        from coremltools.libcoremlpython import _MLModelProxy  # noqa: F401
+        from coremltools.libcoremlpython import _MLModelProxy  # noqa: F401  # platform-only: a probe
     except Exception as exc:  # pragma: no cover - depends on the platform
         return False, f"coremltools' Core ML runtime is not importable: {exc}"
     return True, ""
@@ -39,7 +39,7 @@ class CoreMLModel(RuntimeModel):
         ok, reason = coreml_available()
         if not ok:
             raise BackendUnavailableError(reason)
-        import coremltools as ct
+        import coremltools as ct  # platform-only (macOS) and heavy: the interpreter needs none
 
         if compute_units not in _COMPUTE_UNITS:
             raise ValueError(f"compute_units must be one of {sorted(_COMPUTE_UNITS)}, got {compute_units!r}")

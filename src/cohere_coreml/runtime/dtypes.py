@@ -29,7 +29,7 @@ _REPR = {
 
 def mil_dtype_name(builtin) -> str:
     """'fp16', 'fp32', 'int32', 'bool', ... for a MIL builtin type (tensor or scalar)."""
-    from coremltools.converters.mil.mil import types
+    from coremltools.converters.mil.mil import types  # heavy: importing the runtime loads no coremltools
 
     if types.is_tensor(builtin):
         builtin = builtin.get_primitive()

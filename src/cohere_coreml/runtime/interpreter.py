@@ -223,7 +223,7 @@ class MilModel(RuntimeModel):
         # 2. Function inputs / states.
         self._state_names = []
         self._input_dtypes = {}
-        from coremltools.converters.mil.mil import types
+        from coremltools.converters.mil.mil import types  # heavy: importing the runtime loads no coremltools
 
         for name, var in function.inputs.items():
             if types.is_state(var.sym_type):
@@ -347,7 +347,7 @@ class MilModel(RuntimeModel):
 
     @staticmethod
     def _var_dtype(var) -> str | None:
-        from coremltools.converters.mil.mil import types
+        from coremltools.converters.mil.mil import types  # heavy (see __init__)
 
         st = var.sym_type
         if types.is_tensor(st) or types.is_scalar(st) or types.is_state(st):

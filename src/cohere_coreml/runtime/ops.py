@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .dtypes import coerce
 from .errors import RuntimeBackendError
 
 OPS: dict = {}
@@ -940,7 +941,6 @@ def _read_state(a):
 def _update_state(a):
     ref = a.step.ins["state"] if "state" in a.step.ins else a.step.ins["input"]
     value = a.t("value") if a.has("value") else a.t("data")
-    from .dtypes import coerce
 
     state_dtype = a.dtype("state") if "state" in a.step.ins else a.dtype("input")
     value_dtype = a.dtype("value") if a.has("value") else a.dtype("data")

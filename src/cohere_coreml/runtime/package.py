@@ -6,6 +6,7 @@ flexible (symbolic) dimension is ``-1``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -44,8 +45,6 @@ def package_files(path: str | os.PathLike) -> tuple[str, str | None]:
     every open, through a visible `Manifest.<uuid>` temporary inside the package: a process killed
     then leaves that file in the bundle (and a read-only bundle cannot be opened). Reading the JSON
     here writes nothing."""
-    import json
-
     path = os.fspath(path)
     try:
         with open(os.path.join(path, "Manifest.json"), encoding="utf-8") as f:
@@ -62,7 +61,7 @@ def package_files(path: str | os.PathLike) -> tuple[str, str | None]:
 
 def read_spec(path: str | os.PathLike):
     """The `Model_pb2.Model` spec of an `.mlpackage` folder or `.mlmodel` file, without writing to it."""
-    from coremltools.proto import Model_pb2
+    from coremltools.proto import Model_pb2  # heavy: importing the runtime (every cli command) loads no coremltools
 
     path = os.fspath(path)
     spec_file = package_files(path)[0] if os.path.isdir(path) else path
@@ -149,8 +148,8 @@ def load_mil_function(pkg: PackageSpec):
     Uses coremltools' own milproto loader on a copy of the program that holds only the
     selected function, so the weights of other functions are never read.
     """
-    from coremltools import proto
-    from coremltools.converters.mil.frontend.milproto.load import load_mil_proto
+    from coremltools import proto  # heavy (see read_spec)
+    from coremltools.converters.mil.frontend.milproto.load import load_mil_proto  # heavy (see read_spec)
 
     program = proto.MIL_pb2.Program()
     program.CopyFrom(pkg.spec.mlProgram)

@@ -43,6 +43,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from . import load_model
 from .errors import InputValidationError, RuntimeBackendError
 
 logger = logging.getLogger(__name__)
@@ -184,8 +185,6 @@ class Server:
 
     def handle(self, request: dict, stream_in: BinaryIO) -> tuple[dict, dict | None]:
         """(response header, arrays or None) for one request; payloads are read from `stream_in`."""
-        from . import load_model
-
         op = request.get("op")
         if "arrays" in request or op == "predict":
             inputs = read_arrays(stream_in, request.get("arrays", []))  # consume payloads first, whatever the op
