@@ -17,6 +17,10 @@ tools/make_swift_fixtures.py. Writes into one folder (default out/swift-fixtures
                              prints for the WAV (fe = package: frontend.mlpackage; python: audio.log_mel);
                              the python file also holds each window's log-mel features (features/*.f32,
                              float32 (n_mels, frames) C order) for the Swift loop given Python's features
+    stream/, streaming.json  a short dictation (STREAM_UTTERANCES held-out utterances joined with pauses
+                             and background noise, as tools/make_dictations.py makes them; float32 WAV)
+                             and the updates of `cohere-coreml transcribe --stream --no-pace --json`
+                             (0.1 s chunks, package front end, interpreter) for it
     READY                    written last
 
 Each file is written to a temporary name and renamed. Transcripts made from the same packages (the
@@ -26,6 +30,7 @@ manifest's checksums) by the same product code are kept, so re-runs cost about a
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -34,11 +39,16 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import soundfile as sf
 
 logger = logging.getLogger(__name__)
 
 FRONT_ENDS = ("package", "python")
 EXPORT_ARGS = ("--prefill", "--buckets", "10")  # what an app ships: a short-clip bucket + prompt prefill
+# the streaming fixture: a dictation of this many held-out utterances of STREAM_LANGUAGE (~8-10 s)
+STREAM_LANGUAGE = "en"
+STREAM_UTTERANCES = 3
+STREAM_SEED = 0
 
 
 class FixtureError(RuntimeError):
@@ -284,6 +294,76 @@ def compare_front_ends(package: dict | None, python: dict) -> dict | None:
     return {"windows": total, "identical": same, "differing": differing}
 
 
+def stream_dictation(root: Path, language: str = STREAM_LANGUAGE, count: int = STREAM_UTTERANCES,
+                     seed: int = STREAM_SEED) -> tuple[np.ndarray, list[dict]]:
+    """(float32 samples at 16 kHz, utterances) of one dictation made as tools/make_dictations.py makes
+    them (its lead pause, pauses uniform(0.3, 2.0) s, trail pause, one background noise at the level of
+    the noisiest clip), from the first `count` held-out utterances of `language`."""
+    dictations = load_make_dictations(root)
+    rng = np.random.default_rng(seed)
+    clips = [c for c in dictations.heldout_speech() if c["language"] == language][:count]
+    if len(clips) < count:
+        raise FixtureError(f"the held-out set has {len(clips)} {language} utterances, the stream fixture needs {count}")
+    rate = dictations.SAMPLE_RATE
+    pieces = [np.zeros(int(round(dictations.LEAD_PAUSE_S * rate)), dtype=np.float32)]
+    utterances, pos = [], pieces[0].size
+    for i, clip in enumerate(clips):
+        utterances.append({"id": clip["id"], "text": clip["text"], "start_sample": pos, "end_sample": pos + clip["speech"].size})
+        pieces.append(clip["speech"])
+        pos += clip["speech"].size
+        pause = dictations.TRAIL_PAUSE_S if i == len(clips) - 1 else float(rng.uniform(0.3, 2.0))
+        pieces.append(np.zeros(int(round(pause * rate)), dtype=np.float32))
+        pos += pieces[-1].size
+    wav = np.concatenate(pieces)
+    background = max(c["noise_std"] for c in clips)
+    wav = np.clip(wav + rng.normal(0.0, background, wav.size).astype(np.float32), -1.0, 1.0).astype(np.float32)
+    return wav, utterances
+
+
+def load_make_dictations(root: Path):
+    """tools/make_dictations.py as a module (a script beside this package, not part of it: loaded by path
+    so the dictation recipe stays in one place)."""
+    spec = importlib.util.spec_from_file_location("make_dictations", root / "tools" / "make_dictations.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def streaming_cases(bundle: Path, out: Path, root: Path, threads: int) -> dict:
+    """stream/dictation.wav and streaming.json: the Python stream's updates for it (kept when made from
+    the same packages and code)."""
+    path = out / "streaming.json"
+    key = reference_key(bundle)
+    wav_path = out / "stream" / "dictation.wav"
+    if path.is_file() and wav_path.is_file():
+        old = json.loads(path.read_text())
+        if old.get("reference_key") == key:
+            return old
+    wav, utterances = stream_dictation(root)
+    wav_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = wav_path.with_name(wav_path.stem + ".tmp.wav")
+    sf.write(str(tmp), wav, 16000, subtype="FLOAT")  # float32 samples, exactly
+    os.replace(tmp, wav_path)
+    cmd = _cli("transcribe", "--stream", "--no-pace", "--json", "--backend", "mil", "--front-end", "package",
+               "--bundle", str(bundle), "--language", STREAM_LANGUAGE, str(wav_path))
+    logger.info("python stream reference: %s", " ".join(cmd))
+    proc = subprocess.run(cmd, env=_env(threads), stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise FixtureError(f"cohere-coreml transcribe --stream failed (exit {proc.returncode})")
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    updates = [json.loads(line) for line in lines]
+    finals = [u for u in updates if u["type"] == "final"]
+    partials = [u for u in updates if u["type"] == "partial"]
+    if len(finals) != len(utterances) or not partials:
+        raise FixtureError(f"the stream fixture gave {len(finals)} finals and {len(partials)} partials for "
+                           f"{len(utterances)} utterances: a comparison needs one segment per utterance and partials")
+    data = {"reference_key": key, "wav": str(wav_path), "samples": int(wav.size), "language": STREAM_LANGUAGE,
+            "punctuation": True, "chunk_samples": 1600, "command": " ".join(cmd[2:]), "utterances": utterances,
+            "updates": updates, "lines": lines}
+    _write_json(path, data)
+    return data
+
+
 def make_fixtures(out: Path, root: Path, model: Path, demo_clips: list[tuple[str, str]], threads: int = 2) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "READY").unlink(missing_ok=True)
@@ -297,5 +377,7 @@ def make_fixtures(out: Path, root: Path, model: Path, demo_clips: list[tuple[str
         logger.info("package vs python front end: %d of %d windows with identical token ids", summary["identical"],
                     summary["windows"])
     _write_json(out / "front_ends.json", summary)
+    stream = streaming_cases(bundle, out, root, threads)
+    logger.info("stream reference: %d updates over %d samples", len(stream["updates"]), stream["samples"])
     (out / "READY").write_text("ok\n")
     return out

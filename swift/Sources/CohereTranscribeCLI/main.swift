@@ -10,6 +10,7 @@ let usage = """
 usage: cohere-transcribe-swift --bundle DIR --language LANG FILE... [--json] [--no-punctuation]
                                [--max-new-tokens N] [--compute-units all|cpu_only|cpu_and_gpu|cpu_and_ne]
                                [--runtime coreml|interpreter] [--interpreter PATH] [--cache-dir DIR]
+       cohere-transcribe-swift --stream --bundle DIR --language LANG FILE... [--json] [--no-pace] [--hop S]
        cohere-transcribe-swift bench --bundle DIR --data DATASET ...   (device benchmark: bench --help)
 
 Greedy transcription with a bundle written by `cohere-coreml export` (front end, encoder, decoder
@@ -22,6 +23,10 @@ packages, manifest.json, vocab.json); token for token what `cohere-coreml transc
   --compute-units  Core ML compute units for every component (default: front end CPU/GPU, encoder and
                    decoder Neural Engine)
   --json           print JSON shaped like `cohere-coreml transcribe --json`
+  --stream         live transcription (`cohere-coreml transcribe --stream`): the file fed in 0.1 s chunks,
+                   paced at real time; partial and final updates (--json: one JSON line per update)
+  --no-pace        with --stream: feed the file as fast as possible
+  --hop S          with --stream: seconds of new audio between partials (default 0.5)
 A file that cannot be transcribed is reported; the others are still transcribed (exit status 1).
 """
 
@@ -39,6 +44,9 @@ var maxNewTokens: Int?
 var units: ComputeUnits?
 var interpreterPath: String?
 var cacheDir: String?
+var stream = false
+var pace = true
+var hop: Double?
 #if os(macOS)
 var runtimeName = "coreml"
 #else
@@ -72,6 +80,11 @@ while !args.isEmpty {
         guard ["coreml", "interpreter"].contains(runtimeName) else { fail("--runtime must be coreml or interpreter") }
     case "--interpreter": interpreterPath = value(a)
     case "--cache-dir": cacheDir = value(a)
+    case "--stream": stream = true
+    case "--no-pace": pace = false
+    case "--hop":
+        guard let s = Double(value(a)), s.isFinite, s > 0 else { fail("--hop needs a positive number of seconds") }
+        hop = s
     default:
         if a.hasPrefix("--") { fail("unknown option \(a)\n\(usage)") }
         files.append(a)
@@ -80,6 +93,18 @@ while !args.isEmpty {
 guard let bundle else { fail("--bundle is required\n\(usage)") }
 guard let language else { fail("--language is required\n\(usage)") }
 guard !files.isEmpty else { fail("no audio file given\n\(usage)") }
+if !stream, !pace || hop != nil { fail("--no-pace and --hop need --stream") }
+var streamConfig = StreamConfig()
+if let hop { streamConfig.hopSeconds = hop }
+var streamFiles: [(String, [Float])] = []
+if stream {  // every file checked before the bundle loads
+    do {
+        let rate = try BundleManifest.load(bundle: URL(fileURLWithPath: bundle)).audio.samplingRate
+        streamFiles = try StreamCommand.load(files, sampleRate: rate)
+    } catch {
+        fail("\(error)")
+    }
+}
 
 /// One file's entry, as `cohere-coreml transcribe --json` writes it: "status" ok | silent | error.
 func jsonObject(_ path: String, _ r: TranscriptionResult) -> [String: Any] {
@@ -118,6 +143,16 @@ do {
     _ = try transcriber.manifest.prompt(language: language, punctuation: punctuation)  // unknown language: fail now
 } catch {
     fail("\(error)")
+}
+
+if stream {
+    do {
+        try await StreamCommand.run(transcriber, files: streamFiles, language: language, punctuation: punctuation,
+                                    config: streamConfig, json: json, pace: pace, maxNewTokens: maxNewTokens)
+    } catch {
+        fail("\(error)")
+    }
+    exit(0)
 }
 
 var results: [[String: Any]] = []

@@ -1,0 +1,44 @@
+// `cohere-transcribe-swift --stream FILE...`: live transcription of files (Python's `transcribe --stream`).
+import CohereTranscribe
+import Foundation
+
+enum StreamCommand {
+    /// Every file read, resampled and checked (missing, empty, corrupt, NaN) before the bundle loads, as
+    /// Python's `run_cli` does; the first bad file is the error.
+    static func load(_ files: [String], sampleRate: Int) throws -> [(String, [Float])] {
+        try files.map { path in
+            let audio = try AudioInput.load(contentsOf: URL(fileURLWithPath: path), sampleRate: sampleRate)
+            _ = try AudioInput.isSilent(audio.samples, name: path)
+            return (path, audio.samples)
+        }
+    }
+
+    /// One JSON line per update with `json` (with several files each line starts with "audio"), else
+    /// finals on stdout as `[start-end] text` and partials on stderr as `~ [start-end] text`.
+    static func run(_ transcriber: CohereTranscriber, files: [(String, [Float])], language: String, punctuation: Bool,
+                    config: StreamConfig, json: Bool, pace: Bool, maxNewTokens: Int?) async throws {
+        let rate = transcriber.manifest.audio.samplingRate
+        for (path, samples) in files {
+            if files.count > 1, !json { print("== \(path)") }
+            let (input, updates) = try transcriber.stream(language: language, punctuation: punctuation, config: config,
+                                                          maxNewTokens: maxNewTokens)
+            let feeder = Task { try await StreamFileSource.feed(samples: samples, sampleRate: rate, into: input, pace: pace) }
+            for try await update in updates {
+                if json {
+                    var line = update.jsonLine()
+                    if files.count > 1 {
+                        line = "{\"audio\": \(StreamUpdate.jsonString(path)), " + line.dropFirst()
+                    }
+                    print(line)
+                } else if update.type == .final {
+                    print("[\(String(format: "%.2f", update.start))-\(String(format: "%.2f", update.end))] \(update.text)")
+                } else {
+                    FileHandle.standardError.write(Data(
+                        "~ [\(String(format: "%.2f", update.start))-\(String(format: "%.2f", update.end))] \(update.text)\n".utf8))
+                }
+                fflush(stdout)
+            }
+            try await feeder.value
+        }
+    }
+}
