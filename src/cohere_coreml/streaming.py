@@ -316,18 +316,6 @@ class StreamStats:
         return {**asdict(self), "per_audio_second": self.per_audio_second()}
 
 
-def decoded(result) -> tuple[list[int], int]:
-    """(generated token ids, decoder calls) of a `Transcriber.decode` result (`decoding.DecodeResult`)."""
-    return [int(t) for t in result.token_ids], int(result.calls)
-
-
-def segment_features(transcriber, samples: np.ndarray) -> tuple[np.ndarray, int]:
-    """(features (1, M, F), valid frames) of one segment, exactly as `Transcriber.transcribe_window`
-    computes them (`Transcriber.features`: F = the smallest encoder bucket holding the valid frames)."""
-    feats, n_valid, _function = transcriber.features(samples)
-    return feats, n_valid
-
-
 # --------------------------------------------------------------------------------------------------
 # The session
 # --------------------------------------------------------------------------------------------------
@@ -454,9 +442,10 @@ class StreamingSession:
             return []
         t = self.transcriber
         samples = self._slice(seg.start, now)
-        feats, n_valid = segment_features(t, samples)
+        feats, n_valid, _function = t.features(samples)  # as `Transcriber.transcribe_window` computes them
         enc = t.encode(feats, n_valid)
-        generated, calls = decoded(t.decode(enc, forced, self.max_new_tokens))
+        result = t.decode(enc, forced, self.max_new_tokens)
+        generated, calls = [int(tok) for tok in result.token_ids], int(result.calls)
         self.stats.encoder_calls += 1
         self.stats.encoder_frames += int(feats.shape[-1])
         self.stats.encoder_valid_frames += int(n_valid)

@@ -75,7 +75,9 @@ public indirect enum JSONValue: Equatable, Sendable {
         }
     }
 
-    static func quoted(_ s: String) -> String {
+    /// A JSON string literal as Python's `json.dumps(..., ensure_ascii=False)` writes it: `"` `\\` and the
+    /// control characters escaped (\n \r \t \b \f, the others as \u00xx), everything else as is.
+    public static func quoted(_ s: String) -> String {
         var out = "\""
         for scalar in s.unicodeScalars {
             switch scalar {
@@ -84,12 +86,10 @@ public indirect enum JSONValue: Equatable, Sendable {
             case "\n": out += "\\n"
             case "\r": out += "\\r"
             case "\t": out += "\\t"
-            default:
-                if scalar.value < 0x20 || scalar.value == 0x7f {
-                    out += String(format: "\\u%04x", scalar.value)
-                } else {
-                    out.unicodeScalars.append(scalar)
-                }
+            case "\u{08}": out += "\\b"
+            case "\u{0C}": out += "\\f"
+            case _ where scalar.value < 0x20: out += String(format: "\\u%04x", scalar.value)
+            default: out.unicodeScalars.append(scalar)
             }
         }
         return out + "\""

@@ -60,16 +60,27 @@ public final class MicrophoneSource: @unchecked Sendable {
         let ratio = target.sampleRate / buffer.format.sampleRate
         let capacity = AVAudioFrameCount((Double(buffer.frameLength) * ratio).rounded(.up)) + 32
         guard let out = AVAudioPCMBuffer(pcmFormat: target, frameCapacity: capacity) else { return }
-        var fed = false
+        let source = OneShotInput(buffer)
         var error: NSError?
         let status = converter.convert(to: out, error: &error) { _, inputStatus in
-            if fed { inputStatus.pointee = .noDataNow; return nil }  // the converter keeps its state for the next buffer
-            fed = true
+            if source.fed { inputStatus.pointee = .noDataNow; return nil }  // the converter keeps its state for the next buffer
+            source.fed = true
             inputStatus.pointee = .haveData
-            return buffer
+            return source.buffer
         }
         guard status != .error, let data = out.floatChannelData, out.frameLength > 0 else { return }
         input.yield(Array(UnsafeBufferPointer(start: data[0], count: Int(out.frameLength))))
     }
+}
+
+/// One tap buffer handed to the converter once. A class, not a captured `var`: since the Xcode 26 SDKs
+/// `AVAudioConverterInputBlock` is `NS_SWIFT_SENDABLE`, where mutating a captured variable does not
+/// compile. `@unchecked Sendable`: `convert(to:error:withInputFrom:)` calls the block synchronously,
+/// on the tap's thread, before it returns.
+private final class OneShotInput: @unchecked Sendable {
+    let buffer: AVAudioPCMBuffer
+    var fed = false
+
+    init(_ buffer: AVAudioPCMBuffer) { self.buffer = buffer }
 }
 #endif

@@ -238,30 +238,8 @@ public struct StreamUpdate: Sendable, Codable, Equatable {
     public func jsonLine() -> String {
         func ids(_ a: [Int]) -> String { "[" + a.map(String.init).joined(separator: ", ") + "]" }
         return "{\"type\": \"\(type.rawValue)\", \"segment\": \(segment), \"audio_time\": \(audioTime), "
-            + "\"start\": \(start), \"end\": \(end), \"text\": \(Self.jsonString(text)), \"token_ids\": \(ids(tokenIds)), "
+            + "\"start\": \(start), \"end\": \(end), \"text\": \(JSONValue.quoted(text)), \"token_ids\": \(ids(tokenIds)), "
             + "\"confirmed_token_ids\": \(ids(confirmedTokenIds))}"
-    }
-}
-
-extension StreamUpdate {
-    /// A JSON string literal as Python's `json.dumps(..., ensure_ascii=False)` writes it: `"` `\\` and the
-    /// control characters escaped (\n \r \t \b \f, the others as \u00xx), everything else as is.
-    public static func jsonString(_ s: String) -> String {
-        var out = "\""
-        for scalar in s.unicodeScalars {
-            switch scalar {
-            case "\"": out += "\\\""
-            case "\\": out += "\\\\"
-            case "\n": out += "\\n"
-            case "\r": out += "\\r"
-            case "\t": out += "\\t"
-            case "\u{08}": out += "\\b"
-            case "\u{0C}": out += "\\f"
-            case _ where scalar.value < 0x20: out += String(format: "\\u%04x", scalar.value)
-            default: out.unicodeScalars.append(scalar)
-            }
-        }
-        return out + "\""
     }
 }
 

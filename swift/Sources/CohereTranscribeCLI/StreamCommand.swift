@@ -27,7 +27,7 @@ enum StreamCommand {
                 if json {
                     var line = update.jsonLine()
                     if files.count > 1 {
-                        line = "{\"audio\": \(StreamUpdate.jsonString(path)), " + line.dropFirst()
+                        line = "{\"audio\": \(JSONValue.quoted(path)), " + line.dropFirst()
                     }
                     print(line)
                 } else if update.type == .final {

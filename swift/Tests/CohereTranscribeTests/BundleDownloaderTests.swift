@@ -457,7 +457,7 @@ final class BundleDownloaderTests: XCTestCase {
 
     /// A few files shaped like a bundle: nested package files, an empty file, a name with a space.
     static func bundleFiles(seed: UInt64) -> [String: Data] {
-        var generator = SplitMix(seed: seed)
+        var generator = SplitMix64(seed: seed)
         func bytes(_ n: Int) -> Data { Data((0..<n).map { _ in UInt8(truncatingIfNeeded: generator.next()) }) }
         return [
             "encoder.mlpackage/Manifest.json": Data("{\"fileFormatVersion\": \"1.0.0\", \"seed\": \(seed)}".utf8),

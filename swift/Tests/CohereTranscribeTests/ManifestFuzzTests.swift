@@ -9,18 +9,6 @@ import XCTest
 /// error type (`BundleError`, `AudioError`) with a message; never another error, never a crash (a trap
 /// or an out-of-bounds read ends the run).
 final class ManifestFuzzTests: XCTestCase {
-    /// Deterministic generator (SplitMix64): the same cases on every run.
-    struct SeededGenerator: RandomNumberGenerator {
-        var state: UInt64
-        mutating func next() -> UInt64 {
-            state &+= 0x9E37_79B9_7F4A_7C15
-            var z = state
-            z = (z ^ (z >> 30)) &* 0xBF58_476D_1CE4_E5B9
-            z = (z ^ (z >> 27)) &* 0x94D0_49BB_1331_11EB
-            return z ^ (z >> 31)
-        }
-    }
-
     static let seed: UInt64 = 22
     /// WAV cases: COHERE_FUZZ=long runs many more (as the Python fuzz tests do).
     static var wavCases: Int { ProcessInfo.processInfo.environment["COHERE_FUZZ"] == "long" ? 20000 : 600 }
@@ -175,7 +163,7 @@ final class ManifestFuzzTests: XCTestCase {
     }
 
     func testRandomAndCorruptedWAVBytesParseOrThrowAudioError() throws {
-        var rng = SeededGenerator(state: Self.seed)
+        var rng = SplitMix64(seed: Self.seed)  // the same cases on every run
         var real: [[UInt8]] = []
         for name in ["en_short.wav", "tiny_0.05s.wav", "silence_2s.wav"] {
             let url = Fixtures.repoRoot.appendingPathComponent("tests/data/audio/\(name)")

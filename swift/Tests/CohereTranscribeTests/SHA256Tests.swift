@@ -28,7 +28,7 @@ final class SHA256Tests: XCTestCase {
     }
 
     func testStreamingEqualsOneShot() {
-        var generator = SplitMix(seed: 7)
+        var generator = SplitMix64(seed: 7)
         let data = Data((0..<200_003).map { _ in UInt8(truncatingIfNeeded: generator.next()) })
         let oneShot = SHA256.hash(data)
         // Chunk sizes that cross block boundaries in every way (1, 63, 64, 65, ...), both update APIs.
@@ -54,7 +54,7 @@ final class SHA256Tests: XCTestCase {
         let dir = Fixtures.scratch.appendingPathComponent("sha256-\(UUID().uuidString)")
         try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
         defer { try? FileManager.default.removeItem(at: dir) }
-        var generator = SplitMix(seed: 42)
+        var generator = SplitMix64(seed: 42)
         // Padding edge cases around 55/56/64 bytes, and a file of several 1 MiB read chunks.
         let lengths = [0, 1, 55, 56, 57, 63, 64, 65, 119, 120, 128, 1000, (1 << 20) * 2 + 12345]
         var files: [URL] = []
@@ -87,18 +87,5 @@ final class SHA256Tests: XCTestCase {
     func testHexString() {
         XCTAssertEqual([0x00, 0x0f, 0xa5, 0xff].hexString, "000fa5ff")
         XCTAssertEqual([UInt8]().hexString, "")
-    }
-}
-
-/// A small deterministic generator for test data.
-struct SplitMix {
-    var state: UInt64
-    init(seed: UInt64) { state = seed }
-    mutating func next() -> UInt64 {
-        state &+= 0x9e3779b97f4a7c15
-        var z = state
-        z = (z ^ (z >> 30)) &* 0xbf58476d1ce4e5b9
-        z = (z ^ (z >> 27)) &* 0x94d049bb133111eb
-        return z ^ (z >> 31)
     }
 }

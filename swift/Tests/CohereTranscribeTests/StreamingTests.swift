@@ -126,7 +126,7 @@ final class StreamingTests: XCTestCase {
         XCTAssertEqual(u.jsonLine(), #"{"type": "partial", "segment": 1, "audio_time": 1.41, "start": 0.9, "end": 1.41, "#
             + #""text": "a \"b\" / ü", "token_ids": [5, 6], "confirmed_token_ids": [5]}"#)
         // Python: json.dumps("\t\u0001\\ é", ensure_ascii=False)
-        XCTAssertEqual(StreamUpdate.jsonString("\t\u{01}\\ é"), #""\t\u0001\\ é""#)
+        XCTAssertEqual(JSONValue.quoted("\t\u{01}\\ é"), #""\t\u0001\\ é""#)
     }
 
     // MARK: - segmenter
@@ -243,18 +243,5 @@ final class StreamingTests: XCTestCase {
         XCTAssertThrowsError(try LocalAgreement.confirm(hyps, n: 0))
         XCTAssertEqual(LocalAgreement.commonPrefix([]), [])
         XCTAssertEqual(LocalAgreement.commonPrefix([[1, 2], [1, 2, 3]]), [1, 2])
-    }
-}
-
-/// A small deterministic generator (SplitMix64) for the synthetic signals.
-struct SplitMix64: RandomNumberGenerator {
-    var state: UInt64
-    init(seed: UInt64) { state = seed }
-    mutating func next() -> UInt64 {
-        state &+= 0x9E37_79B9_7F4A_7C15
-        var z = state
-        z = (z ^ (z >> 30)) &* 0xBF58_476D_1CE4_E5B9
-        z = (z ^ (z >> 27)) &* 0x94D0_49BB_1331_11EB
-        return z ^ (z >> 31)
     }
 }
