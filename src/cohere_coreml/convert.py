@@ -237,6 +237,22 @@ def convert_module(
     return mlmodel
 
 
+def merge_functions(singles: Mapping[str, Path], default: str, scratch: Path):
+    """One multifunction MLModel from single-function packages: each package's `main` becomes the
+    function named by its key, `default` the default function; identical weights are stored once
+    (`coremltools.utils.save_multifunction`). Written to `scratch/merged.mlpackage`. Merging drops the
+    packages' metadata: the caller sets what the merged package records."""
+    import coremltools as ct  # heavy: the PyTorch side needs none
+
+    descriptor = ct.utils.MultiFunctionDescriptor()
+    for fn, single in singles.items():
+        descriptor.add_function(str(single), src_function_name="main", target_function_name=fn)
+    descriptor.default_function_name = default
+    merged = scratch / "merged.mlpackage"
+    ct.utils.save_multifunction(descriptor, str(merged))
+    return ct.models.MLModel(str(merged), skip_model_load=True)
+
+
 def apply_metadata(mlmodel, meta: Mapping[str, str], descriptions: Mapping[str, str], settings: ExportSettings,
                    short_description: str | None = None) -> None:
     """Write metadata and I/O descriptions into the model's spec (in place)."""

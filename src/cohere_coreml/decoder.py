@@ -50,7 +50,7 @@ from .config import (
     PROMPT_LENGTH,
     STEP_FUNCTION,
 )
-from .convert import ExportSettings, convert_module
+from .convert import ExportSettings, convert_module, merge_functions
 from .decoder_gate import COMPONENT, prepare_gate
 from .files import skip_installed
 from .gate import StagedPackage, stage_gated
@@ -503,13 +503,7 @@ def save_multifunction(converters: dict, tmp: Path) -> None:
         for fn, convert in converters.items():
             singles[fn] = scratch / f"{fn}.mlpackage"
             convert().save(str(singles[fn]))
-        descriptor = ct.utils.MultiFunctionDescriptor()
-        for fn, single in singles.items():
-            descriptor.add_function(str(single), src_function_name="main", target_function_name=fn)
-        descriptor.default_function_name = STEP_FUNCTION
-        merged = scratch / "merged.mlpackage"
-        ct.utils.save_multifunction(descriptor, str(merged))
-        merged_model = ct.models.MLModel(str(merged), skip_model_load=True)
+        merged_model = merge_functions(singles, STEP_FUNCTION, scratch)
         step_meta = ct.models.MLModel(str(singles[STEP_FUNCTION]), skip_model_load=True).user_defined_metadata
         merged_model.user_defined_metadata.update(dict(step_meta))
         merged_model.user_defined_metadata.pop("com.cohere_coreml.function", None)

@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from .audio import FrontEndConfig, load_audio, log_mel
 from .config import BUCKETS_METADATA_KEY, FP16_MASK_VALUE
-from .convert import ExportError, ExportSettings, convert_module
+from .convert import ExportError, ExportSettings, convert_module, merge_functions
 from .files import skip_installed, temporary_dir
 from .gate import GateCase, GateReport, StagedPackage, compare_cases, default_gate_audio, stage_gated
 from .parity import psnr
@@ -458,7 +458,6 @@ def convert_encoder_buckets(
 def stage_encoder_buckets(model, settings: ExportSettings, bucket_seconds, processor=None, gate_audio=None,
                           extra_metadata: dict | None = None) -> StagedPackage | None:
     """`convert_encoder_buckets` up to the gate (see `stage_encoder`)."""
-    import coremltools as ct  # heavy: the PyTorch side (reference, gates) needs none
 
     if skip_installed(settings, COMPONENT):
         return None
@@ -471,7 +470,7 @@ def stage_encoder_buckets(model, settings: ExportSettings, bucket_seconds, proce
     def write(tmp: Path):
         scratch = temporary_dir(settings.out_dir, "encoder-buckets")
         try:
-            descriptor = ct.utils.MultiFunctionDescriptor()
+            singles = {}
             for fn, shapes in shapes_by_fn.items():
                 logger.info("bucket %s: %s", fn, shapes)
                 single = scratch / f"{fn}.mlpackage"
@@ -479,11 +478,8 @@ def stage_encoder_buckets(model, settings: ExportSettings, bucket_seconds, proce
                 convert_traced_encoder(traced, shapes, settings.replace(window_seconds=shapes.window_seconds),
                                        extra_metadata).save(str(single))
                 del traced
-                descriptor.add_function(str(single), src_function_name="main", target_function_name=fn)
-            descriptor.default_function_name = "main"
-            merged = scratch / "merged.mlpackage"
-            ct.utils.save_multifunction(descriptor, str(merged))
-            mlmodel = ct.models.MLModel(str(merged), skip_model_load=True)
+                singles[fn] = single
+            mlmodel = merge_functions(singles, "main", scratch)
             mlmodel.user_defined_metadata[BUCKETS_METADATA_KEY] = json.dumps(buckets_meta, sort_keys=True)
             mlmodel.save(str(tmp))
         finally:

@@ -55,7 +55,7 @@ from .audio import (
     stft_window,
 )
 from .config import FRONTEND_FUNCTIONS_METADATA_KEY
-from .convert import ExportError, ExportSettings, convert_module
+from .convert import ExportError, ExportSettings, convert_module, merge_functions
 from .files import skip_installed, temporary_dir
 from .gate import GateCase, GateReport, StagedPackage, default_gate_audio, stage_gated
 from .parity import CorrectnessReport, report_correctness
@@ -423,13 +423,7 @@ def stage_frontend(config: FrontEndConfig, settings: ExportSettings, shapes_by_f
             if len(singles) == 1:
                 mlmodel = ct.models.MLModel(str(singles["main"]), skip_model_load=True)
             else:
-                descriptor = ct.utils.MultiFunctionDescriptor()
-                for fn, single in singles.items():
-                    descriptor.add_function(str(single), src_function_name="main", target_function_name=fn)
-                descriptor.default_function_name = "main"
-                merged = scratch / "merged.mlpackage"
-                ct.utils.save_multifunction(descriptor, str(merged))
-                mlmodel = ct.models.MLModel(str(merged), skip_model_load=True)
+                mlmodel = merge_functions(singles, "main", scratch)
                 main = ct.models.MLModel(str(singles["main"]), skip_model_load=True)  # merging drops metadata
                 mlmodel.user_defined_metadata.update(dict(main.user_defined_metadata))
                 mlmodel.author, mlmodel.license, mlmodel.version = main.author, main.license, main.version

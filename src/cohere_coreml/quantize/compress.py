@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..convert import merge_functions
 from ..files import package_size_bytes, temporary_dir, weight_file_bytes
 from ..runtime.package import package_files, read_spec
 from .inventory import compressed_tensors, load_function, package_functions, tensor_report, weight_tensors
@@ -152,7 +153,6 @@ def compress_package(src: Path, dst: Path, recipe: Recipe) -> dict:
     (`coremltools.utils.save_multifunction`: identical weights stored once); the report says
     whether the merged weight file stays the size of one function's (weights shared).
     """
-    import coremltools as ct  # heavy import
 
     functions = package_functions(src)
     default = functions[0] if "main" not in functions else "main"
@@ -184,13 +184,7 @@ def compress_package(src: Path, dst: Path, recipe: Recipe) -> dict:
             if len(functions) == 1:
                 os.rename(singles[default], dst)
             else:
-                descriptor = ct.utils.MultiFunctionDescriptor()
-                for fn, single in singles.items():
-                    descriptor.add_function(str(single), src_function_name="main", target_function_name=fn)
-                descriptor.default_function_name = default
-                merged = scratch / "merged.mlpackage"
-                ct.utils.save_multifunction(descriptor, str(merged))
-                merged_model = ct.models.MLModel(str(merged), skip_model_load=True)
+                merged_model = merge_functions(singles, default, scratch)
                 source_meta = read_spec(src).description.metadata.userDefined
                 merged_model.user_defined_metadata.update(dict(source_meta))
                 merged_model.save(str(dst))
