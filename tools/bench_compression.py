@@ -1,0 +1,155 @@
+#!/usr/bin/env python
+"""Benchmark (issue 21): every compression preset on one model and one held-out set, one table.
+
+For each preset: `cohere-coreml quantize --bundle F16 --preset P --model M --data D` in its own
+process (gates on: each package vs the f16 one, the bundle vs PyTorch on the held-out set). A preset
+its gate refuses is rebuilt with `--skip-verify` so it still gets a size and a held-out figure (in
+this process, through the same `quantize.gate.heldout_gate`), marked REFUSED. The f16 bundle's own
+row is its held-out figure vs PyTorch. Per row: bytes, bytes per checkpoint parameter, encoder PSNR,
+decoder PSNR / mean KL / log-prob error (median, p99, max nats) vs the f16 packages, error rate per
+language (WER, or CER for ja/zh/ko) next to PyTorch's, clips and tokens identical to PyTorch.
+
+Writes OUT/bench_compression.json, OUT/bench_compression.md (the table) and OUT/bench_compression.png
+(error rate against bytes; the Pareto front: the rows no other row beats on both). `--full-size
+FILE` adds the bytes per parameter at full size from tools/bench_quantize.py's JSON (random weights:
+sizes only) for the presets it measured.
+
+    uv run --frozen python tools/bench_compression.py --out out/bench-compression
+    uv run --frozen python tools/bench_compression.py --out out/bench-compression --rows q8 'mixed-0.45=mixed --target-bytes-per-param 0.45'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from cohere_coreml_dev.cli_runs import bundle_bytes, checkpoint_parameters, gate_figures, run_cli
+from cohere_coreml_dev.compression_table import heldout_row, markdown, mean_rate, pareto_front, parse_row
+
+logger = logging.getLogger("bench_compression")
+
+# label=preset [quantize flags]; rows whose preset this build does not have are left out (logged)
+DEFAULT_ROWS = ("q8", "q8-hybrid", "q4", "q8a8", "lowrank", "q8-lowrank",
+                "mixed-0.45=mixed --target-bytes-per-param 0.45", "mixed-0.55=mixed --target-bytes-per-param 0.55",
+                "mixed-0.70=mixed --target-bytes-per-param 0.70")
+
+
+def measure_heldout(f16: Path, bundle: Path, data: Path, model: str) -> dict:
+    """Held-out figures of a bundle no gate produced (the f16 bundle, an ungated rebuild)."""
+    from cohere_coreml.quantize import GATES, heldout_gate  # loads torch: only when a row needs it
+
+    return heldout_row(heldout_gate(f16, bundle, data, GATES["q8"], model=model, limit_per_language=None).details)
+
+
+def run_row(label: str, preset: str, flags: list[str], args, params: int) -> dict:
+    out = Path(args.out)
+    q = out / label
+    cmd = ["quantize", "--bundle", str(args.bundle), "--out", str(q), "--preset", preset, "--model", str(args.model),
+           "--data", str(args.data), "--force", *flags]
+    res = run_cli(cmd, check=False, log=out / f"quantize-{label}.log")
+    row: dict = {"label": label, "preset": preset, "flags": flags, "seconds": res["seconds"],
+                 "peak_rss_gb": res["peak_rss_gb"], "passed": res["returncode"] == 0}
+    if res["returncode"] != 0:
+        refusal = out / f"{label}.parity-failed.json"
+        if not refusal.is_file():
+            row["error"] = res["stderr_tail"].strip().splitlines()[-1] if res["stderr_tail"].strip() else "failed"
+            logger.error("%s: quantize failed without a gate verdict: %s", label, row["error"])
+            return row
+        gate = json.loads(refusal.read_text())["gate"]
+        row["gate"] = gate_figures(gate)
+        row["refused_by"] = [name for name, g in gate.items() if isinstance(g, dict) and g.get("passed") is False]
+        run_cli(cmd + ["--skip-verify"], log=out / f"quantize-{label}-ungated.log")
+        row.update(heldout_row(gate["heldout"]["details"]) if "heldout" in gate
+                   else measure_heldout(Path(args.bundle), q, Path(args.data), str(args.model)))
+    else:
+        report = json.loads((q / "compression.json").read_text())
+        row["gate"] = gate_figures(report["gate"])
+        row.update(heldout_row(report["gate"]["heldout"]["details"]))
+    row["bytes"] = bundle_bytes(q)
+    row["bytes_per_parameter"] = row["bytes"] / params
+    return row
+
+
+def write_chart(report: dict, path: Path) -> None:
+    import matplotlib  # heavy and optional: only the chart needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # after use("Agg"), as matplotlib requires
+
+    rows = [r for r in report["rows"] if r.get("languages")]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in rows:
+        x, y = r["bytes"] / 1e6, 100 * mean_rate(r["languages"])
+        on_front = r["label"] in report["pareto_front"]
+        ax.scatter([x], [y], marker="o" if r["passed"] else "x", color="C0" if on_front else "grey")
+        ax.annotate(r["label"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    front = sorted((r for r in rows if r["label"] in report["pareto_front"]), key=lambda r: r["bytes"])
+    ax.plot([r["bytes"] / 1e6 for r in front], [100 * mean_rate(r["languages"]) for r in front], color="C0",
+            linewidth=1, label="Pareto front")
+    ax.set_xlabel("bundle (MB)")
+    ax.set_ylabel("mean WER / CER over languages (%)")
+    ax.set_title(f"compression presets: {Path(report['model']).name} on {Path(report['data']).name} (x: refused)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="out/bench-compression", help="scratch folder (bundles, logs, table)")
+    parser.add_argument("--model", default=None, help="PyTorch checkpoint folder (default: the default model)")
+    parser.add_argument("--bundle", default=None,
+                        help="its f16 bundle (default: exported into --out from --model)")
+    parser.add_argument("--data", default="tests/data/heldout", help="held-out folder (default: %(default)s)")
+    parser.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS),
+                        help="rows as 'label=preset [quantize flags]' or a preset name (default: every preset)")
+    parser.add_argument("--full-size", default=None, help="tools/bench_quantize.py's JSON of a full-size run")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from cohere_coreml.quantize import PRESETS  # the presets this build has
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.model is None:  # `prepare-default` prints the default model's folder last
+        res = run_cli(["prepare-default"])
+        args.model = res["stdout"].strip().splitlines()[-1]
+    params = checkpoint_parameters(Path(args.model))
+    if args.bundle is None:
+        args.bundle = out / "f16"
+        if not (args.bundle / "manifest.json").is_file():
+            run_cli(["export", "--model", str(args.model), "--out", str(args.bundle), "--force"], log=out / "export.log")
+    rows = [parse_row(s) for s in args.rows]
+    for label, preset, _ in rows:
+        if preset not in PRESETS:
+            logger.warning("row %s left out: this build has no preset %r (it has %s)", label, preset, sorted(PRESETS))
+    rows = [r for r in rows if r[1] in PRESETS]
+    report: dict = {"model": str(args.model), "data": str(args.data), "parameters": params, "rows": []}
+    f16 = {"label": "f16", "preset": "f16", "flags": [], "passed": True, "bytes": bundle_bytes(Path(args.bundle))}
+    f16["bytes_per_parameter"] = f16["bytes"] / params
+    f16.update(measure_heldout(Path(args.bundle), Path(args.bundle), Path(args.data), str(args.model)))
+    report["rows"].append(f16)
+    for label, preset, flags in rows:
+        logger.info("row %s: preset %s %s", label, preset, " ".join(flags))
+        row = run_row(label, preset, flags, args, params)
+        report["rows"].append(row)
+        print(f"{label}: {'pass' if row['passed'] else 'REFUSED'}, {row.get('bytes', 0):,} bytes, "
+              f"{row['seconds']} s", flush=True)
+    if args.full_size:
+        full = json.loads(Path(args.full_size).read_text())
+        report["full_size"] = {name: b["bytes"] / full["parameters"] for name, b in full["bundles"].items()}
+    report["pareto_front"] = pareto_front(report["rows"])
+    (out / "bench_compression.json").write_text(json.dumps(report, indent=2))
+    table = markdown(report)
+    (out / "bench_compression.md").write_text(table)
+    write_chart(report, out / "bench_compression.png")
+    print(table)
+    print(f"wrote {out / 'bench_compression.md'}, .json, .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The table of tools/bench_compression.py: its rows, the Pareto front (bytes vs error rate) and
+the Markdown, apart from the runs that produce them (so they are tested without a bundle)."""
+
+from __future__ import annotations
+
+import shlex
+
+
+def parse_row(spec: str) -> tuple[str, str, list[str]]:
+    """'label=preset --flag v' -> (label, preset, flags); 'q8' -> ('q8', 'q8', [])."""
+    label, _, rest = spec.partition("=")
+    words = shlex.split(rest) if rest else [label]
+    if not words or words[0].startswith("-"):
+        raise SystemExit(f"row {spec!r}: expected 'label=preset [flags]' or a preset name")
+    return label.strip(), words[0], words[1:]
+
+
+def mean_rate(languages: dict) -> float:
+    return sum(v["rate"] for v in languages.values()) / len(languages)
+
+
+def pareto_front(rows: list[dict]) -> list[str]:
+    """Labels of the rows no other row beats: another row is at most as large and at most as wrong,
+    and better on one of the two."""
+    scored = [r for r in rows if r.get("languages")]
+    front = []
+    for r in scored:
+        b, e = r["bytes"], mean_rate(r["languages"])
+        beaten = any(o is not r and o["bytes"] <= b and mean_rate(o["languages"]) <= e
+                     and (o["bytes"] < b or mean_rate(o["languages"]) < e) for o in scored)
+        if not beaten:
+            front.append(r["label"])
+    return front
+
+
+def heldout_row(heldout: dict) -> dict:
+    """The held-out figures of one bundle (a `heldout.parity.json` details dict)."""
+    return {"languages": {lang: {k: v[k] for k in ("metric", "rate", "baseline", "clips", "identical_clips")}
+                          for lang, v in heldout["languages"].items()},
+            "identical_clips": heldout["identical_clips"], "clips": heldout["clips"],
+            "agreeing_tokens": heldout["agreeing_tokens"], "baseline_tokens": heldout["baseline_tokens"]}
+
+
+def fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(report: dict) -> str:
+    rows = report["rows"]
+    langs = sorted({lang for r in rows for lang in r.get("languages", {})})
+    head = ["bundle", "gate", "bytes", "B/param", *(["B/param full size"] if report.get("full_size") else []),
+            "enc PSNR dB", "dec PSNR dB", "dec mean KL", "log-prob err p99 / max (nats)",
+            *[f"{lang} (PyTorch)" for lang in langs], "clips identical", "tokens identical"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        g = r.get("gate", {})
+        lp = g.get("log_prob_error_nats") or {}
+        verdict = "ref" if r["label"] == "f16" else ("pass" if r["passed"] else "REFUSED")
+        if r["label"] in report["pareto_front"]:
+            verdict += " *"
+        cells = [r["label"], verdict, f"{r['bytes']:,}" if "bytes" in r else "-", fmt(r.get("bytes_per_parameter"), ".3f")]
+        if report.get("full_size"):
+            cells.append(fmt(report["full_size"].get(r["label"]), ".3f"))
+        cells += [fmt(g.get("encoder_psnr_db"), ".1f"), fmt(g.get("decoder_psnr_db"), ".1f"),
+                  fmt(g.get("decoder_mean_kl"), ".2e"),
+                  f"{lp['p99']:.3f} / {lp['max']:.3f}" if lp else "-"]
+        for lang in langs:
+            v = r.get("languages", {}).get(lang)
+            cells.append(f"{100 * v['rate']:.2f} ({100 * v['baseline']:.2f})" if v else "-")
+        cells += [f"{r['identical_clips']}/{r['clips']}" if "clips" in r else "-",
+                  f"{r['agreeing_tokens']}/{r['baseline_tokens']}" if "clips" in r else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"{report['parameters']:,} checkpoint parameters ({report['model']}); held-out set "
+              f"`{report['data']}`; error rates in % (WER, CER for ja/zh/ko); PSNR / KL vs the f16 packages; "
+              "* = on the Pareto front (bytes vs mean error rate)."]
+    lines += [f"{r['label']}: no figures, {r['error']}" for r in rows if r.get("error")]
+    return "\n".join(lines) + "\n"
+
+
