@@ -64,11 +64,16 @@ def main() -> int:
     attention = config.num_hidden_layers * (2 * t * t * d + t * (2 * t - 1) * d)
     targets = lowrank.targets(encoder)
     full_targets = sum(macs[n] for n in targets)
-    low_targets = 0
+    low_targets = saved_params = 0
     for name, module in targets.items():
         w_out, w_in = module.weight.shape[0], module.weight.shape[1]
         r = int(round(fractions[lowrank.layer_type(name)] * min(w_in, w_out)))
-        low_targets += macs[name] if not lowrank.saves(r, w_in, w_out) else macs[name] * r * (w_in + w_out) // (w_in * w_out)
+        if lowrank.saves(r, w_in, w_out):
+            low_targets += macs[name] * r * (w_in + w_out) // (w_in * w_out)
+            saved_params += w_in * w_out - r * (w_in + w_out)
+        else:
+            low_targets += macs[name]
+    encoder_params = lowrank.encoder_parameters(encoder)
     rest = sum(macs.values()) - full_targets + attention
     params_full = sum(int(np.prod(m.weight.shape)) for m in targets.values())
     print(json.dumps({
@@ -81,6 +86,8 @@ def main() -> int:
                              "encoder_lowrank": round((low_targets + rest) / 1e9, 2)},
         "encoder_macs_reduction": round(1 - (low_targets + rest) / (full_targets + rest), 4),
         "factorisable_weight_params_full": params_full,
+        "encoder_params": {"full": encoder_params, "lowrank": encoder_params - saved_params,
+                           "reduction": round(saved_params / encoder_params, 4)},
     }, indent=1))
     return 0
 
