@@ -32,8 +32,19 @@ from ..publish import finalize_bundle
 from .compress import compress_package
 from .gate import QuantizeGateError, component_gate, heldout_gate
 from .inventory import compressed_ops
+from .lowrank import build_lowrank_encoder
 from .measure import GateData, build_gate_data, gate_clips, packaged_gate_clips
-from .recipes import COMPONENTS, DEFAULT_PRESET, GATES, PRESETS, SCHEMES, QuantizeError, Recipe, preset_recipes
+from .recipes import (
+    COMPONENTS,
+    DEFAULT_PRESET,
+    GATES,
+    LOWRANK_ENERGY,
+    PRESETS,
+    SCHEMES,
+    QuantizeError,
+    Recipe,
+    preset_recipes,
+)
 from .sensitivity import SENSITIVITY_WINDOWS, choose_fp16, sensitivity
 
 logger = logging.getLogger(__name__)
@@ -163,17 +174,30 @@ def install_bundle(tmp: Path, out: Path) -> None:
 def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRESET, *, model: str | None = None,
                     eval_dir: str | Path | None = None, target_psnr: float | None = None,
                     with_sensitivity: bool = False, limit_per_language: int | None = None,
-                    force: bool = False, skip_verify: bool = False) -> dict:
+                    force: bool = False, skip_verify: bool = False, calibration: str | Path | None = None) -> dict:
     """Build bundle `out` from f16 bundle `src` with `preset`, gated; returns compression.json's content.
 
     The PyTorch checkpoint (`model`) is only used by the held-out gate (tokens / error rates vs
     PyTorch); without it that gate compares with the f16 bundle through the runtime. `eval_dir`: the
     held-out folder (`--data`); `skip_verify`: no gate at all (`--skip-verify`).
+    Low-rank presets (`lowrank`, `q8-lowrank`) rewrite and re-export the encoder of `model` (required),
+    calibrated on `calibration` (a folder like `--data`; default: `eval_dir`).
     """
     src, out = Path(src), Path(out)
     recipes = preset_recipes(preset)
     if preset == "f16":
         raise QuantizeError("preset f16 is the exported bundle itself: choose q8, q8-hybrid or q4")
+    # --- low-rank presets: the checkpoint and calibration audio are inputs (quantize/lowrank.py)
+    if preset in LOWRANK_ENERGY:
+        if not model:
+            raise QuantizeError(f"preset {preset} rewrites the PyTorch checkpoint's encoder: pass --model (the "
+                                "checkpoint the f16 bundle was exported from)")
+        calibration = calibration or eval_dir
+        if calibration is None:
+            raise QuantizeError(f"preset {preset} needs calibration audio: pass --calibration DIR (or --data DIR, "
+                                "used by default)")
+        if not Path(calibration).is_dir():
+            raise QuantizeError(f"--calibration {calibration}: no such folder")
     check_source(src)
     if out.resolve() == src.resolve():
         raise QuantizeError("--out must differ from --bundle (the f16 bundle is never modified)")
@@ -202,6 +226,10 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
             section: dict[str, Any] = {}
 
             def write(path: Path, comp=comp, section=section) -> None:
+                if comp == "encoder" and preset in LOWRANK_ENERGY:  # re-exported from the rewritten checkpoint
+                    section.update(build_lowrank_encoder(src, path, recipes[comp], model, Path(calibration),
+                                                         LOWRANK_ENERGY[preset], skip_verify=skip_verify))
+                    return
                 section.update(build_component(comp, src / f"{comp}.mlpackage", path, recipes[comp], data,
                                                with_sensitivity=with_sensitivity, target_psnr=target_psnr))
 
@@ -262,6 +290,11 @@ def format_summary(report: dict) -> str:
         wb = sec["weight_bytes"]
         lines.append(f"  {comp:8s} {sec['recipe']['scheme'] or 'fp16':5s} weights {wb['before']:,} -> {wb['after']:,} "
                      f"bytes ({sec['tensors']['compressed']}/{sec['tensors']['total']} tensors compressed)")
+        if "lowrank" in sec:
+            lr = sec["lowrank"]["encoder_parameters"]
+            wf = sec["lowrank"]["weight_file_bytes"]
+            lines.append(f"           low-rank: encoder parameters {lr['before']:,} -> {lr['after']:,} "
+                         f"(-{100 * lr['reduction']:.1f} %); weight file f16 {wf['f16']:,} -> {wf['after']:,} bytes")
         if "target_psnr" in sec:
             t = sec["target_psnr"]
             lines.append(f"           --target-psnr {t['target_psnr_db']}: {len(t['kept_fp16'])} weights kept fp16 "
@@ -303,7 +336,8 @@ def add_quantize_arguments(p) -> None:
     p.add_argument("--out", default="q8", help="new bundle folder (default: %(default)s)")
     p.add_argument("--preset", choices=[k for k in PRESETS if k != "f16"], default=DEFAULT_PRESET,
                    help="q8: int8 encoder + decoder; q8-hybrid: int8 encoder, fp16 decoder; q4: 4-bit palette "
-                   "encoder, int8 decoder (default: %(default)s)")
+                   "encoder, int8 decoder; lowrank: low-rank encoder (needs --model), fp16; q8-lowrank: low-rank "
+                   "encoder then int8, int8 decoder (default: %(default)s)")
     p.add_argument("--model", default=None,
                    help="PyTorch checkpoint for the held-out gate (tokens/WER vs PyTorch), e.g. the checkpoint the "
                    "bundle was exported from; without it the gate compares with the f16 bundle")
@@ -312,6 +346,8 @@ def add_quantize_arguments(p) -> None:
                    "for the held-out gate and the gate clips, e.g. tests/data/heldout of the checkout (`make quantize` "
                    "passes it); 'none' (default): no held-out gate, the gates run on the speech clips shipped with "
                    "the package")
+    p.add_argument("--calibration", default=None, metavar="DIR",
+                   help="lowrank presets: calibration audio folder (the --data format; default: the --data folder)")
     p.add_argument("--limit-per-language", type=int, default=None, help="use only the first N clips per language")
     p.add_argument("--sensitivity", action="store_true",
                    help="measure each weight's sensitivity (output PSNR with only it quantized) into compression.json")
@@ -332,7 +368,7 @@ def cmd_quantize(args) -> int:
     report = quantize_bundle(args.bundle, args.out, args.preset, model=args.model, eval_dir=eval_dir,
                              target_psnr=args.target_psnr, with_sensitivity=args.sensitivity,
                              limit_per_language=args.limit_per_language, force=args.force,
-                             skip_verify=args.skip_verify)
+                             skip_verify=args.skip_verify, calibration=args.calibration)
     print(format_summary(report))
     print(f"wrote {args.out}")
     return 0

@@ -1,0 +1,205 @@
+"""quantize.lowrank: the two-pass statistics, the rank rule, the rewrite, and the lowrank presets end to end."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from cohere_coreml import cli
+from cohere_coreml.checkpoint import load_reference
+from cohere_coreml.quantize import lowrank
+from cohere_coreml.quantize.command import quantize_bundle
+from cohere_coreml.quantize.recipes import GATES, LOWRANK_ENERGY, QuantizeError
+
+from ..fixture_data import HELDOUT_DIR, TRAINED_MODEL
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A private copy of the default model (the tests rewrite it)."""
+    model, processor = load_reference(TRAINED_MODEL)
+    return model, processor
+
+
+@pytest.fixture(scope="module")
+def windows():
+    """Two random feature windows of different lengths (1, T, n_mels) with their masks (more encoder frames
+    than the widest output, so the covariances have full rank)."""
+    rng = np.random.default_rng(0)
+    out = []
+    for t in (1600, 1131):
+        x = torch.from_numpy(rng.standard_normal((1, t, 128)).astype(np.float32))
+        out.append((x, torch.ones(1, t, dtype=torch.long)))
+    return out
+
+
+def direct_outputs(encoder, windows, names):
+    """Each target's output rows over all windows, captured by plain hooks (the numpy reference)."""
+    rows = {n: [] for n in names}
+    modules = lowrank.targets(encoder)
+    handles = [modules[n].register_forward_hook(
+        lambda m, i, o, n=n: rows[n].append(lowrank.output_rows(m, o).numpy())) for n in names]
+    with torch.no_grad():
+        for x, mask in windows:
+            encoder(x, attention_mask=mask)
+    for h in handles:
+        h.remove()
+    return {n: np.concatenate(r) for n, r in rows.items()}
+
+
+def test_targets_are_the_block_linears_and_pointwise_convs_only(model):
+    names = lowrank.targets(model[0].model.encoder)
+    assert len(names) == 4 * 10  # 4 blocks: q, k, v, o, 2 ffn x 2 linears, 2 pointwise convs
+    assert {lowrank.layer_type(n) for n in names} == set(lowrank.LAYER_TYPES)
+    assert not any("relative_k_proj" in n or "depthwise" in n or "subsampling" in n for n in names)
+    assert lowrank.layer_type("layers.0.self_attn.k_proj") == "attn_qk"
+    assert lowrank.layer_type("layers.0.self_attn.o_proj") == "attn_vo"
+    assert lowrank.layer_type("layers.0.conv.depthwise_conv") is None
+
+
+def test_two_pass_statistics_match_numpy(model, windows):
+    """Mean and covariance (divided by n) of every output, against np.mean / np.cov on the captured rows."""
+    encoder = model[0].model.encoder
+    names = ["layers.1.self_attn.q_proj", "layers.2.conv.pointwise_conv1", "layers.3.feed_forward2.linear1"]
+    stats = lowrank.collect_statistics(encoder, lambda: iter(windows), names)
+    rows = direct_outputs(encoder, windows, names)
+    for n in names:
+        y = rows[n]
+        with torch.no_grad():
+            frames = sum(encoder(x, attention_mask=m).last_hidden_state.shape[1] for x, m in windows)
+        assert stats[n].count == y.shape[0] == frames
+        np.testing.assert_allclose(stats[n].mean, y.mean(0), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(stats[n].cov, np.cov(y, rowvar=False, bias=True), rtol=1e-9, atol=1e-12)
+    # the covariance of a pointwise conv's output is over channels (288), not over time
+    assert stats["layers.2.conv.pointwise_conv1"].cov.shape == (288, 288)
+
+
+def test_rank_rule():
+    values = np.array([6.0, 3.0, 1.0, 0.0])  # energy 0.6, 0.9, 1.0, 1.0
+    assert [lowrank.rank_for_energy(values, e) for e in (0.5, 0.6, 0.61, 0.9, 0.95, 1.0)] == [1, 1, 2, 2, 3, 3]
+    assert lowrank.saves(71, 144, 144) and not lowrank.saves(72, 144, 144)  # r (in + out) < in out
+    assert lowrank.saves(115, 144, 576) and not lowrank.saves(116, 144, 576)
+    with pytest.raises(QuantizeError, match="energy threshold"):
+        lowrank.rank_for_energy(values, 0.0)
+
+
+def test_plan_leaves_full_what_saves_nothing(model, windows):
+    encoder = model[0].model.encoder
+    analysis = lowrank.Analysis.of(lowrank.collect_statistics(encoder, lambda: iter(windows)),
+                                   {n: min(m.weight.shape[:2]) for n, m in lowrank.targets(encoder).items()})
+    plans = lowrank.plan_ranks(encoder, analysis, {"attn_qk": 0.999999, "ffn": 0.5})
+    by = {p.name: p for p in plans}
+    qk = by["layers.0.self_attn.q_proj"]
+    assert qk.rank is None and qk.rank_for_threshold >= 72 and qk.params_after == qk.params_before  # saves nothing
+    ffn = by["layers.0.feed_forward1.linear1"]
+    assert ffn.rank is not None and ffn.rank == ffn.rank_for_threshold and ffn.energy_kept >= 0.5
+    assert ffn.params_after == ffn.rank * (144 + 576) + 576 and ffn.macs_after == ffn.rank * 720
+    assert by["layers.0.self_attn.v_proj"].rank is None  # no threshold for the type: full
+    with pytest.raises(QuantizeError, match="unknown layer type"):
+        lowrank.plan_ranks(encoder, analysis, {"mlp": 0.9})
+
+
+def rewritten(module, x, stats, rank, broken=False):
+    """The LowRankLinear of `module` at `rank` (broken: the mean term left out), applied to x."""
+    w, b = lowrank.weight_matrix(module)
+    _, axes = lowrank.principal_axes(stats.cov)
+    mean = np.zeros_like(stats.mean) if broken else stats.mean
+    down, up, up_bias = lowrank.factorise(w, b, mean, axes[:, :rank])
+    with torch.no_grad():
+        return lowrank.LowRankLinear(module, down, up, up_bias)(x)
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_rewrite_is_exact_at_full_rank_and_the_pca_residual_at_low_rank(kind):
+    """Full rank: the original output. Rank r: the squared error over the calibration rows is exactly the
+    discarded eigenvalues' sum (the PCA identity); a rewrite without the mean term is measurably worse."""
+    torch.manual_seed(0)
+    d_in, d_out, n = 24, 40, 500
+    module = nn.Linear(d_in, d_out) if kind == "linear" else nn.Conv1d(d_in, d_out, 1)
+    module = module.double()
+    with torch.no_grad():
+        module.bias.add_(3.0)  # a large mean: the mean term matters
+    # correlated inputs so the output spectrum decays (rows x: (n, in) for a linear, (1, in, n) for a conv)
+    x = torch.randn(n, d_in, dtype=torch.float64) @ torch.diag(torch.logspace(0, -2, d_in, dtype=torch.float64))
+    inputs = x if kind == "linear" else x.T[None]
+    with torch.no_grad():
+        y = lowrank.output_rows(module, module(inputs)).numpy()
+    stats = lowrank.OutputStatistics(count=n, mean=y.mean(0), cov=np.cov(y, rowvar=False, bias=True))
+    values, _ = lowrank.principal_axes(stats.cov)
+
+    def rows(out):
+        return lowrank.output_rows(module, out).numpy()
+
+    full = rows(rewritten(module, inputs, stats, d_out))
+    np.testing.assert_allclose(full, y, rtol=1e-10, atol=1e-10)
+    r = 6
+    err = np.sum((rows(rewritten(module, inputs, stats, r)) - y) ** 2) / n
+    np.testing.assert_allclose(err, values[r:].sum(), rtol=1e-8)
+    broken = np.sum((rows(rewritten(module, inputs, stats, r, broken=True)) - y) ** 2) / n
+    assert broken > 10 * err
+
+
+def test_rewrite_replaces_modules_in_place_and_the_encoder_still_runs(windows):
+    model, processor = load_reference(TRAINED_MODEL)
+    encoder = model.model.encoder
+    x, mask = windows[0]
+    with torch.no_grad():
+        before = encoder(x, attention_mask=mask).last_hidden_state
+    analysis = lowrank.Analysis.of(lowrank.collect_statistics(encoder, lambda: iter(windows)),
+                                   {n: min(m.weight.shape[:2]) for n, m in lowrank.targets(encoder).items()})
+    params = lowrank.encoder_parameters(encoder)
+    plans = lowrank.plan_ranks(encoder, analysis, {t: 0.9 for t in lowrank.LAYER_TYPES})
+    n = lowrank.rewrite_encoder(encoder, analysis, plans)
+    assert n == sum(p.rank is not None for p in plans) > 0
+    assert isinstance(encoder.layers[0].conv.pointwise_conv1, lowrank.LowRankLinear)
+    assert isinstance(encoder.layers[0].conv.pointwise_conv1.down, nn.Conv1d)
+    after = lowrank.encoder_parameters(encoder)
+    assert params - after == sum(p.params_before - p.params_after for p in plans) > 0
+    with torch.no_grad():
+        out = encoder(x, attention_mask=mask).last_hidden_state
+    assert out.shape == before.shape and torch.isfinite(out).all() and not torch.equal(out, before)
+
+
+def test_lowrank_presets_are_registered_with_their_gates():
+    for preset in ("lowrank", "q8-lowrank"):
+        assert set(LOWRANK_ENERGY[preset]) == set(lowrank.LAYER_TYPES)
+        assert set(GATES[preset]) == set(GATES["q8"])
+
+
+def test_lowrank_without_model_is_a_clear_error(tmp_path, capsys):
+    rc = cli.main(["quantize", "--bundle", str(tmp_path), "--out", str(tmp_path / "lr"), "--preset", "lowrank"])
+    err = capsys.readouterr()
+    assert rc != 0 and "--model" in err.err and "lowrank" in err.err and err.out == ""
+    with pytest.raises(QuantizeError, match="calibration"):
+        quantize_bundle(tmp_path, tmp_path / "lr", "lowrank", model=str(TRAINED_MODEL), eval_dir=None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["lowrank", "q8-lowrank"])
+def test_lowrank_preset_end_to_end(f16_bundle, eval_dir, tmp_path, preset):
+    """The trained bundle (4 s window + 2 s bucket): encoder re-exported from the rewritten checkpoint,
+    conversion-gated, gated vs the f16 encoder and on the held-out clips vs PyTorch; figures in compression.json.
+    Calibrated on the whole held-out folder (the gate's one clip per language is too little audio for a PCA)."""
+    out = tmp_path / preset
+    report = quantize_bundle(f16_bundle, out, preset, model=str(TRAINED_MODEL), eval_dir=eval_dir,
+                             calibration=HELDOUT_DIR)
+    saved = json.loads((out / "compression.json").read_text())
+    enc = saved["components"]["encoder"]
+    lr = enc["lowrank"]
+    assert lr["encoder_parameters"]["reduction"] >= 0.30
+    # the f16 bundle's windows: main + the 2 s bucket, each function gated against the rewritten model
+    assert lr["conversion_gate"]["passed"] and "main" in lr["conversion_gate"]["functions"]
+    assert len(lr["conversion_gate"]["functions"]) == 2
+    assert all({"rank", "energy_kept", "bytes_fp16", "macs_per_frame"} <= set(t) for t in lr["tensors"])
+    assert any(t["rank"] is not None for t in lr["tensors"])
+    assert report["gate"]["passed"] and report["gate"]["heldout"]["baseline"] == "pytorch"
+    assert report["gate"]["encoder"]["worst_psnr_db"] >= GATES[preset]["encoder_psnr_db"]
+    assert lr["weight_file_bytes"]["after"] < lr["weight_file_bytes"]["f16"]
+    if preset == "q8-lowrank":
+        assert enc["tensors"]["compressed"] > 0 and lr["weight_file_bytes"]["after"] < lr["weight_file_bytes"]["lowrank_fp16"]
