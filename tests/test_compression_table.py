@@ -1,11 +1,13 @@
 """tools/bench_compression.py's table (cohere_coreml_dev.compression_table) and parameter count."""
 
+import json
+
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
 from cohere_coreml_dev.cli_runs import checkpoint_parameters
-from cohere_coreml_dev.compression_table import markdown, pareto_front, parse_row
+from cohere_coreml_dev.compression_table import markdown, pareto_front, parse_row, split_folder
 
 
 def row(label, size, rates, passed=True):
@@ -56,3 +58,20 @@ def test_checkpoint_parameters_from_the_safetensors_headers(tmp_path):
     assert checkpoint_parameters(tmp_path) == 12 + 5 + 8
     with pytest.raises(SystemExit, match="no .safetensors"):
         checkpoint_parameters(tmp_path / "missing")
+
+
+def test_split_folder_keeps_calibration_clips_out_of_the_evaluation(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    utts = [{"file": f"{lang}_{i}.flac", "language": lang, "text": f"{lang} {i}"} for lang in ("en", "de") for i in range(3)]
+    for u in utts:
+        (data / u["file"]).write_bytes(u["file"].encode())
+    (data / "manifest.json").write_text(json.dumps({"sample_rate": 16000, "utterances": utts}))
+    cal, ev = split_folder(data, tmp_path / "out", 2)
+    read = {p: json.loads((p / "manifest.json").read_text()) for p in (cal, ev)}
+    assert [u["file"] for u in read[cal]["utterances"]] == ["en_0.flac", "en_1.flac", "de_0.flac", "de_1.flac"]
+    assert [u["file"] for u in read[ev]["utterances"]] == ["en_2.flac", "de_2.flac"]
+    assert read[ev]["sample_rate"] == 16000 and (ev / "de_2.flac").read_bytes() == b"de_2.flac"
+    assert not (ev / "en_0.flac").exists()  # a calibration clip is never in the evaluation folder
+    with pytest.raises(SystemExit, match=r"no clip left to evaluate in \['de', 'en'\]"):
+        split_folder(data, tmp_path / "out2", 3)

@@ -1,6 +1,10 @@
 #!/usr/bin/env python
 """Benchmark (issue 21): every compression preset on one model and one held-out set, one table.
 
+The held-out folder is split first: its first `--calibration-per-language` clips per language are
+the calibration audio of the presets that calibrate (lowrank, q8-lowrank) and are scored by no row;
+every row (f16 included) is scored on the same remaining clips.
+
 For each preset: `cohere-coreml quantize --bundle F16 --preset P --model M --data D` in its own
 process (gates on: each package vs the f16 one, the bundle vs PyTorch on the held-out set). A preset
 its gate refuses is rebuilt with `--skip-verify` so it still gets a size and a held-out figure (in
@@ -27,9 +31,10 @@ import sys
 from pathlib import Path
 
 from cohere_coreml_dev.cli_runs import bundle_bytes, checkpoint_parameters, gate_figures, run_cli
-from cohere_coreml_dev.compression_table import heldout_row, markdown, mean_rate, pareto_front, parse_row
+from cohere_coreml_dev.compression_table import heldout_row, markdown, mean_rate, pareto_front, parse_row, split_folder
 
 logger = logging.getLogger("bench_compression")
+CALIBRATED = ("lowrank", "q8-lowrank")  # presets that take --calibration
 
 # label=preset [quantize flags]; rows whose preset this build does not have are left out (logged)
 DEFAULT_ROWS = ("q8", "q8-hybrid", "q4", "q8a8", "lowrank", "q8-lowrank",
@@ -48,7 +53,9 @@ def run_row(label: str, preset: str, flags: list[str], args, params: int) -> dic
     out = Path(args.out)
     q = out / label
     cmd = ["quantize", "--bundle", str(args.bundle), "--out", str(q), "--preset", preset, "--model", str(args.model),
-           "--data", str(args.data), "--force", *flags]
+           "--data", str(args.evaluation), "--force", *flags]
+    if preset in CALIBRATED:
+        cmd += ["--calibration", str(args.calibration)]
     res = run_cli(cmd, check=False, log=out / f"quantize-{label}.log")
     row: dict = {"label": label, "preset": preset, "flags": flags, "seconds": res["seconds"],
                  "peak_rss_gb": res["peak_rss_gb"], "passed": res["returncode"] == 0}
@@ -63,7 +70,7 @@ def run_row(label: str, preset: str, flags: list[str], args, params: int) -> dic
         row["refused_by"] = [name for name, g in gate.items() if isinstance(g, dict) and g.get("passed") is False]
         run_cli(cmd + ["--skip-verify"], log=out / f"quantize-{label}-ungated.log")
         row.update(heldout_row(gate["heldout"]["details"]) if "heldout" in gate
-                   else measure_heldout(Path(args.bundle), q, Path(args.data), str(args.model)))
+                   else measure_heldout(Path(args.bundle), q, Path(args.evaluation), str(args.model)))
     else:
         report = json.loads((q / "compression.json").read_text())
         row["gate"] = gate_figures(report["gate"])
@@ -105,6 +112,9 @@ def main(argv=None) -> int:
     parser.add_argument("--bundle", default=None,
                         help="its f16 bundle (default: exported into --out from --model)")
     parser.add_argument("--data", default="tests/data/heldout", help="held-out folder (default: %(default)s)")
+    parser.add_argument("--calibration-per-language", type=int, default=10,
+                        help="the first N clips per language of --data calibrate (lowrank presets) and are never "
+                        "scored; every row is scored on the rest (default: %(default)s)")
     parser.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS),
                         help="rows as 'label=preset [quantize flags]' or a preset name (default: every preset)")
     parser.add_argument("--full-size", default=None, help="tools/bench_quantize.py's JSON of a full-size run")
@@ -122,15 +132,17 @@ def main(argv=None) -> int:
         args.bundle = out / "f16"
         if not (args.bundle / "manifest.json").is_file():
             run_cli(["export", "--model", str(args.model), "--out", str(args.bundle), "--force"], log=out / "export.log")
+    args.calibration, args.evaluation = split_folder(Path(args.data), out, args.calibration_per_language)
     rows = [parse_row(s) for s in args.rows]
     for label, preset, _ in rows:
         if preset not in PRESETS:
             logger.warning("row %s left out: this build has no preset %r (it has %s)", label, preset, sorted(PRESETS))
     rows = [r for r in rows if r[1] in PRESETS]
-    report: dict = {"model": str(args.model), "data": str(args.data), "parameters": params, "rows": []}
+    report: dict = {"model": str(args.model), "data": f"{args.data} minus {args.calibration_per_language} calibration "
+                    "clips per language", "parameters": params, "rows": []}
     f16 = {"label": "f16", "preset": "f16", "flags": [], "passed": True, "bytes": bundle_bytes(Path(args.bundle))}
     f16["bytes_per_parameter"] = f16["bytes"] / params
-    f16.update(measure_heldout(Path(args.bundle), Path(args.bundle), Path(args.data), str(args.model)))
+    f16.update(measure_heldout(Path(args.bundle), Path(args.bundle), args.evaluation, str(args.model)))
     report["rows"].append(f16)
     for label, preset, flags in rows:
         logger.info("row %s: preset %s %s", label, preset, " ".join(flags))

@@ -3,7 +3,10 @@ the Markdown, apart from the runs that produce them (so they are tested without 
 
 from __future__ import annotations
 
+import json
 import shlex
+import shutil
+from pathlib import Path
 
 
 def parse_row(spec: str) -> tuple[str, str, list[str]]:
@@ -77,3 +80,30 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+
+
+def split_folder(data: Path, out: Path, calibration_per_language: int) -> tuple[Path, Path]:
+    """Copy the dataset folder `data` (manifest.json with `utterances`) into two disjoint folders:
+    `out/calibration` (the first N utterances of each language) and `out/evaluation` (the rest), so
+    a preset calibrated on audio (lowrank) is never scored on the clips it was calibrated on."""
+    manifest = json.loads((data / "manifest.json").read_text())
+    taken: dict[str, int] = {}
+    parts: dict[str, list] = {"calibration": [], "evaluation": []}
+    for utt in manifest["utterances"]:
+        lang = utt["language"]
+        part = "calibration" if taken.get(lang, 0) < calibration_per_language else "evaluation"
+        taken[lang] = taken.get(lang, 0) + (part == "calibration")
+        parts[part].append(utt)
+    short = sorted(lang for lang, n in taken.items() if not any(u["language"] == lang for u in parts["evaluation"]))
+    if short:
+        raise SystemExit(f"{data}: no clip left to evaluate in {short} after {calibration_per_language} for calibration")
+    folders = []
+    for part, utts in parts.items():
+        folder = out / part
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        for utt in utts:
+            shutil.copy2(data / utt["file"], folder / utt["file"])
+        (folder / "manifest.json").write_text(json.dumps({**manifest, "utterances": utts}, indent=1))
+        folders.append(folder)
+    return folders[0], folders[1]
