@@ -9,6 +9,7 @@ pinned: removing it, or a coremltools that no longer calls it, is an error, neve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -213,21 +214,27 @@ def test_recorder_reductions():
 
 
 def test_q8a8_preset():
-    assert all(r.activations == "int8" and r.scheme == "int8" for r in PRESETS["q8a8"].values())
-    assert PRESETS["q8a8"]["decoder"].skip_names == PRESETS["q8"]["decoder"].skip_names
+    """q8's weights; int8 activations in the encoder only (the decoder's did not hold the held-out gate)."""
+    assert PRESETS["q8a8"]["encoder"] == dataclasses.replace(PRESETS["q8"]["encoder"], activations="int8")
+    assert PRESETS["q8a8"]["decoder"] == PRESETS["q8"]["decoder"]
     assert GATES["q8a8"] == GATES["q8"]
 
 
 def test_q8a8_bundle(f16_bundle, tmp_path):
-    """The preset end to end on the package's multifunction encoder (bucket) and decoder (prefill): every
-    function calibrated by the interpreter, the gates pass, compression.json counts the int8 ops."""
-    report = quantize_bundle(f16_bundle, tmp_path / "q8a8", "q8a8")
-    assert report["gate"]["passed"]
-    for comp in ("encoder", "decoder"):
-        act = report["components"][comp]["activations"]
-        assert act["statistics"]["source"].startswith("cohere_coreml interpreter")
-        assert act["quantized"]["int8_ops"].get("linear", 0) > 0
-        assert set(act["functions"]) >= ({"main", "prefill"} if comp == "decoder" else {"main"})
-        assert all(f["samples"] == act["statistics"]["samples"] for f in act["functions"].values())
+    """The preset end to end on the package's multifunction encoder (window + bucket): every function
+    calibrated by the interpreter on the gate audio (computed even with --skip-verify: the statistics need
+    it), compression.json counts the int8 ops. (Its gates are the q8 ones; on the default model the held-out
+    gate refuses it, docs/quantization.md.)"""
+    report = quantize_bundle(f16_bundle, tmp_path / "q8a8", "q8a8", skip_verify=True)
+    assert report["gate"] == {"skipped": True}
+    act = report["components"]["encoder"]["activations"]
+    assert act["statistics"]["source"].startswith("cohere_coreml interpreter")
+    assert act["quantized"]["int8_ops"]["linear"] > 0 and act["quantized"]["int8_ops"]["conv"] > 0
+    assert len(act["functions"]) == len(report["components"]["encoder"]["functions"]) == 2
+    assert all(f["samples"] == act["statistics"]["samples"] > 1 for f in act["functions"].values())
+    assert "activations" not in report["components"]["decoder"]
     written = json.loads((tmp_path / "q8a8" / "compression.json").read_text())
-    assert written["components"]["encoder"]["activations"] == report["components"]["encoder"]["activations"]
+    assert written["components"]["encoder"]["activations"] == act
+    # the interpreter runs the quantize / dequantize ops of the written encoder
+    assert any(s.op_type == "quantize" for s in load_model(tmp_path / "q8a8" / "encoder.mlpackage",
+                                                           backend="mil")._steps)

@@ -10,6 +10,7 @@ One job per module, the analysis steps apart from the apply steps (as in ml-stab
     measure      the f16 references (`build_gate_data`) and the measurements against them
                  (encoder PSNR, decoder teacher forcing, log-prob error, KL)
     sensitivity  per-weight sensitivity and `--target-psnr` (`choose_fp16`)
+    activations  W8A8: activation statistics through the interpreter, applied by coremltools' own passes
     gate         the component gates and the held-out gate (the bench's engines, datasets and metrics)
     command      `quantize_bundle` (source check, bundle assembly, atomic install) and the CLI
 
