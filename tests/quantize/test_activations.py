@@ -17,8 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from cohere_coreml.quantize import activations
-from cohere_coreml.quantize import quantize_bundle
+from cohere_coreml.quantize import activations, quantize_bundle
 from cohere_coreml.quantize.inventory import load_function
 from cohere_coreml.quantize.recipes import GATES, PRESETS, QuantizeError
 from cohere_coreml.runtime import load_model

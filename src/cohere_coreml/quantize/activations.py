@@ -19,10 +19,13 @@ coremltools' code and the program is the one it writes on macOS from the same st
 coremltools release stops calling the seam, `apply_stats` raises instead of returning an unquantized
 model (and tests/quantize/test_activations.py fails).
 
-One difference on purpose: coremltools 9.0 keeps the range of the LAST calibration sample only
-(`ModelDebugger.record_intermediate_output` and `_update_tensor_range` overwrite rmin/rmax before
-taking the min/max with them); the intent (and what is recorded here) is the range over all samples.
-`reduction="last"` reproduces coremltools 9.0 exactly.
+Differences on purpose (docs/quantization.md, "W8A8"): coremltools 9.0 keeps the range of the LAST
+calibration sample only (`ModelDebugger.record_intermediate_output` and `_update_tensor_range` overwrite
+rmin/rmax before taking the min/max with them); the intent (and what is recorded here) is the range over
+all samples, `reduction="last"` reproduces 9.0 exactly. Every tensor's range is recorded (coremltools'
+passes also read model outputs and state-only tensors, which its calibration leaves out). The config
+skips integer `add`s (coremltools' pass fails on them) and the `add` feeding each softmax (the attention
+mask's -10000 would round every score to 0), and the ops whose weights the recipe keeps fp16.
 
 coremltools is imported inside the functions (heavy import, see `recipes`).
 """
@@ -50,7 +53,6 @@ logger = logging.getLogger(__name__)
 
 # the one coremltools internal replaced (module, attribute): its calibration by Core ML predictions
 CALIBRATION_SEAM = ("coremltools.optimize.coreml._post_training_quantization", "_get_activation_calibration_stats")
-ENCODER_FUNCTION_INPUTS = ("input_features", "feature_length")
 REDUCTIONS = ("all", "last")
 # the op types coremltools' insert_prefix_quantize_dequantize_pair quantizes the inputs of (9.0)
 QUANTIZED_OP_TYPES = ("conv", "avg_pool", "max_pool", "linear", "add")
@@ -252,6 +254,8 @@ def quantize_function_activations(mlmodel, package: Path, function: str, compone
     if missing:  # a tensor coremltools would calibrate that the interpreter never produced
         raise QuantizeError(f"{package.name}:{function}: no statistics for {len(missing)} tensors, e.g. {missing[:3]}")
     stats = adjust_concats(raw, concats)
+    logger.info("%s:%s: activation ranges of %d tensors over %d samples (interpreter)", package.name, function,
+                len(stats), samples)
     program = load_function(package, function)
     integer, scores, kept = integer_input_ops(program), softmax_input_ops(program), recipe_kept_ops(program, recipe)
     out = apply_stats(mlmodel, stats, activation_config([*integer, *scores, *kept]))
@@ -285,6 +289,9 @@ def summary(functions: dict[str, dict], function, reduction: str = "all") -> dic
     return {"dtype": "int8", "mode": "linear_symmetric, per tensor",
             "statistics": {"source": "cohere_coreml interpreter (f16 package, gate audio)",
                            "samples": first["samples"],
+                           "samples_are": "the gate windows: each gate clip (--data: 2 per language; else the "
+                                          "packaged speech clips) and one full window of them back to back; the "
+                                          "decoder: teacher forcing on the f16 bundle's greedy tokens",
                            "reduction": "min/max over all samples" if reduction == "all" else
                            "last sample (coremltools 9.0)",
                            "coremltools_seam": ".".join(CALIBRATION_SEAM)},
