@@ -12,6 +12,7 @@ One job per module, the analysis steps apart from the apply steps (as in ml-stab
     sensitivity  per-weight sensitivity and `--target-psnr` (`choose_fp16`)
     lowrank      the low-rank encoder of `lowrank` / `q8-lowrank` (LiteASR): calibration statistics,
                  PCA ranks, the rewrite of the checkpoint, its re-export
+    activations  W8A8: activation statistics through the interpreter, applied by coremltools' own passes
     gate         the component gates and the held-out gate (the bench's engines, datasets and metrics)
     command      `quantize_bundle` (source check, bundle assembly, atomic install) and the CLI
 

@@ -13,6 +13,7 @@ passed; a refused build leaves its figures beside the would-be bundle (`refusal_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -103,7 +104,7 @@ def build_component(comp: str, f16_package: Path, dst: Path, recipe: Recipe, dat
                     with_sensitivity: bool = False, target_psnr: float | None = None) -> dict:
     """Compress one package into `dst` (with sensitivity, and `--target-psnr` keeping the most
     sensitive weights fp16: the package is then rebuilt); returns its compression.json section."""
-    section = compress_package(f16_package, dst, recipe)
+    section = compress_package(f16_package, dst, recipe, calibration=data, component=comp)
     if recipe.scheme is None or data is None or not (with_sensitivity or target_psnr is not None):
         return section
     # encoder: one clip + the full window (each window is a full encoder run); decoder: all
@@ -115,9 +116,9 @@ def build_component(comp: str, f16_package: Path, dst: Path, recipe: Recipe, dat
         choice = choose_fp16(comp, f16_package, dst, sens_data, sens["per_weight"], saved, target_psnr)
         section["target_psnr"] = choice
         if choice["kept_fp16"]:
-            recipe = Recipe(recipe.scheme, recipe.skip_names, recipe.skip_op_types, tuple(choice["kept_fp16"]))
+            recipe = dataclasses.replace(recipe, keep_fp16=tuple(choice["kept_fp16"]))
             shutil.rmtree(dst)
-            rebuilt = compress_package(f16_package, dst, recipe)
+            rebuilt = compress_package(f16_package, dst, recipe, calibration=data, component=comp)
             rebuilt["sensitivity"], rebuilt["target_psnr"] = section["sensitivity"], choice
             section = rebuilt
     return section
@@ -224,7 +225,8 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
     try:
         t0 = time.perf_counter()
         data = None
-        if not skip_verify or with_sensitivity or target_psnr is not None:
+        calibrate = any(r.activations for r in recipes.values())  # W8A8: statistics from the gate audio
+        if not skip_verify or with_sensitivity or target_psnr is not None or calibrate:
             # the f16 references first (through the runtime); no quantized package is loaded yet
             clips = gate_clips(Path(eval_dir)) if eval_dir else packaged_gate_clips()
             logger.info("gate data: %d clips through the f16 bundle", len(clips))

@@ -25,6 +25,7 @@ import numpy as np
 from ..convert import merge_functions
 from ..files import package_size_bytes, temporary_dir, weight_file_bytes
 from ..runtime.package import package_files, read_spec
+from . import activations
 from .inventory import compressed_tensors, load_function, package_functions, tensor_report, weight_tensors
 from .recipes import WEIGHT_THRESHOLD, QuantizeError, Recipe, scheme_config
 
@@ -146,8 +147,12 @@ def extract_function(path: Path, function_name: str):
     return ct.models.MLModel(spec, weights_dir=weights_dir, skip_model_load=True)
 
 
-def compress_package(src: Path, dst: Path, recipe: Recipe) -> dict:
+def compress_package(src: Path, dst: Path, recipe: Recipe, calibration=None, component: str | None = None) -> dict:
     """Write the compressed copy of package `src` to `dst`; returns its report section.
+
+    `recipe.activations` (W8A8): each function's activations are quantized first (`activations`,
+    calibrated by the interpreter on `calibration`, a `measure.GateData`; `component` names the package's
+    role), then its weights.
 
     Multifunction packages: every function is compressed alone and the results are merged
     (`coremltools.utils.save_multifunction`: identical weights stored once); the report says
@@ -165,6 +170,7 @@ def compress_package(src: Path, dst: Path, recipe: Recipe) -> dict:
         fallen: dict[str, str] = {}
     else:
         skips, fallen = {}, {}
+        act_functions: dict[str, dict] = {}
         scratch = temporary_dir(dst.parent, "compress")
         try:
             singles = {}
@@ -172,6 +178,9 @@ def compress_package(src: Path, dst: Path, recipe: Recipe) -> dict:
                 logger.info("compressing %s function %s (%s)", src.name, fn, recipe.scheme)
                 model = extract_function(src, fn)
                 fn_weights = weight_tensors(load_function(src, fn)) if fn != default else weights
+                if recipe.activations and fn_weights:
+                    model, act_functions[fn] = activations.quantize_function_activations(
+                        model, src, fn, component, calibration, recipe)
                 if fn_weights:
                     compressed, fn_skips, fn_fallen = compress_mlmodel(model, recipe, fn_weights)
                     skips.update(fn_skips)
@@ -199,6 +208,8 @@ def compress_package(src: Path, dst: Path, recipe: Recipe) -> dict:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     section["compress_seconds"] = round(time.perf_counter() - t0, 2)
+    if recipe.activations:
+        section["activations"] = activations.summary(act_functions, load_function(dst, default))
     section.update(tensor_report(weights, load_function(dst, default), recipe, skips, fallen))
     section["package_bytes"] = {"before": package_size_bytes(src), "after": package_size_bytes(dst)}
     section["weight_file_bytes"] = {"before": weight_file_bytes(src), "after": weight_file_bytes(dst)}

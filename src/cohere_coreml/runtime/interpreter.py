@@ -339,6 +339,7 @@ class MilModel(RuntimeModel):
             if name not in keep and name not in self._consts:
                 steps[i].free.append(name)
         self._steps = steps
+        self._observer = None  # see `observed`
         self.num_ops = len(steps)
         logger.info(
             "loaded %s function %r: %d ops, %d constants", self.path, self.function_name,
@@ -418,11 +419,24 @@ class MilModel(RuntimeModel):
                     out[name] = dtypes.to_numpy(value, np_dtype) if np_dtype else value.numpy()
         return out
 
+    @contextlib.contextmanager
+    def observed(self, observer):
+        """Call `observer(var name, torch value)` for every function input and every op output of the
+        `predict` calls inside (e.g. activation statistics, `quantize.activations`); restored after."""
+        saved, self._observer = self._observer, observer
+        try:
+            yield self
+        finally:
+            self._observer = saved
+
     def _run(self, inputs: dict, state, keep_all: bool) -> dict:
         arrays = validate_inputs(inputs, self.input_description)
         env = dict(self._consts)
+        observer = self._observer
         for name, arr in arrays.items():
             env[name] = dtypes.from_numpy(arr, self._input_dtypes[name])
+            if observer is not None:
+                observer(name, env[name])
         if self._state_names:
             if state is None:
                 raise InputValidationError(
@@ -455,6 +469,7 @@ class MilModel(RuntimeModel):
 
     def _walk(self, env: dict, threads: int, current: int, keep_all: bool) -> None:
         """Execute the steps in order (torch threads: ``threads`` for heavy steps, else 1)."""
+        observer = self._observer
         for step in self._steps:
             want = threads if step.heavy else 1
             if want != current:
@@ -477,6 +492,8 @@ class MilModel(RuntimeModel):
                         current = 1
                     value = dtypes.coerce(value, mil_dtype)
                 env[name] = value
+                if observer is not None:
+                    observer(name, value)
             if not keep_all:
                 for name in step.free:
                     env.pop(name, None)

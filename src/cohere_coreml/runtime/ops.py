@@ -899,6 +899,16 @@ def _sdpa(a):
 
 
 # ---------------------------------------------------------------- activation quantization (iOS17)
+# As coremltools defines them (iOS17 `quantize` / `dequantize` value inference,
+# `coremltools.optimize._utils.quantize_by_scale_and_zp` / `dequantize_by_scale_and_zp`):
+#   quantize:   clip(round_half_even(input / scale) + zero_point, dtype range), cast to int8 / uint8;
+#               the division is in the input's dtype (SrcT: fp16 gives an fp16 quotient, so a quotient
+#               within half an fp16 ulp of k + 0.5 becomes a tie), zero_point absent = 0.
+#   dequantize: (float32(input) - float32(zero_point)) * scale, then the scale's dtype (DstT).
+# scale / zero_point: scalars, or vectors along `axis` (broadcast to the input's rank).
+QUANTIZED_RANGE = {"int8": (-128, 127), "uint8": (0, 255)}
+
+
 def _per_axis(param, x, axis):
     if param is None:
         return None
@@ -916,18 +926,24 @@ def _dequantize(a):
     zp = _per_axis(a.t("zero_point"), x, axis)
     if zp is not None:
         x = x - _f(zp)
-    return x * _f(_per_axis(a.t("scale"), x, axis))
+    return x * _f(_per_axis(a.t("scale"), x, axis))  # rounded to the output dtype (the scale's) by the interpreter
 
 
 @op("quantize")
 def _quantize(a):
     x = _f(a.t("input"))
     axis = a.v("axis", None)
-    y = torch.round(x / _f(_per_axis(a.t("scale"), x, axis)))
+    out_dtype = a.v("output_dtype")
+    if out_dtype not in QUANTIZED_RANGE:
+        raise RuntimeBackendError(f"op {a.step.name} (quantize): output_dtype {out_dtype!r} is not int8 or uint8")
+    y = x / _f(_per_axis(a.t("scale"), x, axis))
+    if a.dtype("input") == "fp16":  # fp16 / fp16 is an fp16 quotient (fp32 then fp16: correctly rounded)
+        y = coerce(y, "fp16")
+    y = torch.round(y)  # round half to even, as np.around
     zp = _per_axis(a.t("zero_point"), x, axis)
     if zp is not None:
         y = y + _f(zp)
-    lo, hi = (-128, 127) if a.v("output_dtype") == "int8" else (0, 255)
+    lo, hi = QUANTIZED_RANGE[out_dtype]
     return torch.clamp(y, lo, hi)
 
 
