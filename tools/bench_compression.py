@@ -69,12 +69,12 @@ def run_row(label: str, preset: str, flags: list[str], args, params: int) -> dic
         row["gate"] = gate_figures(gate)
         row["refused_by"] = [name for name, g in gate.items() if isinstance(g, dict) and g.get("passed") is False]
         run_cli(cmd + ["--skip-verify"], log=out / f"quantize-{label}-ungated.log")
-        row.update(heldout_row(gate["heldout"]["details"]) if "heldout" in gate
+        row.update(heldout_row(gate["heldout"]) if "heldout" in gate
                    else measure_heldout(Path(args.bundle), q, Path(args.evaluation), str(args.model)))
     else:
         report = json.loads((q / "compression.json").read_text())
         row["gate"] = gate_figures(report["gate"])
-        row.update(heldout_row(report["gate"]["heldout"]["details"]))
+        row.update(heldout_row(report["gate"]["heldout"]))
     row["bytes"] = bundle_bytes(q)
     row["bytes_per_parameter"] = row["bytes"] / params
     return row
@@ -126,7 +126,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.model is None:  # `prepare-default` prints the default model's folder last
         res = run_cli(["prepare-default"])
-        args.model = res["stdout"].strip().splitlines()[-1]
+        args.model = [line for line in res["stdout"].splitlines() if line.strip() and
+                      not line.startswith("PEAK_RSS_KB")][-1].strip()
     params = checkpoint_parameters(Path(args.model))
     if args.bundle is None:
         args.bundle = out / "f16"

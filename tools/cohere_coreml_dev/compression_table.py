@@ -37,7 +37,7 @@ def pareto_front(rows: list[dict]) -> list[str]:
 
 
 def heldout_row(heldout: dict) -> dict:
-    """The held-out figures of one bundle (a `heldout.parity.json` details dict)."""
+    """The held-out figures of one bundle (`heldout.parity.json`, or a GateReport's details)."""
     return {"languages": {lang: {k: v[k] for k in ("metric", "rate", "baseline", "clips", "identical_clips")}
                           for lang, v in heldout["languages"].items()},
             "identical_clips": heldout["identical_clips"], "clips": heldout["clips"],
