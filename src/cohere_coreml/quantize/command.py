@@ -246,7 +246,8 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
         if mixed_section is not None:  # the byte predictor vs the bundle as written (gate reports included)
             report["mixed"] = {"budget_bytes": mixed_section["budget_bytes"],
                                "predicted_bundle_bytes": mixed_section["predicted_bundle_bytes"],
-                               "measured_bundle_bytes": report["total_bytes"]["after"],
+                               # before the model card, example and checksums are added (finalize)
+                               "measured_bytes_before_card": report["total_bytes"]["after"],
                                "bits_histogram": mixed_section["bits_histogram"]}
         write_json_atomic(report, tmp / COMPRESSION_FILE)
         write_bundle_manifest(src, tmp)

@@ -54,12 +54,13 @@ INLINE_BELOW = 10  # constants with fewer elements are written into the program,
 PROXY_GROUPS = 8  # palette groups sampled per tensor by the weights-only proxy
 KMEANS_ITERATIONS = 25
 # Not exact (the rest is): each compressed tensor adds a constexpr op to the program text of every
-# function using it (measured on the default model: q4 encoder +6,905 bytes for 50 ops, q8 decoder
-# +3,377 for 18 ops in 2 functions: 94-188 bytes an op), and the quantized bundle's own reports
-# (compression.json with one row per tensor, gate reports, card: q4 +48,962 bytes over the f16's).
-PROGRAM_BYTES_PER_OP = 200
-REPORT_BYTES = 64 * 1024
-REPORT_BYTES_PER_TENSOR = 600
+# function using it (measured on the default model: encoders +6,821 bytes for 50 ops (136 an op),
+# +6,905 for q4's 50; q8 decoder +3,377 for 18 ops in 2 functions), and the quantized bundle's own
+# reports (compression.json with one row per weight tensor, gate reports, model card: the mixed
+# bundle's files outside the packages +95,304 bytes over the f16 bundle's, 165 encoder tensors).
+PROGRAM_BYTES_PER_OP = 150
+REPORT_BYTES = 32 * 1024
+REPORT_BYTES_PER_TENSOR = 400
 
 
 def bits_scheme(bits: int) -> str | None:
