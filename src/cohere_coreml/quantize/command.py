@@ -35,6 +35,7 @@ from .gate import QuantizeGateError, component_gate, heldout_gate
 from .inventory import compressed_ops
 from .lowrank import build_lowrank_encoder
 from .measure import GateData, build_gate_data, gate_clips, packaged_gate_clips
+from .mixed import Budget, attach_measured, count_parameters, mixed_recipe, plan
 from .recipes import (
     COMPONENTS,
     DEFAULT_PRESET,
@@ -175,7 +176,9 @@ def install_bundle(tmp: Path, out: Path) -> None:
 def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRESET, *, model: str | None = None,
                     eval_dir: str | Path | None = None, target_psnr: float | None = None,
                     with_sensitivity: bool = False, limit_per_language: int | None = None,
-                    force: bool = False, skip_verify: bool = False, calibration: str | Path | None = None) -> dict:
+                    force: bool = False, skip_verify: bool = False, calibration: str | Path | None = None,
+                    budget: Budget | None = None, proxy: bool = False,
+                    sensitivity_file: str | Path | None = None) -> dict:
     """Build bundle `out` from f16 bundle `src` with `preset`, gated; returns compression.json's content.
 
     The PyTorch checkpoint (`model`) is only used by the held-out gate (tokens / error rates vs
@@ -183,9 +186,12 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
     held-out folder (`--data`); `skip_verify`: no gate at all (`--skip-verify`).
     Low-rank presets (`lowrank`, `q8-lowrank`) rewrite and re-export the encoder of `model` (required),
     calibrated on `calibration` (a folder like `--data`; default: `eval_dir`).
+    `budget`: the byte budget of preset mixed (`mixed.Budget`), `proxy`: its sensitivity from the
+    weights alone.
     """
     src, out = Path(src), Path(out)
     recipes = preset_recipes(preset)
+    check_budget(preset, budget)
     if preset == "f16":
         raise QuantizeError("preset f16 is the exported bundle itself: choose q8, q8-hybrid or q4")
     # --- low-rank presets: the checkpoint and calibration audio are inputs (quantize/lowrank.py)
@@ -226,11 +232,18 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
         t0 = time.perf_counter()
         data = None
         calibrate = any(r.activations for r in recipes.values())  # W8A8: statistics from the gate audio
-        if not skip_verify or with_sensitivity or target_psnr is not None or calibrate:
+        if (not skip_verify or with_sensitivity or target_psnr is not None or calibrate
+                or (preset == "mixed" and not proxy)):
             # the f16 references first (through the runtime); no quantized package is loaded yet
             clips = gate_clips(Path(eval_dir)) if eval_dir else packaged_gate_clips()
             logger.info("gate data: %d clips through the f16 bundle", len(clips))
             data = build_gate_data(src, clips)
+        mixed_section = None
+        if preset == "mixed":  # the encoder's widths for the budget (quantize.mixed)
+            sens_data = None if proxy else data.subset(SENSITIVITY_WINDOWS)
+            mixed_section = plan(src, budget, sens_data, proxy=proxy, scratch_parent=out.parent,
+                                 sensitivity_file=sensitivity_file)
+            recipes["encoder"] = mixed_recipe(mixed_section)
         for comp in COMPONENTS:
             section: dict[str, Any] = {}
 
@@ -247,6 +260,8 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
 
             gate_reports[comp] = export_gated(comp, settings, write, gate)
             report["components"][comp] = section
+            if mixed_section is not None and comp == "encoder":
+                section["mixed"] = attach_measured(mixed_section, section["compressed"])
             release_memory()  # the gated package's interpreter copy, before the next component
         report["compress_seconds"] = round(time.perf_counter() - t0, 1)
         faults.point(f"copy/{out.name}", tmp)
@@ -268,6 +283,12 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
             logger.warning("quantization gate skipped (--skip-verify)")
             report["gate"] = {"skipped": True}
         report["total_bytes"] = {"before": bundle_bytes(src), "after": bundle_bytes(tmp)}
+        if mixed_section is not None:  # the byte predictor vs the bundle as written (gate reports included)
+            report["mixed"] = {"budget_bytes": mixed_section["budget_bytes"],
+                               "predicted_bundle_bytes": mixed_section["predicted_bundle_bytes"],
+                               # before the model card, example and checksums are added (finalize)
+                               "measured_bytes_before_card": report["total_bytes"]["after"],
+                               "bits_histogram": mixed_section["bits_histogram"]}
         write_json_atomic(report, tmp / COMPRESSION_FILE)
         write_bundle_manifest(src, tmp)
         finalize_bundle(tmp)  # README.md, example_inference.py, then the manifest's checksums (last)
@@ -290,6 +311,37 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
         raise
     logger.info("wrote %s (%s)", out, preset)
     return report
+
+
+def check_budget(preset: str, budget: Budget | None) -> None:
+    """A byte budget belongs to preset mixed, which needs one (a clear error otherwise)."""
+    given = budget is not None and (budget.target_bytes is not None or budget.bytes_per_param is not None)
+    if preset == "mixed":
+        (budget or Budget()).bytes()  # raises naming the missing or bad flag
+    elif given:
+        raise QuantizeError(f"--target-bytes / --target-bytes-per-param only apply to --preset mixed, not {preset}")
+
+
+def mixed_budget(args) -> Budget:
+    """The `Budget` of the command line (the parameter count from --parameters or --model's safetensors)."""
+    params = args.parameters
+    if params is None and args.target_bytes_per_param is not None and args.model and Path(args.model).is_dir():
+        params = count_parameters(args.model)
+    return Budget(target_bytes=args.target_bytes, bytes_per_param=args.target_bytes_per_param, parameters=params)
+
+
+def dry_run_plan(args, budget: Budget) -> dict:
+    """`--dry-run`: the mixed assignment and its predicted bytes only (nothing compressed or written)."""
+    if args.preset != "mixed":
+        raise QuantizeError("--dry-run applies to --preset mixed only")
+    check_budget(args.preset, budget)
+    check_source(Path(args.bundle))
+    data = None
+    if not args.proxy and not (args.sensitivity_file and Path(args.sensitivity_file).is_file()):
+        eval_dir = None if str(args.data).lower() == "none" else args.data
+        data = build_gate_data(Path(args.bundle), gate_clips(Path(eval_dir)) if eval_dir else packaged_gate_clips())
+        data = data.subset(SENSITIVITY_WINDOWS)
+    return plan(Path(args.bundle), budget, data, proxy=args.proxy, sensitivity_file=args.sensitivity_file)
 
 
 def format_summary(report: dict) -> str:
@@ -363,6 +415,18 @@ def add_quantize_arguments(p) -> None:
     p.add_argument("--target-psnr", type=float, default=None,
                    help="keep the most sensitive weights fp16 until each component's output PSNR vs f16 reaches "
                    "this (dB); implies --sensitivity")
+    # preset mixed (quantize.mixed)
+    p.add_argument("--target-bytes", type=int, default=None, help="mixed: the bundle's byte budget")
+    p.add_argument("--target-bytes-per-param", type=float, default=None,
+                   help="mixed: the budget in bytes per model parameter (needs --model CHECKPOINT or --parameters)")
+    p.add_argument("--parameters", type=int, default=None, help="mixed: the model's parameter count")
+    p.add_argument("--proxy", action="store_true",
+                   help="mixed: sensitivity from the weights alone (relative quantization error), no interpreter")
+    p.add_argument("--dry-run", action="store_true",
+                   help="mixed: print the assignment and predicted bytes as JSON (nothing compressed or written)")
+    p.add_argument("--sensitivity-file", default=None,
+                   help="mixed: read the measured sensitivity from this JSON if it exists, else write it there")
+    p.add_argument("--plan-out", default=None, help="mixed --dry-run: also write the plan JSON to this file")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--skip-verify", action="store_true", help="no gate (the bundle is written unchecked)")
     # old spellings (one release): --eval-set was --data, --skip-gate was --skip-verify
@@ -373,11 +437,19 @@ def add_quantize_arguments(p) -> None:
 def cmd_quantize(args) -> int:
     for old, new in getattr(args, "deprecated_flags", ()):
         logger.warning("%s is deprecated: use %s (the old spelling will be removed in the next release)", old, new)
+    budget = mixed_budget(args)
+    if args.dry_run:
+        section = dry_run_plan(args, budget)
+        if args.plan_out:
+            write_json_atomic(section, Path(args.plan_out))
+        print(json.dumps({k: v for k, v in section.items() if k != "tensors"}, indent=1))
+        return 0
     eval_dir = None if str(args.data).lower() == "none" else args.data
     report = quantize_bundle(args.bundle, args.out, args.preset, model=args.model, eval_dir=eval_dir,
                              target_psnr=args.target_psnr, with_sensitivity=args.sensitivity,
                              limit_per_language=args.limit_per_language, force=args.force,
-                             skip_verify=args.skip_verify, calibration=args.calibration)
+                             skip_verify=args.skip_verify, calibration=args.calibration, budget=budget,
+                             proxy=args.proxy, sensitivity_file=args.sensitivity_file)
     print(format_summary(report))
     print(f"wrote {args.out}")
     return 0

@@ -93,18 +93,37 @@ def run_coremltools(mlmodel, scheme: str, config):
     return cto.palettize_weights(mlmodel, config)
 
 
+def compress_per_tensor(mlmodel, recipe: Recipe, weights: dict[str, dict]):
+    """A "mixed" recipe: one palettizer pass with each palette tensor's own width
+    (`op_name_configs`), then one linear pass for the int8 tensors; the rest stays fp16."""
+    import coremltools.optimize.coreml as cto  # heavy import
+
+    schemes = {n: s for n, s in recipe.per_tensor if n in weights and not recipe.skip_reason(n, weights[n]["consumers"])}
+    out = mlmodel
+    for kind in ("pal", "int"):
+        names = {n: scheme_config(s) for n, s in schemes.items() if s.startswith(kind)}
+        if names:
+            out = run_coremltools(out, next(iter(schemes[n] for n in names)),
+                                  cto.OptimizationConfig(global_config=None, op_name_configs=names))
+    return out
+
+
 def compress_mlmodel(mlmodel, recipe: Recipe, weights: dict[str, dict]):
     """Compress a single-function MLModel with coremltools; returns (model, coremltools skip reasons,
     {weight name: why the recipe's fallback scheme compressed it})."""
     import coremltools.optimize.coreml as cto  # heavy import
 
     with capture_coremltools_skips() as skips:
-        out = run_coremltools(mlmodel, recipe.scheme, optimization_config(recipe, weights))
+        if recipe.per_tensor:
+            out = compress_per_tensor(mlmodel, recipe, weights)
+        else:
+            out = run_coremltools(mlmodel, recipe.scheme, optimization_config(recipe, weights))
     fallen: dict[str, str] = {}
     if recipe.fallback:
         done = compressed_tensors(out._mil_program.functions["main"])
         left = [n for n, info in weights.items() if n not in done and not recipe.skip_reason(n, info["consumers"])
-                and int(np.prod(info["shape"])) > WEIGHT_THRESHOLD and len(info["shape"]) > 1]
+                and int(np.prod(info["shape"])) > WEIGHT_THRESHOLD and len(info["shape"]) > 1
+                and (not recipe.per_tensor or recipe.scheme_of(n) is not None)]
         if left:
             logger.info("%d weights left by %s: %s", len(left), recipe.scheme, recipe.fallback)
             fallen = {n: skips.reasons.get(n, f"coremltools' {recipe.scheme} skipped it without a reason") for n in left}

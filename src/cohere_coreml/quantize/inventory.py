@@ -106,7 +106,7 @@ def tensor_report(weights: dict[str, dict], compressed_function, recipe: Recipe,
     compressed, uncompressed = [], []
     for name, info in weights.items():
         if name in done:
-            entry = {"name": name, "shape": info["shape"], "scheme": recipe.scheme, "op": done[name]["op"],
+            entry = {"name": name, "shape": info["shape"], "scheme": recipe.scheme_of(name), "op": done[name]["op"],
                      "bytes_before": info["bytes"], "bytes_after": done[name]["bytes"]}
             if name in fallen:
                 entry.update(scheme=recipe.fallback, fallback_for=f"{recipe.scheme}: {fallen[name]}")

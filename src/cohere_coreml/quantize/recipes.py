@@ -32,7 +32,12 @@ SCHEMES = {
     "int4": f"linear symmetric int4, per block of {INT4_BLOCK}",
     "pal4": f"4-bit k-means palette per {PALETTE_GROUP} output channels",
     "pal6": f"6-bit k-means palette per {PALETTE_GROUP} output channels",
+    # mixed-bit (quantize.mixed): 2/3-bit palettes and one width per tensor
+    "pal2": f"2-bit k-means palette per {PALETTE_GROUP} output channels",
+    "pal3": f"3-bit k-means palette per {PALETTE_GROUP} output channels",
+    "mixed": "per tensor: 2/3/4/6-bit palette, int8 or fp16, the least predicted error within a byte budget",
 }
+PALETTE_SCHEMES = ("pal2", "pal3", "pal4", "pal6")
 
 
 class QuantizeError(ValueError):
@@ -49,7 +54,7 @@ def scheme_config(scheme: str):
     if scheme == "int4":
         return cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int4", granularity="per_block",
                                            block_size=INT4_BLOCK, weight_threshold=WEIGHT_THRESHOLD)
-    if scheme in ("pal4", "pal6"):
+    if scheme in PALETTE_SCHEMES:
         return cto.OpPalettizerConfig(nbits=int(scheme[3:]), mode="kmeans", granularity="per_grouped_channel",
                                       group_size=PALETTE_GROUP, weight_threshold=WEIGHT_THRESHOLD)
     raise QuantizeError(f"unknown scheme {scheme!r}; choose from {sorted(SCHEMES)}")
@@ -76,14 +81,25 @@ class Recipe:
     keep_fp16: tuple[str, ...] = ()
     fallback: str | None = None
     activations: str | None = None  # "int8": activations quantized too (W8A8, `activations.py`); None: fp16
+    per_tensor: tuple[tuple[str, str], ...] = ()  # (weight name, scheme) of scheme "mixed"
+
+    def scheme_of(self, name: str) -> str | None:
+        """The scheme of one weight (a "mixed" recipe names one per tensor)."""
+        return dict(self.per_tensor).get(name) if self.per_tensor else self.scheme
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["description"] = SCHEMES.get(self.scheme, "none (fp16)")
+        if self.per_tensor:
+            d["per_tensor"] = dict(self.per_tensor)
+        else:
+            d.pop("per_tensor")
         return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
     def skip_reason(self, name: str, consumer_types: Iterable[str]) -> str | None:
         if name in self.keep_fp16:
+            if self.scheme == "mixed":
+                return "kept fp16 by the mixed assignment (worth its bytes within the budget)"
             return "kept fp16 by --target-psnr (among the most sensitive weights)"
         for pattern in self.skip_names:
             if fnmatch.fnmatchcase(name, pattern):
@@ -105,6 +121,8 @@ PRESETS: dict[str, dict[str, Recipe]] = {
     "q8": {"encoder": Recipe("int8"), "decoder": DECODER_INT8},
     "q8-hybrid": {"encoder": Recipe("int8"), "decoder": Recipe(None)},
     "q4": {"encoder": Recipe("pal4", fallback="int8"), "decoder": DECODER_INT8},
+    # mixed: the encoder's per-tensor widths come from `quantize.mixed.plan` at run time (byte budget)
+    "mixed": {"encoder": Recipe("mixed", fallback="int8"), "decoder": DECODER_INT8},
 }
 # W8A8 (docs/quantization.md, "W8A8"): the q8 encoder with int8 activations (coremltools' quantize /
 # dequantize pairs, statistics from the interpreter on the gate audio); the decoder as q8. An int8-activation
@@ -126,6 +144,9 @@ GATES: dict[str, dict[str, float]] = {
     "q8-hybrid": {"encoder_psnr_db": 35.0, "decoder_psnr_db": 60.0, "decoder_mean_kl": 1e-6,
                   "max_wer_increase": 0.005},
     "q4": {"encoder_psnr_db": 20.0, "decoder_psnr_db": 35.0, "decoder_mean_kl": 5e-3, "max_wer_increase": 0.005},
+    # mixed: the q4 encoder threshold (a mixed bundle is meant to replace q4 at or below its bytes) and
+    # the q8 decoder's (same decoder); the held-out gate (every language within 0.5 points) decides
+    "mixed": {"encoder_psnr_db": 20.0, "decoder_psnr_db": 35.0, "decoder_mean_kl": 5e-3, "max_wer_increase": 0.005},
 }
 # q8a8: the q8 gates (the export's own 35 dB / 5e-3, 0.5 WER points per language); see docs/quantization.md.
 GATES["q8a8"] = dict(GATES["q8"])
