@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -203,3 +204,24 @@ def test_lowrank_preset_end_to_end(f16_bundle, eval_dir, tmp_path, preset):
     assert lr["weight_file_bytes"]["after"] < lr["weight_file_bytes"]["f16"]
     if preset == "q8-lowrank":
         assert enc["tensors"]["compressed"] > 0 and lr["weight_file_bytes"]["after"] < lr["weight_file_bytes"]["lowrank_fp16"]
+    if preset == "lowrank":  # a low-rank bundle keeps fp16 weights: weight compression may start from it
+        again = quantize_bundle(out, tmp_path / "lr-q8", "q8", skip_verify=True)
+        assert again["source_preset"] == "lowrank"
+        ranks = again["source_compression"]["components"]["encoder"]["lowrank"]["tensors"]
+        assert [t["rank"] for t in ranks] == [t["rank"] for t in lr["tensors"]]
+        q8_enc = again["components"]["encoder"]
+        assert q8_enc["tensors"]["compressed"] > 0
+        assert q8_enc["weight_file_bytes"]["after"] < q8_enc["weight_file_bytes"]["before"] == lr["weight_file_bytes"]["after"]
+        with pytest.raises(QuantizeError, match="rewrites the encoder of the f16 export"):
+            quantize_bundle(out, tmp_path / "twice", "lowrank", model=str(TRAINED_MODEL), eval_dir=eval_dir)
+        with pytest.raises(QuantizeError, match="already a 'q8' bundle"):
+            quantize_bundle(tmp_path / "lr-q8", tmp_path / "q8-again", "q8", skip_verify=True)
+        # a manifest that disagrees with compression.json about the preset is refused
+        odd = tmp_path / "odd"
+        shutil.copytree(out, odd)
+        manifest = json.loads((odd / "manifest.json").read_text())
+        manifest.pop("checksums")
+        manifest["preset"] = "f16"
+        (odd / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(QuantizeError, match="its manifest says preset 'f16'"):
+            quantize_bundle(odd, tmp_path / "odd-q8", "q8", skip_verify=True)

@@ -77,8 +77,14 @@ def source_preset(bundle_dir: Path) -> str:
     return "f16"
 
 
-def check_source(bundle_dir: Path) -> None:
-    """Refuse anything but a complete, uncompressed f16 bundle."""
+# Bundles whose weights are still fp16, so weight compression may start from them: the export, and
+# the low-rank encoder (`lowrank`: a smaller fp16 encoder, compressed further by q8 / q4 / mixed).
+UNCOMPRESSED_PRESETS = ("f16", "lowrank")
+
+
+def check_source(bundle_dir: Path, preset: str | None = None) -> str:
+    """Refuse anything but a complete bundle with uncompressed (fp16) weights: the f16 export, or a
+    `lowrank` bundle for a weight-compression preset. Returns the source's preset."""
     bundle_dir = Path(bundle_dir)
     if not (bundle_dir / MANIFEST_NAME).is_file():
         raise QuantizeError(f"{bundle_dir} is not a bundle (no {MANIFEST_NAME}): export one with "
@@ -86,11 +92,18 @@ def check_source(bundle_dir: Path) -> None:
     manifest = json.loads((bundle_dir / MANIFEST_NAME).read_text())
     if manifest.get("checksums"):
         check_bundle(bundle_dir, hashes=True)  # names any file that changed since export
-    preset = source_preset(bundle_dir)
-    if manifest.get("preset", preset) != "f16" or preset != "f16":
-        preset = manifest.get("preset") if manifest.get("preset", "f16") != "f16" else preset
-        raise QuantizeError(f"{bundle_dir} is already a {preset!r} bundle: quantize the f16 bundle it was "
+    found_preset = source_preset(bundle_dir)
+    said = {found_preset, manifest.get("preset", found_preset)}  # compression.json's and the manifest's
+    compressed = sorted(said - set(UNCOMPRESSED_PRESETS))
+    if compressed:
+        raise QuantizeError(f"{bundle_dir} is already a {compressed[0]!r} bundle: quantize the f16 bundle it was "
                             "made from, not a quantized one (weights are compressed once)")
+    if len(said) > 1:
+        raise QuantizeError(f"{bundle_dir}: its manifest says preset {manifest.get('preset')!r}, its "
+                            f"{COMPRESSION_FILE} {found_preset!r}: rebuild the bundle")
+    if found_preset != "f16" and preset in LOWRANK_ENERGY:
+        raise QuantizeError(f"{bundle_dir} is a {found_preset!r} bundle: preset {preset} rewrites the encoder of the "
+                            "f16 export; pass the f16 bundle")
     for comp in COMPONENTS:
         pkg = bundle_dir / f"{comp}.mlpackage"
         if not pkg.is_dir():
@@ -99,6 +112,7 @@ def check_source(bundle_dir: Path) -> None:
         if found:
             raise QuantizeError(f"{pkg} already holds compressed weights ({len(found)} ops, e.g. {found[0]}): "
                                 "quantize the f16 bundle, not a quantized one")
+    return found_preset
 
 
 def build_component(comp: str, f16_package: Path, dst: Path, recipe: Recipe, data: GateData | None, *,
@@ -212,7 +226,7 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
             logger.warning("%s: the ranks are calibrated on the held-out clips the gate measures, so the gate "
                            "measures the calibration audio itself; pass --calibration with other in-domain audio "
                            "for an unbiased figure", preset)
-    check_source(src)
+    source = check_source(src, preset)
     if out.resolve() == src.resolve():
         raise QuantizeError("--out must differ from --bundle (the f16 bundle is never modified)")
     if holds_files(out) and not force:
@@ -223,8 +237,12 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    report: dict[str, Any] = {"preset": preset, "source": str(src), "source_preset": "f16",
+    report: dict[str, Any] = {"preset": preset, "source": str(src), "source_preset": source,
                               "schemes": SCHEMES, "components": {}}
+    if source != "f16":  # what the source did first (its ranks), so the bundle's report names every step
+        earlier = json.loads((src / COMPRESSION_FILE).read_text())
+        report["source_compression"] = {"preset": earlier["preset"], "components": {
+            comp: {k: sec[k] for k in ("lowrank", "recipe") if k in sec} for comp, sec in earlier["components"].items()}}
     # the packages are written and gated like an export's (gate.export_gated), into the temporary bundle
     settings = ExportSettings(out_dir=tmp, skip_verify=skip_verify)
     gate_reports: dict[str, GateReport] = {}
