@@ -29,7 +29,7 @@ help:
 	@echo "make test-fast the inner loop: ruff and the fast Python tests (under 2 minutes)"
 	@echo "make export    MODEL=<hub id|folder> OUT=<dir> PRECISION=fp16|fp32: export Core ML packages"
 	@echo "make verify    MODEL=<hub id|folder> OUT=<bundle dir> AUDIO='a.wav b.wav' LANGUAGES=en,de: parity report"
-	@echo "make quantize  BUNDLE=f16 QOUT=q8 PRESET=q8|q8-hybrid|q4 MODEL=<ckpt>: compress an exported bundle, gated"
+	@echo "make quantize  BUNDLE=f16 QOUT=q8 PRESET=q8|q8-hybrid|q4|q8a8|lowrank|q8-lowrank MODEL=<ckpt>: compress an exported bundle, gated"
 	@echo "make upload    BUNDLE=q8 REPO_ID=org/name [DRY_RUN=1]: verify checksums, upload to the Hub"
 	@echo "make bench     BENCH_BUNDLES='out/f16 out/q8' BENCH_DATA=<folder>: PyTorch vs bundles, WER/speed/memory -> out/bench"
 

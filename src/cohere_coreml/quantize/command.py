@@ -415,8 +415,10 @@ def add_quantize_arguments(p) -> None:
     p.add_argument("--out", default="q8", help="new bundle folder (default: %(default)s)")
     p.add_argument("--preset", choices=[k for k in PRESETS if k != "f16"], default=DEFAULT_PRESET,
                    help="q8: int8 encoder + decoder; q8-hybrid: int8 encoder, fp16 decoder; q4: 4-bit palette "
-                   "encoder, int8 decoder; lowrank: low-rank encoder (needs --model), fp16; q8-lowrank: low-rank "
-                   "encoder then int8, int8 decoder (default: %(default)s)")
+                   "encoder, int8 decoder; mixed: per-tensor 2-8 bit encoder to --target-bytes[-per-param], int8 decoder; "
+                   "q8a8: q8 with int8 encoder activations (W8A8); lowrank: low-rank encoder (needs --model), fp16; "
+                   "q8-lowrank: low-rank encoder then int8, int8 decoder. --bundle may also be a lowrank bundle "
+                   "(its fp16 low-rank encoder is then compressed) (default: %(default)s)")
     p.add_argument("--model", default=None,
                    help="PyTorch checkpoint for the held-out gate (tokens/WER vs PyTorch), e.g. the checkpoint the "
                    "bundle was exported from; without it the gate compares with the f16 bundle")
