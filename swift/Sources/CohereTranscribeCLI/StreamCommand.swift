@@ -22,9 +22,12 @@ enum StreamCommand {
         for (path, samples) in files {
             if files.count > 1, !json { print("== \(path)") }
             let audio = files.count > 1 ? path : nil
-            let onStats: (@Sendable (StreamStats) -> Void)? = stats ? { s in
-                FileHandle.standardError.write(Data((s.jsonLine(audio: audio) + "\n").utf8))
-            } : nil
+            var onStats: (@Sendable (StreamStats) -> Void)?
+            if stats {
+                onStats = { counters in
+                    FileHandle.standardError.write(Data((counters.jsonLine(audio: audio) + "\n").utf8))
+                }
+            }
             let (input, updates) = try transcriber.stream(language: language, punctuation: punctuation, config: config,
                                                           maxNewTokens: maxNewTokens, onStats: onStats)
             let feeder = Task { try await StreamFileSource.feed(samples: samples, sampleRate: rate, into: input, pace: pace) }
