@@ -8,6 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
+from cohere_coreml.decoder_runtime import DecoderRuntime
 from cohere_coreml.decoding import RepetitionGuard, beam_search, copy_state
 from cohere_coreml.transcribe import Transcriber
 
@@ -30,6 +31,11 @@ class ToyDecoder:
 
     backend = "toy"
     state_description = {"h": ((1,), np.float32)}
+    # a package without prefill or extend: the prompt by steps, through the runtime's own feed logic
+    prefill_length = extend_length = None
+    capacity = 4096
+    plan = DecoderRuntime.plan
+    feed = DecoderRuntime.feed
 
     def __init__(self, vocab=6, seed=0, eos=0, eos_bias=0.0, loop=None):
         rng = np.random.default_rng(seed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import jsonschema
 import numpy as np
@@ -21,11 +22,12 @@ from cohere_coreml.streaming import (
     frame_energies_db,
     frame_powers,
     local_agreement,
+    stats_line,
     stream_array,
 )
 from cohere_coreml.transcribe import Transcriber
 
-from .fixture_data import heldout_utterances
+from .fixture_data import TRAINED_BUCKETS, TRAINED_MAX_NEW_TOKENS, TRAINED_WINDOW_S, heldout_utterances
 
 SR = 16000
 FRAME = 160
@@ -274,3 +276,93 @@ def test_cli_stream_bad_hop_is_one_line_error(trained_bundle, capsys):
                  "--language", "en", "--hop", "0"]) == 2
     err = capsys.readouterr().err
     assert "hop_s must be a positive number" in err
+
+
+# --------------------------------------------------------------------------------------------------
+# The confirmed prefix through the decoder's extend function; the compute counters
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def extend_bundle(trained_reference, trained_bundle, tmp_path_factory):
+    """The trained bundle with its decoder re-exported with prefill and extend (K 32 in a 64-slot cache)."""
+    from cohere_coreml.convert import ExportSettings
+    from cohere_coreml.export import export_model
+
+    model, processor = trained_reference
+    out = tmp_path_factory.mktemp("extend") / "bundle"
+    shutil.copytree(trained_bundle, out)
+    settings = ExportSettings(out_dir=out, precision="fp16", model_id="cohere-tiny-synth",
+                              window_seconds=TRAINED_WINDOW_S, force=True)
+    export_model(model, processor, settings, components=("decoder",), max_new_tokens=TRAINED_MAX_NEW_TOKENS,
+                 buckets=TRAINED_BUCKETS, prefill=True, extend=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def extend_transcriber(extend_bundle):
+    return Transcriber(extend_bundle, backend="mil")
+
+
+def test_partials_feed_the_confirmed_prefix_by_extend(extend_transcriber, dictation, streamed):
+    """With extend the updates are the same, the finals' calls and tokens too (offline's), and the partials
+    cost fewer decoder calls than the fallback (the bundle without extend: one step per forced token and
+    per generated token; here 89 against 137)."""
+    t = extend_transcriber
+    assert t.decoder.extend_length == 32
+    updates, stats = stream_array(t, dictation, 1600, "en")
+    fallback_updates, fallback = streamed  # the trained bundle: no extend function
+    # the same updates (the tokens are greedy's either way; on this fixture the numerics agree too)
+    assert [u.to_dict() for u in updates] == [u.to_dict() for u in fallback_updates]
+    assert (stats.final_decoder_calls, stats.final_decoder_tokens) == (fallback.final_decoder_calls,
+                                                                      fallback.final_decoder_tokens)
+    partial_calls = stats.decoder_calls - stats.final_decoder_calls
+    fallback_calls = fallback.decoder_calls - fallback.final_decoder_calls
+    assert stats.partials == fallback.partials and partial_calls < 0.75 * fallback_calls
+    assert stats.decoder_tokens > stats.decoder_calls  # an extend call is one call of 32 token slots
+
+
+def test_decode_verifies_a_draft(extend_transcriber, transcriber):
+    """A draft never changes the tokens (greedy's); it saves the calls of the tokens it predicted: all of
+    them when exact (one extend call), all but one when one token differs (one more extend call for the
+    rest of the draft); a bundle without extend ignores it."""
+    t = extend_transcriber
+    wav = load_audio(heldout_utterances(1)[1]["path"])
+    feats, n_valid, _ = t.features(wav)
+    enc = t.encode(feats, n_valid)
+    prompt = t.prompt("en")
+    plain = t.decode(enc, prompt)
+    ids = plain.token_ids
+    assert plain.stop_reason == "eos" and len(ids) >= 5 and plain.calls == len(ids)  # prefill + steps
+    exact = t.decode(enc, prompt, draft=ids[:-1])
+    assert exact.token_ids == ids and (exact.calls, exact.tokens_fed) == (1, 32)
+    other = next(tok for tok in range(5, 100) if tok not in ids)
+    substituted = ids[:2] + [other] + ids[3:-1]
+    one_off = t.decode(enc, prompt, draft=substituted)
+    assert one_off.token_ids == ids and one_off.calls == 2
+    garbage = t.decode(enc, prompt, draft=[other] * len(ids))
+    assert garbage.token_ids == ids and garbage.calls <= plain.calls + 1
+    # the fallback: no extend, the draft is not used
+    feats2, n2, _ = transcriber.features(wav)
+    enc2 = transcriber.encode(feats2, n2)
+    ignored = transcriber.decode(enc2, prompt, draft=ids[:-1])
+    assert ignored.token_ids == ids and ignored.calls == plain.calls
+
+
+def test_cli_stream_stats_line(extend_bundle, extend_transcriber, capsys):
+    """--stats: one JSON line of counters on stderr, equal to the session's for the same chunks; stdout
+    keeps the update lines only."""
+    clip = heldout_utterances(1)[1]["path"]  # English
+    assert main(["transcribe", "--stream", "--no-pace", "--json", "--stats", str(clip), "--bundle",
+                 str(extend_bundle), "--language", "en", "--backend", "mil"]) == 0
+    captured = capsys.readouterr()
+    lines = [json.loads(line) for line in captured.out.splitlines()]
+    for line in lines:
+        jsonschema.validate(line, UPDATE_SCHEMA)
+    stats_lines = [json.loads(line) for line in captured.err.splitlines() if line.startswith('{"type": "stats"')]
+    assert len(stats_lines) == 1
+    _, stats = stream_array(extend_transcriber, load_audio(clip), 1600, "en")
+    assert stats_lines[0] == json.loads(stats_line(stats))
+    assert stats_lines[0]["decoder_tokens"] >= stats_lines[0]["decoder_calls"] > 0
+    assert set(stats_lines[0]["per_audio_second"]) == {"encoder_calls", "encoder_audio_s", "encoder_valid_audio_s",
+                                                       "decoder_calls", "decoder_tokens"}

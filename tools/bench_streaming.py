@@ -15,8 +15,9 @@ Measured:
   (from the synthesis end, and from the acoustic end: its last frame 6 dB above the dictation's
   background), median and p95; flicker (tokens shown in an update and changed or dropped by the next
   update of the segment), and confirmed tokens the final changed; per language;
-* compute per audio second (encoder calls, encoder audio-seconds of the buckets run, decoder calls)
-  against the offline transcription of the same file;
+* compute per audio second (encoder calls, encoder audio-seconds of the buckets run, decoder calls,
+  decoder tokens fed: a prefill call P, an extend call K with its padding, a step 1) against the
+  offline transcription of the same file (--no-extend: forced prefixes fed by steps, the fallback);
 * a sweep (hop, n, hangover, hop growth), one factor at a time, on one dictation per language.
 
 Example:
@@ -148,7 +149,8 @@ def offline_compute(t: Transcriber, result, seconds: float) -> dict:
     frames = dict(t.encoder_buckets)  # {encoder function: frames}
     enc = sum(frames.get(w.timings["encoder_function"], t.window_frames) for w in result.windows)
     return {"encoder_calls": len(result.windows) / seconds, "encoder_audio_s": enc * 0.01 / seconds,
-            "decoder_calls": sum(w.timings["decoder_calls"] for w in result.windows) / seconds}
+            "decoder_calls": sum(w.timings["decoder_calls"] for w in result.windows) / seconds,
+            "decoder_tokens": sum(w.timings["decoder_tokens_fed"] for w in result.windows) / seconds}
 
 
 def run_dictation(t: Transcriber, d, config: StreamConfig, chunk: int, check_offline: bool) -> dict:
@@ -190,11 +192,13 @@ def summarise(runs) -> dict:
     flick = {k: sum(run["flicker"][k] for run in runs) for k in runs[0]["flicker"]}
     audio = sum(run["seconds"] for run in runs)
     per_s = {k: sum(run["stats"][src] for run in runs) / audio for k, src in
-             (("encoder_calls", "encoder_calls"), ("decoder_calls", "decoder_calls"))}
+             (("encoder_calls", "encoder_calls"), ("decoder_calls", "decoder_calls"),
+              ("decoder_tokens", "decoder_tokens"))}
     per_s["encoder_audio_s"] = sum(run["stats"]["encoder_frames"] for run in runs) * 0.01 / audio
     # the finals alone are the offline transcription of the segments: the streaming overhead is the rest
     finals_only = {"encoder_calls": sum(run["stats"]["finals"] for run in runs) / audio,
                    "decoder_calls": sum(run["stats"]["final_decoder_calls"] for run in runs) / audio,
+                   "decoder_tokens": sum(run["stats"]["final_decoder_tokens"] for run in runs) / audio,
                    "encoder_audio_s": sum(run["stats"]["final_encoder_frames"] for run in runs) * 0.01 / audio}
     out = {"utterances": len(rows), "first_partial_s": stat("first_partial_s"), "final_lag_s": stat("final_lag_s"),
            "final_lag_acoustic_s": stat("final_lag_acoustic_s"), "flicker": flick,
@@ -244,8 +248,8 @@ def render_markdown(report: dict) -> str:
             w = report["offline_per_utterance_wer"]
             lines.append("| WER, offline, each held-out clip alone | | " + " | ".join(
                 f"{100 * w[lang]:.1f} %" for lang in langs) + " |")
-        lines += ["", "| compute per audio second | encoder calls | encoder audio-s | decoder calls |",
-                  "|---|---|---|---|"]
+        lines += ["", "| compute per audio second | encoder calls | encoder audio-s | decoder calls | "
+                  "decoder tokens fed |", "|---|---|---|---|---|"]
         for name, key in (("streaming (partials + finals)", "compute_per_audio_s"),
                           ("offline, the segments (the finals alone)", "offline_segments_compute_per_audio_s"),
                           ("ratio", "compute_ratio_vs_offline_segments"),
@@ -253,11 +257,11 @@ def render_markdown(report: dict) -> str:
                           ("ratio vs whole file", "compute_ratio_vs_offline")):
             d = s[key]
             lines.append(f"| {name} | {d['encoder_calls']:.3g} | {d['encoder_audio_s']:.3g} | "
-                         f"{d['decoder_calls']:.3g} |")
+                         f"{d['decoder_calls']:.3g} | {d['decoder_tokens']:.3g} |")
     if report.get("sweep"):
         lines += ["", "| change | first partial median | final lag median / p95 | flicker | confirmed changed by final "
-                  "| WER | encoder audio-s / s (ratio vs segments) | decoder calls / s (ratio) |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| WER | encoder audio-s / s (ratio vs segments) | decoder calls / s (ratio) | decoder tokens fed / s "
+                  "(ratio) |", "|---|---|---|---|---|---|---|---|---|"]
         for row in report["sweep"]:
             s = row["summary"]
             r = s["compute_ratio_vs_offline_segments"]
@@ -267,7 +271,8 @@ def render_markdown(report: dict) -> str:
                          f"{s['final_lag_s']['p95']:.2f} s | {s['flicker']['revised_tokens']} | "
                          f"{s['flicker']['confirmed_revised_by_final']} | {100 * s['wer']:.1f} % | "
                          f"{c['encoder_audio_s']:.2f} ({r['encoder_audio_s']:.2f}x) | "
-                         f"{c['decoder_calls']:.1f} ({r['decoder_calls']:.2f}x) |")
+                         f"{c['decoder_calls']:.1f} ({r['decoder_calls']:.2f}x) | "
+                         f"{c['decoder_tokens']:.1f} ({r['decoder_tokens']:.2f}x) |")
     return "\n".join(lines) + "\n"
 
 
@@ -279,6 +284,9 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--chunk", type=float, default=0.1, help="seconds per fed chunk (default: %(default)s)")
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--no-extend", action="store_true",
+                        help="do not use the decoder's extend function (forced prefixes fed by steps: the fallback)")
+    parser.add_argument("--only", nargs="+", metavar="FILE", help="only these dictation files (manifest 'file')")
     parser.add_argument("--no-main", action="store_true", help="only the sweep")
     parser.add_argument("--render", metavar="REPORT", help="print the markdown tables of a report.json and exit")
     args = parser.parse_args(argv)
@@ -288,15 +296,19 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     data = Path(args.data)
     manifest = json.loads((data / "manifest.json").read_text())
-    t = Transcriber(args.bundle, backend=args.backend)
+    t = Transcriber(args.bundle, backend=args.backend, use_extend=not args.no_extend)
     sr = t.front_end.sampling_rate
-    dictations = [dict(d, wav=load_audio(data / d["file"], target_rate=sr)) for d in manifest["dictations"]]
+    dictations = [dict(d, wav=load_audio(data / d["file"], target_rate=sr)) for d in manifest["dictations"]
+                  if not args.only or d["file"] in args.only]
     config = StreamConfig()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     chunk = max(1, int(round(args.chunk * sr)))
     name = "sweep.json" if args.no_main else "report.json"
     report = {"bundle": args.bundle, "config": dataclasses.asdict(config), "chunk_s": args.chunk,
+              "extend": t.decoder.extend_model is not None,
+              "decoder_plan": {"prompt_length": len(t.prompt("en")), "capacity": t.decoder.capacity,
+                               "prefill_length": t.decoder.prefill_length, "extend_length": t.decoder.extend_length},
               "segmenter": segmenter_measurement([d for d in dictations if d["utterances"]], config,
                                                  t.front_end.hop_length, sr)}
     logger.info("segmenter: %s", report["segmenter"])

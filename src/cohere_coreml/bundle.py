@@ -40,6 +40,7 @@ from .config import (
     BIND_INPUT_PREFIX,
     BIND_OUTPUT,
     BUCKETS_METADATA_KEY,
+    EXTEND_FUNCTION,
     FRONTEND_FUNCTIONS_METADATA_KEY,
     MEMORY_NAMES,
     PREFILL_FUNCTION,
@@ -198,15 +199,24 @@ def decoder_package_info(path: str | os.PathLike) -> dict:
     if prefill:
         inputs, _, _ = describe(read_package(path, function_name=PREFILL_FUNCTION))
         prefill_length = int(inputs["input_ids"][0][1])
+    extend = EXTEND_FUNCTION if EXTEND_FUNCTION in functions else None
+    extend_length = None
+    if extend:
+        inputs, _, _ = describe(read_package(path, function_name=EXTEND_FUNCTION))
+        extend_length = int(inputs["input_ids"][0][1])
     bind_io = package_io(path, function_name=BIND_FUNCTION)
     bind_inputs = {BIND_INPUT_PREFIX + name: name for name in MEMORY_NAMES}  # bind input -> encoder output
     if set(bind_io["inputs"]) != set(bind_inputs):
         raise BundleError(f"{path}: {BIND_FUNCTION} takes {sorted(bind_io['inputs'])}, this tool expects "
                           f"{sorted(bind_inputs)}: re-export it with `cohere-coreml export --force`")
-    return {"shapes": shapes, "functions": {"step": STEP_FUNCTION, "bind": BIND_FUNCTION, "prefill": prefill},
+    info = {"shapes": shapes, "functions": {"step": STEP_FUNCTION, "bind": BIND_FUNCTION, "prefill": prefill},
             "prefill_length": prefill_length, "precision": meta.get("com.cohere_coreml.precision"),
             "io": package_io(path, function_name=STEP_FUNCTION), "bind_io": bind_io, "bind_inputs": bind_inputs,
             "prefill_io": package_io(path, function_name=prefill) if prefill else None}
+    if extend:  # optional, and absent (not null) without it: manifests of older exports stay as they were
+        info["functions"]["extend"] = extend
+        info.update(extend_length=extend_length, extend_io=package_io(path, function_name=extend))
+    return info
 
 
 def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, decoder: dict | None,
@@ -294,7 +304,8 @@ def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, deco
             # functions of decoder.mlpackage, one state layout (self_k, self_v, cross_k, cross_v,
             # cross_mask) shared by all: "bind" writes a window's cross memory into the state (once per
             # window), "step" (the default function) takes only input_ids + position, "prefill"
-            # (optional) the whole prompt (1, prefill_length) in one call
+            # (optional) the whole prompt (1, prefill_length) in one call, "extend" (optional, absent or
+            # null without it) up to extend_length tokens from a given slot in one call
             "functions": decoder["functions"],
             # bind function input -> the encoder output it takes, unchanged
             "bind_inputs": decoder["bind_inputs"],
@@ -303,6 +314,8 @@ def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, deco
             "bind_io": decoder["bind_io"],  # the bind function's
             "prefill_io": decoder.get("prefill_io"),  # the prefill function's (None without prefill)
         }
+        if decoder.get("extend_io") is not None:  # the extend function's: K and I/O (absent without it)
+            manifest["decoder"].update(extend_length=decoder["extend_length"], extend_io=decoder["extend_io"])
     manifest["tokens"] = {
         "eos_token_ids": checkpoint_eos_ids(model),
         "eos_token_id": checkpoint_eos_ids(model)[0],
@@ -721,14 +734,25 @@ def check_manifest(manifest, where: str, vocab: dict | None = None, processor: d
     if (prefill is None) != (prefill_io is None):
         f.fail("decoder.prefill_io", f"must be given exactly when decoder.functions.prefill is (it is {_show(prefill)})")
     cache = [layers, kv_heads, capacity, head_dim]
-    for path, io, ids_len in (("decoder.io", step_io, 1), ("decoder.prefill_io", prefill_io, prefill_len)):
+    extend = f.str(functions, "extend", "decoder.functions.extend", optional=True)
+    extend_len = f.int(dec, "extend_length", "decoder.extend_length", lo=1, hi=capacity - prompt_len, optional=True)
+    if (extend is None) != (extend_len is None):
+        f.fail("decoder.extend_length", f"is {_show(extend_len)} but decoder.functions.extend is {_show(extend)}: "
+               "both are set (an extend function) or both null")
+    extend_io = f.io(dec, "extend_io", "decoder.extend_io", optional=True)
+    if (extend is None) != (extend_io is None):
+        f.fail("decoder.extend_io", f"must be given exactly when decoder.functions.extend is (it is {_show(extend)})")
+    for path, io, ids_len in (("decoder.io", step_io, 1), ("decoder.prefill_io", prefill_io, prefill_len),
+                              ("decoder.extend_io", extend_io, extend_len)):
         if io is None:
             continue
         expected = {("inputs", "input_ids"): ([1, ids_len], "int32"),
                     ("outputs", output): ([1, vocab_size], program_float),
                     ("states", "self_k"): (cache, "float16"), ("states", "self_v"): (cache, "float16")}
-        if path == "decoder.io":
+        if path in ("decoder.io", "decoder.extend_io"):
             expected[("inputs", "position")] = ([1], "int32")
+        if path == "decoder.extend_io":  # the log-probs after each of the K slots
+            expected[("outputs", output)] = ([1, ids_len, vocab_size], program_float)
         # format 2: the cross memory is in the state (fp16), never an input of a step or prefill call
         expected.update({("states", "cross_k"): (memory_shape, "float16"), ("states", "cross_v"): (memory_shape, "float16"),
                          ("states", "cross_mask"): ([1, 1, 1, memory_len], "float16")})
@@ -739,8 +763,10 @@ def check_manifest(manifest, where: str, vocab: dict | None = None, processor: d
         for (kind, name), (shape, dtype) in expected.items():
             got = f.shape(io, kind, name, path)
             what = {"self_k": "decoder.cache_shape", "self_v": "decoder.cache_shape", "input_ids":
-                    "decoder.prefill_length" if ids_len != 1 else "[1, 1]", "position": "[1]",
-                    output: "[1, decoder.vocab_size]", "cross_mask": "[1, 1, 1, encoder.memory_len]"}.get(name, "decoder.memory_shape")
+                    {"decoder.io": "[1, 1]", "decoder.prefill_io": "decoder.prefill_length",
+                     "decoder.extend_io": "decoder.extend_length"}[path], "position": "[1]",
+                    output: "[1, decoder.extend_length, decoder.vocab_size]" if path == "decoder.extend_io"
+                    else "[1, decoder.vocab_size]", "cross_mask": "[1, 1, 1, encoder.memory_len]"}.get(name, "decoder.memory_shape")
             f.equal(f"{path}.{kind}.{name}.shape", got, what, shape)
             f.equal(f"{path}.{kind}.{name}.dtype", io[kind][name]["dtype"],
                     "the dtype of precision " + repr(precision) if name not in ("input_ids", "position") else "int32",
@@ -889,6 +915,8 @@ def check_packages(bundle: Bundle, where: str) -> None:
     listed["decoder"][dec["functions"]["bind"]] = (dec["bind_io"], "decoder.functions.bind")
     if dec["functions"].get("prefill") is not None:
         listed["decoder"][dec["functions"]["prefill"]] = (dec["prefill_io"], "decoder.functions.prefill")
+    if dec["functions"].get("extend") is not None:
+        listed["decoder"][dec["functions"]["extend"]] = (dec["extend_io"], "decoder.functions.extend")
     if m.get("frontend") is not None:
         listed["frontend"] = {name: (fn["io"], f"frontend.functions.{name}")
                               for name, fn in m["frontend"]["functions"].items()}

@@ -46,6 +46,11 @@ FRONTEND_FUNCTIONS_METADATA_KEY = "com.cohere_coreml.functions"
 STEP_FUNCTION = "main"  # one token: input_ids (1, 1), position (1,)
 BIND_FUNCTION = "bind_memory"  # once per window: the encoder's cross memory -> the state
 PREFILL_FUNCTION = "prefill"  # optional: the whole prompt in one call
+# optional: up to EXTEND_LENGTH tokens from a given cache slot in one call (a forced prefix: prompt +
+# confirmed tokens of a streaming partial); input_ids (1, K) padded, position (1,), length (1,)
+EXTEND_FUNCTION = "extend"
+EXTEND_LENGTH = ANE_MULTIPLE  # K: tokens per extend call (the Neural Engine's preferred multiple)
+EXTEND_PAD_ID = 0  # fills input_ids past `length`: never read (causal mask), overwritten before it is visible
 # The cross memory the encoder outputs and the decoder keeps in its state under the same names;
 # bind_memory takes each as input BIND_INPUT_PREFIX + name (a function input cannot share a state's name).
 MEMORY_NAMES = ("cross_k", "cross_v", "cross_mask")

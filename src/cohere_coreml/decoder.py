@@ -17,6 +17,13 @@ function of the package):
     prefill (optional)
         inputs : input_ids int32 (1, P)               the whole prompt, slots 0..P-1
         output : log_probs (1, V)                    after the last prompt token
+    extend (optional)
+        inputs : input_ids int32 (1, K)               the real tokens, then padding (any id)
+                 position int32 (1,)                  slot of the first token (position + K <= C)
+        effect : self_k / self_v written at slots position .. position+K-1 (the padded tail's slots
+                 lie after the last real token: masked for it, overwritten before any later token sees them)
+        output : log_probs (1, K, V)                 row i: after the token at slot position+i (the
+                                                     caller reads the rows of its real tokens)
     states : self_k, self_v fp16 (L, Hkv, C, Dh); cross_k, cross_v fp16 (L, Hkv, Tp, Dh);
              cross_mask fp16 (1, 1, 1, Tp)
 
@@ -44,6 +51,8 @@ from .config import (
     BIND_FUNCTION,
     BIND_INPUT_PREFIX,
     BIND_OUTPUT,
+    EXTEND_FUNCTION,
+    EXTEND_LENGTH,
     FP16_MASK_VALUE,
     MEMORY_NAMES,
     PREFILL_FUNCTION,
@@ -52,6 +61,7 @@ from .config import (
 )
 from .convert import ExportSettings, convert_module, merge_functions
 from .decoder_gate import COMPONENT, prepare_gate
+from .decoder_runtime import extend_inputs
 from .files import skip_installed
 from .gate import StagedPackage, stage_gated
 from .shapes import DecoderShapes, cache_capacity
@@ -140,8 +150,10 @@ class StatefulDecoder(nn.Module):
         positions: torch.Tensor,  # (S,) int32, consecutive slots
         memory=None,  # i -> (k, v) (1, Hkv, Tp, Dh); default: the bound memory in the state
         cross_mask: torch.Tensor | None = None,  # (1, 1, 1, Tp) additive; default: the state's
+        all_rows: bool = False,
     ) -> torch.Tensor:
-        """Feed S consecutive tokens; returns the log-probs after the last one, (1, V)."""
+        """Feed S consecutive tokens; returns the log-probs after the last one, (1, V), or with `all_rows`
+        after each of them, (1, S, V)."""
         s = self.shapes
         dec = self.decoder
         memory = memory or self._memory
@@ -193,6 +205,8 @@ class StatefulDecoder(nn.Module):
             residual = hidden
             hidden = residual + layer.mlp(layer.final_layernorm(hidden))
 
+        if all_rows:
+            return stable_log_softmax(self.proj_out(dec.norm(hidden)))  # (1, S, V)
         hidden = dec.norm(hidden[:, -1:, :])  # (1, 1, D): only the last token's prediction is used
         logits = self.proj_out(hidden[:, 0, :])  # (1, V)
         return stable_log_softmax(logits)  # (1, V)
@@ -229,6 +243,26 @@ class DecoderPrefill(StatefulDecoder):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (1, P) int32 -> (1, V)
         return self.run_tokens(input_ids, self.prompt_positions)
+
+
+class DecoderExtend(StatefulDecoder):
+    """`extend`: K token slots from `position` in one call (the caller's real tokens first, then
+    padding): a forced prefix (the prompt and a streaming partial's confirmed tokens) and a draft to
+    verify (the previous hypothesis); the log-probs after every slot. Same states as the other functions."""
+
+    def __init__(self, model, capacity: int, memory_len: int, extend_len: int = EXTEND_LENGTH):
+        super().__init__(model, capacity, memory_len)
+        if not 1 <= extend_len <= capacity:
+            raise DecoderExportError(f"extend length {extend_len} does not fit a cache of {capacity} slots")
+        self.extend_len = int(extend_len)
+        self.register_buffer("offsets", torch.arange(extend_len, dtype=torch.int32), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (1, K) int32
+        position: torch.Tensor,  # (1,) int32: slot of the first token
+    ) -> torch.Tensor:
+        return self.run_tokens(input_ids, position + self.offsets, all_rows=True)  # (1, K, V)
 
 
 class RecomputingStep(StatefulDecoder):
@@ -268,6 +302,10 @@ def trace_decoder_prefill(prefill: DecoderPrefill):
     return _trace(prefill, (torch.zeros((1, prefill.prompt_len), dtype=torch.int32),))
 
 
+def trace_decoder_extend(extend: DecoderExtend):
+    return _trace(extend, (torch.zeros((1, extend.extend_len), dtype=torch.int32), torch.zeros((1,), dtype=torch.int32)))
+
+
 def coreml_states(shapes: DecoderShapes, names=("self_k", "self_v", *MEMORY_NAMES)):
     """The package's state declarations (fp16, static shapes), shared by every function."""
     import coremltools as ct  # heavy: the PyTorch side (decoder_gate, tests) needs none
@@ -277,7 +315,8 @@ def coreml_states(shapes: DecoderShapes, names=("self_k", "self_v", *MEMORY_NAME
     return [ct.StateType(wrapped_type=ct.TensorType(shape=shape[n], dtype=np.float16), name=n) for n in names]
 
 
-def coreml_io(shapes: DecoderShapes, function: str = STEP_FUNCTION, prompt_len: int | None = None):
+def coreml_io(shapes: DecoderShapes, function: str = STEP_FUNCTION, prompt_len: int | None = None,
+              extend_len: int = EXTEND_LENGTH):
     """coremltools (inputs, states, outputs) declarations of one function of the package."""
     import coremltools as ct  # heavy: the PyTorch side (decoder_gate, tests) needs none
 
@@ -292,6 +331,9 @@ def coreml_io(shapes: DecoderShapes, function: str = STEP_FUNCTION, prompt_len: 
                   ct.TensorType(name="position", shape=(1,), dtype=np.int32)]
     elif function == PREFILL_FUNCTION:
         inputs = [ct.TensorType(name="input_ids", shape=(1, prompt_len), dtype=np.int32)]
+    elif function == EXTEND_FUNCTION:
+        inputs = [ct.TensorType(name="input_ids", shape=(1, extend_len), dtype=np.int32),
+                  ct.TensorType(name="position", shape=(1,), dtype=np.int32)]
     else:
         raise ValueError(f"unknown decoder function {function!r}")
     return inputs, coreml_states(shapes), [ct.TensorType(name="log_probs")]
@@ -344,6 +386,12 @@ DECODER_DESCRIPTIONS = {
     "cross_v": "fp16 (L, Hkv, Tp, Dh) cross-attention values of the window, written by bind_memory",
     "cross_mask": "fp16 (1, 1, 1, Tp) additive cross mask of the window (0 valid, -1e4 padding), written by bind_memory",
 }
+EXTEND_DESCRIPTIONS = {
+    **DECODER_DESCRIPTIONS,
+    "input_ids": "int32 (1, K): tokens for slots position.., the real ones first, then padding",
+    "position": "int32 (1,): cache slot of the first token, position + K <= capacity",
+    "log_probs": "(1, K, V) log-softmax over the vocabulary after each of the K slots (rows of padding: unused)",
+}
 BIND_DESCRIPTIONS = {
     BIND_INPUT_PREFIX + "cross_k": "(L, Hkv, Tp, Dh) encoder.mlpackage's cross_k, unchanged",
     BIND_INPUT_PREFIX + "cross_v": "(L, Hkv, Tp, Dh) encoder.mlpackage's cross_v, unchanged",
@@ -389,10 +437,20 @@ class TorchDecoder:
             return state.run_tokens(torch.tensor([ids], dtype=torch.int32),
                                     torch.arange(len(ids), dtype=torch.int32)).numpy().reshape(-1)
 
+    def extend(self, state, ids, start: int, extend_len: int = EXTEND_LENGTH) -> np.ndarray:
+        """`extend` as the package computes it: `ids` padded to `extend_len` slots from `start`; the
+        (len(ids), V) log-probs after each of them."""
+        padded, position = extend_inputs(ids, start, extend_len, self.module.shapes.capacity)
+        positions = torch.from_numpy(position + np.arange(extend_len, dtype=np.int32))
+        with torch.no_grad():
+            rows = state.run_tokens(torch.from_numpy(padded), positions, all_rows=True).numpy()[0]  # (K, V)
+        return rows[: len(ids)]
+
 
 def convert_decoder(model, settings: ExportSettings, capacity: int | None = None, memory_len: int | None = None,
                     prompt: list[int] | None = None, backend: str = "mil", prefill: bool = False,
-                    control_prompt: list[int] | None = None) -> dict:
+                    control_prompt: list[int] | None = None, extend: bool = False,
+                    extend_len: int = EXTEND_LENGTH) -> dict:
     """Export `decoder.mlpackage` into `settings.out_dir` with a teacher-forcing parity gate.
 
     Args:
@@ -407,12 +465,15 @@ def convert_decoder(model, settings: ExportSettings, capacity: int | None = None
             shared) and make the package multifunction; `main` stays the step function.
         control_prompt: another prompt of the same length (other language / punctuation) for the
             gate's "wrong prompt" negative control (default: `prompt` reversed).
+        extend: also add an `extend` function (`extend_len` tokens from a given slot in one call:
+            forced prefixes), same states, weights shared.
 
     Returns a dict: package path, shapes, parity report (`GateReport.to_dict()`, also written to
     `decoder.parity.json`; None when skipped or unchecked), written (False: the package existed).
     Raises `ParityError` (package not written) when the gate fails.
     """
-    staged, result = stage_decoder(model, settings, capacity, memory_len, prompt, backend, prefill, control_prompt)
+    staged, result = stage_decoder(model, settings, capacity, memory_len, prompt, backend, prefill, control_prompt,
+                                   extend, extend_len)
     if staged is None:
         return result
     report = staged.finish()
@@ -423,7 +484,8 @@ def convert_decoder(model, settings: ExportSettings, capacity: int | None = None
 
 def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, memory_len: int | None = None,
                   prompt: list[int] | None = None, backend: str = "mil", prefill: bool = False,
-                  control_prompt: list[int] | None = None) -> tuple[StagedPackage | None, dict]:
+                  control_prompt: list[int] | None = None, extend: bool = False,
+                  extend_len: int = EXTEND_LENGTH) -> tuple[StagedPackage | None, dict]:
     """`convert_decoder` up to the gate: the package at its temporary path (traced and converted
     inside the writer, so no program object outlives it), the teacher-forcing reference and the
     negative controls computed with PyTorch. Returns (staged package or None when skipped, the
@@ -443,10 +505,17 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
         gate_prompt = list(prompt)
     if control_prompt is None:
         control_prompt = gate_prompt[::-1]
+    if extend and not 1 <= extend_len <= capacity - len(gate_prompt):
+        # the gate extends from slot 0 and from slot P, and a forced prefix needs room after the prompt
+        raise DecoderExportError(f"extend length {extend_len} does not fit after a {len(gate_prompt)}-token prompt "
+                                 f"in a cache of {capacity} slots")
     result = {"path": str(path), "shapes": shapes.to_dict(), "parity": None, "written": False,
               "functions": {"step": STEP_FUNCTION, "bind": BIND_FUNCTION,
                             "prefill": PREFILL_FUNCTION if prefill else None},
               "prefill_length": len(gate_prompt) if prefill else None}
+    if extend:  # absent without it (as in the manifest)
+        result["functions"]["extend"] = EXTEND_FUNCTION
+        result["extend_length"] = int(extend_len)
     if skip_installed(settings, COMPONENT):
         return None, result
     meta = {
@@ -466,26 +535,33 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
             traced = trace_decoder_prefill(DecoderPrefill(model, capacity, memory_len, prompt_len=len(gate_prompt)))
             descriptions = DECODER_DESCRIPTIONS
             summary = "Cohere Transcribe decoder prompt prefill (stateful KV cache, bound cross memory)"
+        elif function == EXTEND_FUNCTION:
+            traced = trace_decoder_extend(DecoderExtend(model, capacity, memory_len, extend_len))
+            descriptions = EXTEND_DESCRIPTIONS
+            summary = ("Cohere Transcribe decoder extend: up to K tokens from a given slot in one call "
+                       "(stateful KV cache, bound cross memory)")
         else:
             logger.info("decoder: tracing (L=%d Hkv=%d C=%d Tp=%d Dh=%d V=%d)", shapes.num_layers,
                         shapes.num_kv_heads, shapes.capacity, shapes.memory_len, shapes.head_dim, shapes.vocab_size)
             traced, descriptions = trace_decoder_step(DecoderStep(model, capacity, memory_len)), DECODER_DESCRIPTIONS
             summary = "Cohere Transcribe decoder step (stateful KV cache + bound cross memory, log-softmax output)"
-        inputs, states, outputs = coreml_io(shapes, function, prompt_len=len(gate_prompt))
+        inputs, states, outputs = coreml_io(shapes, function, prompt_len=len(gate_prompt), extend_len=extend_len)
         return convert_module(traced, inputs, outputs, settings, states=states,
                               metadata={**meta, "com.cohere_coreml.function": function},
                               descriptions={k: v for k, v in descriptions.items()
                                             if k in {t.name for t in (*inputs, *states, *outputs)}},
                               short_description=summary)
 
-    functions = [STEP_FUNCTION, BIND_FUNCTION] + ([PREFILL_FUNCTION] if prefill else [])
+    functions = ([STEP_FUNCTION, BIND_FUNCTION] + ([PREFILL_FUNCTION] if prefill else [])
+                 + ([EXTEND_FUNCTION] if extend else []))
 
     def write(tmp: Path) -> None:
         save_multifunction({fn: (lambda fn=fn: convert(fn)) for fn in functions}, tmp)
 
     def prepare():  # the gate's PyTorch side (reference, negative controls), once the package is written
         return prepare_gate(model, partial(TorchDecoder.of, model), shapes.memory_len, shapes.capacity, gate_prompt,
-                            control_prompt, settings.precision, settings.min_psnr_db, backend, prefill)
+                            control_prompt, settings.precision, settings.min_psnr_db, backend, prefill,
+                            extend_len if extend else None)
 
     return stage_gated(COMPONENT, settings, write, prepare), result
 

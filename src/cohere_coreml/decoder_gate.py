@@ -37,6 +37,10 @@ COMPONENT = "decoder"  # the package this gate judges: decoder.mlpackage
 # (new_state / bind / step / prefill): `decoder.TorchDecoder.of` bound to the model
 TwinFactory = Callable[[int, int], Any]
 
+class DecoderGateError(RuntimeError):
+    """The package does not have what the gate was asked to check."""
+
+
 # Per-step KL(PyTorch || package) each program precision must stay under (mean over steps).
 MAX_KL = {"fp32": 1e-4, "fp16": 5e-3}  # fp32 programs still keep an fp16 KV cache
 
@@ -182,6 +186,31 @@ def run_prefill_teacher_forcing(decoder, case: TeacherForcingCase):
     return trimmed, np.stack(rows)
 
 
+def run_extend_teacher_forcing(decoder, case: TeacherForcingCase, extend_len: int):
+    """Bind, then two extend calls and the rest step by step with the SAME state: the prompt from slot 0,
+    then about half of the generated tokens from slot P (a nonzero start; both calls padded to K), then
+    steps reading the cache the extend calls wrote (their padded tails' slots included, overwritten).
+
+    Returns (trimmed case, rows): the rows of the second call's real tokens (every one: a streaming
+    partial reads them to verify its draft) and the first call's last, then one per step; the trimmed
+    case holds the matching reference rows (prompt_len 1: every row is decoding)."""
+    p, total = case.prompt_len, len(case.ids)
+    second = min(extend_len, max(2, (total - p) // 2), total - p)  # tokens of the second call
+    state = decoder.new_state(case.memory)
+    rows = [np.asarray(decoder.extend(state, case.ids[:p], 0)[-1], dtype=np.float32)]
+    positions = [p - 1]
+    if second >= 1:
+        rows.extend(np.asarray(decoder.extend(state, case.ids[p:p + second], p), dtype=np.float32))
+        positions.extend(range(p, p + second))
+    for pos in range(p + max(second, 0), total):
+        rows.append(np.asarray(decoder.step(state, case.ids[pos], pos), dtype=np.float32).reshape(-1))
+        positions.append(pos)
+    trimmed = TeacherForcingCase(cross_k=case.cross_k, cross_v=case.cross_v, cross_mask=case.cross_mask,
+                                 ids=[case.ids[i] for i in positions], log_probs=case.log_probs[positions],
+                                 prompt_len=1)
+    return trimmed, np.stack(rows)
+
+
 def bound_memory_check(decoder, case: TeacherForcingCase) -> dict:
     """bind_memory writes exactly the memory it was given: the state's cross_k / cross_v / cross_mask
     read back equal the case's memory rounded to fp16, the self cache is zero, and memory_length
@@ -282,17 +311,19 @@ def teacher_forcing_gate(report: dict) -> GateReport:
 
 def prepare_gate(model, make_twin: TwinFactory, memory_len: int, capacity: int, prompt: list[int],
                  control_prompt: list[int] | None, precision: str, min_psnr_db: float | None = None,
-                 backend: str = "mil", prefill: bool = False) -> Callable[[Path], GateReport]:
+                 backend: str = "mil", prefill: bool = False,
+                 extend_len: int | None = None) -> Callable[[Path], GateReport]:
     """The PyTorch side of the decoder gate, computed before the package is loaded: the teacher-forcing
     reference (`prompt` + up to 16 greedy tokens, within `capacity`) and the negative controls. Returns
     `gate(package_path) -> GateReport`, which loads the package (`DecoderRuntime`, `backend`) and scores
-    the step, the bound memory and (with `prefill`) the prefill function against that reference."""
+    the step, the bound memory and (with `prefill`) the prefill function and (with `extend_len`) the
+    extend function (`run_extend_teacher_forcing`) against that reference."""
     case = teacher_forcing_case(model, memory_len, prompt, new_tokens=min(16, capacity - len(prompt)))
     # negative controls: would this case refuse a broken package? (warns when it cannot)
     controls = negative_controls(make_twin, case, precision, min_psnr_db, control_prompt=control_prompt)
 
     def gate(tmp_path: Path) -> GateReport:
-        decoder = DecoderRuntime.load(tmp_path, backend=backend, prefill=prefill)
+        decoder = DecoderRuntime.load(tmp_path, backend=backend, prefill=prefill, extend=extend_len is not None)
         report = teacher_forcing_report(case, run_teacher_forcing(decoder, case), precision, min_psnr_db)
         report["memory"] = bound_memory_check(decoder, case)
         if prefill:
@@ -302,6 +333,16 @@ def prepare_gate(model, make_twin: TwinFactory, memory_len: int, capacity: int, 
             report["worst_psnr_db"] = min(report["worst_psnr_db"], pre_report["worst_psnr_db"])
             report["mean_kl"] = max(report["mean_kl"], pre_report["mean_kl"])
             report["passed"] = bool(report["passed"] and pre_report["passed"])
+        if extend_len is not None:
+            if decoder.extend_length != extend_len:
+                raise DecoderGateError(f"the package's extend function takes {decoder.extend_length} tokens, "
+                                       f"the export asked for {extend_len}")
+            trimmed, rows = run_extend_teacher_forcing(decoder, case, extend_len)
+            ext_report = teacher_forcing_report(trimmed, rows, precision, min_psnr_db)
+            report["extend"] = {k: v for k, v in ext_report.items() if k != "per_step"}
+            report["worst_psnr_db"] = min(report["worst_psnr_db"], ext_report["worst_psnr_db"])
+            report["mean_kl"] = max(report["mean_kl"], ext_report["mean_kl"])
+            report["passed"] = bool(report["passed"] and ext_report["passed"])
         report["passed"] = bool(report["passed"] and report["memory"]["passed"])
         report["controls"] = controls
         report["discriminates"] = all(c["discriminates"] for c in controls.values() if c["applicable"])

@@ -3,7 +3,9 @@
     memory  = encoder.predict(...)                      # cross_k, cross_v, cross_mask (+ encoder_length)
     state   = decoder.new_state(memory)                 # make_state + bind_memory: once per window
     lp      = decoder.prefill(state, prompt)            # or decoder.step(state, id, p) per prompt token
+    lp      = decoder.extend(state, ids, start)         # up to K tokens from slot `start` in one call
     lp      = decoder.step(state, token, position)      # (V,) log-probs; binds only input_ids, position
+    fed     = decoder.feed(state, ids, start)           # a forced prefix by `feed_plan`: prefill, extend, steps
 
 `DecoderRuntime` is what the `Transcriber`, `verify`, the export gate and `quantize` run; the
 PyTorch twin of the same interface is `decoder.TorchDecoder`. Beam search copies states with
@@ -13,10 +15,20 @@ PyTorch twin of the same interface is `decoder.TorchDecoder`. Beam search copies
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
-from .config import BIND_FUNCTION, BIND_INPUT_PREFIX, BIND_OUTPUT, MEMORY_NAMES, PREFILL_FUNCTION, STEP_FUNCTION
+from .config import (
+    BIND_FUNCTION,
+    BIND_INPUT_PREFIX,
+    BIND_OUTPUT,
+    EXTEND_FUNCTION,
+    EXTEND_PAD_ID,
+    MEMORY_NAMES,
+    PREFILL_FUNCTION,
+    STEP_FUNCTION,
+)
 
 
 class DecoderRuntimeError(RuntimeError):
@@ -31,26 +43,93 @@ def bind_inputs(memory: dict) -> dict[str, np.ndarray]:
     return {BIND_INPUT_PREFIX + k: memory[k] for k in MEMORY_NAMES}
 
 
+def extend_inputs(ids, start: int, extend_len: int, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """The extend function's inputs: input_ids (1, K) int32 (`ids`, then EXTEND_PAD_ID), position (1,).
+    Refuses what the function cannot take (no token, more than K, past the cache)."""
+    ids = [int(t) for t in ids]
+    if not 1 <= len(ids) <= extend_len:
+        raise DecoderRuntimeError(f"extend takes 1..{extend_len} tokens, got {len(ids)}")
+    if start < 0 or start + extend_len > capacity:
+        raise DecoderRuntimeError(f"extend writes slots {start}..{start + extend_len - 1}: past the cache "
+                                  f"({capacity} slots)")
+    padded = np.full((1, extend_len), EXTEND_PAD_ID, dtype=np.int32)
+    padded[0, : len(ids)] = ids
+    return padded, np.array([start], dtype=np.int32)
+
+
+@dataclass(frozen=True)
+class FeedCall:
+    """One decoder call of a `feed_plan`: `function` ("prefill" | "extend" | "step") feeding ids
+    [offset, offset + count) of the prefix at cache slot start + offset; `fed` token slots computed
+    (prefill P, extend K including its padding, step 1)."""
+
+    function: str
+    offset: int
+    count: int
+    fed: int
+
+
+def feed_plan(count: int, start: int, capacity: int, prefill_length: int | None = None,
+              extend_length: int | None = None) -> list[FeedCall]:
+    """How a prefix of `count` tokens from slot `start` is fed (the Swift package plans the same):
+
+    * the bare prompt (start 0, exactly prefill_length tokens) with a prefill function: one prefill call;
+    * else, with an extend function: extend calls of up to K tokens while at least 2 remain and the
+      call's K slots fit the cache (a single token is cheaper as a step);
+    * the rest: one step call per token (a bundle without prefill / extend: steps only).
+    """
+    if start == 0 and prefill_length is not None and count == prefill_length:
+        return [FeedCall(PREFILL_FUNCTION, 0, count, count)]
+    calls, done = [], 0
+    while extend_length is not None and count - done >= 2 and start + done + extend_length <= capacity:
+        n = min(extend_length, count - done)
+        calls.append(FeedCall(EXTEND_FUNCTION, done, n, extend_length))
+        done += n
+    calls.extend(FeedCall(STEP_FUNCTION, i, 1, 1) for i in range(done, count))
+    return calls
+
+
+@dataclass
+class Fed:
+    """What `DecoderRuntime.feed` did: `after[i]` the (V,) log-probs after token i (None where a prefill
+    call gives only its last row), `rows` each call's row after its last token, the calls and the token
+    slots they computed (padding included)."""
+
+    after: list[np.ndarray | None]
+    rows: list[np.ndarray]
+    calls: int
+    tokens_fed: int
+
+    @property
+    def log_probs(self) -> np.ndarray:
+        """(V,) after the last token."""
+        return self.after[-1]
+
+
 class DecoderRuntime:
     """bind_memory, the step (`main`) and optionally prefill of one decoder package, sharing one state.
 
     Args:
-        step, bind, prefill: loaded functions (`runtime.load_model`), prefill optional.
+        step, bind, prefill, extend: loaded functions (`runtime.load_model`), prefill and extend optional.
     """
 
-    def __init__(self, step, bind, prefill=None):
-        self.step_model, self.bind_model, self.prefill_model = step, bind, prefill
+    def __init__(self, step, bind, prefill=None, extend=None):
+        self.step_model, self.bind_model, self.prefill_model, self.extend_model = step, bind, prefill, extend
         if set(bind.state_description) != set(step.state_description):
             raise DecoderRuntimeError(f"{BIND_FUNCTION} has states {sorted(bind.state_description)}, the step "
                                       f"{sorted(step.state_description)}: one state layout is required")
         self.prefill_length = None
         if prefill is not None:
             self.prefill_length = int(prefill.input_description["input_ids"][0][1])  # (1, P)
-
+        self.extend_length = None
+        if extend is not None:
+            self.extend_length = int(extend.input_description["input_ids"][0][1])  # (1, K)
+        self.capacity = int(step.state_description["self_k"][0][2])  # self_k (L, Hkv, C, Dh)
     @classmethod
     def load(cls, path: str | os.PathLike, backend: str = "auto", compute_units: str = "all",
-             prefill: bool = True, num_threads: int | None = None) -> DecoderRuntime:
-        """Load a decoder package's functions; `prefill`: also its prefill function when it has one."""
+             prefill: bool = True, num_threads: int | None = None, extend: bool = True) -> DecoderRuntime:
+        """Load a decoder package's functions; `prefill` / `extend`: also its prefill / extend function
+        when it has one."""
         from .runtime import (  # cohere_coreml.runtime imports torch; this module loads without it
             load_model,
             read_package,
@@ -68,7 +147,8 @@ class DecoderRuntime:
                               num_threads=num_threads)
 
         pre = load(PREFILL_FUNCTION) if prefill and PREFILL_FUNCTION in functions else None
-        return cls(load(STEP_FUNCTION), load(BIND_FUNCTION), pre)
+        ext = load(EXTEND_FUNCTION) if extend and EXTEND_FUNCTION in functions else None
+        return cls(load(STEP_FUNCTION), load(BIND_FUNCTION), pre, ext)
 
     @property
     def backend(self) -> str:
@@ -115,3 +195,36 @@ class DecoderRuntime:
             raise DecoderRuntimeError(f"prefill takes {self.prefill_length} prompt tokens, got {len(ids)}")
         out = self.prefill_model.predict({"input_ids": np.array([ids], dtype=np.int32)}, state=state)
         return np.asarray(out["log_probs"]).reshape(-1)
+
+    def extend(self, state, ids, start: int) -> np.ndarray:
+        """Feed 1..K tokens at slots start.. in one call (padded to K); (len(ids), V) log-probs after each."""
+        if self.extend_model is None:
+            raise DecoderRuntimeError("the decoder package has no extend function (or it was not loaded)")
+        padded, position = extend_inputs(ids, start, self.extend_length, self.capacity)
+        out = self.extend_model.predict({"input_ids": padded, "position": position}, state=state)
+        rows = np.asarray(out["log_probs"])  # (1, K, V)
+        return rows.reshape(self.extend_length, -1)[: len(ids)]
+
+    def plan(self, count: int, start: int = 0) -> list[FeedCall]:
+        """`feed_plan` with this package's functions."""
+        return feed_plan(count, start, self.capacity, self.prefill_length, self.extend_length)
+
+    def feed(self, state, ids, start: int = 0) -> Fed:
+        """Feed a prefix `ids` at slots start.. by `plan`; the log-probs after its last token."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise DecoderRuntimeError("feed needs at least one token")
+        after: list[np.ndarray | None] = []
+        fed = 0
+        calls = self.plan(len(ids), start)
+        for call in calls:
+            part = ids[call.offset : call.offset + call.count]
+            if call.function == PREFILL_FUNCTION:
+                after.extend([None] * (len(part) - 1) + [self.prefill(state, part)])
+            elif call.function == EXTEND_FUNCTION:
+                after.extend(self.extend(state, part, start + call.offset))
+            else:
+                after.append(self.step(state, part[0], start + call.offset))
+            fed += call.fed
+        rows = [after[c.offset + c.count - 1] for c in calls]
+        return Fed(after=after, rows=rows, calls=len(calls), tokens_fed=fed)

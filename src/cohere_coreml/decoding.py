@@ -57,8 +57,10 @@ TOKEN_LIMITS = (StopReason.CAPACITY, StopReason.MAX_NEW_TOKENS)  # the reasons o
 class DecodeResult:
     """One window decoded from its encoder outputs (`Transcriber.decode`).
 
-    Timings are seconds; `calls` counts decoder predictions (prompt tokens or 1 prefill, plus steps;
-    bind_memory is timed in `bind_s` and not counted)."""
+    Timings are seconds; `calls` counts decoder predictions (the prompt's calls by
+    `decoder_runtime.feed_plan`: 1 prefill, extend calls or one step per token; plus steps; bind_memory
+    is timed in `bind_s` and not counted); `tokens_fed` the token slots those calls computed (a prefill
+    P, an extend K with its padding, a step 1): the decoder's compute."""
 
     token_ids: list[int]  # generated ids (prompt excluded; the eos id included when reached)
     stop_reason: StopReason
@@ -67,6 +69,7 @@ class DecodeResult:
     decode_s: float  # the generated tokens' steps
     steps: int  # cache slots filled
     calls: int  # decoder predictions made
+    tokens_fed: int = 0  # token slots the calls computed (padding of extend calls included)
     repetition: dict | None = None  # {"ngram", "repeats", "start"} when the guard stopped a loop
     log_probs: list[np.ndarray] | None = None  # with return_log_probs: one (V,) float32 array per call
 

@@ -65,6 +65,7 @@ class ExportJob:
     gate_audio: Sequence[str | Path] | None = None  # speech for the gates (default: the packaged clips)
     buckets: tuple[float, ...] = ()
     prefill: bool = False
+    extend: bool = False  # the decoder's `extend` function (forced prefixes K tokens per call)
     backend: str = "mil"  # runtime backend of stateful gates
 
 
@@ -113,7 +114,7 @@ def _stage_decoder(job: ExportJob) -> StagedPackage | None:
                               f"asks for {shapes.capacity} / {shapes.memory_len}; use --force to re-export")
     staged, _ = decoder.stage_decoder(job.model, job.settings, capacity=shapes.capacity, memory_len=shapes.memory_len,
                                       prompt=job.prompt, backend=job.backend, prefill=job.prefill,
-                                      control_prompt=job.control_prompt)
+                                      control_prompt=job.control_prompt, extend=job.extend)
     return staged
 
 
@@ -186,7 +187,7 @@ class StagedExport:
 
 def stage_export(model, processor, settings: ExportSettings, components: Sequence[str] = tuple(COMPONENTS),
                  gate_audio=None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, buckets=(), prefill: bool = False,
-                 backend: str = "mil") -> StagedExport:
+                 backend: str = "mil", extend: bool = False) -> StagedExport:
     """The PyTorch half of an export: convert every component and compute its gate's references.
 
     After this returns the model is no longer needed (the caller may free it), so the gates'
@@ -202,7 +203,8 @@ def stage_export(model, processor, settings: ExportSettings, components: Sequenc
                        bucket_seconds=buckets)
     job = ExportJob(model=model, processor=processor, settings=settings, plan=plan, prompt=prompt,
                     control_prompt=control_prompt,
-                    gate_audio=gate_audio, buckets=tuple(buckets), prefill=prefill, backend=backend)
+                    gate_audio=gate_audio, buckets=tuple(buckets), prefill=prefill, backend=backend,
+                    extend=extend)
     result = StagedExport(settings=settings, model_info=ModelInfo.of(model), processor=processor, staged={})
     try:
         for name in (c for c in COMPONENTS if c in components):
@@ -215,7 +217,7 @@ def stage_export(model, processor, settings: ExportSettings, components: Sequenc
 
 def export_model(model, processor, settings: ExportSettings, components: Sequence[str] = tuple(COMPONENTS),
                  gate_audio=None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, buckets=(), prefill: bool = False,
-                 backend: str = "mil") -> ExportResult:
+                 backend: str = "mil", extend: bool = False) -> ExportResult:
     """Export `components` of a loaded checkpoint into `settings.out_dir`, then write the bundle.
 
     Each component is parity gated unless `settings.skip_verify`; a failing gate raises
@@ -224,7 +226,8 @@ def export_model(model, processor, settings: ExportSettings, components: Sequenc
     `model` alive here (`export_checkpoint` frees it before gating).
     """
     return stage_export(model, processor, settings, components, gate_audio=gate_audio,
-                        max_new_tokens=max_new_tokens, buckets=buckets, prefill=prefill, backend=backend).finish()
+                        max_new_tokens=max_new_tokens, buckets=buckets, prefill=prefill, backend=backend,
+                        extend=extend).finish()
 
 
 def export_checkpoint(model_ref: str, settings: ExportSettings, revision: str | None = None,
@@ -261,7 +264,8 @@ def cmd_export(args) -> int:
     result = export_checkpoint(args.model, settings, revision=args.revision, base_model=args.base_model,
                                components=components,
                                gate_audio=args.gate_audio, max_new_tokens=args.max_tokens,
-                               buckets=tuple(args.buckets or ()), prefill=args.prefill)
+                               buckets=tuple(args.buckets or ()), prefill=args.prefill,
+                               extend=args.extend)
     for name, package in result.packages.items():
         print(f"{name}: {package['path'] if package['written'] else 'exists, skipped (use --force)'}")
         report = package["report"]
@@ -311,6 +315,9 @@ def add_command(subparsers) -> None:
     p.add_argument("--prefill", action="store_true",
                    help="add a prompt prefill function to decoder.mlpackage (one call for the 10 prompt "
                    "tokens; multifunction package sharing weights and state with the step)")
+    p.add_argument("--extend", action="store_true",
+                   help="add an extend function to decoder.mlpackage (up to 32 tokens from a given cache slot in "
+                   "one call: the forced prefix of a streaming partial; docs/decoder.md)")
     p.add_argument("--force", action="store_true", help="overwrite packages that already exist")
     p.add_argument("--skip-verify", action="store_true",
                    help="do not run the parity gates (packages are written unchecked)")

@@ -290,17 +290,21 @@ UPDATE_SCHEMA = {
 @dataclass
 class StreamStats:
     """Compute spent (counted, not timed): encoder calls and mel frames (the bucket's, i.e. what is
-    computed, and the valid ones), decoder calls (prefill/step predictions), over `audio_s` seconds."""
+    computed, and the valid ones), decoder calls (prefill / extend / step predictions) and the token
+    slots they computed (prefill P, extend K with its padding, step 1), over `audio_s` seconds.
+    `to_dict` is the stats line of `transcribe --stream --stats` (fields in declaration order)."""
 
     audio_s: float = 0.0
     encoder_calls: int = 0
     encoder_frames: int = 0  # mel frames of the encoder functions called (bucket sizes)
     encoder_valid_frames: int = 0
     decoder_calls: int = 0
+    decoder_tokens: int = 0  # token slots fed (the decoder's compute; padding included)
     partials: int = 0
     finals: int = 0
     final_encoder_frames: int = 0  # the finals' share (= the offline transcription of the segments)
     final_decoder_calls: int = 0
+    final_decoder_tokens: int = 0
     frame_seconds: float = 0.01  # seconds per mel frame
 
     def per_audio_second(self) -> dict:
@@ -310,6 +314,7 @@ class StreamStats:
             "encoder_audio_s": self.encoder_frames * self.frame_seconds / s,
             "encoder_valid_audio_s": self.encoder_valid_frames * self.frame_seconds / s,
             "decoder_calls": self.decoder_calls / s,
+            "decoder_tokens": self.decoder_tokens / s,
         }
 
     def to_dict(self) -> dict:
@@ -444,12 +449,16 @@ class StreamingSession:
         samples = self._slice(seg.start, now)
         feats, n_valid, _function = t.features(samples)  # as `Transcriber.transcribe_window` computes them
         enc = t.encode(feats, n_valid)
-        result = t.decode(enc, forced, self.max_new_tokens)
+        # the forced prefix by feed_plan (extend calls); the last hypothesis' unconfirmed tail as the
+        # draft (verified, never forced: the tokens are greedy's)
+        draft = seg.hypotheses[-1][len(seg.confirmed):] if seg.hypotheses else []
+        result = t.decode(enc, forced, self.max_new_tokens, draft=draft)
         generated, calls = [int(tok) for tok in result.token_ids], int(result.calls)
         self.stats.encoder_calls += 1
         self.stats.encoder_frames += int(feats.shape[-1])
         self.stats.encoder_valid_frames += int(n_valid)
         self.stats.decoder_calls += calls
+        self.stats.decoder_tokens += int(result.tokens_fed)
         self.stats.partials += 1
         hypothesis = seg.confirmed + [tok for tok in generated if tok not in t.eos_ids]
         seg.hypotheses.append(hypothesis)
@@ -467,12 +476,15 @@ class StreamingSession:
         timings = window.timings
         frames = int(self.bucket_frames.get(timings.get("encoder_function"), t.window_frames))
         calls = int(timings.get("decoder_calls", 0))
+        tokens = int(timings.get("decoder_tokens_fed", 0))
         self.stats.encoder_calls += 1
         self.stats.encoder_frames += frames
         self.stats.final_encoder_frames += frames
         self.stats.encoder_valid_frames += valid_frames(samples.size, t.front_end)
         self.stats.decoder_calls += calls
         self.stats.final_decoder_calls += calls
+        self.stats.decoder_tokens += tokens
+        self.stats.final_decoder_tokens += tokens
         self.stats.finals += 1
         ids = [int(tok) for tok in window.token_ids if tok not in t.eos_ids]
         self._segment = None
@@ -510,14 +522,17 @@ def stream_array(transcriber, samples: np.ndarray, chunk: int, language: str = "
 
 def iter_file(transcriber, path, language: str = "en", punctuation: bool = True, config: StreamConfig | None = None,
               pace: bool = True, chunk_s: float = FILE_CHUNK_S, max_new_tokens: int | None = None,
-              clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
-              ) -> Iterator[Update]:
+              clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+              stats_out: list | None = None) -> Iterator[Update]:
     """Updates of an audio file fed in chunks of `chunk_s`, paced at real time (`pace`: chunk i is fed
     no earlier than i * chunk_s after the first) or as fast as possible. The file is loaded and
-    resampled to the bundle's rate first (`audio.load_audio`)."""
+    resampled to the bundle's rate first (`audio.load_audio`). `stats_out`: the session's
+    `StreamStats` is appended to it (final once the iterator is exhausted)."""
     sr = int(transcriber.front_end.sampling_rate)
     wav = load_audio(path, target_rate=sr)
     session = StreamingSession(transcriber, language, punctuation, config, max_new_tokens)
+    if stats_out is not None:
+        stats_out.append(session.stats)
     chunk = max(1, int(round(chunk_s * sr)))
     t0 = clock()
     for i in range(0, wav.shape[0], chunk):
@@ -529,9 +544,17 @@ def iter_file(transcriber, path, language: str = "en", punctuation: bool = True,
     yield from session.finish()
 
 
+def stats_line(stats: StreamStats, audio: str | None = None) -> str:
+    """The `--stats` line (stderr, after a file's updates): {"type": "stats"[, "audio"], the counters of
+    `StreamStats.to_dict`, "per_audio_second": {...}}; the Swift command prints the same keys."""
+    line = {"type": "stats", **({"audio": str(audio)} if audio is not None else {}), **stats.to_dict()}
+    return json.dumps(line, ensure_ascii=False)
+
+
 def run_cli(args, make_transcriber: Callable[[], object]) -> int:
     """`cohere-coreml transcribe --stream`: one JSON line per update with --json, else final lines
-    ("[start-end] text") on stdout and partial lines on stderr."""
+    ("[start-end] text") on stdout and partial lines on stderr. With --stats, one JSON line of compute
+    counters per file on stderr (`stats_line`): stdout keeps the per-update contract."""
     config = StreamConfig(hop_s=args.hop)
     paths = list(args.audio)
     # check every file before the bundle loads (the same named errors as offline transcription)
@@ -541,8 +564,9 @@ def run_cli(args, make_transcriber: Callable[[], object]) -> int:
     for path in paths:
         if len(paths) > 1 and not args.json:
             print(f"== {path}", flush=True)
+        stats: list[StreamStats] = []
         for update in iter_file(transcriber, path, args.language, not args.no_punctuation, config,
-                                pace=not args.no_pace, max_new_tokens=args.max_new_tokens):
+                                pace=not args.no_pace, max_new_tokens=args.max_new_tokens, stats_out=stats):
             if args.json:
                 line = update.to_dict()
                 if len(paths) > 1:
@@ -552,4 +576,6 @@ def run_cli(args, make_transcriber: Callable[[], object]) -> int:
                 print(f"[{update.start:.2f}-{update.end:.2f}] {update.text}", flush=True)
             else:
                 print(f"~ [{update.start:.2f}-{update.end:.2f}] {update.text}", file=sys.stderr, flush=True)
+        if args.stats:
+            print(stats_line(stats[0], str(path) if len(paths) > 1 else None), file=sys.stderr, flush=True)
     return 0

@@ -5,7 +5,8 @@ Per window (at most one `split_long_audio` piece, zero-padded to the encoder's w
     features (cohere_coreml.audio.log_mel + pad_to_window, or the bundle's frontend.mlpackage)
       -> encoder.mlpackage : cross_k, cross_v, cross_mask, encoder_length
       -> decoder bind_memory : a fresh decoder state holding that cross memory (once per window)
-      -> the language prompt: one prefill call, or one step call per token
+      -> the language prompt (and any forced prefix): `decoder_runtime.feed_plan` (one prefill call,
+         extend calls of up to K tokens, or one step call per token)
       -> greedy: argmax(log_probs), feed it back (input_ids + position only), until eos or the cache capacity
 
 A window that stops without eos (the cache is full, or `max_new_tokens` reached) is returned with
@@ -74,6 +75,8 @@ class Transcriber(Engine):
         backend: runtime backend: "auto" (Core ML on macOS, the MIL interpreter elsewhere),
             "coreml" or "mil".
         use_prefill: feed the prompt in one call when the decoder package has a prefill function.
+        use_extend: feed forced prefixes (a prompt other than prefill's, a streaming partial's confirmed
+            tokens) K tokens per call when the decoder package has an extend function.
         front_end: "python" (`audio.log_mel`, the default) or "package" (the bundle's
             frontend.mlpackage turns each window's samples into features).
         compute_units: Core ML compute units of the encoder and decoder ("all", "cpu_only",
@@ -89,7 +92,8 @@ class Transcriber(Engine):
     kind = "bundle"
 
     def __init__(self, bundle: str | os.PathLike | Sequence[str | os.PathLike] | Bundle, backend: str = "auto",
-                 use_prefill: bool = True, front_end: str = DEFAULT_FRONT_END, compute_units: str = "all"):
+                 use_prefill: bool = True, front_end: str = DEFAULT_FRONT_END, compute_units: str = "all",
+                 use_extend: bool = True):
         # transformers is imported here, not at module level: it costs seconds, and the CLI imports
         # this module for every command
         from transformers import PreTrainedTokenizerFast  # heavy (see above)
@@ -114,7 +118,7 @@ class Transcriber(Engine):
         self._encoders = {"main": self.encoder}
         # bind_memory + step (+ prefill) of decoder.mlpackage, one state per window
         self.decoder = DecoderRuntime.load(self.bundle.paths["decoder"], backend=backend, compute_units=compute_units,
-                                           prefill=use_prefill)
+                                           prefill=use_prefill, extend=use_extend)
         self.prefill = self.decoder.prefill_model  # None without a (used) prefill function
         self.prefill_length = self.decoder.prefill_length
         self.front_end_kind = front_end
@@ -144,7 +148,7 @@ class Transcriber(Engine):
         return {**super().describe(), "backend": backend,
                 "compute_units": self.compute_units if backend == "coreml" else None,
                 "precision": m.get("precision"), "model_id": m.get("model_id"), "capacity": self.capacity,
-                "prefill": self.prefill is not None}
+                "prefill": self.prefill is not None, "extend": self.decoder.extend_model is not None}
 
     # -- one window -----------------------------------------------------------------------------
     def _load_frontend(self, function_name: str):
@@ -214,10 +218,18 @@ class Transcriber(Engine):
     @_serialized
     def decode(self, encoder_out: dict[str, np.ndarray], prompt: Sequence[int], max_new_tokens: int | None = None,
                return_log_probs: bool = False, beams: int = 1,
-               repetition_guard: RepetitionGuard | None = None) -> DecodeResult:
+               repetition_guard: RepetitionGuard | None = None, draft: Sequence[int] = ()) -> DecodeResult:
         """Greedy (or, with `beams` > 1, beam search) decode of one window from its encoder outputs.
 
         `repetition_guard` stops a looping window (StopReason.REPETITION, the loop kept once).
+        `draft` (greedy, with the decoder's extend function): tokens the decode is expected to emit (a
+        streaming partial's previous hypothesis after its confirmed tokens). They are fed with the
+        prompt by extend calls and verified, never forced: a drafted token is kept only where the
+        prediction before it is that token (so the tokens are greedy's); at the first prediction that
+        differs, the rest of the draft (after the replaced token) is fed again with it in one extend call
+        and verified the same way (once in a row: a re-draft refused at its first token ends the draft);
+        without draft left, one step per token (the Swift package's
+        `decode(cross:prompt:maxNewTokens:draft:)` does the same).
         Returns a `decoding.DecodeResult`: token_ids, stop_reason, truncated, bind_s, prompt_s,
         decode_s, steps, calls, repetition, and log_probs (one (V,) array per decoder call) when
         `return_log_probs` (greedy only).
@@ -245,20 +257,21 @@ class Transcriber(Engine):
                 all_log_probs.append(lp.astype(np.float32))
             return lp
 
+        extend_len = self.decoder.extend_length
+        draft = [int(t) for t in draft][: max(0, limit - 1)] if beams == 1 and extend_len else []
+        if draft and return_log_probs:
+            raise TranscriptionError("return_log_probs gives one row per call: decode without a draft")
         t0 = time.perf_counter()
-        calls = 0
-        if self.prefill is not None and len(prompt) == self.prefill_length:
-            log_probs = self.decoder.prefill(state, prompt)
-            if return_log_probs:
-                all_log_probs.append(log_probs.astype(np.float32))
-            calls += 1
-        else:
-            for position, token in enumerate(prompt):
-                log_probs = step(token, position)
-                calls += 1
+        fed = self.decoder.feed(state, prompt + draft)  # prefill, extend calls or steps (feed_plan)
+        calls, tokens_fed = fed.calls, fed.tokens_fed
+        pending = fed.after[len(prompt) - 1:]  # after the prompt's last token, then after each draft token
+        log_probs = pending[0]
+        if return_log_probs:
+            all_log_probs.extend(row.astype(np.float32) for row in fed.rows)
         t1 = time.perf_counter()
         generated: list[int] = []
         position = len(prompt)
+        redrafted = False  # the current draft was fed after a refused token and none of it is verified yet
         stop_reason = None
         repetition = None
         if beams > 1:
@@ -266,6 +279,7 @@ class Transcriber(Engine):
                                    self.eos_ids, beams, guard=repetition_guard)
             generated, stop_reason, repetition = searched["token_ids"], searched["stop_reason"], searched["repetition"]
             position, calls = searched["steps"], calls + searched["calls"]
+            tokens_fed += searched["calls"]
         while beams == 1:
             if not np.all(np.isfinite(log_probs)):
                 raise TranscriptionError(f"decoder produced non-finite log-probs at position {position - 1}")
@@ -281,12 +295,29 @@ class Transcriber(Engine):
             if len(generated) >= limit:
                 stop_reason = reason_at_limit
                 break
+            if draft and token == draft[0]:  # drafted: already fed at `position`
+                draft, pending, redrafted = draft[1:], pending[1:], False
+                log_probs = pending[0]
+                position += 1
+                continue
+            # the draft after the replaced token, unless a re-draft was refused at once (then it is off track)
+            rest = draft[1:][: min(extend_len - 1, limit - len(generated) - 1)] if draft and not redrafted else []
+            if rest and position + extend_len <= self.capacity:
+                fed = self.decoder.feed(state, [token] + rest, start=position)  # one extend call
+                calls, tokens_fed = calls + fed.calls, tokens_fed + fed.tokens_fed
+                draft, pending, redrafted = rest, fed.after, True
+                log_probs = pending[0]
+                position += 1
+                continue
+            draft = []
             log_probs = step(token, position)
             position += 1
             calls += 1
+            tokens_fed += 1
         t2 = time.perf_counter()
         return DecodeResult(token_ids=generated, stop_reason=StopReason(stop_reason), bind_s=t0 - t_bind,
-                            prompt_s=t1 - t0, decode_s=t2 - t1, steps=position, calls=calls, repetition=repetition,
+                            prompt_s=t1 - t0, decode_s=t2 - t1, steps=position, calls=calls, tokens_fed=tokens_fed,
+                            repetition=repetition,
                             log_probs=all_log_probs if return_log_probs else None)
 
     @_serialized
@@ -321,6 +352,7 @@ class Transcriber(Engine):
             "prompt_s": dec.prompt_s,
             "decode_s": dec.decode_s,
             "decoder_calls": dec.calls,
+            "decoder_tokens_fed": dec.tokens_fed,
             "ms_per_decoder_call": 1000.0 * (dec.prompt_s + dec.decode_s) / max(dec.calls, 1),
         }
         sr = self.front_end.sampling_rate
@@ -368,6 +400,7 @@ def cmd_transcribe(args) -> int:
             raise TranscriptionError("--stream decodes greedily: --beams and --repetition-guard do not apply")
         return streaming.run_cli(args, lambda: Transcriber(args.bundle, backend=args.backend,
                                                            use_prefill=not args.no_prefill,
+                                                           use_extend=not args.no_extend,
                                                            front_end=args.front_end,
                                                            compute_units=args.compute_units))
     if args.beams < 1:
@@ -377,7 +410,8 @@ def cmd_transcribe(args) -> int:
     entries, failed = transcribe_files(
         args.audio,
         lambda: Transcriber(args.bundle, backend=args.backend, use_prefill=not args.no_prefill,
-                            front_end=args.front_end, compute_units=args.compute_units),
+                            use_extend=not args.no_extend, front_end=args.front_end,
+                            compute_units=args.compute_units),
         args.language, punctuation=not args.no_punctuation, progress=not args.json,
         max_new_tokens=args.max_new_tokens, beams=args.beams,
         repetition_guard=RepetitionGuard() if args.repetition_guard else None)
@@ -425,6 +459,8 @@ def add_command(subparsers) -> None:
                    help="auto: Core ML when available, else the MIL interpreter (default: %(default)s)")
     p.add_argument("--no-prefill", action="store_true",
                    help="feed the prompt token by token even if the decoder package has a prefill function")
+    p.add_argument("--no-extend", action="store_true",
+                   help="feed forced prefixes token by token even if the decoder package has an extend function")
     p.add_argument("--front-end", default=DEFAULT_FRONT_END, choices=FRONT_ENDS,
                    help="python: features from cohere_coreml.audio.log_mel; package: from the bundle's "
                    "frontend.mlpackage (default: %(default)s)")
@@ -438,6 +474,9 @@ def add_command(subparsers) -> None:
                    "updates while it arrives")
     p.add_argument("--no-pace", action="store_true",
                    help="with --stream: feed the file as fast as possible instead of at real time")
+    p.add_argument("--stats", action="store_true",
+                   help="with --stream: after each file, one JSON line of compute counters on stderr (encoder calls / "
+                   "frames, decoder calls / tokens fed, per audio second); stdout is unchanged")
     p.add_argument("--hop", type=float, default=streaming.StreamConfig.hop_s,
                    help="with --stream: seconds of new audio between partial decodes (default: %(default)s)")
     p.set_defaults(func=cmd_transcribe)

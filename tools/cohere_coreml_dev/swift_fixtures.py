@@ -3,7 +3,7 @@
 Run by `make swift-fixtures` (and so by `make swift-test` / `make test`) through
 tools/make_swift_fixtures.py. Writes into one folder (default out/swift-fixtures):
 
-    bundle/                  `cohere-coreml export` of the default model (--prefill --buckets 10, the
+    bundle/                  `cohere-coreml export` of the default model (--prefill --extend --buckets 10, the
                              default components: front end, encoder, decoder). Packages already there
                              are kept (the export skips them) unless the bundle is of an older format
                              (then all are re-exported); the manifest is rewritten from disk.
@@ -19,8 +19,9 @@ tools/make_swift_fixtures.py. Writes into one folder (default out/swift-fixtures
                              float32 (n_mels, frames) C order) for the Swift loop given Python's features
     stream/, streaming.json  a short dictation (STREAM_UTTERANCES held-out utterances joined with pauses
                              and background noise, as tools/make_dictations.py makes them; float32 WAV)
-                             and the updates of `cohere-coreml transcribe --stream --no-pace --json`
-                             (0.1 s chunks, package front end, interpreter) for it
+                             and the updates of `cohere-coreml transcribe --stream --no-pace --json --stats`
+                             (0.1 s chunks, package front end, interpreter) for it, with its stats line
+                             (the compute counters, stderr) and the counters without extend (--no-extend)
     READY                    written last
 
 Each file is written to a temporary name and renamed. Transcripts made from the same packages (the
@@ -44,7 +45,8 @@ import soundfile as sf
 logger = logging.getLogger(__name__)
 
 FRONT_ENDS = ("package", "python")
-EXPORT_ARGS = ("--prefill", "--buckets", "10")  # what an app ships: a short-clip bucket + prompt prefill
+# what an app ships: a short-clip bucket, prompt prefill, extend (forced prefixes in one call)
+EXPORT_ARGS = ("--prefill", "--extend", "--buckets", "10")
 # the streaming fixture: a dictation of this many held-out utterances of STREAM_LANGUAGE (~8-10 s)
 STREAM_LANGUAGE = "en"
 STREAM_UTTERANCES = 3
@@ -344,12 +346,24 @@ def streaming_cases(bundle: Path, out: Path, root: Path, threads: int) -> dict:
     tmp = wav_path.with_name(wav_path.stem + ".tmp.wav")
     sf.write(str(tmp), wav, 16000, subtype="FLOAT")  # float32 samples, exactly
     os.replace(tmp, wav_path)
-    cmd = _cli("transcribe", "--stream", "--no-pace", "--json", "--backend", "mil", "--front-end", "package",
+    cmd = _cli("transcribe", "--stream", "--no-pace", "--json", "--stats", "--backend", "mil", "--front-end", "package",
                "--bundle", str(bundle), "--language", STREAM_LANGUAGE, str(wav_path))
-    logger.info("python stream reference: %s", " ".join(cmd))
-    proc = subprocess.run(cmd, env=_env(threads), stdout=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        raise FixtureError(f"cohere-coreml transcribe --stream failed (exit {proc.returncode})")
+
+    def run(cmd):
+        logger.info("python stream reference: %s", " ".join(cmd))
+        proc = subprocess.run(cmd, env=_env(threads), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise FixtureError(f"cohere-coreml transcribe --stream failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+        stats = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith('{"type": "stats"')]
+        if len(stats) != 1:
+            raise FixtureError(f"cohere-coreml transcribe --stream --stats printed {len(stats)} stats lines, not 1")
+        return proc, stats[0]
+
+    proc, stats = run(cmd)
+    _, stats_without_extend = run([*cmd[:-1], "--no-extend", cmd[-1]])
+    if stats_without_extend["decoder_calls"] == stats["decoder_calls"]:
+        raise FixtureError("the stream fixture's decoder calls are the same with and without extend: "
+                           "the counter comparison would have no teeth")
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     updates = [json.loads(line) for line in lines]
     finals = [u for u in updates if u["type"] == "final"]
@@ -359,7 +373,7 @@ def streaming_cases(bundle: Path, out: Path, root: Path, threads: int) -> dict:
                            f"{len(utterances)} utterances: a comparison needs one segment per utterance and partials")
     data = {"reference_key": key, "wav": str(wav_path), "samples": int(wav.size), "language": STREAM_LANGUAGE,
             "punctuation": True, "chunk_samples": 1600, "command": " ".join(cmd[2:]), "utterances": utterances,
-            "updates": updates, "lines": lines}
+            "updates": updates, "lines": lines, "stats": stats, "stats_without_extend": stats_without_extend}
     _write_json(path, data)
     return data
 

@@ -89,7 +89,7 @@ def build_gate_data(bundle_dir: Path, clips: Sequence[tuple[Path, str]], max_new
         languages.append(languages[0])
     data = GateData(windows=windows, languages=languages,
                     prompts=[bundle.prompt(lang) for lang in languages], eos_ids=tuple(sorted(bundle.eos_ids)))
-    tr = Transcriber(bundle, backend="mil", use_prefill=False)
+    tr = Transcriber(bundle, backend="mil", use_prefill=False, use_extend=False)  # one log-prob row per fed token
     for (window, n), prompt in zip(windows, data.prompts):
         enc = tr.encode(window, n)
         data.encoder_ref.append(enc)
@@ -111,7 +111,7 @@ def decoder_runtime(package: Path, step=None) -> DecoderRuntime:
     """The decoder package's functions on one state (`DecoderRuntime`); `step`: an already loaded
     step function of it (e.g. one whose constants the sensitivity run replaces)."""
     if step is None:
-        return DecoderRuntime.load(package, backend="mil", prefill=False)
+        return DecoderRuntime.load(package, backend="mil", prefill=False, extend=False)
     return DecoderRuntime(step, load_model(str(package), backend="mil", function_name=BIND_FUNCTION))
 
 

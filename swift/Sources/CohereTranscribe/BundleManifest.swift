@@ -168,6 +168,8 @@ public struct BundleManifest: Codable, Sendable {
         public var prefill: String?
         /// Format 2: the function that writes the encoder's cross memory into the state, once per window.
         public var bind: String?
+        /// Optional: up to `extendLength` tokens from a given cache slot in one call (forced prefixes).
+        public var extend: String?
     }
 
     public struct Decoder: Codable, Sendable {
@@ -180,10 +182,14 @@ public struct BundleManifest: Codable, Sendable {
         public var output: String
         public var functions: DecoderFunctions?
         public var prefillLength: Int?
+        /// K, the tokens of one extend call (nil without extend).
+        public var extendLength: Int?
         /// The step function's inputs/outputs/states, read from the package at export time.
         public var io: ModelIO?
         /// The prefill function's (nil without prefill).
         public var prefillIO: ModelIO?
+        /// The extend function's (nil without extend).
+        public var extendIO: ModelIO?
         /// The bind function's (format 2).
         public var bindIO: ModelIO?
         /// Format 2: bind function input -> the encoder output it takes unchanged
@@ -199,8 +205,10 @@ public struct BundleManifest: Codable, Sendable {
             case output
             case functions
             case prefillLength = "prefill_length"
+            case extendLength = "extend_length"
             case io
             case prefillIO = "prefill_io"
+            case extendIO = "extend_io"
             case bindIO = "bind_io"
             case bindInputs = "bind_inputs"
         }
@@ -352,6 +360,7 @@ public struct BundleManifest: Codable, Sendable {
         case "encoder": io = encoder.functions?[function]?.io ?? (function == "main" ? encoder.io : nil)
         case "decoder":
             if function == decoder.functions?.prefill { io = decoder.prefillIO }
+            else if function == decoder.functions?.extend { io = decoder.extendIO }
             else if function == decoder.functions?.bind { io = decoder.bindIO }
             else { io = function == (decoder.functions?.step ?? "main") ? decoder.io : nil }
         case "frontend": io = frontend?.functions[function]?.io ?? (function == "main" ? frontend?.io : nil)
@@ -404,6 +413,15 @@ public struct BundleManifest: Codable, Sendable {
         return ModelIO(inputs: inputs,
                        outputs: [decoder.output: .init(shape: [1, decoder.vocabSize], dtype: programFloat)],
                        states: decoderStates)
+    }
+
+    /// What the extend function must take and return: `extendLength` token ids and the first one's slot; the
+    /// log-probs after each of the K slots.
+    public func expectedExtendIO(extendLength: Int) -> ModelIO {
+        ModelIO(inputs: ["input_ids": .init(shape: [1, extendLength], dtype: "int32"),
+                         "position": .init(shape: [1], dtype: "int32")],
+                outputs: [decoder.output: .init(shape: [1, extendLength, decoder.vocabSize], dtype: programFloat)],
+                states: decoderStates)
     }
 
     /// What the bind function must take (the encoder's cross memory, under its `bind_inputs` names) and

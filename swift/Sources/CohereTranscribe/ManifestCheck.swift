@@ -398,16 +398,32 @@ enum ManifestCheck {
         if (prefill == nil) != (prefillIO == nil) {
             throw fail("decoder.prefill_io", "must be given exactly when decoder.functions.prefill is (it is \(prefill ?? "null"))")
         }
+        let extend = try str(functions, "extend", "decoder.functions.extend", optional: true)
+        let extendLength = try int(dec, "extend_length", "decoder.extend_length", lo: 1, hi: capacity - promptLength,
+                                   optional: true)
+        if (extend == nil) != (extendLength == nil) {
+            throw fail("decoder.extend_length", "is \(extendLength.map(String.init) ?? "null") but decoder.functions.extend is "
+                       + "\(extend.map { "\"\($0)\"" } ?? "null"): both are set (an extend function) or both null")
+        }
+        let extendIO = try io(dec, "extend_io", "decoder.extend_io", optional: true)
+        if (extend == nil) != (extendIO == nil) {
+            throw fail("decoder.extend_io", "must be given exactly when decoder.functions.extend is (it is \(extend ?? "null"))")
+        }
         let crossMask = [1, 1, 1, memoryLength]
         typealias Expected = (kind: String, name: String, shape: [Int], dtype: String, what: String)
-        for (path, block, idsLength) in [("decoder.io", Optional(stepIO), 1), ("decoder.prefill_io", prefillIO, prefillLength ?? 0)] {
+        let idsWhat = ["decoder.io": "[1, 1]", "decoder.prefill_io": "decoder.prefill_length",
+                       "decoder.extend_io": "decoder.extend_length"]
+        for (path, block, idsLength) in [("decoder.io", Optional(stepIO), 1), ("decoder.prefill_io", prefillIO, prefillLength ?? 0),
+                                         ("decoder.extend_io", extendIO, extendLength ?? 0)] {
             guard let block else { continue }
+            let isExtend = path == "decoder.extend_io"  // the log-probs after each of the K slots
             var expected: [Expected] = [
-                ("inputs", "input_ids", [1, idsLength], "int32", idsLength != 1 ? "decoder.prefill_length" : "[1, 1]"),
-                ("outputs", output, [1, vocabSize], programFloat, "[1, decoder.vocab_size]"),
+                ("inputs", "input_ids", [1, idsLength], "int32", idsWhat[path]!),
+                ("outputs", output, isExtend ? [1, idsLength, vocabSize] : [1, vocabSize], programFloat,
+                 isExtend ? "[1, decoder.extend_length, decoder.vocab_size]" : "[1, decoder.vocab_size]"),
                 ("states", "self_k", cache, "float16", "decoder.cache_shape"),
                 ("states", "self_v", cache, "float16", "decoder.cache_shape")]
-            if path == "decoder.io" { expected.append(("inputs", "position", [1], "int32", "[1]")) }
+            if path != "decoder.prefill_io" { expected.append(("inputs", "position", [1], "int32", "[1]")) }
             // format 2: the cross memory is in the state (fp16), never an input of a step or prefill call
             expected += [("states", "cross_k", memoryShape, "float16", "decoder.memory_shape"),
                          ("states", "cross_v", memoryShape, "float16", "decoder.memory_shape"),

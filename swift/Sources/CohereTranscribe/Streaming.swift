@@ -243,28 +243,61 @@ public struct StreamUpdate: Sendable, Codable, Equatable {
     }
 }
 
-/// Compute spent (counted, not timed), Python's `StreamStats`.
+/// Compute spent (counted, not timed), Python's `StreamStats`; its JSON (keys as Python's) is the line of
+/// `--stream --stats`.
 public struct StreamStats: Sendable, Codable, Equatable {
     public var audioSeconds = 0.0
     public var encoderCalls = 0
     /// Mel frames of the encoder functions called (bucket sizes) and the valid ones.
     public var encoderFrames = 0
     public var encoderValidFrames = 0
-    /// Decoder calls (prefill or step predictions).
+    /// Decoder calls (prefill, extend or step predictions) and the token slots they computed (prefill P,
+    /// extend K with its padding, step 1).
     public var decoderCalls = 0
+    public var decoderTokens = 0
     public var partials = 0
     public var finals = 0
     /// The finals' share (= the offline transcription of the segments).
     public var finalEncoderFrames = 0
     public var finalDecoderCalls = 0
+    public var finalDecoderTokens = 0
     public var frameSeconds = 0.01
 
-    /// encoder calls, encoder audio-seconds, valid audio-seconds and decoder calls per audio second.
-    public var perAudioSecond: [String: Double] {
+    enum CodingKeys: String, CodingKey {
+        case partials, finals
+        case audioSeconds = "audio_s"
+        case encoderCalls = "encoder_calls"
+        case encoderFrames = "encoder_frames"
+        case encoderValidFrames = "encoder_valid_frames"
+        case decoderCalls = "decoder_calls"
+        case decoderTokens = "decoder_tokens"
+        case finalEncoderFrames = "final_encoder_frames"
+        case finalDecoderCalls = "final_decoder_calls"
+        case finalDecoderTokens = "final_decoder_tokens"
+        case frameSeconds = "frame_seconds"
+    }
+
+    /// Per audio second: encoder calls, encoder audio-seconds, valid audio-seconds, decoder calls and tokens fed
+    /// (Python's `per_audio_second`, in its key order).
+    public var perAudioSecond: KeyValuePairs<String, Double> {
         let s = max(audioSeconds, 1e-9)
         return ["encoder_calls": Double(encoderCalls) / s, "encoder_audio_s": Double(encoderFrames) * frameSeconds / s,
                 "encoder_valid_audio_s": Double(encoderValidFrames) * frameSeconds / s,
-                "decoder_calls": Double(decoderCalls) / s]
+                "decoder_calls": Double(decoderCalls) / s, "decoder_tokens": Double(decoderTokens) / s]
+    }
+
+    /// The `--stats` line as Python's `streaming.stats_line` prints it: {"type": "stats"[, "audio"], the counters,
+    /// "per_audio_second": {...}}, keys in Python's order.
+    public func jsonLine(audio: String? = nil) -> String {
+        let counters: [(String, String)] = [
+            ("audio_s", "\(audioSeconds)"), ("encoder_calls", "\(encoderCalls)"), ("encoder_frames", "\(encoderFrames)"),
+            ("encoder_valid_frames", "\(encoderValidFrames)"), ("decoder_calls", "\(decoderCalls)"),
+            ("decoder_tokens", "\(decoderTokens)"), ("partials", "\(partials)"), ("finals", "\(finals)"),
+            ("final_encoder_frames", "\(finalEncoderFrames)"), ("final_decoder_calls", "\(finalDecoderCalls)"),
+            ("final_decoder_tokens", "\(finalDecoderTokens)"), ("frame_seconds", "\(frameSeconds)")]
+        let rates = perAudioSecond.map { "\"\($0.key)\": \($0.value)" }.joined(separator: ", ")
+        let head = "{\"type\": \"stats\", " + (audio.map { "\"audio\": \(JSONValue.quoted($0)), " } ?? "")
+        return head + counters.map { "\"\($0.0)\": \($0.1)" }.joined(separator: ", ") + ", \"per_audio_second\": {\(rates)}}"
     }
 }
 
@@ -387,13 +420,17 @@ public final class StreamingSession {
         let forced = prompt + seg.confirmed
         if forced.count >= capacity - 1 { return [] }  // no room left to decode after the forced prefix
         let (features, valid) = try await transcriber.features(of: try slice(seg.start, now))
+        // the last hypothesis' unconfirmed tail as the draft (verified, never forced), as Python's
+        let draft = seg.hypotheses.last.map { Array($0.dropFirst(seg.confirmed.count)) } ?? []
         let window = try await transcriber.transcribeWindow(features: features, validFrames: valid, prompt: forced,
                                                             maxNewTokens: maxNewTokens, index: seg.index,
-                                                            startSeconds: Double(seg.start) / Double(sampleRate))
+                                                            startSeconds: Double(seg.start) / Double(sampleRate),
+                                                            draft: draft)
         stats.encoderCalls += 1
         stats.encoderFrames += features.shape.last ?? 0
         stats.encoderValidFrames += valid
         stats.decoderCalls += window.timings.decoderCalls
+        stats.decoderTokens += window.timings.decoderTokensFed
         stats.partials += 1
         let hypothesis = seg.confirmed + window.tokenIds.filter { !eosIds.contains($0) }
         seg.hypotheses.append(hypothesis)
@@ -422,6 +459,8 @@ public final class StreamingSession {
         stats.encoderValidFrames += valid
         stats.decoderCalls += window.timings.decoderCalls
         stats.finalDecoderCalls += window.timings.decoderCalls
+        stats.decoderTokens += window.timings.decoderTokensFed
+        stats.finalDecoderTokens += window.timings.decoderTokensFed
         stats.finals += 1
         let ids = window.tokenIds.filter { !eosIds.contains($0) }
         segment = nil
@@ -458,9 +497,10 @@ extension CohereTranscriber {
     /// Live transcription: yield 16 kHz mono Float chunks (any sizes) into `input` and `finish()` it; `updates`
     /// delivers every partial and final (the open segment's final after `input.finish()`), then ends. A
     /// session error ends `updates` with that error; dropping the consumer cancels the work. The language,
-    /// punctuation and configuration are checked now.
+    /// punctuation and configuration are checked now. `onStats` receives the session's counters after the
+    /// last update (before `updates` ends).
     public nonisolated func stream(language: String, punctuation: Bool = true, config: StreamConfig = StreamConfig(),
-                                   maxNewTokens: Int? = nil) throws
+                                   maxNewTokens: Int? = nil, onStats: (@Sendable (StreamStats) -> Void)? = nil) throws
         -> (input: AsyncStream<[Float]>.Continuation, updates: AsyncThrowingStream<StreamUpdate, Error>) {
         _ = try manifest.prompt(language: language, punctuation: punctuation)
         try config.validate()
@@ -476,6 +516,7 @@ extension CohereTranscriber {
                 }
                 try Task.checkCancellation()
                 for update in try await session.finish() { output.yield(update) }
+                onStats?(session.stats)
                 #if canImport(os)
                 let stats = session.stats
                 Logger(subsystem: "CohereTranscribe", category: "stream").info(

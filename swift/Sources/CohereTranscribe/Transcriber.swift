@@ -36,6 +36,38 @@ public struct WindowTimings: Sendable, Codable {
     /// Decoder calls of the prompt and the generated tokens (the bind call not counted).
     public var decoderCalls: Int
     public var msPerDecoderCall: Double
+    /// Token slots those calls computed (prefill P, extend K with its padding, step 1): the decoder's compute.
+    public var decoderTokensFed: Int = 0
+}
+
+/// One decoder call of a `FeedPlan`: `function` feeding ids [offset, offset + count) of a prefix at cache slot
+/// start + offset; `fed` token slots computed (prefill P, extend K including its padding, step 1).
+public struct FeedCall: Sendable, Equatable {
+    public enum Function: String, Sendable { case prefill, extend, step }
+    public var function: Function
+    public var offset: Int
+    public var count: Int
+    public var fed: Int
+}
+
+/// How a forced prefix is fed to the decoder (Python's `decoder_runtime.feed_plan`): the bare prompt (slot 0,
+/// exactly `prefillLength` tokens) by one prefill call; else extend calls of up to K tokens while at least 2
+/// remain and the call's K slots fit the cache; the rest one step per token (no prefill / extend: steps only).
+public func feedPlan(count: Int, start: Int, capacity: Int, prefillLength: Int?, extendLength: Int?) -> [FeedCall] {
+    if start == 0, let prefillLength, count == prefillLength {
+        return [FeedCall(function: .prefill, offset: 0, count: count, fed: count)]
+    }
+    var calls: [FeedCall] = []
+    var done = 0
+    if let k = extendLength {
+        while count - done >= 2, start + done + k <= capacity {
+            let n = min(k, count - done)
+            calls.append(FeedCall(function: .extend, offset: done, count: n, fed: k))
+            done += n
+        }
+    }
+    for i in done..<max(done, count) { calls.append(FeedCall(function: .step, offset: i, count: 1, fed: 1)) }
+    return calls
 }
 
 public struct TranscriptionResult: Sendable, Codable {
@@ -68,6 +100,9 @@ public actor CohereTranscriber {
     public nonisolated let runtime: ModelRuntime
     public let computeUnits: ComponentComputeUnits
     public let usePrefill: Bool
+    /// Feed forced prefixes (a prompt prefill does not serve, a streaming partial's confirmed tokens) K tokens
+    /// per call when the bundle has an extend function.
+    public let useExtend: Bool
     /// Seconds spent loading (and, with Core ML, compiling) the packages so far.
     public private(set) var loadSeconds: Double = 0
 
@@ -84,7 +119,7 @@ public actor CohereTranscriber {
     /// against the manifest. `runtime`: Core ML by default on macOS and iOS; pass an `InterpreterRuntime`
     /// (or, on Linux, a `CoreMLRuntime` over the Core ML emulation) elsewhere.
     public init(bundle: URL, runtime: ModelRuntime? = nil, computeUnits: ComponentComputeUnits = .init(),
-                usePrefill: Bool = true) async throws {
+                usePrefill: Bool = true, useExtend: Bool = true) async throws {
         let manifest = try BundleManifest.load(bundle: bundle)
         for (what, file) in [("encoder", manifest.files.encoder), ("decoder", manifest.files.decoder),
                              ("vocabulary", manifest.files.vocab)] {
@@ -101,6 +136,7 @@ public actor CohereTranscriber {
         self.runtime = runtime
         self.computeUnits = computeUnits
         self.usePrefill = usePrefill
+        self.useExtend = useExtend
         self.detokenizer = try Detokenizer(vocabURL: bundle.appendingPathComponent(manifest.files.vocab))
         self.eosIds = Set(manifest.tokens.eosTokenIds)
         _ = try await decoderModels()
@@ -154,8 +190,10 @@ public actor CohereTranscriber {
         }
     }
 
-    /// Decoder functions: step, bind, prefill (when the bundle has it and `usePrefill`).
-    private func decoderModels() async throws -> (step: RuntimeModel, bind: RuntimeModel, prefill: RuntimeModel?) {
+    /// Decoder functions: step, bind, prefill (when the bundle has it and `usePrefill`), extend (when the bundle
+    /// has it and `useExtend`).
+    private func decoderModels() async throws
+        -> (step: RuntimeModel, bind: RuntimeModel, prefill: RuntimeModel?, extend: RuntimeModel?) {
         let d = manifest.decoder
         let file = manifest.files.decoder
         let stepName = d.functions?.step ?? "main"
@@ -172,7 +210,20 @@ public actor CohereTranscriber {
             prefill = try await load("decoder/\(name)", file: file, function: name, units: computeUnits.decoder,
                                      expected: manifest.expectedDecoderIO(prefillLength: length), component: "decoder")
         }
-        return (step, bind, prefill)
+        var extend: RuntimeModel?
+        if useExtend, let name = d.functions?.extend, let length = d.extendLength {
+            extend = try await load("decoder/\(name)", file: file, function: name, units: computeUnits.decoder,
+                                    expected: manifest.expectedExtendIO(extendLength: length), component: "decoder")
+        }
+        return (step, bind, prefill, extend)
+    }
+
+    /// The plan of a forced prefix of `count` tokens from slot `start` with the functions this transcriber uses.
+    public func plan(count: Int, start: Int = 0) -> [FeedCall] {
+        let d = manifest.decoder
+        return feedPlan(count: count, start: start, capacity: d.capacity,
+                        prefillLength: usePrefill && d.functions?.prefill != nil ? d.prefillLength : nil,
+                        extendLength: useExtend && d.functions?.extend != nil ? d.extendLength : nil)
     }
 
     private func encoder(function: String) async throws -> RuntimeModel {
@@ -327,8 +378,9 @@ public actor CohereTranscriber {
 
     /// Greedy decode of one window from its log-mel features ((1, n_mels, F) or (n_mels, F) float32, F the
     /// frames of an encoder function) and valid frame count. `prompt`: the language prompt ids.
+    /// `draft`: see `decode(cross:prompt:maxNewTokens:draft:)` (the streaming partials' previous hypothesis).
     public func transcribeWindow(features: Tensor, validFrames: Int, prompt: [Int], maxNewTokens: Int? = nil,
-                                 index: Int = 0, startSeconds: Double = 0) async throws -> WindowResult {
+                                 index: Int = 0, startSeconds: Double = 0, draft: [Int] = []) async throws -> WindowResult {
         let frames = features.shape.last ?? 0
         guard let bucket = manifest.encoderBuckets.first(where: { $0.frames == frames }) else {
             throw TranscriptionError.invalidArgument(
@@ -345,13 +397,14 @@ public actor CohereTranscriber {
             guard let t = encoded[name] else { throw TranscriptionError.badOutput("the encoder package returned no \(name)") }
             cross[name] = t
         }
-        let decoded = try await decode(cross: cross, prompt: prompt, maxNewTokens: maxNewTokens)
+        let decoded = try await decode(cross: cross, prompt: prompt, maxNewTokens: maxNewTokens, draft: draft)
         let text = try detokenizer.decode(decoded.tokens.filter { !eosIds.contains($0) })
         let calls = max(decoded.calls, 1)
         let timings = WindowTimings(featuresSeconds: 0, encoderSeconds: encoderSeconds, encoderFunction: bucket.function,
                                     bindSeconds: decoded.bindSeconds, promptSeconds: decoded.promptSeconds,
                                     decodeSeconds: decoded.decodeSeconds, decoderCalls: decoded.calls,
-                                    msPerDecoderCall: 1000 * (decoded.promptSeconds + decoded.decodeSeconds) / Double(calls))
+                                    msPerDecoderCall: 1000 * (decoded.promptSeconds + decoded.decodeSeconds) / Double(calls),
+                                    decoderTokensFed: decoded.tokensFed)
         return WindowResult(index: index, startSeconds: startSeconds,
                             durationSeconds: Double(validFrames * manifest.audio.hopLength) / Double(manifest.audio.samplingRate),
                             tokenIds: decoded.tokens, text: text, truncated: decoded.stopReason != .eos,
@@ -362,15 +415,19 @@ public actor CohereTranscriber {
         var tokens: [Int]
         var stopReason: StopReason
         var calls: Int
+        var tokensFed: Int
         var bindSeconds: Double
         var promptSeconds: Double
         var decodeSeconds: Double
     }
 
     /// The decoding loop of docs/bundle.md: fresh state, the cross memory bound into it once by the bind
-    /// function, prompt (prefill when present), greedy to eos, the cache capacity or `maxNewTokens`. A
+    /// function, prompt (by `plan`: prefill, extend calls or steps), greedy to eos, the cache capacity or `maxNewTokens`. A
     /// step binds only its token and position.
-    func decode(cross: [String: Tensor], prompt: [Int], maxNewTokens: Int?) async throws -> Decoded {
+    /// `draft`: tokens the decode is expected to emit (a streaming partial's previous hypothesis after its
+    /// confirmed tokens), verified with the bundle's extend function exactly as Python's `Transcriber.decode`
+    /// verifies it (the tokens are greedy's; without extend it is not used).
+    func decode(cross: [String: Tensor], prompt: [Int], maxNewTokens: Int?, draft: [Int] = []) async throws -> Decoded {
         let capacity = manifest.decoder.capacity
         guard prompt.count < capacity else {
             throw TranscriptionError.invalidArgument("prompt of \(prompt.count) tokens does not fit the cache (\(capacity) slots)")
@@ -381,7 +438,7 @@ public actor CohereTranscriber {
             guard maxNewTokens >= 1 else { throw TranscriptionError.invalidArgument("maxNewTokens must be >= 1, got \(maxNewTokens)") }
             if maxNewTokens < limit { (limit, reasonAtLimit) = (maxNewTokens, .maxNewTokens) }
         }
-        let (decoder, binder, prefill) = try await decoderModels()
+        let (decoder, binder, prefill, extend) = try await decoderModels()
         let output = manifest.decoder.output
         let state = try decoder.makeState()
         let tb = Date()
@@ -405,22 +462,52 @@ public actor CohereTranscriber {
                           "position": try Tensor(int32: [Int32(position)], shape: [1])]
             return try logProbs(try await decoder.predict(inputs, state: state))
         }
-        let t0 = Date()
+        let vocab = manifest.decoder.vocabSize
         var calls = 0
-        var scores: [Float] = []
-        if let prefill, prompt.count == manifest.decoder.prefillLength {
-            let inputs = ["input_ids": try Tensor(int32: prompt.map(Int32.init), shape: [1, prompt.count])]
-            scores = try logProbs(try await prefill.predict(inputs, state: state))
-            calls += 1
-        } else {
-            for (position, token) in prompt.enumerated() {
-                scores = try await step(token, position)
+        var tokensFed = 0
+        /// Feeds `ids` at slots start.. by `plan`; the log-probs after each token (nil where a prefill call
+        /// gives only its last row). Python's `DecoderRuntime.feed`.
+        func feed(_ ids: [Int], start: Int) async throws -> [[Float]?] {
+            var after: [[Float]?] = []
+            for call in plan(count: ids.count, start: start) {
+                let part = Array(ids[call.offset..<call.offset + call.count])
+                switch call.function {
+                case .prefill:
+                    guard let prefill else { throw TranscriptionError.invalidArgument("internal: a prefill call without prefill") }
+                    let inputs = ["input_ids": try Tensor(int32: part.map(Int32.init), shape: [1, part.count])]
+                    after += [[Float]?](repeating: nil, count: part.count - 1)
+                    after.append(try logProbs(try await prefill.predict(inputs, state: state)))
+                case .extend:
+                    guard let extend else { throw TranscriptionError.invalidArgument("internal: an extend call without extend") }
+                    try Task.checkCancellation()
+                    // K ids: the real ones, then EXTEND_PAD_ID (0); never read, overwritten before any later token sees them
+                    var padded = part.map(Int32.init)
+                    padded.append(contentsOf: [Int32](repeating: 0, count: call.fed - part.count))
+                    let inputs = ["input_ids": try Tensor(int32: padded, shape: [1, call.fed]),
+                                  "position": try Tensor(int32: [Int32(start + call.offset)], shape: [1])]
+                    let rows = try logProbs(try await extend.predict(inputs, state: state))  // (1, K, V)
+                    guard rows.count == call.fed * vocab else {
+                        throw TranscriptionError.badOutput("the extend function returned \(rows.count) log-probs, not \(call.fed) x \(vocab)")
+                    }
+                    for i in 0..<part.count { after.append(Array(rows[(i * vocab)..<((i + 1) * vocab)])) }
+                case .step:
+                    after.append(try await step(part[0], start + call.offset))
+                }
                 calls += 1
+                tokensFed += call.fed
             }
+            return after
         }
+        let t0 = Date()
+        // the draft (Python's `Transcriber.decode(draft=)`): fed with the prompt, verified, never forced
+        let extendLength = useExtend && manifest.decoder.functions?.extend != nil ? manifest.decoder.extendLength : nil
+        var draft = extendLength == nil ? [] : Array(draft.prefix(max(0, limit - 1)))
+        var pending = Array(try await feed(prompt + draft, start: 0).suffix(draft.count + 1))
+        guard var scores = pending[0] else { throw TranscriptionError.badOutput("internal: no log-probs after the prompt") }
         let t1 = Date()
         var tokens: [Int] = []
         var position = prompt.count
+        var redrafted = false  // the current draft was fed after a refused token and none of it is verified yet
         var stopReason = reasonAtLimit
         while true {
             var best = 0
@@ -433,11 +520,35 @@ public actor CohereTranscriber {
             tokens.append(best)
             if eosIds.contains(best) { stopReason = .eos; break }
             if tokens.count >= limit { break }
+            if let first = draft.first, first == best {  // drafted: already fed at `position`
+                draft.removeFirst()
+                pending.removeFirst()
+                redrafted = false
+                guard let next = pending[0] else { throw TranscriptionError.badOutput("internal: no log-probs after a draft token") }
+                scores = next
+                position += 1
+                continue
+            }
+            // the draft after the replaced token, unless a re-draft was refused at once (then it is off track)
+            var rest: [Int] = []
+            if let k = extendLength, !draft.isEmpty, !redrafted {
+                rest = Array(draft.dropFirst().prefix(min(k - 1, limit - tokens.count - 1)))
+            }
+            if let k = extendLength, !rest.isEmpty, position + k <= capacity {
+                pending = try await feed([best] + rest, start: position)  // one extend call
+                (draft, redrafted) = (rest, true)
+                guard let next = pending[0] else { throw TranscriptionError.badOutput("internal: no log-probs after a token") }
+                scores = next
+                position += 1
+                continue
+            }
+            draft = []
             scores = try await step(best, position)
             position += 1
             calls += 1
+            tokensFed += 1
         }
-        return Decoded(tokens: tokens, stopReason: stopReason, calls: calls, bindSeconds: bindSeconds,
+        return Decoded(tokens: tokens, stopReason: stopReason, calls: calls, tokensFed: tokensFed, bindSeconds: bindSeconds,
                        promptSeconds: t1.timeIntervalSince(t0), decodeSeconds: Date().timeIntervalSince(t1))
     }
 }

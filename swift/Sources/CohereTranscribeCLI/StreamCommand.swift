@@ -14,14 +14,22 @@ enum StreamCommand {
     }
 
     /// One JSON line per update with `json` (with several files each line starts with "audio"), else
-    /// finals on stdout as `[start-end] text` and partials on stderr as `~ [start-end] text`.
+    /// finals on stdout as `[start-end] text` and partials on stderr as `~ [start-end] text`. With `stats`, one
+    /// JSON line of compute counters per file on stderr after its updates (Python's `--stats` line).
     static func run(_ transcriber: CohereTranscriber, files: [(String, [Float])], language: String, punctuation: Bool,
-                    config: StreamConfig, json: Bool, pace: Bool, maxNewTokens: Int?) async throws {
+                    config: StreamConfig, json: Bool, pace: Bool, maxNewTokens: Int?, stats: Bool = false) async throws {
         let rate = transcriber.manifest.audio.samplingRate
         for (path, samples) in files {
             if files.count > 1, !json { print("== \(path)") }
+            let audio = files.count > 1 ? path : nil
+            var onStats: (@Sendable (StreamStats) -> Void)?
+            if stats {
+                onStats = { counters in
+                    FileHandle.standardError.write(Data((counters.jsonLine(audio: audio) + "\n").utf8))
+                }
+            }
             let (input, updates) = try transcriber.stream(language: language, punctuation: punctuation, config: config,
-                                                          maxNewTokens: maxNewTokens)
+                                                          maxNewTokens: maxNewTokens, onStats: onStats)
             let feeder = Task { try await StreamFileSource.feed(samples: samples, sampleRate: rate, into: input, pace: pace) }
             for try await update in updates {
                 if json {

@@ -11,6 +11,7 @@ usage: cohere-transcribe-swift --bundle DIR --language LANG FILE... [--json] [--
                                [--max-new-tokens N] [--compute-units all|cpu_only|cpu_and_gpu|cpu_and_ne]
                                [--runtime coreml|interpreter] [--interpreter PATH] [--cache-dir DIR]
        cohere-transcribe-swift --stream --bundle DIR --language LANG FILE... [--json] [--no-pace] [--hop S]
+                               [--stats]
        cohere-transcribe-swift bench --bundle DIR --data DATASET ...   (device benchmark: bench --help)
 
 Greedy transcription with a bundle written by `cohere-coreml export` (front end, encoder, decoder
@@ -27,6 +28,8 @@ packages, manifest.json, vocab.json); token for token what `cohere-coreml transc
                    paced at real time; partial and final updates (--json: one JSON line per update)
   --no-pace        with --stream: feed the file as fast as possible
   --hop S          with --stream: seconds of new audio between partials (default 0.5)
+  --stats          with --stream: after each file, one JSON line of compute counters on stderr (encoder
+                   calls / frames, decoder calls / tokens fed, per audio second); stdout is unchanged
 A file that cannot be transcribed is reported; the others are still transcribed (exit status 1).
 """
 
@@ -47,6 +50,7 @@ var cacheDir: String?
 var stream = false
 var pace = true
 var hop: Double?
+var stats = false
 #if os(macOS)
 var runtimeName = "coreml"
 #else
@@ -82,6 +86,7 @@ while !args.isEmpty {
     case "--cache-dir": cacheDir = value(a)
     case "--stream": stream = true
     case "--no-pace": pace = false
+    case "--stats": stats = true
     case "--hop":
         guard let s = Double(value(a)), s.isFinite, s > 0 else { fail("--hop needs a positive number of seconds") }
         hop = s
@@ -93,7 +98,7 @@ while !args.isEmpty {
 guard let bundle else { fail("--bundle is required\n\(usage)") }
 guard let language else { fail("--language is required\n\(usage)") }
 guard !files.isEmpty else { fail("no audio file given\n\(usage)") }
-if !stream, !pace || hop != nil { fail("--no-pace and --hop need --stream") }
+if !stream, !pace || hop != nil || stats { fail("--no-pace, --hop and --stats need --stream") }
 var streamConfig = StreamConfig()
 if let hop { streamConfig.hopSeconds = hop }
 var streamFiles: [(String, [Float])] = []
@@ -148,7 +153,8 @@ do {
 if stream {
     do {
         try await StreamCommand.run(transcriber, files: streamFiles, language: language, punctuation: punctuation,
-                                    config: streamConfig, json: json, pace: pace, maxNewTokens: maxNewTokens)
+                                    config: streamConfig, json: json, pace: pace, maxNewTokens: maxNewTokens,
+                                    stats: stats)
     } catch {
         fail("\(error)")
     }

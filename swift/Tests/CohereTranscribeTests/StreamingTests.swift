@@ -14,9 +14,13 @@ final class StreamingTests: XCTestCase {
         var chunkSamples: Int
         var updates: [StreamUpdate]
         var lines: [String]
+        /// Python's `--stats` line for the same chunks (with the bundle's extend function) and without extend.
+        var stats: StreamStats
+        var statsWithoutExtend: StreamStats
         enum CodingKeys: String, CodingKey {
-            case wav, samples, language, punctuation, updates, lines
+            case wav, samples, language, punctuation, updates, lines, stats
             case chunkSamples = "chunk_samples"
+            case statsWithoutExtend = "stats_without_extend"
         }
     }
 
@@ -62,6 +66,9 @@ final class StreamingTests: XCTestCase {
         XCTAssertEqual(stats.partials, partials.count)
         XCTAssertEqual(stats.encoderCalls, stats.partials + stats.finals)  // one encoder call per update
         XCTAssertEqual(stats.audioSeconds, Double(ref.samples) / 16000)
+        // Python's compute counters, every one (the confirmed prefix fed by the same extend calls)
+        XCTAssertEqual(stats, ref.stats, "the counters of Python's --stats line")
+        XCTAssertGreaterThan(stats.decoderTokens, stats.decoderCalls)  // extend calls feed K slots
 
         // every final is the offline transcription of its segment's samples
         for f in got where f.type == .final {
@@ -71,6 +78,42 @@ final class StreamingTests: XCTestCase {
             XCTAssertEqual(offline.windows[0].tokenIds.filter { !t.manifest.tokens.eosTokenIds.contains($0) }, f.tokenIds)
             XCTAssertEqual(offline.text, f.text)
         }
+    }
+
+    /// The counter comparison has teeth: a transcriber that does not use extend (the fallback: forced prefixes
+    /// fed by steps) gives the same finals but other counters, Python's --no-extend ones; and `feedPlan` plans
+    /// what Python's `feed_plan` plans.
+    func testCountersWithoutExtendDifferAndEqualPythonsFallback() async throws {
+        let ref = try Self.reference()
+        XCTAssertNotEqual(ref.stats.decoderCalls, ref.statsWithoutExtend.decoderCalls)
+        let audio = try AudioInput.load(contentsOf: URL(fileURLWithPath: ref.wav), sampleRate: 16000)
+        let t = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: try Fixtures.interpreter(), useExtend: false)
+        let session = try StreamingSession(transcriber: t, language: ref.language, punctuation: ref.punctuation)
+        var got: [StreamUpdate] = []
+        for chunk in StreamFileSource.chunks(of: audio.samples, sampleRate: 16000) { got += try await session.feed(Array(chunk)) }
+        got += try await session.finish()
+        XCTAssertEqual(got.filter { $0.type == .final }, ref.updates.filter { $0.type == .final })
+        XCTAssertNotEqual(session.stats, ref.stats)
+        XCTAssertEqual(session.stats, ref.statsWithoutExtend)
+        let line = try JSONSerialization.jsonObject(with: Data(ref.stats.jsonLine().utf8)) as? [String: Any]
+        XCTAssertEqual(line?["decoder_tokens"] as? Int, ref.stats.decoderTokens)
+        XCTAssertEqual((line?["per_audio_second"] as? [String: Any])?.count, 5)
+    }
+
+    func testFeedPlanIsPythons() {
+        XCTAssertEqual(feedPlan(count: 10, start: 0, capacity: 64, prefillLength: 10, extendLength: 32),
+                       [FeedCall(function: .prefill, offset: 0, count: 10, fed: 10)])
+        XCTAssertEqual(feedPlan(count: 33, start: 0, capacity: 64, prefillLength: 10, extendLength: 32),
+                       [FeedCall(function: .extend, offset: 0, count: 32, fed: 32), FeedCall(function: .step, offset: 32, count: 1, fed: 1)])
+        XCTAssertEqual(feedPlan(count: 34, start: 0, capacity: 64, prefillLength: 10, extendLength: 32),
+                       [FeedCall(function: .extend, offset: 0, count: 32, fed: 32), FeedCall(function: .extend, offset: 32, count: 2, fed: 32)])
+        XCTAssertEqual(feedPlan(count: 40, start: 0, capacity: 48, prefillLength: 10, extendLength: 32),
+                       [FeedCall(function: .extend, offset: 0, count: 32, fed: 32)]
+                           + (32..<40).map { FeedCall(function: .step, offset: $0, count: 1, fed: 1) })
+        XCTAssertEqual(feedPlan(count: 12, start: 0, capacity: 64, prefillLength: 10, extendLength: nil),
+                       (0..<12).map { FeedCall(function: .step, offset: $0, count: 1, fed: 1) })
+        XCTAssertEqual(feedPlan(count: 10, start: 5, capacity: 64, prefillLength: 10, extendLength: 32),
+                       [FeedCall(function: .extend, offset: 0, count: 10, fed: 32)])
     }
 
     /// The async API (input continuation + update stream) with another chunking: the same updates

@@ -102,19 +102,28 @@ final class TranscriberTests: XCTestCase {
         XCTAssertGreaterThan(zip(shorter.floats(), want).map { abs($0 - $1) }.max()!, 0.01)  // the check can fail
     }
 
-    /// Without prefill (prompt fed token by token) the tokens are the same; maxNewTokens truncates exactly.
+    /// Without prefill (prompt fed token by token, or by the extend function) the tokens are the same;
+    /// maxNewTokens truncates exactly.
     func testPromptPathsAndTruncation() async throws {
         let clip = try clips(frontEnd: "python")[0]
         let w = (clip["windows"] as! [[String: Any]])[0]
         let want = w["token_ids"] as! [Int]
         let runtime = try Fixtures.interpreter()
-        let stepwise = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: runtime, usePrefill: false)
+        let stepwise = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: runtime, usePrefill: false,
+                                                   useExtend: false)
         let features = try Tensor(float32: try Fixtures.floats(w["features"] as! String),
                                   shape: [1, stepwise.manifest.encoder.numMelBins, w["frames"] as! Int])
         let prompt = try stepwise.manifest.prompt(language: clip["language"] as! String)
         let full = try await stepwise.transcribeWindow(features: features, validFrames: w["valid_frames"] as! Int, prompt: prompt)
         XCTAssertEqual(full.tokenIds, want)
         XCTAssertEqual(full.timings.decoderCalls, prompt.count + want.count - 1)  // no prefill: one call per prompt token
+        // the prompt through the extend function instead (the bundle has one): one call of 32 slots
+        let extended = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: runtime, usePrefill: false)
+        let viaExtend = try await extended.transcribeWindow(features: features, validFrames: w["valid_frames"] as! Int,
+                                                            prompt: prompt)
+        XCTAssertEqual(viaExtend.tokenIds, want)
+        XCTAssertEqual(viaExtend.timings.decoderCalls, 1 + want.count - 1)
+        XCTAssertEqual(viaExtend.timings.decoderTokensFed, 32 + want.count - 1)
         let cut = try await stepwise.transcribeWindow(features: features, validFrames: w["valid_frames"] as! Int,
                                                       prompt: prompt, maxNewTokens: 3)
         XCTAssertEqual(cut.tokenIds, Array(want.prefix(3)))
