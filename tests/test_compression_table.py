@@ -31,6 +31,7 @@ def test_pareto_front_keeps_only_rows_nothing_beats_on_both():
             row("q4", 80, (0.04, 0.03)),  # beaten by q8 (smaller and better)
             row("tie", 50, (0.03, 0.03)),  # equal to q8: neither beats the other
             row("tiny", 20, (0.30, 0.30)),  # smallest: on the front however bad
+            row("refused", 10, (0.01, 0.01), passed=False),  # beats all, but its gate refused it: never on it
             {"label": "broken", "passed": False, "error": "crashed"}]  # no figures: never on the front
     assert pareto_front(rows) == ["f16", "q8", "tie", "tiny"]
     # without q8, q4 is on it (nothing left is both smaller and better); accuracy alone would keep
@@ -47,7 +48,7 @@ def test_markdown_marks_refusals_and_the_front():
     lines = text.splitlines()
     f16 = next(x for x in lines if x.startswith("| f16 "))
     q4 = next(x for x in lines if x.startswith("| q4 "))
-    assert "| ref * |" in f16 and "| REFUSED * |" in q4
+    assert "| ref * |" in f16 and "| REFUSED |" in q4
     assert "| 5.00 (2.00) | 6.00 (2.00) |" in q4  # per language: produced (PyTorch), in %
     assert "broken: no figures, crashed" in text
 

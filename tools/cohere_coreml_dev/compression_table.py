@@ -23,9 +23,10 @@ def mean_rate(languages: dict) -> float:
 
 
 def pareto_front(rows: list[dict]) -> list[str]:
-    """Labels of the rows no other row beats: another row is at most as large and at most as wrong,
-    and better on one of the two."""
-    scored = [r for r in rows if r.get("languages")]
+    """Labels of the shippable rows (gates passed) no other shippable row beats: another row is at
+    most as large and at most as wrong, and better on one of the two. A refused row is plotted, never
+    on the front: its bundle is not written."""
+    scored = [r for r in rows if r.get("languages") and r.get("passed")]
     front = []
     for r in scored:
         b, e = r["bytes"], mean_rate(r["languages"])
