@@ -44,6 +44,10 @@ def _capture(monkeypatch, module, into: Path) -> list[tuple[dict, str]]:
     return captured
 
 
+# compressions of the encoder and the blob dtype each must bring into the merge
+COMPRESSIONS = {"int8": "INT8", "int4": "INT4", "pal4": "UINT4", "pal6": "UINT6"}
+
+
 @pytest.fixture(scope="module")
 def merges(tiny_reference, tmp_path_factory):
     """name -> (singles, default) of the merges an fp16 export and its compressions make."""
@@ -59,11 +63,14 @@ def merges(tiny_reference, tmp_path_factory):
                           prompt=prompt_ids(processor.tokenizer, "en", True), prefill=True)
         q_cap = _capture(mp, C, root / "q")
         C.compress_package(encoder, root / "int8.mlpackage", Q.Recipe("int8"))
-        C.compress_package(encoder, root / "pal4.mlpackage", Q.Recipe("pal4"))
+        compressed = {}
+        for scheme in COMPRESSIONS:
+            C.compress_package(encoder, root / f"{scheme}.mlpackage", Q.Recipe(scheme))
+            compressed[scheme] = q_cap[-1]  # its last merge: the package it writes
     finally:
         mp.undo()
-    assert len(enc_cap) == len(dec_cap) == 1 and len(q_cap) == 2
-    return {"encoder": enc_cap[0], "decoder": dec_cap[0], "int8": q_cap[0], "pal4": q_cap[1]}
+    assert len(enc_cap) == len(dec_cap) == 1
+    return {"encoder": enc_cap[0], "decoder": dec_cap[0], **compressed}
 
 
 def _blob_dtypes(package: Path) -> set[str]:
@@ -130,10 +137,10 @@ def _state_op_names(spec) -> bool:
     return found
 
 
-EXPECTED_DTYPES = {"encoder": {"FLOAT16"}, "decoder": {"FLOAT16"}, "int8": {"INT8"}, "pal4": {"UINT4"}}
+EXPECTED_DTYPES = {"encoder": {"FLOAT16"}, "decoder": {"FLOAT16"}, **{k: {v} for k, v in COMPRESSIONS.items()}}
 
 
-@pytest.mark.parametrize("name", ["encoder", "decoder", "int8", "pal4"])
+@pytest.mark.parametrize("name", list(EXPECTED_DTYPES))
 def test_lean_merge_matches_save_multifunction(merges, name, tmp_path):
     singles, default = merges[name]
     assert len(singles) >= 3
@@ -159,14 +166,33 @@ def test_lean_merge_matches_save_multifunction(merges, name, tmp_path):
     assert _same_outputs(lean, ref, list(singles))
 
 
-def test_merge_functions_returns_the_lean_package(merges, tmp_path):
+def test_merge_functions_takes_the_lean_path(merges, tmp_path, caplog):
     singles, default = merges["decoder"]
-    mlmodel = convert.merge_functions(singles, default, tmp_path)
+    with caplog.at_level("INFO"):
+        mlmodel = convert.merge_functions(singles, default, tmp_path)
+    assert "weight blobs written" in caplog.text and "save_multifunction" not in caplog.text
     spec = mlmodel.get_spec()
     assert spec.description.defaultFunctionName == default
     assert [f.name for f in spec.description.functions] == list(singles)
     ref = _reference(singles, default, tmp_path / "ref.mlpackage")
     assert weight_file_bytes(tmp_path / "merged.mlpackage") == weight_file_bytes(ref)
+
+
+def test_a_dtype_without_a_lean_copy_goes_through_save_multifunction(merges, tmp_path, monkeypatch, caplog):
+    """With fp16 taken out of the lean path's dtypes, merge_functions says so and falls back to
+    coremltools (all weights in memory), whose package the lean path would have written."""
+    singles, default = merges["decoder"]
+    monkeypatch.delitem(multifunction.BLOB_IO, MIL_pb2.FLOAT16)
+    assert multifunction.unsupported_blob_dtypes(ct.utils.load_spec(str(singles[default]))) == {"FLOAT16"}
+    with caplog.at_level("WARNING", logger="cohere_coreml.convert"):
+        mlmodel = convert.merge_functions(singles, default, tmp_path)
+    assert "save_multifunction" in caplog.text and "FLOAT16" in caplog.text
+    assert [f.name for f in mlmodel.get_spec().description.functions] == list(singles)
+    monkeypatch.undo()
+    lean = tmp_path / "lean.mlpackage"
+    multifunction.write_multifunction(singles, default, lean)
+    weights = "Data/com.apple.CoreML/weights/weight.bin"
+    assert (lean / weights).read_bytes() == (tmp_path / "merged.mlpackage" / weights).read_bytes()
 
 
 def test_a_wrong_offset_mapping_changes_the_outputs(merges, tmp_path, monkeypatch):

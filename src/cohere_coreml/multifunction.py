@@ -16,16 +16,18 @@ What coremltools does and this module reproduces:
 * specification version: the largest of the sources', at least iOS 18 (multifunction); program
   version 1 and no program attributes (the sources' `buildInfo` is dropped);
 * weights: `@model_path/weights/weight.bin`, blobs written in function order, then in the order
-  of the source's weight file (the order coremltools' exporter wrote them in), identical blobs (same dtype, shape and values) stored
-  once, across and within functions.
+  of the source's weight file (the order coremltools' exporter wrote them in), identical blobs
+  (same dtype, shape and values) stored once, across and within functions: on our packages the
+  weight file is byte for byte the one save_multifunction writes (tests/test_merge.py).
 
 Differences (the graphs compute the same functions): a blob is shared only when its bytes are equal
 (coremltools also shares values within `atol` 6e-8 (fp16) / 1e-12 (fp32), e.g. -0.0 and 0.0), and
 the ops are copied verbatim. coremltools re-exports them through pyMIL, which renames the
 ops of a stateful program's state updates (the `write_state`/`read_state` pairs of
 `coreml_update_state_<n>`, numbered across the functions it loads; the ops' outputs keep their
-names) and would drop a const op duplicating another const of the same function
-(our converter's pass pipeline has already dropped those).
+names) and would drop a const op duplicating another const of the same function (our
+converter's pass pipeline has already dropped those). Blob dtypes coremltools' storage cannot read
+or write (none in our packages) are left to `convert.merge_functions`' fallback.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ WEIGHTS_FILE_VALUE = "@model_path/weights/" + WEIGHTS_FILE
 
 # MIL blob dtype -> (reader method, writer method) of coremltools' blob storage: every dtype the
 # storage reads and writes (fp16 travels as its uint16 bit pattern; sub-byte types one value per byte).
-_BLOB_IO = {
+BLOB_IO = {
     MIL_pb2.FLOAT16: ("read_fp16_data", "write_fp16_data"),
     MIL_pb2.FLOAT32: ("read_float_data", "write_float_data"),
     MIL_pb2.INT8: ("read_int8_data", "write_int8_data"),
@@ -98,7 +100,7 @@ def unsupported_blob_dtypes(spec: Model_pb2.Model) -> set[str]:
     for function in spec.mlProgram.functions.values():
         for value in blob_values(function):
             dtype = value.type.tensorType.dataType
-            if dtype not in _BLOB_IO:
+            if dtype not in BLOB_IO:
                 found.add(MIL_pb2.DataType.Name(dtype))
     return found
 
@@ -138,7 +140,7 @@ class _BlobCopier:
     def copy(self, reader: BlobReader, value: MIL_pb2.Value) -> None:
         """Copy the blob `value` points at (read through `reader`), and point `value` at the copy."""
         tensor = value.type.tensorType
-        read, write = _BLOB_IO[tensor.dataType]
+        read, write = BLOB_IO[tensor.dataType]
         data = getattr(reader, read)(value.blobFileValue.offset)  # 1-D, one element per value
         key = blob_key(tensor, data)
         offset = self.offsets.get(key)
@@ -197,4 +199,5 @@ def write_multifunction(singles: Mapping[str, Path], default: str, destination: 
         ct.utils.save_spec(merged, str(destination), weights_dir=tmp)
 
 
-__all__ = ["write_multifunction", "unsupported_blob_dtypes", "blob_values", "blob_key", "MULTIFUNCTION_SPEC_VERSION"]
+__all__ = ["write_multifunction", "unsupported_blob_dtypes", "blob_values", "blob_key", "BLOB_IO",
+           "MULTIFUNCTION_SPEC_VERSION"]
