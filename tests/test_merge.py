@@ -7,6 +7,8 @@ bind functions, int8 and 4-bit palettized compressions of the encoder), captured
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import coremltools as ct
@@ -211,3 +213,63 @@ def test_unknown_default_is_refused(merges, tmp_path):
     singles, _ = merges["decoder"]
     with pytest.raises(ValueError, match="default function 'nope'"):
         multifunction.write_multifunction(singles, "nope", tmp_path / "x.mlpackage")
+
+
+# Prints the peak RSS a merge adds, in a fresh interpreter: argv = mode ("lean" | "coremltools"),
+# destination, then the single packages (function = file stem, the first one the default). The peak
+# is VmHWM (this process image's high-water mark; ru_maxrss would include the forking parent's).
+_MERGE_RSS = """
+import sys
+from pathlib import Path
+import coremltools as ct
+from cohere_coreml import multifunction
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+mode, out, *packages = sys.argv[1:]
+singles = {Path(p).stem: Path(p) for p in packages}
+before = status("VmRSS")
+assert status("VmHWM") - before < 2**26, "imports peaked above the steady state: the peak would hide the merge"
+if mode == "lean":
+    multifunction.write_multifunction(singles, next(iter(singles)), Path(out))
+else:
+    desc = ct.utils.MultiFunctionDescriptor()
+    for fn, p in singles.items():
+        desc.add_function(str(p), src_function_name="main", target_function_name=fn)
+    desc.default_function_name = next(iter(singles))
+    ct.utils.save_multifunction(desc, out)
+print(status("VmHWM") - before)
+"""
+
+
+def test_the_lean_merge_holds_about_one_tensor(tmp_path):
+    """Four functions sharing one 64 MiB weight: coremltools holds every function's copy at once,
+    the lean merge one (the blob it read, plus the reader's mapped pages of it while it copies)."""
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import Function, Program, types
+
+    weight = np.random.default_rng(0).standard_normal((4096, 4096)).astype(np.float32)  # 64 MiB
+    singles = []
+    for i in range(4):
+        with Function({"x": mb.placeholder(shape=(1, 4096), dtype=types.fp32)}, opset_version=ct.target.iOS18) as f:
+            f.set_outputs([mb.mul(x=mb.linear(x=f.inputs["x"], weight=weight), y=np.float32(i + 1), name="y")])
+        prog = Program()
+        prog.add_function("main", f)
+        path = tmp_path / f"f{i}.mlpackage"
+        ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.macOS15,
+                   pass_pipeline=ct.PassPipeline.EMPTY, skip_model_load=True).save(str(path))
+        singles.append(str(path))
+    del weight
+
+    def growth(mode: str) -> int:
+        out = tmp_path / f"{mode}.mlpackage"
+        run = subprocess.run([sys.executable, "-c", _MERGE_RSS, mode, str(out), *singles],
+                             capture_output=True, text=True, check=True)
+        return int(run.stdout.split()[-1])
+
+    tensor = 4096 * 4096 * 4
+    lean, reference = growth("lean"), growth("coremltools")
+    assert reference > 3 * tensor  # the fixture shows the difference
+    assert lean < 2.5 * tensor
+    weights = "Data/com.apple.CoreML/weights/weight.bin"
+    assert (tmp_path / "lean.mlpackage" / weights).read_bytes() == (tmp_path / "coremltools.mlpackage" / weights).read_bytes()

@@ -6,8 +6,9 @@ the constants across functions, then writes the program back. This module writes
 from the protobufs alone: each source's `main` function is copied into the merged program as is,
 and each weight blob it references is read (`coremltools.libmilstoragepython._BlobStorageReader`),
 hashed, written once to the merged weight file (`_BlobStorageWriter`, the writer coremltools' own
-exporter uses) and its `BlobFileValue` pointed at the new offset. At most one tensor is in memory
-beyond the protobufs.
+exporter uses) and its `BlobFileValue` pointed at the new offset. Beyond the protobufs, one
+tensor is in memory at a time (the blob read, and the reader's mapped pages of it: a reader is
+opened per blob, since one keeps every page it has read resident).
 
 What coremltools does and this module reproduces:
 
