@@ -239,17 +239,29 @@ def convert_module(
 
 def merge_functions(singles: Mapping[str, Path], default: str, scratch: Path):
     """One multifunction MLModel from single-function packages: each package's `main` becomes the
-    function named by its key, `default` the default function; identical weights are stored once
-    (`coremltools.utils.save_multifunction`). Written to `scratch/merged.mlpackage`. Merging drops the
+    function named by its key, `default` the default function; identical weights are stored once.
+    Written to `scratch/merged.mlpackage` one weight at a time (`cohere_coreml.multifunction`); a
+    package holding a blob dtype that path cannot copy goes through
+    `coremltools.utils.save_multifunction` (all weights in memory at once). Merging drops the
     packages' metadata: the caller sets what the merged package records."""
     import coremltools as ct  # heavy: the PyTorch side needs none
 
-    descriptor = ct.utils.MultiFunctionDescriptor()
-    for fn, single in singles.items():
-        descriptor.add_function(str(single), src_function_name="main", target_function_name=fn)
-    descriptor.default_function_name = default
+    from . import multifunction  # imports coremltools (see above)
+
     merged = scratch / "merged.mlpackage"
-    ct.utils.save_multifunction(descriptor, str(merged))
+    unsupported = set()
+    for single in singles.values():
+        unsupported |= multifunction.unsupported_blob_dtypes(ct.utils.load_spec(str(single)))
+    if not unsupported:
+        multifunction.write_multifunction(singles, default, merged)
+    else:
+        logger.warning("merging %s through coremltools.utils.save_multifunction (all weights in memory): "
+                       "blob dtypes %s have no lean copy", list(singles), sorted(unsupported))
+        descriptor = ct.utils.MultiFunctionDescriptor()
+        for fn, single in singles.items():
+            descriptor.add_function(str(single), src_function_name="main", target_function_name=fn)
+        descriptor.default_function_name = default
+        ct.utils.save_multifunction(descriptor, str(merged))
     return ct.models.MLModel(str(merged), skip_model_load=True)
 
 
