@@ -31,7 +31,15 @@ import sys
 from pathlib import Path
 
 from cohere_coreml_dev.cli_runs import bundle_bytes, checkpoint_parameters, gate_figures, run_cli
-from cohere_coreml_dev.compression_table import heldout_row, markdown, mean_rate, pareto_front, parse_row, split_folder
+from cohere_coreml_dev.compression_table import (
+    heldout_row,
+    markdown,
+    mean_rate,
+    pareto_front,
+    parse_row,
+    split_folder,
+    token_disagreement,
+)
 
 logger = logging.getLogger("bench_compression")
 CALIBRATED = ("lowrank", "q8-lowrank")  # presets that take --calibration
@@ -87,22 +95,37 @@ def write_chart(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt  # after use("Agg"), as matplotlib requires
 
     rows = [r for r in report["rows"] if r.get("languages")]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for r in rows:
-        x, y = r["bytes"] / 1e6, 100 * mean_rate(r["languages"])
-        on_front = r["label"] in report["pareto_front"]
-        ax.scatter([x], [y], marker="o" if r["passed"] else "x", color="C0" if on_front else "grey")
-        ax.annotate(r["label"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    front = sorted((r for r in rows if r["label"] in report["pareto_front"]), key=lambda r: r["bytes"])
-    ax.plot([r["bytes"] / 1e6 for r in front], [100 * mean_rate(r["languages"]) for r in front], color="C0",
-            linewidth=1, label="Pareto front")
-    ax.set_xlabel("bundle (MB)")
-    ax.set_ylabel("mean WER / CER over languages (%)")
-    ax.set_title(f"compression presets: {Path(report['model']).name} on {Path(report['data']).name} (x: refused)")
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    panels = ((axes[0], "pareto_front", lambda r: 100 * mean_rate(r["languages"]), "mean WER / CER over languages (%)"),
+              (axes[1], "pareto_front_tokens", lambda r: 100 * token_disagreement(r), "PyTorch tokens not reproduced (%)"))
+    for ax, key, error, label in panels:
+        for r in rows:
+            x, y = r["bytes"] / 1e6, error(r)
+            ax.scatter([x], [y], marker="o" if r["passed"] else "x",
+                       color="C0" if r["label"] in report[key] else "grey")
+            ax.annotate(r["label"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        front = sorted((r for r in rows if r["label"] in report[key]), key=lambda r: r["bytes"])
+        ax.plot([r["bytes"] / 1e6 for r in front], [error(r) for r in front], color="C0", linewidth=1,
+                label="Pareto front (gates passed)")
+        ax.set_xlabel("bundle (MB)")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"compression presets: {Path(report['model']).name}, held-out clips not used for calibration "
+                 "(x: refused by its gate)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def render(report: dict, out: Path) -> str:
+    """The fronts, the table and the chart of a report (also `--replot` of a saved one)."""
+    report["pareto_front"] = pareto_front(report["rows"])
+    report["pareto_front_tokens"] = pareto_front(report["rows"], error=token_disagreement)
+    (out / "bench_compression.json").write_text(json.dumps(report, indent=2))
+    table = markdown(report)
+    (out / "bench_compression.md").write_text(table)
+    write_chart(report, out / "bench_compression.png")
+    return table
 
 
 def main(argv=None) -> int:
@@ -118,8 +141,12 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS),
                         help="rows as 'label=preset [quantize flags]' or a preset name (default: every preset)")
     parser.add_argument("--full-size", default=None, help="tools/bench_quantize.py's JSON of a full-size run")
+    parser.add_argument("--replot", action="store_true", help="only re-render OUT/bench_compression.json (no run)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.replot:
+        print(render(json.loads((Path(args.out) / "bench_compression.json").read_text()), Path(args.out)))
+        return 0
     from cohere_coreml.quantize import PRESETS  # the presets this build has
 
     out = Path(args.out)
@@ -154,11 +181,7 @@ def main(argv=None) -> int:
     if args.full_size:
         full = json.loads(Path(args.full_size).read_text())
         report["full_size"] = {name: b["bytes"] / full["parameters"] for name, b in full["bundles"].items()}
-    report["pareto_front"] = pareto_front(report["rows"])
-    (out / "bench_compression.json").write_text(json.dumps(report, indent=2))
-    table = markdown(report)
-    (out / "bench_compression.md").write_text(table)
-    write_chart(report, out / "bench_compression.png")
+    table = render(report, out)
     print(table)
     print(f"wrote {out / 'bench_compression.md'}, .json, .png")
     return 0
