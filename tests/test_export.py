@@ -313,6 +313,40 @@ def test_gates_run_after_the_model_and_programs_are_freed(tiny_checkpoint, tmp_p
     assert result.manifest.is_file()
 
 
+@pytest.mark.slow
+def test_bucket_export_leaves_no_converted_copy_in_the_temp_folder(tiny_checkpoint, tmp_path, monkeypatch):
+    """coremltools writes every converted model to a temporary package and deletes it only at exit;
+    the function loops (encoder buckets, decoder functions, front end) delete each copy once saved
+    (`files.save_converted`): at full size each is 3.5 GB, and a 6-function export filled the disk."""
+    import tempfile
+
+    from cohere_coreml import files
+    from cohere_coreml.checkpoint import load_reference
+    from cohere_coreml.convert import ExportSettings
+    from cohere_coreml.export import export_model
+
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    model, processor = load_reference(tiny_checkpoint)
+
+    def leftovers():
+        return sorted(p.name for p in temp.iterdir() if p.name.endswith(".mlpackage"))
+
+    settings = ExportSettings(out_dir=tmp_path / "b", precision="fp32", window_seconds=3.0, skip_verify=True)
+    export_model(model, processor, settings, buckets=(1.0, 2.0), prefill=True, max_new_tokens=22)
+    # one single-function conversion per component may stay until exit; none of the loops' copies
+    before = len(leftovers())
+    assert before <= 1, leftovers()
+    # control: saving without deleting keeps every function's copy
+    monkeypatch.setattr(files, "save_converted", lambda mlmodel, path: mlmodel.save(str(path)))
+    for module in ("encoder", "decoder", "frontend"):
+        monkeypatch.setattr(f"cohere_coreml.{module}.save_converted", files.save_converted)
+    export_model(model, processor, settings.replace(out_dir=tmp_path / "c"), buckets=(1.0, 2.0), prefill=True,
+                 max_new_tokens=22)
+    assert len(leftovers()) - before >= 3 + 2 + 3, leftovers()  # buckets + decoder functions + front ends
+
+
 def test_manifest_io_of_every_function(trained_bundle):
     """A multifunction bundle (length bucket + prefill) lists the I/O of every function, read from the
     package: each encoder function takes its own frame count, the prefill function the whole prompt

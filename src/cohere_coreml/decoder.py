@@ -62,7 +62,7 @@ from .config import (
 from .convert import ExportSettings, convert_module, merge_functions
 from .decoder_gate import COMPONENT, prepare_gate
 from .decoder_runtime import extend_inputs
-from .files import skip_installed
+from .files import save_converted, skip_installed
 from .gate import StagedPackage, stage_gated
 from .shapes import DecoderShapes, cache_capacity
 
@@ -578,7 +578,7 @@ def save_multifunction(converters: dict, tmp: Path) -> None:
         singles = {}
         for fn, convert in converters.items():
             singles[fn] = scratch / f"{fn}.mlpackage"
-            convert().save(str(singles[fn]))
+            save_converted(convert(), singles[fn])
         merged_model = merge_functions(singles, STEP_FUNCTION, scratch)
         step_meta = ct.models.MLModel(str(singles[STEP_FUNCTION]), skip_model_load=True).user_defined_metadata
         merged_model.user_defined_metadata.update(dict(step_meta))

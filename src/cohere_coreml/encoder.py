@@ -35,7 +35,7 @@ import torch.nn as nn
 from .audio import FrontEndConfig, load_audio, log_mel
 from .config import BUCKETS_METADATA_KEY, FP16_MASK_VALUE
 from .convert import ExportError, ExportSettings, convert_module, merge_functions
-from .files import skip_installed, temporary_dir
+from .files import save_converted, skip_installed, temporary_dir
 from .gate import GateCase, GateReport, StagedPackage, compare_cases, default_gate_audio, stage_gated
 from .parity import psnr
 from .reference import cross_memory
@@ -475,8 +475,8 @@ def stage_encoder_buckets(model, settings: ExportSettings, bucket_seconds, proce
                 logger.info("bucket %s: %s", fn, shapes)
                 single = scratch / f"{fn}.mlpackage"
                 traced = trace_encoder(model, shapes)
-                convert_traced_encoder(traced, shapes, settings.replace(window_seconds=shapes.window_seconds),
-                                       extra_metadata).save(str(single))
+                save_converted(convert_traced_encoder(traced, shapes, settings.replace(window_seconds=shapes.window_seconds),
+                                                      extra_metadata), single)
                 del traced
                 singles[fn] = single
             mlmodel = merge_functions(singles, "main", scratch)

@@ -8,6 +8,7 @@
 * `sweep_stale_temporaries`, `temporary_dir`: hidden temporaries of this package, removed once the
   process that made them is gone;
 * `package_size_bytes`, `weight_file_bytes`: sizes of a package on disk.
+* `save_converted`: save a converted / compressed model and delete coremltools' temporary copy.
 """
 
 from __future__ import annotations
@@ -229,6 +230,17 @@ def _remove(path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 # Sizes
 # --------------------------------------------------------------------------------------------
+
+
+def save_converted(mlmodel, path: str | Path) -> None:
+    """Save a model coremltools just converted or compressed to `path`, then delete the temporary
+    package coremltools wrote it to (`tempfile`'s folder), which coremltools removes only when the
+    process exits: a loop over functions otherwise keeps one copy per function on disk (full size: 3.5
+    GB per encoder bucket; a 6-function export filled the disk), and a killed process leaves them for
+    good. The object must not be used after this (its weights were in that package)."""
+    mlmodel.save(str(path))
+    if getattr(mlmodel, "is_temp_package", False) and getattr(mlmodel, "package_path", None):
+        shutil.rmtree(mlmodel.package_path, ignore_errors=True)
 
 
 def package_size_bytes(path: str | Path) -> int:

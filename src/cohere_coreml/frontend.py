@@ -56,7 +56,7 @@ from .audio import (
 )
 from .config import FRONTEND_FUNCTIONS_METADATA_KEY
 from .convert import ExportError, ExportSettings, convert_module, merge_functions
-from .files import skip_installed, temporary_dir
+from .files import save_converted, skip_installed, temporary_dir
 from .gate import GateCase, GateReport, StagedPackage, default_gate_audio, stage_gated
 from .parity import CorrectnessReport, report_correctness
 from .shapes import FrontEndShapes, ShapeError
@@ -417,7 +417,7 @@ def stage_frontend(config: FrontEndConfig, settings: ExportSettings, shapes_by_f
                 t0 = time.perf_counter()
                 mlmodel = convert_traced_frontend(trace_frontend(config, shapes, _module_cls), config, shapes, settings)
                 singles[fn] = scratch / f"{fn}.mlpackage"
-                mlmodel.save(str(singles[fn]))
+                save_converted(mlmodel, singles[fn])
                 logger.info("front end %s (%d samples -> %d frames) converted in %.1f s", fn, shapes.samples,
                             shapes.frames, time.perf_counter() - t0)
             if len(singles) == 1:

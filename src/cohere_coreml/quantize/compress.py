@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..convert import merge_functions
-from ..files import package_size_bytes, temporary_dir, weight_file_bytes
+from ..files import package_size_bytes, save_converted, temporary_dir, weight_file_bytes
 from ..runtime.package import package_files, read_spec
 from . import activations
 from .inventory import compressed_tensors, load_function, package_functions, tensor_report, weight_tensors
@@ -207,7 +207,7 @@ def compress_package(src: Path, dst: Path, recipe: Recipe, calibration=None, com
                 else:  # nothing to compress (the decoder's bind_memory): merged as it is
                     compressed = model
                 singles[fn] = scratch / f"{fn}.mlpackage"
-                compressed.save(str(singles[fn]))
+                save_converted(compressed, singles[fn])
                 del compressed, model
             if len(functions) == 1:
                 os.rename(singles[default], dst)
