@@ -14,7 +14,7 @@ report measured (its updates), the wall time per partial, per final and per audi
 A prefill or extend call the bundle lacks is estimated as the measured step time x the ratio of that
 call to a step measured on --ratio-bundle (a small bundle that has them), and marked as an estimate.
 
-    uv run --frozen python tools/bench_hop_walltime.py --bundle /work/fullsize/f16 \\
+    uv run --frozen python tools/bench_hop_walltime.py --bundle out/fullsize/f16 \\
         --report out/stream-bench/report.json --ratio-bundle out/stream-bundle --out out/hop-walltime.json
 """
 

@@ -4,9 +4,6 @@ figures read back from the bundle it wrote (or from its refusal file)."""
 
 from __future__ import annotations
 
-import json
-import math
-import struct
 import subprocess
 import sys
 import time
@@ -49,14 +46,12 @@ def bundle_bytes(path: Path) -> int:
 
 def checkpoint_parameters(folder: Path) -> int:
     """Parameters of a Hugging Face checkpoint folder, from its safetensors headers (no weights read):
-    the denominator of every bytes-per-parameter figure."""
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise SystemExit(f"{folder}: no .safetensors file (a checkpoint folder is needed for the parameter count)")
-    total = 0
-    for f in files:
-        with open(f, "rb") as fh:
-            (length,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(length))
-        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
-    return total
+    the denominator of every bytes-per-parameter figure (`quantize.mixed.count_parameters`, the one
+    counter; its error as a clear exit)."""
+    from cohere_coreml.quantize import QuantizeError  # the product package: only the benches need it here
+    from cohere_coreml.quantize.mixed import count_parameters
+
+    try:
+        return count_parameters(folder)
+    except QuantizeError as err:
+        raise SystemExit(str(err)) from err

@@ -85,13 +85,18 @@ def export_bundle(out: Path, model: Path, threads: int) -> Path:
 
     bundle = out / "bundle"
     manifest = bundle / "manifest.json"
-    # packages of an older bundle format (e.g. format 1's decoder without bind_memory) are re-exported
-    stale = manifest.is_file() and json.loads(manifest.read_text()).get("format_version") != FORMAT_VERSION
+    # the export arguments the packages were made with, beside the bundle (not a bundle file)
+    stamp = out / "bundle.export-args.json"
+    # packages of an older bundle format (e.g. format 1's decoder without bind_memory), or exported with
+    # other arguments (e.g. a decoder from before --extend: the export keeps packages present), are re-exported
+    stale = manifest.is_file() and (json.loads(manifest.read_text()).get("format_version") != FORMAT_VERSION
+                                    or not stamp.is_file() or json.loads(stamp.read_text()) != list(EXPORT_ARGS))
     cmd = _cli("export", "--model", str(model), "--out", str(bundle), *EXPORT_ARGS, *(["--force"] if stale else []))
-    logger.info("test bundle: %s", " ".join(cmd))
+    logger.info("test bundle%s: %s", " (re-exported: other format or arguments)" if stale else "", " ".join(cmd))
     subprocess.run(cmd, check=True, env=_env(threads), stdout=subprocess.DEVNULL)
     if not (bundle / "manifest.json").is_file():
         raise FixtureError(f"the export wrote no manifest in {bundle}")
+    stamp.write_text(json.dumps(list(EXPORT_ARGS)))
     return bundle
 
 
