@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import statistics
 import sys
 import time
@@ -166,7 +167,21 @@ def compose(measured: dict, sched: dict, ratios: dict) -> dict:
     t = sched["totals"]
     encoder_calls = t["partials"] + t["finals"]
     decoder_wall = sum(t["calls"][fn] * call_s[fn] for fn in call_s) + encoder_calls * measured["bind_s"]
-    encoder_wall = t["encoder_frames"] * per_frame
+    # each encoder call runs the smallest bucket holding its segment (shapes.choose_bucket's rule): its
+    # measured time when the bundle has that bucket, else the worst measured seconds per frame x frames
+    buckets = sorted(measured["encoder_frames"].values())
+    by_frames = {measured["encoder_frames"][fn]: enc[fn] for fn in enc}
+    encoder_wall, bucket_frames, scaled = 0.0, 0, 0
+    for u in sched["updates"]:
+        need = math.ceil(round(u["segment_s"] * 100, 6))  # 10 ms mel frames of the segment
+        frames = next((b for b in buckets if b >= need), buckets[-1])
+        bucket_frames += frames
+        encoder_wall += by_frames.get(frames, frames * per_frame)
+        scaled += frames not in by_frames
+    if bucket_frames != t["encoder_frames"]:  # the rule above is not the schedule's: fall back to frames
+        logger.warning("buckets from segment lengths give %d frames, the schedule ran %d: encoder scaled by frames",
+                       bucket_frames, t["encoder_frames"])
+        encoder_wall, scaled = t["encoder_frames"] * per_frame, len(sched["updates"])
     audio = t["audio_s"]
     updates = sched["updates"]
 
@@ -176,6 +191,7 @@ def compose(measured: dict, sched: dict, ratios: dict) -> dict:
     partial_dec = [update_wall(u) for u in updates if u["type"] == "partial"]
     final_dec = [update_wall(u) for u in updates if u["type"] == "final"]
     return {"encoder_s_per_frame": per_frame, "encoder_s_per_audio_s_of_window": per_frame * 100,
+            "encoder_calls_scaled_by_frames": scaled,
             "call_s": call_s, "estimated": estimated,
             "wall_s_per_audio_s": {"encoder": encoder_wall / audio, "decoder": decoder_wall / audio,
                                    "total": (encoder_wall + decoder_wall) / audio},
@@ -194,13 +210,16 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None, help="interpreter threads")
     parser.add_argument("--out", default="out/hop-walltime.json")
+    parser.add_argument("--measured", default=None,
+                        help="an earlier --out JSON: compose from its measured call times (nothing is timed)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     report = json.loads(Path(args.report).read_text())
-    result = {"measured": measure(args.bundle, args.repeats, args.steps, args.threads)}
+    earlier = json.loads(Path(args.measured).read_text()) if args.measured else {}
+    result = {"measured": earlier.get("measured") or measure(args.bundle, args.repeats, args.steps, args.threads)}
     ratios = {PREFILL_FUNCTION: float("nan"), EXTEND_FUNCTION: float("nan")}
     if args.ratio_bundle:
-        small = measure(args.ratio_bundle, args.repeats, args.steps, args.threads)
+        small = earlier.get("ratio_bundle") or measure(args.ratio_bundle, args.repeats, args.steps, args.threads)
         result["ratio_bundle"] = small
         ratios = {fn: small[f"{fn}_s"] / small["step_s"] for fn in (PREFILL_FUNCTION, EXTEND_FUNCTION)
                   if f"{fn}_s" in small}
