@@ -13,7 +13,16 @@ import shutil
 import pytest
 
 from cohere_coreml.integrity import check_bundle
-from cohere_coreml.publish import EXAMPLE, README, PublishError, example_source, finalize_bundle, model_card
+from cohere_coreml.publish import (
+    EXAMPLE,
+    README,
+    PublishError,
+    activations_note,
+    example_source,
+    finalize_bundle,
+    low_rank_note,
+    model_card,
+)
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +85,29 @@ def test_finalize_refuses_a_folder_without_manifest(tmp_path):
     with pytest.raises(PublishError, match="no manifest.json"):
         finalize_bundle(tmp_path)
     assert not (tmp_path / EXAMPLE).exists()
+
+
+def test_card_says_what_changes_the_computation(tmp_path):
+    """A low-rank encoder (itself or as the source of a weight preset) and int8 activations are named
+    in the card: they change what the model computes, not only how its weights are stored."""
+    lowrank = {"encoder_parameters": {"before": 2091216, "after": 866496}}
+    cases = {
+        "q8": ({"preset": "q8", "components": {"encoder": {}, "decoder": {}}}, "", "fp16 activations"),
+        "lowrank": ({"preset": "lowrank", "components": {"encoder": {"lowrank": lowrank}}},
+                    "; the encoder's linears are low-rank", "fp16 activations"),
+        "chained": ({"preset": "q4", "components": {"encoder": {}},
+                     "source_compression": {"preset": "lowrank", "components": {"encoder": {"lowrank": lowrank}}}},
+                    ", after a low-rank encoder (preset `lowrank`); the encoder's linears", "fp16 activations"),
+        "w8a8": ({"preset": "q8a8", "components": {"encoder": {"activations": {"dtype": "int8"}}, "decoder": {}}}, "",
+                 "int8 activations in the encoder (W8A8), fp16 elsewhere"),
+    }
+    for name, (report, low, act) in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        (d / "compression.json").write_text(json.dumps(report))
+        note = low_rank_note(d)
+        assert note.startswith(low) if low else note == "", (name, note)
+        if low:
+            assert "2,091,216 -> 866,496 encoder parameters" in note
+        assert activations_note(d) == act, name
+    assert low_rank_note(tmp_path) == "" and activations_note(tmp_path) == "fp16 activations"  # an f16 export

@@ -107,6 +107,33 @@ def swift_usage(folder: str) -> list[str]:
         "(`docs/bundle.md` of cohere-transcribe-coreml)."]
 
 
+def activations_note(root: Path) -> str:
+    """"fp16 activations", or which components compute with int8 activations (W8A8: compression.json's
+    per-component `activations` section)."""
+    report = root / "compression.json"
+    sections = json.loads(report.read_text()).get("components", {}) if report.is_file() else {}
+    int8 = [comp for comp, sec in sections.items() if (sec.get("activations") or {}).get("dtype") == "int8"]
+    return f"int8 activations in the {' and '.join(int8)} (W8A8), fp16 elsewhere" if int8 else "fp16 activations"
+
+
+def low_rank_note(root: Path) -> str:
+    """The card's words for a low-rank encoder (preset `lowrank`, or a bundle compressed from one:
+    compression.json's `source_compression`), which changes what the encoder computes, not only its
+    precision; "" for any other bundle."""
+    report = root / "compression.json"
+    if not report.is_file():
+        return ""
+    data = json.loads(report.read_text())
+    lowrank = (data.get("components", {}).get("encoder", {}).get("lowrank")
+               or data.get("source_compression", {}).get("components", {}).get("encoder", {}).get("lowrank"))
+    if not lowrank:
+        return ""
+    params = lowrank.get("encoder_parameters", {})
+    step = "" if data.get("preset") in ("lowrank", "q8-lowrank") else ", after a low-rank encoder (preset `lowrank`)"
+    return (f"{step}; the encoder's linears are low-rank factorisations (LiteASR: PCA of calibration activations), "
+            f"{params.get('before', 0):,} -> {params.get('after', 0):,} encoder parameters")
+
+
 def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None, manifest: dict | None = None) -> str:
     """README.md of a bundle: Hub metadata header, files and sizes, gate figures, usage; with a
     `cohere-coreml bench` report, the presets compared on its dataset. `manifest`: the manifest to
@@ -140,7 +167,8 @@ def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None, manifes
              f"{m.get('tool_version')} (`{m.get('tool_git_hash')}`): "
              + ("front end (16 kHz samples -> log-mel features, fp32, CPU/GPU) + " if m.get("frontend") else "")
              + "encoder + stateful decoder (KV cache in Core ML "
-             "state), fp16 activations" + ("" if preset == "f16" else f", weights compressed with preset `{preset}`") + ".",
+             f"state), {activations_note(root)}" + ("" if preset == "f16" else f", weights compressed with preset `{preset}`")
+             + low_rank_note(root) + ".",
              "", "## Files", "", "| file | size |", "|---|---|"]
     lines += [f"| `{name}` | {_mb(n)} |" for name, n in sorted(sizes.items())]
     lines += ["", f"Total: {_mb(sum(sizes.values()))}. Every file's sha256 is in `manifest.json` "
