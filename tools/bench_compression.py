@@ -19,7 +19,8 @@ FILE` adds the bytes per parameter at full size from tools/bench_quantize.py's J
 sizes only) for the presets it measured.
 
     uv run --frozen python tools/bench_compression.py --out out/bench-compression
-    uv run --frozen python tools/bench_compression.py --out out/bench-compression --rows q8 'mixed-0.45=mixed --target-bytes-per-param 0.45'
+    uv run --frozen python tools/bench_compression.py --out out/bench-compression --rows q8 'lowrank' \
+        'lowrank-q4=q4 --bundle {out}/lowrank'
 """
 
 from __future__ import annotations
@@ -44,10 +45,14 @@ from cohere_coreml_dev.compression_table import (
 logger = logging.getLogger("bench_compression")
 CALIBRATED = ("lowrank", "q8-lowrank")  # presets that take --calibration
 
-# label=preset [quantize flags]; rows whose preset this build does not have are left out (logged)
+# label=preset [quantize flags]; `{out}` stands for --out. Rows whose preset this build does not have
+# are left out (logged); rows run in order, so a row may start from an earlier row's bundle.
 DEFAULT_ROWS = ("q8", "q8-hybrid", "q4", "q8a8", "lowrank", "q8-lowrank",
-                "mixed-0.45=mixed --target-bytes-per-param 0.45", "mixed-0.55=mixed --target-bytes-per-param 0.55",
-                "mixed-0.70=mixed --target-bytes-per-param 0.70")
+                "mixed-4.3M=mixed --target-bytes 4300000 --sensitivity-file {out}/sens-f16.json",
+                "mixed-3.9M=mixed --target-bytes 3900000 --sensitivity-file {out}/sens-f16.json",
+                "lowrank-q4=q4 --bundle {out}/lowrank",
+                "lowrank-mixed-3.6M=mixed --bundle {out}/lowrank --target-bytes 3600000 --sensitivity-file {out}/sens-lowrank.json",
+                "lowrank-mixed-3.75M=mixed --bundle {out}/lowrank --target-bytes 3750000 --sensitivity-file {out}/sens-lowrank.json")
 
 
 def measure_heldout(f16: Path, bundle: Path, data: Path, model: str) -> dict:
@@ -59,6 +64,7 @@ def measure_heldout(f16: Path, bundle: Path, data: Path, model: str) -> dict:
 
 def run_row(label: str, preset: str, flags: list[str], args, params: int) -> dict:
     out = Path(args.out)
+    flags = [f.replace("{out}", str(out)) for f in flags]
     q = out / label
     cmd = ["quantize", "--bundle", str(args.bundle), "--out", str(q), "--preset", preset, "--model", str(args.model),
            "--data", str(args.evaluation), "--force", *flags]
