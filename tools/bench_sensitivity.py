@@ -39,7 +39,7 @@ def main(argv=None) -> int:
 
     bundle = Path(args.bundle)
     t0 = time.perf_counter()
-    clips = Q.packaged_gate_clips() if args.data == "none" else Q.gate_clips(Path(args.data))
+    clips = Q.clips_of(None if args.data == "none" else args.data)
     data = Q.build_gate_data(bundle, clips)
     f16_package = bundle / "decoder.mlpackage"
     with tempfile.TemporaryDirectory() as tmp:

@@ -568,7 +568,7 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
 
 def save_multifunction(converters: dict, tmp: Path) -> None:
     """Convert each function (name -> callable returning a single-function MLModel), then merge them
-    into one package at `tmp` (`coremltools.utils.save_multifunction`: identical weights stored once;
+    into one package at `tmp` (`convert.merge_functions`: identical weights stored once;
     `main` is the default function). Each program is converted, saved and dropped in turn (only one
     converted program in memory)."""
     import coremltools as ct  # heavy: the PyTorch side (decoder_gate, tests) needs none

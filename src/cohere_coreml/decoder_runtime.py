@@ -107,7 +107,8 @@ class Fed:
 
 
 class DecoderRuntime:
-    """bind_memory, the step (`main`) and optionally prefill of one decoder package, sharing one state.
+    """bind_memory, the step (`main`) and optionally prefill and extend of one decoder package, sharing
+    one state.
 
     Args:
         step, bind, prefill, extend: loaded functions (`runtime.load_model`), prefill and extend optional.
@@ -125,6 +126,7 @@ class DecoderRuntime:
         if extend is not None:
             self.extend_length = int(extend.input_description["input_ids"][0][1])  # (1, K)
         self.capacity = int(step.state_description["self_k"][0][2])  # self_k (L, Hkv, C, Dh)
+
     @classmethod
     def load(cls, path: str | os.PathLike, backend: str = "auto", compute_units: str = "all",
              prefill: bool = True, num_threads: int | None = None, extend: bool = True) -> DecoderRuntime:

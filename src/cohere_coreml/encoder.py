@@ -446,7 +446,7 @@ def convert_encoder_buckets(
     bucket (e.g. 10 s, 20 s) is a function `window_<s>s` whose input has that bucket's frames but
     whose outputs are padded to the FULL window's memory length Tp, so the decoder (and the
     contract) are unchanged: a short clip only pays for its bucket's encoder compute. Identical
-    weights are stored once (`coremltools.utils.save_multifunction`). Every function is gated.
+    weights are stored once (`convert.merge_functions`). Every function is gated.
     """
     staged = stage_encoder_buckets(model, settings, bucket_seconds, processor, gate_audio, extra_metadata)
     if staged is None:

@@ -78,7 +78,7 @@ def write_package_atomic(
     verify: Callable[[Path], Any] | None = None,
 ) -> bool:
     """`save_package_atomic` for any writer: `write(tmp_path)` creates the package (e.g.
-    `coremltools.utils.save_multifunction(descriptor, tmp_path)`)."""
+    a merged multifunction package: `convert.merge_functions`)."""
     path = Path(path)
     tmp = staging_path(path)
     if skip_existing(path, force):

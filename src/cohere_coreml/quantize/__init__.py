@@ -40,6 +40,7 @@ from .inventory import (
 from .measure import (
     GateData,
     build_gate_data,
+    clips_of,
     decoder_outputs,
     decoder_runtime,
     encoder_outputs,
@@ -68,6 +69,6 @@ __all__ = [
     "compare_transcripts", "component_gate", "compress_mlmodel", "compress_package", "compressed_ops",
     "compressed_tensors", "decoder_outputs", "decoder_runtime", "encoder_outputs", "encoder_psnr", "engine_transcripts",
     "extract_function", "format_summary", "gate_clips", "heldout_gate", "heldout_report", "load_function",
-    "log_prob_error", "package_functions", "packaged_gate_clips", "preset_recipes", "quantize_bundle", "refusal_path",
+    "clips_of", "log_prob_error", "package_functions", "packaged_gate_clips", "preset_recipes", "quantize_bundle", "refusal_path",
     "scheme_config", "sensitivity", "source_preset", "tensor_report", "weight_tensors",
 ]

@@ -34,7 +34,7 @@ from .compress import compress_package
 from .gate import QuantizeGateError, component_gate, heldout_gate
 from .inventory import compressed_ops
 from .lowrank import build_lowrank_encoder
-from .measure import GateData, build_gate_data, gate_clips, packaged_gate_clips
+from .measure import GateData, build_gate_data, clips_of
 from .mixed import Budget, attach_measured, count_parameters, mixed_recipe, plan
 from .recipes import (
     COMPONENTS,
@@ -253,7 +253,7 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
         if (not skip_verify or with_sensitivity or target_psnr is not None or calibrate
                 or (preset == "mixed" and not proxy)):
             # the f16 references first (through the runtime); no quantized package is loaded yet
-            clips = gate_clips(Path(eval_dir)) if eval_dir else packaged_gate_clips()
+            clips = clips_of(eval_dir)
             logger.info("gate data: %d clips through the f16 bundle", len(clips))
             data = build_gate_data(src, clips)
         mixed_section = None
@@ -348,6 +348,11 @@ def mixed_budget(args) -> Budget:
     return Budget(target_bytes=args.target_bytes, bytes_per_param=args.target_bytes_per_param, parameters=params)
 
 
+def data_folder(args) -> str | None:
+    """`--data`: the evaluation folder, or None for 'none'."""
+    return None if str(args.data).lower() == "none" else args.data
+
+
 def dry_run_plan(args, budget: Budget) -> dict:
     """`--dry-run`: the mixed assignment and its predicted bytes only (nothing compressed or written)."""
     if args.preset != "mixed":
@@ -356,9 +361,7 @@ def dry_run_plan(args, budget: Budget) -> dict:
     check_source(Path(args.bundle))
     data = None
     if not args.proxy and not (args.sensitivity_file and Path(args.sensitivity_file).is_file()):
-        eval_dir = None if str(args.data).lower() == "none" else args.data
-        data = build_gate_data(Path(args.bundle), gate_clips(Path(eval_dir)) if eval_dir else packaged_gate_clips())
-        data = data.subset(SENSITIVITY_WINDOWS)
+        data = build_gate_data(Path(args.bundle), clips_of(data_folder(args))).subset(SENSITIVITY_WINDOWS)
     return plan(Path(args.bundle), budget, data, proxy=args.proxy, sensitivity_file=args.sensitivity_file)
 
 
@@ -464,7 +467,7 @@ def cmd_quantize(args) -> int:
             write_json_atomic(section, Path(args.plan_out))
         print(json.dumps({k: v for k, v in section.items() if k != "tensors"}, indent=1))
         return 0
-    eval_dir = None if str(args.data).lower() == "none" else args.data
+    eval_dir = data_folder(args)
     report = quantize_bundle(args.bundle, args.out, args.preset, model=args.model, eval_dir=eval_dir,
                              target_psnr=args.target_psnr, with_sensitivity=args.sensitivity,
                              limit_per_language=args.limit_per_language, force=args.force,

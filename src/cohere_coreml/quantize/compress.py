@@ -2,7 +2,7 @@
 
 Everything that compresses is coremltools (`linear_quantize_weights`, `palettize_weights`); this
 module runs it per function of multifunction packages (coremltools refuses those: each function is
-compressed alone and the results merged with `save_multifunction`, which stores identical weights
+compressed alone and the results merged with `convert.merge_functions`, which stores identical weights
 once), runs the recipe's fallback scheme over what the first pass silently left, collects
 coremltools' skip messages, and returns the package's `compression.json` section (`inventory`).
 
@@ -174,7 +174,7 @@ def compress_package(src: Path, dst: Path, recipe: Recipe, calibration=None, com
     role), then its weights.
 
     Multifunction packages: every function is compressed alone and the results are merged
-    (`coremltools.utils.save_multifunction`: identical weights stored once); the report says
+    (`convert.merge_functions`: identical weights stored once); the report says
     whether the merged weight file stays the size of one function's (weights shared).
     """
 

@@ -67,6 +67,11 @@ def packaged_gate_clips() -> list[tuple[Path, str]]:
     return [(path, path.name.split("_", 1)[0]) for path in default_gate_audio()]
 
 
+def clips_of(eval_dir: str | os.PathLike | None) -> list[tuple[Path, str]]:
+    """The gates' clips: an evaluation folder's (`gate_clips`), or the packaged speech without one."""
+    return gate_clips(Path(eval_dir)) if eval_dir else packaged_gate_clips()
+
+
 def build_gate_data(bundle_dir: Path, clips: Sequence[tuple[Path, str]], max_new_tokens: int = 48) -> GateData:
     """Windows of real speech (each clip, plus one full window of them back to back) and the f16
     bundle's own greedy decode of each (the teacher-forcing sequences), all through the runtime."""
