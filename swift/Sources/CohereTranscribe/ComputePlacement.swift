@@ -27,6 +27,8 @@ public struct FunctionPlacement: Encodable, Sendable {
     public var operations: Int = 0
     /// "neural_engine", "gpu", "cpu" (preferred device), "none" (no device usage: constants).
     public var operationsByDevice: [String: Int] = [:]
+    /// Per operator (e.g. "ios18.matmul"): operations per preferred device ("none" as above).
+    public var operationsByType: [String: [String: Int]] = [:]
     /// Sum of `estimatedCost(of:).weight` per preferred device.
     public var costByDevice: [String: Double] = [:]
     /// `costByDevice` over the total cost of the function's operations.
@@ -37,7 +39,7 @@ public struct FunctionPlacement: Encodable, Sendable {
 
     enum CodingKeys: String, CodingKey {
         case package, function, computeUnits = "compute_units", operations = "ops",
-             operationsByDevice = "ops_by_device", costByDevice = "cost_by_device", costShare = "cost_share",
+             operationsByDevice = "ops_by_device", operationsByType = "ops_by_type", costByDevice = "cost_by_device", costShare = "cost_share",
              notOnNeuralEngine = "not_on_neural_engine", error
     }
 }
@@ -54,16 +56,30 @@ struct PlacementTarget {
 /// whose `load` throws). Written against the SDK's declarations.
 @available(macOS 14.4, iOS 17.4, *)
 enum ComputePlanWalker {
-    /// Placement of `target.functions` from the compiled model at `compiled`. Throws when the plan cannot
-    /// be loaded at all (on Linux, always); a function missing from the plan is reported in its row.
+    /// Placement of `target.functions` from the compiled model at `compiled`: one plan per function, loaded with
+    /// `MLModelConfiguration.functionName` set to it (macOS 15 / iOS 18; "main" as the transcriber loads it: nil, the
+    /// package's default function), so each function's placement is the one Core ML plans for that function. Throws
+    /// when no function's plan can be loaded (on Linux, always); a function whose plan fails or which the plan lacks
+    /// is reported in its row.
     static func placement(compiled: URL, target: PlacementTarget) async throws -> [FunctionPlacement] {
-        let configuration = MLModelConfiguration()
-        configuration.computeUnits = target.units.coreML
-        let plan = try await MLComputePlan.load(contentsOf: compiled, configuration: configuration)
         let package = target.package.lastPathComponent
         var rows: [FunctionPlacement] = []
+        var lastError: Error?
         for name in target.functions {
             var row = FunctionPlacement(package: package, function: name, computeUnits: target.units.rawValue)
+            let configuration = MLModelConfiguration()
+            configuration.computeUnits = target.units.coreML
+            configuration.functionName = name == "main" ? nil : name
+            let plan: MLComputePlan
+            do {
+                plan = try await MLComputePlan.load(contentsOf: compiled, configuration: configuration)
+            } catch {
+                lastError = error
+                row.error = "MLComputePlan.load (functionName \(configuration.functionName ?? "nil")) failed: "
+                    + error.localizedDescription
+                rows.append(row)
+                continue
+            }
             switch plan.modelStructure {
             case .program(let program):
                 if let function = program.functions[name] {
@@ -81,6 +97,7 @@ enum ComputePlanWalker {
             }
             rows.append(row)
         }
+        if let lastError, rows.allSatisfy({ $0.error != nil }) { throw lastError }
         return rows
     }
 
@@ -91,6 +108,7 @@ enum ComputePlanWalker {
             if let usage = plan.deviceUsage(for: operation) {
                 let device = name(usage.preferred)
                 row.operationsByDevice[device, default: 0] += 1
+                row.operationsByType[operation.operatorName, default: [:]][device, default: 0] += 1
                 row.costByDevice[device, default: 0] += cost ?? 0
                 if device != "neural_engine" {
                     row.notOnNeuralEngine.append(FunctionPlacement.Operation(
@@ -99,6 +117,7 @@ enum ComputePlanWalker {
                 }
             } else {
                 row.operationsByDevice["none", default: 0] += 1
+                row.operationsByType[operation.operatorName, default: [:]]["none", default: 0] += 1
             }
             for nested in operation.blocks { walk(nested, plan: plan, into: &row) }
         }

@@ -37,6 +37,11 @@ public enum DeviceBenchmark {
         public var warmup: Bool
         /// Called with one line per step (loads, clips).
         public var progress: (@Sendable (String) -> Void)?
+        /// The candidate this run measures (a child of the sweep, DeviceSweep.swift): its layout must be one the
+        /// bundle holds; recorded in the report. Its compute units are `computeUnits` (the caller sets both).
+        public var candidate: DeviceCandidate?
+        /// Test hook: what to do at the first prediction (`FaultInjection`, from $COHERE_BENCH_FAULT in a child).
+        public var fault: FaultInjection?
 
         public init(bundle: URL, dataset: String, computeUnits: ComponentComputeUnits = .init(),
                     computeUnitsFlag: ComputeUnits? = nil, language: String? = nil, maxClips: Int? = nil,
@@ -59,6 +64,15 @@ public enum DeviceBenchmark {
         let dataset = try BenchDataset.load(options.dataset)
         let bundle = try BundleRecord.read(options.bundle)
         let manifest = try BundleManifest.load(bundle: options.bundle)
+        if let candidate = options.candidate {
+            let layouts = try BundleLayout.layouts(bundle: options.bundle)
+            guard layouts.contains(candidate.layout) else {
+                throw BenchmarkError("candidate \(candidate.id): the bundle \(options.bundle.path) holds no layout "
+                    + "\(candidate.layout.id) (it holds: \(layouts.map(\.id).joined(separator: "; ")))")
+            }
+        }
+        // the transcribers' runtime: the fault injector around it when asked (placement and cache use `runtime`)
+        let models: ModelRuntime = options.fault.map { FaultInjectingRuntime(base: runtime, fault: $0) } ?? runtime
         if let language = options.language { _ = try manifest.prompt(language: language) }  // unknown: fail now
         if let n = options.maxClips, n < 1 { throw BenchmarkError("--max-clips must be >= 1, got \(n)") }
         let eos = Set(bundle.eosTokenIds)
@@ -69,8 +83,8 @@ public enum DeviceBenchmark {
 
         say("cold load: \(options.bundle.path) (\(runtime.name))")
         var clock = Stopwatch()
-        var cold: CohereTranscriber? = try await CohereTranscriber(bundle: options.bundle, runtime: runtime,
-                                                                   computeUnits: options.computeUnits)
+        var cold: CohereTranscriber? = try await CohereTranscriber(bundle: options.bundle, runtime: models,
+                                                                   computeUnits: options.computeUnits, deviceChoice: .none)
         var load = LoadRecord()
         load.coldInit = clock.lap()
         try await cold!.prewarm()
@@ -80,8 +94,8 @@ public enum DeviceBenchmark {
         memory.afterColdLoadMB = memory.sample()
         cold = nil  // freed before the second load: one model set resident at a time
         say("warm load")
-        let transcriber = try await CohereTranscriber(bundle: options.bundle, runtime: runtime,
-                                                      computeUnits: options.computeUnits)
+        let transcriber = try await CohereTranscriber(bundle: options.bundle, runtime: models,
+                                                      computeUnits: options.computeUnits, deviceChoice: .none)
         load.warmInit = clock.lap()
         try await transcriber.prewarm()
         load.warmPrewarm = clock.lap()
@@ -144,7 +158,10 @@ public enum DeviceBenchmark {
                                    languageFromManifest: options.language == nil, maxNewTokens: options.maxNewTokens,
                                    warmup: options.warmup),
             load: load, firstRunSeconds: firstRun, memory: memory, placement: placement, placementReason: reason,
-            totals: Totals(clips), clips: clips)
+            totals: Totals(clips), clips: clips,
+            candidate: options.candidate.map {
+                CandidateRecord(id: $0.id, computeUnits: $0.computeUnits.rawValue, layout: $0.layout.values)
+            })
         #if canImport(os)
         let (count, failed, coldSeconds, warmSeconds) = (clips.count, report.failedClips, load.cold, load.warm)
         Logger(subsystem: "CohereTranscribe", category: "bench").info(
@@ -373,13 +390,15 @@ extension DeviceBenchmark {
         public var placementReason: String?
         public var totals: Totals
         public var clips: [ClipRecord]
+        /// The sweep's candidate this report measures (nil: a plain `bench` run).
+        public var candidate: CandidateRecord?
 
         public var failedClips: Int { clips.filter { $0.status == "problem" }.count }
 
         enum CodingKeys: String, CodingKey {
             case tool, formatVersion = "format_version", createdUTC = "created_utc", runtime, computeUnits = "compute_units",
                  machine, dataset, bundle, options, load, firstRunSeconds = "first_run_s", memory, placement,
-                 placementReason = "placement_reason", totals, clips
+                 placementReason = "placement_reason", totals, clips, candidate
         }
 
         public func json() throws -> Data {
@@ -387,6 +406,14 @@ extension DeviceBenchmark {
             encoder.outputFormatting = [.prettyPrinted, .sortedKeys, .withoutEscapingSlashes]
             return try encoder.encode(self)
         }
+    }
+
+    public struct CandidateRecord: Encodable, Sendable {
+        public var id: String
+        public var computeUnits: String
+        public var layout: [String: String]
+
+        enum CodingKeys: String, CodingKey { case id, computeUnits = "compute_units", layout }
     }
 
     public struct UnitsRecord: Encodable, Sendable {
@@ -791,5 +818,80 @@ struct Stopwatch {
         let d = last.duration(to: now)
         last = now
         return Double(d.components.seconds) + Double(d.components.attoseconds) * 1e-18
+    }
+}
+
+// MARK: - fault injection (tests of the sweep)
+
+/// What a bench child does at its first prediction when $COHERE_BENCH_FAULT names its candidate: stand in for a
+/// Neural Engine compile failure that passes load and kills the process at the first prediction (coremltools issue
+/// 2758). `COHERE_BENCH_FAULT=<compute units | candidate id | *>:<sigkill | abort | exit | hang>[;...]`, e.g.
+/// `cpu_and_ne:sigkill;cpu_and_gpu:exit` (exit: status 3). A test hook: nothing sets it but a test.
+public struct FaultInjection: Sendable, Equatable {
+    public enum Action: String, Sendable { case sigkill, abort, exit, hang }
+    public var action: Action
+
+    public static let environmentVariable = "COHERE_BENCH_FAULT"
+
+    /// The fault $COHERE_BENCH_FAULT names for `candidate`, if any; a malformed value is an error naming it.
+    public static func from(environment: [String: String], candidate: DeviceCandidate) throws -> FaultInjection? {
+        guard let value = environment[environmentVariable], !value.isEmpty else { return nil }
+        for entry in value.split(separator: ";") {  // the first entry naming the candidate
+            guard let colon = entry.lastIndex(of: ":"),
+                  let action = Action(rawValue: String(entry[entry.index(after: colon)...])) else {
+                throw BenchmarkError("\(environmentVariable)='\(value)': expected entries "
+                    + "<compute units|candidate id|*>:<sigkill|abort|exit|hang> separated by ';'")
+            }
+            let target = String(entry[..<colon])
+            if target == "*" || target == candidate.computeUnits.rawValue || target == candidate.id {
+                return FaultInjection(action: action)
+            }
+        }
+        return nil
+    }
+
+    func fire() {
+        switch action {
+        case .sigkill: raise(SIGKILL)
+        case .abort: abort()
+        case .exit: exit(3)
+        case .hang: while true { sleep(60) }
+        }
+    }
+}
+
+/// A runtime whose models fire a `FaultInjection` at their first prediction.
+final class FaultInjectingRuntime: ModelRuntime, @unchecked Sendable {
+    let base: ModelRuntime
+    let fault: FaultInjection
+    var name: String { base.name }
+
+    init(base: ModelRuntime, fault: FaultInjection) {
+        self.base = base
+        self.fault = fault
+    }
+
+    func loadModel(at package: URL, functionName: String?, computeUnits: ComputeUnits) async throws -> RuntimeModel {
+        FaultInjectingModel(base: try await base.loadModel(at: package, functionName: functionName, computeUnits: computeUnits),
+                            fault: fault)
+    }
+}
+
+final class FaultInjectingModel: RuntimeModel, @unchecked Sendable {
+    let base: RuntimeModel
+    let fault: FaultInjection
+    var functionName: String { base.functionName }
+    var io: ModelIO { base.io }
+
+    init(base: RuntimeModel, fault: FaultInjection) {
+        self.base = base
+        self.fault = fault
+    }
+
+    func makeState() throws -> RuntimeState { try base.makeState() }
+
+    func predict(_ inputs: [String: Tensor], state: RuntimeState?) async throws -> [String: Tensor] {
+        fault.fire()
+        return try await base.predict(inputs, state: state)
     }
 }

@@ -99,6 +99,8 @@ public actor CohereTranscriber {
     public let detokenizer: Detokenizer
     public nonisolated let runtime: ModelRuntime
     public let computeUnits: ComponentComputeUnits
+    /// The device choice read at init (`deviceChoice:`; DeviceChoice.swift): whether its compute units are used.
+    public nonisolated let deviceChoice: DeviceChoice.Applied
     public let usePrefill: Bool
     /// Feed forced prefixes (a prompt prefill does not serve, a streaming partial's confirmed tokens) K tokens
     /// per call when the bundle has an extend function.
@@ -118,7 +120,10 @@ public actor CohereTranscriber {
     /// Opens `bundle`, loads the decoder functions and the full-window encoder and checks every package
     /// against the manifest. `runtime`: Core ML by default on macOS and iOS; pass an `InterpreterRuntime`
     /// (or, on Linux, a `CoreMLRuntime` over the Core ML emulation) elsewhere.
-    public init(bundle: URL, runtime: ModelRuntime? = nil, computeUnits: ComponentComputeUnits = .init(),
+    /// `computeUnits`: nil takes them from the device choice (`deviceChoice`: by default the one `cohere-transcribe-swift
+    /// bench` wrote for this bundle, if any; DeviceChoice.swift), else today's defaults (`ComponentComputeUnits()`).
+    public init(bundle: URL, runtime: ModelRuntime? = nil, computeUnits: ComponentComputeUnits? = nil,
+                deviceChoice: DeviceChoice.Source = .automatic,
                 usePrefill: Bool = true, useExtend: Bool = true) async throws {
         let manifest = try BundleManifest.load(bundle: bundle)
         for (what, file) in [("encoder", manifest.files.encoder), ("decoder", manifest.files.decoder),
@@ -131,10 +136,13 @@ public actor CohereTranscriber {
             try BundlePath.checkNoSymbolicLinks(file, in: bundle)  // nothing is read through a link
         }
         let runtime = try runtime ?? CohereTranscriber.defaultRuntime()
+        let (chosenUnits, applied) = computeUnits == nil ? try DeviceChoice.resolve(deviceChoice, bundle: bundle)
+            : (nil, DeviceChoice.Applied.notRead)
+        self.deviceChoice = applied
         self.bundleURL = bundle
         self.manifest = manifest
         self.runtime = runtime
-        self.computeUnits = computeUnits
+        self.computeUnits = computeUnits ?? chosenUnits ?? ComponentComputeUnits()
         self.usePrefill = usePrefill
         self.useExtend = useExtend
         self.detokenizer = try Detokenizer(vocabURL: bundle.appendingPathComponent(manifest.files.vocab))

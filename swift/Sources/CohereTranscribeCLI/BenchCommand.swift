@@ -8,7 +8,8 @@ enum BenchCommand {
                                          [--runtime coreml|interpreter] [--interpreter PATH]
                                          [--compute-units all|cpu_only|cpu_and_gpu|cpu_and_ne]
                                          [--language-from-manifest | --language LANG] [--max-clips N]
-                                         [--max-new-tokens N] [--no-warmup] [--quiet]
+                                         [--max-new-tokens N] [--no-warmup] [--quiet] [--cache-dir DIR]
+                                         [--candidates UNITS,...] [--device-choice FILE] [--child-timeout S]
 
     Device benchmark of one bundle over a dataset folder (manifest.json / manifest.jsonl with file|audio, text,
     language: the format `cohere-coreml bench --data` reads): cold load (first transcriber + prewarm; with
@@ -22,15 +23,25 @@ enum BenchCommand {
       --runtime        coreml (default on macOS) or interpreter (`cohere-coreml serve-runtime`; the default on
                        Linux, where `coreml` runs Core ML's code path over the emulation: placement unavailable)
       --interpreter    path of the cohere-coreml command (default: $COHERE_COREML, else PATH)
-      --compute-units  Core ML compute units for every component (default: front end cpu_and_gpu, encoder and
-                       decoder cpu_and_ne)
+      --cache-dir      folder of compiled Core ML models (default: the user's Caches/CohereTranscribe/compiled)
+    With Core ML the device decides: every candidate (compute units x each package layout the bundle holds) runs in a
+    child process of its own, so a Neural Engine compile failure that kills the process is recorded, not a crash;
+    device-choice.json gets every candidate's figures and the chosen one (the fastest that completed with the
+    reference's token ids; docs/swift.md), which CohereTranscriber then uses. The JSON (--out / stdout) is the
+    chosen candidate's. The interpreter runs once, in this process (it has no compute units).
+      --candidates     compute units to try (comma-separated; default: cpu_only,cpu_and_gpu,cpu_and_ne,all)
+      --compute-units  one candidate: these compute units for every component
+      --device-choice  where device-choice.json goes (default: Application Support/CohereTranscribe/device-choice/
+                       <manifest sha256 prefix>.json, where CohereTranscriber looks); the candidates' bench JSONs go
+                       to <FILE without .json>.candidates/
+      --child-timeout  seconds one candidate may run before it is killed and recorded as "timeout" (default 7200)
       --language-from-manifest  prompt each clip in its manifest language (the default)
       --language       prompt every clip in LANG instead (scoring still uses the manifest's language)
       --max-clips      only the first N manifest entries
       --no-warmup      no warm-up run of the first clip
       --quiet          no progress lines on stderr
-    Exit status: 0, 1 when a clip failed (it is in the JSON with its error; the others ran), 2 for usage errors
-    and when the benchmark cannot run (dataset, bundle, runtime).
+    Exit status: 0, 1 when a clip failed (it is in the JSON with its error; the others ran) or no candidate was
+    chosen, 2 for usage errors and when the benchmark cannot run (dataset, bundle, runtime).
     """
 
     static func fail(_ message: String) -> Int32 {
@@ -43,6 +54,8 @@ enum BenchCommand {
         var bundle: String?, data: String?, out: String?, interpreterPath: String?, language: String?
         var units: ComputeUnits?, maxClips: Int?, maxNewTokens: Int?
         var fromManifest = false, warmup = true, quiet = false
+        var cacheDir: String?, candidateUnits: [ComputeUnits]?, deviceChoicePath: String?, childTimeout = 7200.0
+        var childCandidate: String?, childResult: String?
         #if os(macOS)
         var runtimeName = "coreml"
         #else
@@ -56,9 +69,26 @@ enum BenchCommand {
             case "-h", "--help":
                 print(usage)
                 return 0
-            case "--bundle", "--data", "--out", "--interpreter", "--language", "--runtime", "--compute-units":
+            case "--bundle", "--data", "--out", "--interpreter", "--language", "--runtime", "--compute-units", "--cache-dir",
+                 "--candidates", "--device-choice", "--child-timeout", "--child-candidate", "--child-result":
                 guard let v = value() else { return fail("\(a) needs a value") }
                 switch a {
+                case "--cache-dir": cacheDir = v
+                case "--device-choice": deviceChoicePath = v
+                case "--child-candidate": childCandidate = v
+                case "--child-result": childResult = v
+                case "--child-timeout":
+                    guard let t = Double(v), t.isFinite, t > 0 else { return fail("--child-timeout needs a positive number of seconds") }
+                    childTimeout = t
+                case "--candidates":
+                    var list: [ComputeUnits] = []
+                    for item in v.split(separator: ",", omittingEmptySubsequences: false) {
+                        guard let u = ComputeUnits(rawValue: String(item)) else {
+                            return fail("--candidates: '\(item)' is not one of \(ComputeUnits.allCases.map(\.rawValue).joined(separator: ", "))")
+                        }
+                        list.append(u)
+                    }
+                    candidateUnits = list
                 case "--bundle": bundle = v
                 case "--data": data = v
                 case "--out": out = v
@@ -89,6 +119,27 @@ enum BenchCommand {
         guard let bundle else { return fail("--bundle is required\n\(usage)") }
         guard let data else { return fail("--data is required\n\(usage)") }
         if fromManifest && language != nil { return fail("--language and --language-from-manifest exclude each other") }
+        if units != nil && candidateUnits != nil { return fail("--compute-units and --candidates exclude each other") }
+        if (childCandidate == nil) != (childResult == nil) { return fail("--child-candidate and --child-result go together") }
+        if runtimeName == "interpreter" && childCandidate == nil
+            && (candidateUnits != nil || deviceChoicePath != nil) {
+            return fail("--candidates and --device-choice need --runtime coreml (the interpreter has no compute units)")
+        }
+        if runtimeName == "coreml" && childCandidate == nil {  // the device decides: one child per candidate
+            #if os(macOS) || os(Linux)
+            var childArguments = ["--bundle", bundle, "--data", data, "--runtime", "coreml", "--quiet"]
+            if let interpreterPath { childArguments += ["--interpreter", interpreterPath] }
+            if let cacheDir { childArguments += ["--cache-dir", cacheDir] }
+            if let language { childArguments += ["--language", language] }
+            if let maxClips { childArguments += ["--max-clips", String(maxClips)] }
+            if let maxNewTokens { childArguments += ["--max-new-tokens", String(maxNewTokens)] }
+            if !warmup { childArguments.append("--no-warmup") }
+            return await sweep(bundle: bundle, childArguments: childArguments, units: units.map { [$0] } ?? candidateUnits,
+                               deviceChoice: deviceChoicePath, timeout: childTimeout, out: out, quiet: quiet)
+            #else
+            return fail("the candidate sweep needs child processes (macOS, Linux)")
+            #endif
+        }
 
         let runtime: ModelRuntime
         do {
@@ -100,7 +151,7 @@ enum BenchCommand {
                 CoreMLEmulation.use(try interpreterPath.map { try InterpreterRuntime(executable: URL(fileURLWithPath: $0)) }
                     ?? InterpreterRuntime())  // the Core ML code path over the emulation (placement: unavailable)
                 #endif
-                runtime = try CoreMLRuntime()
+                runtime = try CoreMLRuntime(cacheDirectory: cacheDir.map { URL(fileURLWithPath: $0, isDirectory: true) })
             }
         } catch {
             return fail("\(error)")
@@ -109,12 +160,26 @@ enum BenchCommand {
         if !quiet {
             progress = { line in FileHandle.standardError.write(Data("bench: \(line)\n".utf8)) }
         }
-        let options = DeviceBenchmark.Options(bundle: URL(fileURLWithPath: bundle), dataset: data, computeUnitsFlag: units,
+        var options = DeviceBenchmark.Options(bundle: URL(fileURLWithPath: bundle), dataset: data, computeUnitsFlag: units,
                                               language: language, maxClips: maxClips, maxNewTokens: maxNewTokens,
                                               warmup: warmup, progress: progress)
         let report: DeviceBenchmark.Report
         let json: Data
         do {
+            if let childCandidate, let childResult {  // a child of the sweep: one candidate, its report to a file
+                let all = try DeviceCandidate.all(bundle: URL(fileURLWithPath: bundle))
+                guard let candidate = all.first(where: { $0.id == childCandidate }) else {
+                    return fail("--child-candidate '\(childCandidate)' is not a candidate of \(bundle) (they are: "
+                        + all.map(\.id).joined(separator: "; ") + ")")
+                }
+                options.candidate = candidate
+                options.computeUnits = candidate.components
+                options.computeUnitsFlag = candidate.computeUnits
+                options.fault = try FaultInjection.from(environment: ProcessInfo.processInfo.environment, candidate: candidate)
+                let r = try await DeviceBenchmark.run(options, runtime: runtime)
+                try r.json().write(to: URL(fileURLWithPath: childResult), options: .atomic)
+                return 0
+            }
             report = try await DeviceBenchmark.run(options, runtime: runtime)
             json = try report.json()
         } catch {
@@ -137,6 +202,58 @@ enum BenchCommand {
         }
         return report.failedClips == 0 ? 0 : 1
     }
+
+    #if os(macOS) || os(Linux)
+    /// The candidate sweep (DeviceSweep): device-choice.json, then the chosen candidate's report to --out or stdout.
+    static func sweep(bundle: String, childArguments: [String], units: [ComputeUnits]?, deviceChoice: String?,
+                      timeout: Double, out: String?, quiet: Bool) async -> Int32 {
+        let bundleURL = URL(fileURLWithPath: bundle)
+        let result: DeviceSweep.Result
+        do {
+            _ = try BundleManifest.load(bundle: bundleURL)
+            let candidates = try DeviceCandidate.all(bundle: bundleURL, units: units)
+            let output: URL
+            if let deviceChoice { output = URL(fileURLWithPath: deviceChoice) } else {
+                output = try DeviceChoice.defaultLocation(bundle: bundleURL)
+            }
+            var progress: (@Sendable (String) -> Void)?
+            if !quiet {
+                progress = { line in FileHandle.standardError.write(Data("bench: \(line)\n".utf8)) }
+            }
+            result = try DeviceSweep.run(DeviceSweep.Options(
+                executable: DeviceSweep.currentExecutable(), childArguments: childArguments, bundle: bundleURL,
+                candidates: candidates, output: output, timeout: timeout, forwardChildOutput: !quiet, progress: progress))
+        } catch {
+            return fail("\(error)")
+        }
+        for entry in result.document["candidates"] as? [[String: Any]] ?? [] where entry["status"] as? String != "completed" {
+            let id = entry["id"] as? String ?? "?", status = entry["status"] as? String ?? "?"
+            let problem = entry["problem"] as? String ?? ""
+            FileHandle.standardError.write(Data("cohere-transcribe-swift bench: candidate \(id): \(status): \(problem)\n".utf8))
+        }
+        guard let chosen = result.chosenReport, let data = try? Data(contentsOf: chosen) else {
+            let message = "cohere-transcribe-swift bench: no candidate completed with the reference's token ids: nothing "
+                + "chosen (device-choice.json says why per candidate)\n"
+            FileHandle.standardError.write(Data(message.utf8))
+            return 1
+        }
+        let failed = ((try? JSONSerialization.jsonObject(with: data) as? [String: Any])?["clips"] as? [[String: Any]] ?? [])
+            .filter { $0["status"] as? String == "problem" }.count
+        if let out {
+            do {
+                let url = URL(fileURLWithPath: out)
+                try FileManager.default.createDirectory(at: url.deletingLastPathComponent(), withIntermediateDirectories: true)
+                try data.write(to: url, options: .atomic)
+            } catch {
+                return fail("cannot write \(out): \(error.localizedDescription)")
+            }
+            print("chosen \(result.chosen?.id ?? "-"); wrote \(out) (its bench JSON) and the device choice")
+        } else {
+            print(String(decoding: data, as: UTF8.self))
+        }
+        return failed == 0 ? 0 : 1
+    }
+    #endif
 
     static func summary(_ r: DeviceBenchmark.Report, out: String) -> String {
         func f(_ x: Double?, _ digits: Int = 2) -> String { x.map { String(format: "%.\(digits)f", $0) } ?? "-" }

@@ -21,8 +21,10 @@ packages, manifest.json, vocab.json); token for token what `cohere-coreml transc
                    Core ML code path over the project's Core ML emulation (backed by the interpreter).
   --interpreter    path of the cohere-coreml command (default: $COHERE_COREML, else PATH)
   --cache-dir      folder of compiled Core ML models (default: the user's Caches/CohereTranscribe/compiled)
-  --compute-units  Core ML compute units for every component (default: front end CPU/GPU, encoder and
-                   decoder Neural Engine)
+  --compute-units  Core ML compute units for every component (default: the device choice `bench` wrote for
+                   this bundle, else front end CPU/GPU, encoder and decoder Neural Engine)
+  --device-choice  FILE: the device-choice.json to use (`bench` writes it); none: ignore any (default: the
+                   one `bench` wrote for this bundle in Application Support, else <bundle>/device-choice.json)
   --json           print JSON shaped like `cohere-coreml transcribe --json`
   --stream         live transcription (`cohere-coreml transcribe --stream`): the file fed in 0.1 s chunks,
                    paced at real time; partial and final updates (--json: one JSON line per update)
@@ -47,6 +49,7 @@ var maxNewTokens: Int?
 var units: ComputeUnits?
 var interpreterPath: String?
 var cacheDir: String?
+var deviceChoice = DeviceChoice.Source.automatic
 var stream = false
 var pace = true
 var hop: Double?
@@ -84,6 +87,9 @@ while !args.isEmpty {
         guard ["coreml", "interpreter"].contains(runtimeName) else { fail("--runtime must be coreml or interpreter") }
     case "--interpreter": interpreterPath = value(a)
     case "--cache-dir": cacheDir = value(a)
+    case "--device-choice":
+        let v = value(a)
+        deviceChoice = v == "none" ? .none : .file(URL(fileURLWithPath: v))
     case "--stream": stream = true
     case "--no-pace": pace = false
     case "--stats": stats = true
@@ -144,7 +150,7 @@ do {
         runtime = try CoreMLRuntime(cacheDirectory: cacheDir.map { URL(fileURLWithPath: $0, isDirectory: true) })
     }
     transcriber = try await CohereTranscriber(bundle: URL(fileURLWithPath: bundle), runtime: runtime,
-                                              computeUnits: units.map { .uniform($0) } ?? .init())
+                                              computeUnits: units.map { .uniform($0) }, deviceChoice: deviceChoice)
     _ = try transcriber.manifest.prompt(language: language, punctuation: punctuation)  // unknown language: fail now
 } catch {
     fail("\(error)")

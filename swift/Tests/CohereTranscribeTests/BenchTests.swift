@@ -204,4 +204,274 @@ final class BenchTests: XCTestCase {
         XCTAssertEqual((json["dataset"] as! [String: Any])["benched_clips"] as? Int, 2)
         XCTAssertEqual((json["options"] as! [String: Any])["language_from_manifest"] as? Bool, false)
     }
+
+    // MARK: - the device decides (candidate sweep, device-choice.json)
+
+    /// The fixture bundle's manifest sha256 and its one layout's id.
+    func bundleIdentity() throws -> (sha: String, layout: String) {
+        let sha = try SHA256.hexDigest(ofFile: Fixtures.bundle.appendingPathComponent("manifest.json"))
+        let layouts = try BundleLayout.layouts(bundle: Fixtures.bundle)
+        XCTAssertEqual(layouts.map(\.id), ["decoder.state_writes=graph,encoder.parts=whole"])
+        return (sha, layouts[0].id)
+    }
+
+    /// The sweep through the command line (`bench --runtime coreml`: the Core ML code path over the emulation), three
+    /// candidates with a fault injected into two children at their first prediction: cpu_and_ne killed by SIGKILL (as
+    /// a failed Neural Engine compile does, coremltools issue 2758), cpu_and_gpu exiting with status 3. The parent records
+    /// both and completes; cpu_only is chosen, its tokens are the Python CLI's; CohereTranscriber given the
+    /// device-choice.json loads every function in cpu_only (and without it, in the default units).
+    func testSweepRecordsCrashedChildrenAndTheTranscriberUsesTheChoice() async throws {
+        let (dir, picked) = try makeDataset()
+        let exe = Fixtures.repoRoot.appendingPathComponent(".build/debug/cohere-transcribe-swift")
+        guard FileManager.default.isExecutableFile(atPath: exe.path) else {
+            XCTFail("no \(exe.path): build it with `swift build --build-tests`")
+            return
+        }
+        let (sha, layout) = try bundleIdentity()
+        let work = Fixtures.scratch.appendingPathComponent("sweep-\(UUID().uuidString)")
+        let choiceURL = work.appendingPathComponent("device-choice.json")
+        let process = Process()
+        process.executableURL = exe
+        process.arguments = ["bench", "--bundle", Fixtures.bundle.path, "--data", dir.path, "--runtime", "coreml",
+                             "--interpreter", Fixtures.repoRoot.appendingPathComponent(".venv/bin/cohere-coreml").path,
+                             "--cache-dir", work.appendingPathComponent("cache").path, "--max-clips", "1", "--no-warmup",
+                             "--candidates", "cpu_and_ne,cpu_only,cpu_and_gpu", "--device-choice", choiceURL.path,
+                             "--out", work.appendingPathComponent("chosen.json").path]
+        var environment = ProcessInfo.processInfo.environment
+        environment[FaultInjection.environmentVariable] = "cpu_and_ne:sigkill;cpu_and_gpu:exit"
+        process.environment = environment
+        let err = Pipe()
+        process.standardError = err
+        process.standardOutput = Pipe()
+        try process.run()
+        let message = String(decoding: err.fileHandleForReading.readDataToEndOfFile(), as: UTF8.self)
+        process.waitUntilExit()
+        XCTAssertEqual(process.terminationReason, .exit, message)
+        XCTAssertEqual(process.terminationStatus, 0, message)
+        XCTAssertTrue(message.contains("candidate cpu_and_ne@\(layout): crashed: the child died of SIGKILL"), message)
+
+        let doc = try JSONSerialization.jsonObject(with: Data(contentsOf: choiceURL)) as! [String: Any]
+        XCTAssertEqual(doc["kind"] as? String, "device-choice")
+        XCTAssertEqual(doc["format_version"] as? Int, 1)
+        XCTAssertEqual((doc["bundle"] as! [String: Any])["manifest_sha256"] as? String, sha)
+        let candidates = doc["candidates"] as! [[String: Any]]
+        // run in unitsOrder whatever order --candidates gives
+        XCTAssertEqual(candidates.map { $0["id"] as! String }, ["cpu_only", "cpu_and_gpu", "cpu_and_ne"].map { "\($0)@\(layout)" })
+        XCTAssertEqual(candidates.map { $0["status"] as! String }, ["completed", "failed", "crashed"])
+        let terminations = candidates.map { $0["termination"] as! [String: Any] }
+        XCTAssertEqual(terminations.map { $0["reason"] as! String }, ["exit", "exit", "signal"])
+        XCTAssertEqual(terminations[1]["exit_status"] as? Int, 3)
+        XCTAssertEqual(terminations[2]["signal"] as? Int, Int(SIGKILL))
+        XCTAssertEqual(terminations[2]["signal_name"] as? String, "SIGKILL")
+        XCTAssertTrue(candidates[1]["report_file"] is NSNull)
+        XCTAssertTrue(candidates[2]["report_file"] is NSNull)
+        XCTAssertEqual(candidates.map { $0["eligible"] as! Bool }, [true, false, false])
+        XCTAssertEqual(candidates[0]["tokens_match_reference"] as? Bool, true)
+        XCTAssertEqual(doc["reference"] as? String, "cpu_only@\(layout)")
+        // the completed candidate's figures: cold / warm load, per-stage times, placement (unavailable on Linux)
+        let figures = candidates[0]["figures"] as! [String: Any]
+        for key in ["load_cold_s", "load_warm_s", "processing_s", "ms_per_decoder_call"] {
+            XCTAssertGreaterThan(figures[key] as? Double ?? 0, 0, key)
+        }
+        XCTAssertEqual(Set((figures["stages_s"] as! [String: Double]).keys), ["features_s", "encoder_s", "prompt_s", "decode_s"])
+        XCTAssertEqual(candidates[0]["placement"] as? String, "unavailable")
+        #if os(Linux)
+        XCTAssertTrue((candidates[0]["placement_reason"] as? String)?.contains("not available on Linux") == true)
+        #endif
+
+        // the choice, and its report: the bench JSON of that child, tokens equal to the Python CLI's
+        let chosen = doc["chosen"] as! [String: Any]
+        XCTAssertEqual(chosen["candidate"] as? String, "cpu_only@\(layout)")
+        XCTAssertEqual(chosen["compute_units"] as? [String: String],
+                       ["front_end": "cpu_only", "encoder": "cpu_only", "decoder": "cpu_only"])
+        let report = try JSONSerialization.jsonObject(with: Data(contentsOf: work.appendingPathComponent(chosen["report_file"] as! String)))
+            as! [String: Any]
+        XCTAssertEqual(try Data(contentsOf: work.appendingPathComponent("chosen.json")),
+                       try Data(contentsOf: work.appendingPathComponent(chosen["report_file"] as! String)))
+        XCTAssertEqual(report["runtime"] as? String, "coreml")
+        XCTAssertEqual((report["candidate"] as? [String: Any])?["id"] as? String, "cpu_only@\(layout)")
+        XCTAssertEqual((report["compute_units"] as? [String: Any])?["encoder"] as? String, "cpu_only")
+        let clip = (report["clips"] as! [[String: Any]])[0]
+        XCTAssertEqual(clip["token_ids"] as? [[Int]], (picked[0]["windows"] as! [[String: Any]]).map { $0["token_ids"] as! [Int] })
+
+        // CohereTranscriber reads it: every function loads in the chosen units; without it, today's defaults
+        let recorder = RecordingRuntime(base: try Fixtures.interpreter())
+        let transcriber = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: recorder, deviceChoice: .file(choiceURL))
+        try await transcriber.prewarm()
+        XCTAssertEqual(transcriber.deviceChoice.applied, true, transcriber.deviceChoice.warning ?? "")
+        XCTAssertEqual(transcriber.deviceChoice.candidate, "cpu_only@\(layout)")
+        XCTAssertEqual(transcriber.deviceChoice.layout?.id, layout)
+        XCTAssertEqual(Set(recorder.units.values), [.cpuOnly])
+        XCTAssertEqual(Set(recorder.units.keys.map { $0.components(separatedBy: "/")[0] }),
+                       ["frontend.mlpackage", "encoder.mlpackage", "decoder.mlpackage"])
+        let plain = RecordingRuntime(base: try Fixtures.interpreter())
+        _ = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: plain, deviceChoice: .none)
+        XCTAssertEqual(Set(plain.units.values), [.cpuAndNeuralEngine])  // decoder + full-window encoder at init
+        // an explicit computeUnits wins over the file
+        let explicit = RecordingRuntime(base: try Fixtures.interpreter())
+        let t3 = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: explicit, computeUnits: .uniform(.cpuAndGPU),
+                                             deviceChoice: .file(choiceURL))
+        XCTAssertEqual(Set(explicit.units.values), [.cpuAndGPU])
+        XCTAssertEqual(t3.deviceChoice.applied, false)
+    }
+
+    /// A device-choice.json written by hand from the documented schema (docs/swift.md).
+    func choiceDocument(sha: String, layout: String, units: String = "cpu_and_gpu",
+                        device: String? = nil) -> [String: Any] {
+        let u = ["front_end": units, "encoder": units, "decoder": units]
+        return ["kind": "device-choice", "format_version": 1, "tool": "cohere-transcribe-swift bench",
+                "machine": ["device": device ?? DeviceBenchmark.MachineRecord.current().device],
+                "bundle": ["dir": Fixtures.bundle.path, "manifest_sha256": sha],
+                "chosen": ["candidate": "\(units)@\(layout)", "compute_units": u, "layout": ["id": layout]],
+                "candidates": [] as [Any]]
+    }
+
+    /// device-choice.json read back: a valid file changes the units the transcriber loads with (also found inside the
+    /// bundle folder with `.automatic`); a malformed one (not JSON, unknown units, no choice, another bundle, another
+    /// device, missing) falls back to today's defaults with a warning naming the problem; one naming a layout the bundle
+    /// lacks is refused.
+    func testDeviceChoiceFileReadBackAndFallbacks() async throws {
+        _ = try Fixtures.require()
+        let (sha, layout) = try bundleIdentity()
+        let dir = Fixtures.scratch.appendingPathComponent("choice-\(UUID().uuidString)")
+        try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
+        func write(_ object: Any, _ name: String) throws -> URL {
+            let url = dir.appendingPathComponent(name)
+            try JSONSerialization.data(withJSONObject: object).write(to: url)
+            return url
+        }
+        func transcriber(_ source: DeviceChoice.Source, bundle: URL = Fixtures.bundle) async throws
+            -> (CohereTranscriber, RecordingRuntime) {
+            let recorder = RecordingRuntime(base: try Fixtures.interpreter())
+            return (try await CohereTranscriber(bundle: bundle, runtime: recorder, deviceChoice: source), recorder)
+        }
+
+        let good = try write(choiceDocument(sha: sha, layout: layout), "good.json")
+        var (t, r) = try await transcriber(.file(good))
+        XCTAssertTrue(t.deviceChoice.applied)
+        XCTAssertNil(t.deviceChoice.warning)
+        XCTAssertEqual(Set(r.units.values), [.cpuAndGPU])
+
+        // malformed: today's defaults (decoder and encoder on cpu_and_ne), the warning names the problem
+        let notJSON = dir.appendingPathComponent("broken.json")
+        try Data("{\"kind\": \"device-choice\", ".utf8).write(to: notJSON)
+        (t, r) = try await transcriber(.file(notJSON))
+        XCTAssertFalse(t.deviceChoice.applied)
+        XCTAssertEqual(t.deviceChoice.file, notJSON)
+        XCTAssertTrue(t.deviceChoice.warning?.contains("broken.json: not a JSON object") == true, t.deviceChoice.warning ?? "-")
+        XCTAssertEqual(Set(r.units.values), [.cpuAndNeuralEngine])
+        let frontEnd = await t.computeUnits.frontEnd
+        XCTAssertEqual(frontEnd, .cpuAndGPU)
+
+        var badUnits = choiceDocument(sha: sha, layout: layout)
+        var chosen = badUnits["chosen"] as! [String: Any]
+        chosen["compute_units"] = ["front_end": "cpu_only", "encoder": "gpu_only", "decoder": "cpu_only"]
+        badUnits["chosen"] = chosen
+        (t, r) = try await transcriber(.file(try write(badUnits, "units.json")))
+        XCTAssertFalse(t.deviceChoice.applied)
+        XCTAssertTrue(t.deviceChoice.warning?.contains("chosen.compute_units.encoder: 'gpu_only' is not one of") == true,
+                      t.deviceChoice.warning ?? "-")
+        XCTAssertEqual(Set(r.units.values), [.cpuAndNeuralEngine])
+
+        // the rest through the resolver alone (what init calls): each falls back, naming why
+        var none = choiceDocument(sha: sha, layout: layout)
+        none["chosen"] = NSNull()
+        let cases: [(URL, String)] = [
+            (try write(none, "none.json"), "chose no candidate"),
+            (try write(choiceDocument(sha: String(repeating: "0", count: 64), layout: layout), "other.json"),
+             "measured on another bundle"),
+            (try write(choiceDocument(sha: sha, layout: layout, device: "iPhone99,9"), "device.json"),
+             "measured on iPhone99,9"),
+            (try write(["kind": "device-choice", "format_version": 2], "version.json"), "format_version: 2 is not 1"),
+            (dir.appendingPathComponent("missing.json"), "missing.json: cannot read it"),
+        ]
+        for (url, why) in cases {
+            let (units, applied) = try DeviceChoice.resolve(.file(url), bundle: Fixtures.bundle)
+            XCTAssertNil(units, url.lastPathComponent)
+            XCTAssertFalse(applied.applied)
+            XCTAssertTrue(applied.warning?.contains(why) == true, "\(url.lastPathComponent): \(applied.warning ?? "-")")
+        }
+        // no file at all with .automatic: defaults, no warning
+        let (units, applied) = try DeviceChoice.resolve(.automatic, bundle: Fixtures.bundle)
+        if !FileManager.default.fileExists(atPath: try DeviceChoice.defaultLocation(bundle: Fixtures.bundle).path) {
+            XCTAssertNil(units)
+            XCTAssertNil(applied.file)
+            XCTAssertNil(applied.warning)
+        }
+
+        // a layout the bundle does not hold: refused, naming it and the bundle's
+        let foreign = try write(choiceDocument(sha: sha, layout: "decoder.state_writes=host,encoder.parts=whole"), "layout.json")
+        do {
+            _ = try await transcriber(.file(foreign))
+            XCTFail("a device choice naming a layout the bundle lacks was accepted")
+        } catch {
+            XCTAssertTrue("\(error)".contains("chose layout 'decoder.state_writes=host,encoder.parts=whole'"), "\(error)")
+            XCTAssertTrue("\(error)".contains("it holds: \(layout)"), "\(error)")
+        }
+
+        // .automatic finds <bundle>/device-choice.json (a copy of the bundle: the fixture stays as exported)
+        let copy = dir.appendingPathComponent("bundle")
+        try FileManager.default.copyItem(at: Fixtures.bundle, to: copy)
+        try JSONSerialization.data(withJSONObject: choiceDocument(sha: sha, layout: layout, units: "cpu_only"))
+            .write(to: copy.appendingPathComponent(DeviceChoice.fileName))
+        if !FileManager.default.fileExists(atPath: try DeviceChoice.defaultLocation(bundle: copy).path) {
+            (t, r) = try await transcriber(.automatic, bundle: copy)
+            XCTAssertTrue(t.deviceChoice.applied, t.deviceChoice.warning ?? "")
+            XCTAssertEqual(t.deviceChoice.file?.lastPathComponent, DeviceChoice.fileName)
+            XCTAssertEqual(Set(r.units.values), [.cpuOnly])
+        }
+    }
+
+    /// The selection rule on outcomes: the fastest completed candidate with the reference's tokens; a faster one with
+    /// other tokens, or one that did not complete, is not chosen; without a cpu_only run the majority's tokens are the
+    /// reference.
+    func testSelectionRule() {
+        typealias O = DeviceChoice.Outcome
+        let right: [Int: DeviceChoice.ClipTokens] = [0: .init(status: "ok", tokenIds: [[5, 6, 3]]), 1: .init(status: "problem", tokenIds: nil)]
+        var wrong = right
+        wrong[0] = .init(status: "ok", tokenIds: [[5, 7, 3]])
+        let outcomes = [
+            O(id: "cpu", computeUnits: .cpuOnly, completed: true, processingSeconds: 3, clips: right),
+            O(id: "gpu", computeUnits: .cpuAndGPU, completed: true, processingSeconds: 2, clips: right),
+            O(id: "ne", computeUnits: .cpuAndNeuralEngine, completed: true, processingSeconds: 1, clips: wrong),
+            O(id: "all", computeUnits: .all, completed: false, processingSeconds: nil, clips: [:]),
+        ]
+        var s = DeviceChoice.select(outcomes)
+        XCTAssertEqual(s.reference, "cpu")
+        XCTAssertEqual(s.chosen, "gpu")
+        XCTAssertEqual(s.matchesReference, ["cpu": true, "gpu": true, "ne": false])
+        XCTAssertEqual(s.mismatchedClips["ne"], [0])
+        // no cpu_only: the tokens two candidates agree on are the reference, the faster wrong one still loses
+        s = DeviceChoice.select(Array(outcomes.dropFirst()) + [O(id: "all2", computeUnits: .all, completed: true,
+                                                                 processingSeconds: 2.5, clips: right)])
+        XCTAssertEqual(s.reference, "gpu")
+        XCTAssertEqual(s.chosen, "gpu")
+        // the wrong tokens as the reference (cpu_only itself wrong): the fast wrong candidate wins, so the rule is
+        // what decides, not the timings alone
+        s = DeviceChoice.select([O(id: "cpu", computeUnits: .cpuOnly, completed: true, processingSeconds: 3, clips: wrong)]
+                                + outcomes.dropFirst())
+        XCTAssertEqual(s.chosen, "ne")
+        XCTAssertNil(DeviceChoice.select([outcomes[3]]).chosen)
+    }
+}
+
+/// Records the compute units of every function a transcriber loads ("package/function" -> units).
+final class RecordingRuntime: ModelRuntime, @unchecked Sendable {
+    let base: ModelRuntime
+    private let lock = NSLock()
+    private var loaded: [String: ComputeUnits] = [:]
+    var name: String { base.name }
+    var units: [String: ComputeUnits] { lock.lock(); defer { lock.unlock() }; return loaded }
+
+    init(base: ModelRuntime) { self.base = base }
+
+    private func record(_ key: String, _ units: ComputeUnits) {
+        lock.lock(); defer { lock.unlock() }
+        loaded[key] = units
+    }
+
+    func loadModel(at package: URL, functionName: String?, computeUnits: ComputeUnits) async throws -> RuntimeModel {
+        record("\(package.lastPathComponent)/\(functionName ?? "main")", computeUnits)
+        return try await base.loadModel(at: package, functionName: functionName, computeUnits: computeUnits)
+    }
 }
