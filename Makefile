@@ -54,7 +54,8 @@ demo: sync
 	$(RUN) cohere-coreml export --model "$$model" --out "$$out" --precision $(PRECISION); \
 	$(RUN) cohere-coreml verify --model "$$model" --bundle "$$out" --backend mil \
 		--max-new-tokens $(DEMO_MAX_NEW_TOKENS) --out "$$out/verify.json" \
-		--audio $(addprefix tests/data/audio/,$(DEMO_CLIPS)) --languages $(DEMO_LANGUAGES)
+		--audio $(addprefix tests/data/audio/,$(DEMO_CLIPS)) --languages $(DEMO_LANGUAGES); \
+	$(RUN) cohere-coreml ane-check "$$out" --summary
 
 PYTEST_ARGS ?=
 test: sync lint

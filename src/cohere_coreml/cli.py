@@ -12,6 +12,7 @@ several commands share, such as --bundle, are defined once in cohere_coreml.cli_
     quantize          cohere_coreml.quantize
     bundle, upload    cohere_coreml.publish
     bench             cohere_coreml.bench
+    ane-check         cohere_coreml.ane_check
     serve-runtime     cohere_coreml.runtime.serve
 
 `cohere-coreml <command> --help` explains each.
@@ -27,7 +28,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from . import __version__, audio, bench, checkpoint, export, publish, quantize, transcribe, verify
+from . import __version__, ane_check, audio, bench, checkpoint, export, publish, quantize, transcribe, verify
 from .config import DEFAULT_HUB_ID
 from .runtime import serve
 
@@ -96,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_command(sub)  # quantize
     publish.add_commands(sub)  # bundle check|finalize, upload
     bench.add_command(sub)  # bench
+    ane_check.add_command(sub)  # ane-check
     serve.add_command(sub)  # serve-runtime
     return parser
 

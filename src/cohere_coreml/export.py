@@ -9,6 +9,7 @@ The pipeline, in order:
                                        (gate.stage_gated); then the model can be freed
     StagedExport.finish                each package is gated (loaded through the runtime) and renamed
                                        into place only when its gate passes (<component>.parity.json)
+    ane_check.write_report             ane_check.json: the static Neural Engine census of the packages (docs/ane.md)
     bundle.write_bundle                last: manifest.json from the packages on disk + tokenizer
 
 The PyTorch model and the gates' copies of the packages are never in memory together
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import checkpoint
+from . import ane_check, checkpoint
 from .audio import FrontEndConfig
 from .bundle import decoder_package_info, write_bundle
 from .config import (
@@ -44,6 +45,7 @@ from .config import (
 from .convert import MIN_PSNR_DB, ExportError, ExportSettings
 from .files import sweep_stale_temporaries
 from .gate import StagedPackage
+from .integrity import invalidate_manifest
 from .memory import release_memory
 from .shapes import ExportPlan, export_plan
 from .tokens import prompt_ids
@@ -174,6 +176,10 @@ class StagedExport:
                 }
         finally:
             self.discard()
+        # the static Neural Engine census of the installed packages, before the manifest so that its
+        # checksums list ane_check.json (a change of it removes the stale manifest first, as for any file)
+        out_dir = self.settings.out_dir
+        ane_check.write_report(out_dir, before_change=lambda: invalidate_manifest(out_dir))
         return ExportResult(packages=packages, manifest=write_bundle(self.settings.out_dir, self.model_info,
                                                                      self.processor))
 

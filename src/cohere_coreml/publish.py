@@ -15,6 +15,7 @@ import os
 from importlib import resources
 from pathlib import Path
 
+from . import ane_check
 from .bundle import MANIFEST_NAME, refresh_manifest, write_manifest
 from .checkpoint import CheckpointError, check_hub_id
 from .files import sweep_stale_temporaries, write_text_atomic
@@ -223,6 +224,13 @@ def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None, manifes
         lines += ["", "Held-out WER: not measured for this bundle."]
     if bench:
         lines += ["", *presets_table(bench)]
+    ane = ane_check.read_summary(root)
+    if ane:
+        lines += ["", "## Neural Engine check (static, `cohere-coreml ane-check`)", "",
+                  f"`{ane}`", "",
+                  f"Every program's ops against the published Neural Engine rules, read from the packages at build "
+                  f"time (`{ane_check.REPORT_FILE}`: each finding with its rule and source). A prediction, not a "
+                  "measurement: Core ML decides the placement on the device."]
     min_os = m.get("min_os") or {}
     lines += ["", "## Requirements", "",
               f"iOS {min_os.get('iOS', '18.0')}+ / macOS {min_os.get('macOS', '15.0')}+ (stateful ML programs); Apple "
@@ -240,9 +248,10 @@ def example_source() -> str:
 
 def finalize_bundle(bundle_dir: str | os.PathLike, bench: str | os.PathLike | None = None,
                     base_model: str | None = None) -> Path:
-    """Write example_inference.py and README.md (with `bench`, a bench.json, the presets table), then the
-    manifest's integrity sections (last). `base_model`: the checkpoint's Hub id, recorded in the manifest
-    and the card's metadata (for a bundle exported from a folder whose config named none).
+    """Write example_inference.py, ane_check.json (the static Neural Engine census) and README.md (with
+    `bench`, a bench.json, the presets table), then the manifest's integrity sections (last). `base_model`:
+    the checkpoint's Hub id, recorded in the manifest and the card's metadata (for a bundle exported from
+    a folder whose config named none).
 
     Each file is written atomically and only when its content changes, and the manifest last: an
     interrupted finalize leaves the bundle as it was or with a file the manifest does not list yet
@@ -269,6 +278,7 @@ def finalize_bundle(bundle_dir: str | os.PathLike, bench: str | os.PathLike | No
             raise PublishError(f"{bench} is not a `cohere-coreml bench` report (bench.json): {err}") from err
     sweep_stale_temporaries(root)  # `.README.md.tmp-<pid>` of a finalize that was killed
     write_text_atomic(root / EXAMPLE, example_source(), if_changed=True)
+    ane_check.write_report(root)  # ane_check.json of the packages as they are now (the card quotes its summary)
     card = model_card(root, report, manifest={**manifest, **manifest_sections(root)})  # preset, min_os from disk
     write_text_atomic(root / README, card, if_changed=True)
     if base_model is None:
@@ -374,7 +384,8 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser("bundle", help="check a bundle's files against its manifest, or finalize it",
                               description="check: re-hash every file of the bundle (package contents included) and "
                               "name each one that is missing, differs or is unlisted (exit 1). finalize: write "
-                              "README.md (model card) and example_inference.py, then the manifest's checksums.")
+                              "ane_check.json (`cohere-coreml ane-check`), README.md (model card) and "
+                              "example_inference.py, then the manifest's checksums.")
     p.add_argument("action", choices=("check", "finalize"))
     p.add_argument("dir", help="bundle folder")
     p.add_argument("--bench", default=None,
