@@ -103,8 +103,9 @@ class StateProxy:
     def read_state(self, name: str) -> np.ndarray:
         return self.interpreter.request({"op": "read_state", "state": self.handle, "name": name})[1][name]
 
-    def write_state(self, name: str, value) -> None:
-        raise ShimError("write_state is not part of the serve-runtime protocol")
+    def write_state(self, name: str, value) -> None:  # a whole buffer, as coremltools' MLState.write_state
+        self.interpreter.request({"op": "write_state", "state": self.handle, "name": name, "start": None},
+                                 {name: value})
 
 
 class InterpreterProxy:

@@ -34,7 +34,7 @@ from cohere_coreml.bundle import (
     refresh_manifest,
     write_bundle,
 )
-from cohere_coreml.config import BIND_FUNCTION, BIND_INPUT_PREFIX, MEMORY_NAMES, PREFILL_FUNCTION, STEP_FUNCTION
+from cohere_coreml.config import BIND_FUNCTION, MEMORY_NAMES, PREFILL_FUNCTION, STEP_FUNCTION
 from cohere_coreml.export import ModelInfo
 from cohere_coreml.integrity import MANIFEST_NAME
 from cohere_coreml.tokens import EOS_TOKEN, LANGUAGES, PAD_TOKEN, UnknownLanguageError, prompt_ids
@@ -290,11 +290,18 @@ def test_first_folder_wins(written, tmp_path):
 
 
 def test_decoder_package_info_reads_the_package(written):
+    from cohere_coreml.runtime import read_package
+
     bundle = Bundle.load(written)
     dec, enc = bundle.manifest["decoder"], bundle.manifest["encoder"]
     info = decoder_package_info(written / DECODER_FILE)
-    assert info["functions"] == {"step": STEP_FUNCTION, "bind": BIND_FUNCTION, "prefill": PREFILL_FUNCTION}
-    assert info["bind_inputs"] == {BIND_INPUT_PREFIX + name: name for name in MEMORY_NAMES}
+    # the export's default decoder: host-state (no bind function; the host writes the memory)
+    assert info["state_writes"] == dec["state_writes"] == "host"
+    assert info["functions"] == {"step": STEP_FUNCTION, "bind": None, "prefill": PREFILL_FUNCTION}
+    assert info["bind_inputs"] is None and info["bind_io"] is None
+    assert dec["memory_states"] == {name: name for name in MEMORY_NAMES}
+    assert dec["row_outputs"] == {"self_k": "new_k", "self_v": "new_v"} and dec["cache_mask_input"] == "cache_mask"
+    assert BIND_FUNCTION not in read_package(written / DECODER_FILE).function_names
     assert info["shapes"]["capacity"] == bundle.capacity and info["shapes"]["memory_len"] == enc["memory_len"]
     assert info["prefill_length"] == len(bundle.prompt("en"))  # the whole prompt in one call
     assert info["io"] == package_io(written / DECODER_FILE, STEP_FUNCTION)

@@ -88,23 +88,26 @@ def test_pytorch_step_matches_generate(reference):
         assert ids == ref, f"{name} seed {seed}"
 
 
-@pytest.mark.parametrize("reference,precision", [
-    pytest.param("gqa_wide_encoder", "fp32"),
-    pytest.param("mha_3_layers", "fp32"),
-    pytest.param("mqa", "fp32"),
-    pytest.param("gqa_wide_encoder", "fp16"),  # fp16 on one shape (CPU budget)
+@pytest.mark.parametrize("reference,precision,state_writes", [
+    pytest.param("gqa_wide_encoder", "fp32", "host"),
+    pytest.param("mha_3_layers", "fp32", "host"),
+    pytest.param("mqa", "fp32", "host"),
+    pytest.param("gqa_wide_encoder", "fp16", "host"),  # fp16 on one shape (CPU budget)
+    pytest.param("gqa_wide_encoder", "fp32", "graph"),
+    pytest.param("mqa", "fp16", "graph"),
 ], indirect=["reference"])
-def test_export_parity_gate(reference, tmp_path, precision):
+def test_export_parity_gate(reference, tmp_path, precision, state_writes):
     """convert_decoder writes a stateful package that passes its teacher-forcing gate (interpreter),
-    and the gate case could have refused a broken package (negative controls)."""
+    and the gate case could have refused a broken package (negative controls); both state variants."""
     from cohere_coreml.bundle import package_io
     from cohere_coreml.convert import ExportSettings
+    from cohere_coreml.decoder_gate import state_write_ops
 
     name, model, processor = reference
     cfg = model.config
     settings = ExportSettings(out_dir=tmp_path, precision=precision, model_id=name)
     result = convert_decoder(model, settings, capacity=64, memory_len=32, prompt=_prompt(processor),
-                             control_prompt=_prompt(processor, "de", punctuation=False))
+                             control_prompt=_prompt(processor, "de", punctuation=False), state_writes=state_writes)
     parity = result["parity"]
     assert parity["passed"], parity
     assert set(parity["controls"]) == set(NEGATIVE_CONTROLS)
@@ -122,9 +125,22 @@ def test_export_parity_gate(reference, tmp_path, precision):
               "cross_k": {"shape": mem, "dtype": "float16"}, "cross_v": {"shape": mem, "dtype": "float16"},
               "cross_mask": {"shape": [1, 1, 1, 32], "dtype": "float16"}}
     assert io["states"] == states
-    # the step binds only O(1) inputs: no cross memory, nothing of the encoder's length
-    assert io["inputs"] == {"input_ids": {"shape": [1, 1], "dtype": "int32"},
-                            "position": {"shape": [1], "dtype": "int32"}}
+    # the step binds only O(1) inputs: no cross memory, nothing of the encoder's length (host: the
+    # fixed-shape mask of the filled cache slots)
+    assert parity["state_writes"] == state_writes
+    steps_inputs = {"input_ids": {"shape": [1, 1], "dtype": "int32"}, "position": {"shape": [1], "dtype": "int32"}}
+    census = state_write_ops(package)
+    if state_writes == "host":
+        assert io["inputs"] == {**steps_inputs, "cache_mask": {"shape": [1, 1, 1, 64], "dtype": "float16"}}
+        rows = {"shape": [cfg.num_hidden_layers, cfg.num_key_value_heads, 1, cfg.head_dim], "dtype": "float16"}
+        assert io["outputs"]["new_k"] == io["outputs"]["new_v"] == rows
+        assert set(census) == {"main"} and census["main"] == {"coreml_update_state": 0, "state_slice_update": 0}
+        assert parity["state_writes_in_graph"] == {}
+        assert (tmp_path / "decoder.parity.json").is_file()
+        return
+    assert io["inputs"] == steps_inputs
+    assert census["main"] == {"coreml_update_state": 2 * cfg.num_hidden_layers,
+                              "state_slice_update": 2 * cfg.num_hidden_layers}
     assert io["outputs"]["log_probs"]["shape"] == [1, cfg.vocab_size]
     bind = package_io(package, "bind_memory")
     program = "float16" if precision == "fp16" else "float32"  # as the encoder package outputs it
@@ -203,16 +219,39 @@ def test_fp16_program_keeps_small_log_probs(tiny_reference, tmp_path):
 # --- the cross memory lives in the state: bind_memory once per window ------------------------------
 
 
-@pytest.fixture(scope="module")
-def trained_package(trained_reference, tmp_path_factory):
+_TRAINED_PACKAGES: dict = {}
+
+
+def _trained_package(state_writes, trained_reference, tmp_path_factory):
     """fp16 decoder package of the trained model (C 32, Tp 64, with prefill), gate skipped: the tests
-    below check the state themselves."""
+    below check the state themselves. One per state variant and test run."""
     from cohere_coreml.convert import ExportSettings
 
-    model, processor = trained_reference
-    out = tmp_path_factory.mktemp("bound")
-    settings = ExportSettings(out_dir=out, precision="fp16", skip_verify=True)
-    return convert_decoder(model, settings, capacity=32, memory_len=64, prompt=_prompt(processor), prefill=True)["path"]
+    if state_writes not in _TRAINED_PACKAGES:
+        model, processor = trained_reference
+        out = tmp_path_factory.mktemp(f"bound-{state_writes}")
+        settings = ExportSettings(out_dir=out, precision="fp16", skip_verify=True)
+        _TRAINED_PACKAGES[state_writes] = convert_decoder(model, settings, capacity=32, memory_len=64,
+                                                          prompt=_prompt(processor), prefill=True,
+                                                          state_writes=state_writes)["path"]
+    return _TRAINED_PACKAGES[state_writes]
+
+
+@pytest.fixture(scope="module")
+def trained_package(trained_reference, tmp_path_factory):
+    """The graph-state package (bind_memory writes the memory, the functions the cache)."""
+    return _trained_package("graph", trained_reference, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def host_package(trained_reference, tmp_path_factory):
+    """The host-state package (its functions only read the state)."""
+    return _trained_package("host", trained_reference, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=["graph", "host"])
+def any_package(request, trained_reference, tmp_path_factory):
+    return _trained_package(request.param, trained_reference, tmp_path_factory)
 
 
 def test_bind_memory_writes_the_state(trained_reference, trained_package):
@@ -243,13 +282,13 @@ def test_bind_memory_writes_the_state(trained_reference, trained_package):
         decoder.bind(decoder.make_state(), {**case.memory, "encoder_length": np.array([bound + 1], np.int32)})
 
 
-def test_step_reads_the_bound_window(trained_reference, trained_package):
+def test_step_reads_the_bound_window(trained_reference, any_package):
     """A state bound to another window's memory gives other log-probs than the right one; re-binding a
     used state to a window gives exactly what a fresh state bound to it gives (prefill and step)."""
     from cohere_coreml.decoder_runtime import DecoderRuntime
 
     model, processor = trained_reference
-    decoder = DecoderRuntime.load(trained_package, backend="mil")
+    decoder = DecoderRuntime.load(any_package, backend="mil")
     a = teacher_forcing_case(model, 64, _prompt(processor), new_tokens=6, seed=0)
     b = teacher_forcing_case(model, 64, _prompt(processor), new_tokens=6, seed=5)
     right = run_teacher_forcing(decoder, a)
@@ -319,7 +358,7 @@ def test_serve_runtime_binds_and_steps_on_one_state(trained_reference, trained_p
     np.testing.assert_array_equal(responses[6][1]["log_probs"].reshape(-1), want)
 
 
-def test_beam_search_state_copies_carry_the_bound_memory(trained_reference, trained_package):
+def test_beam_search_state_copies_carry_the_bound_memory(trained_reference, any_package):
     """Beam search on the package: every returned hypothesis scores exactly what a fresh state bound to
     the same memory gives it (so each copied state held the right cache AND the window's memory); a
     copy of the self cache alone (the format-1 copy) does not reproduce the next log-probs."""
@@ -327,7 +366,7 @@ def test_beam_search_state_copies_carry_the_bound_memory(trained_reference, trai
     from cohere_coreml.decoding import beam_search, copy_state
 
     model, processor = trained_reference
-    decoder = DecoderRuntime.load(trained_package, backend="mil")
+    decoder = DecoderRuntime.load(any_package, backend="mil")
     case = teacher_forcing_case(model, 64, _prompt(processor), new_tokens=1, seed=4)
     prompt = case.ids[: case.prompt_len]
     state = decoder.new_state(case.memory)
@@ -358,3 +397,174 @@ def test_beam_search_state_copies_carry_the_bound_memory(trained_reference, trai
     assert np.abs(a.astype(np.float32) - b.astype(np.float32)).max() > 1.0
 
 
+
+
+# --- the host-state variant: the functions only read the state, the host writes it -------------------
+
+
+def test_host_state_step_returns_its_rows_and_the_host_writes_only_them(trained_reference, host_package):
+    """The host-state package: no state write in any program; a step leaves every state buffer as it
+    was except the one slot the host writes (its new_k / new_v rows, one K/V row per layer), and the
+    host writes the memory once per window (no bind function)."""
+    from cohere_coreml.decoder_gate import state_write_ops
+    from cohere_coreml.decoder_runtime import DecoderRuntime
+    from cohere_coreml.runtime import read_package
+
+    model, processor = trained_reference
+    assert "bind_memory" not in read_package(host_package).function_names
+    assert all(c == {"coreml_update_state": 0, "state_slice_update": 0} for c in state_write_ops(host_package).values())
+    decoder = DecoderRuntime.load(host_package, backend="mil")
+    assert decoder.host and decoder.bind_model is None
+    case = teacher_forcing_case(model, 64, _prompt(processor), new_tokens=3, seed=1)
+    state = decoder.new_state(case.memory)
+    for name, value in case.memory.items():
+        np.testing.assert_array_equal(state.read_state(name), value.astype(np.float16), err_msg=name)
+    decoder.prefill(state, case.ids[: case.prompt_len])
+    before = {name: state.read_state(name) for name in decoder.state_description}
+    written = decoder.state_bytes_written
+    p = case.prompt_len
+    out = decoder.step_model.predict({"input_ids": np.array([[case.ids[p]]], np.int32),
+                                      "position": np.array([p], np.int32),
+                                      "cache_mask": decoder_runtime_mask(p, decoder.capacity)}, state=state)
+    for name in decoder.state_description:  # the program itself wrote nothing
+        np.testing.assert_array_equal(state.read_state(name), before[name], err_msg=name)
+    decoder.step(state, case.ids[p], p)
+    L, hkv, _, dh = decoder.state_description["self_k"][0]
+    assert decoder.state_bytes_written - written == 2 * L * hkv * dh * 2  # one K/V row per layer, fp16
+    for name, output in (("self_k", "new_k"), ("self_v", "new_v")):
+        after = state.read_state(name)
+        np.testing.assert_array_equal(after[:, :, p : p + 1], out[output], err_msg=name)
+        np.testing.assert_array_equal(np.delete(after, p, axis=2), np.delete(before[name], p, axis=2))
+        assert np.abs(out[output]).max() > 0
+    for name in case.memory:
+        np.testing.assert_array_equal(state.read_state(name), before[name], err_msg=name)
+
+
+def decoder_runtime_mask(position, capacity):
+    from cohere_coreml.decoder_runtime import host_cache_mask
+
+    return host_cache_mask(position, capacity)
+
+
+def test_host_state_matches_graph_state_and_refuses_broken_hosts(trained_reference, host_package, trained_package):
+    """Teacher forcing (the export gate's case) through the host-state package: it passes the gate,
+    its argmax equals the graph-state package's and its PyTorch twin's, the whole-buffer write path
+    (coremltools' MLState API, Core ML on a Mac) gives exactly the in-place one's log-probs; a host
+    that forgets to write the rows, or whose mask is one slot off (either way), is refused by the gate."""
+    from cohere_coreml.decoder import TorchDecoder
+    from cohere_coreml.decoder_runtime import DecoderRuntime, host_cache_mask, write_rows
+
+    model, processor = trained_reference
+    case = teacher_forcing_case(model, 64, _prompt(processor), new_tokens=12, seed=0)
+    host = DecoderRuntime.load(host_package, backend="mil")
+    graph = DecoderRuntime.load(trained_package, backend="mil")
+    rows = run_teacher_forcing(host, case)
+    report = teacher_forcing_report(case, rows, "fp16")
+    assert report["passed"] and report["argmax_agree"] == report["argmax_steps"] >= 3, report
+    graph_rows = run_teacher_forcing(graph, case)
+    assert list(rows.argmax(-1)) == list(graph_rows.argmax(-1))
+    twin = TorchDecoder.of(model, 32, 64, state_writes="host")
+    twin_rows = run_teacher_forcing(twin, case)
+    assert list(twin_rows.argmax(-1)) == list(rows.argmax(-1))
+    graph_twin = run_teacher_forcing(TorchDecoder.of(model, 32, 64), case)
+    assert np.abs(twin_rows - graph_twin).max() < 1e-3  # one computation, keys in another order
+
+    class WholeBuffers(DecoderRuntime):  # the Mac path: only coremltools' MLState API (whole buffers)
+        def make_state(self):
+            state = super().make_state()
+            state.write_state_slice = None  # hidden: write_rows reads and writes whole buffers
+            return state
+
+    class Forgetful(DecoderRuntime):  # never writes the rows back
+        def _call(self, model, inputs, state, start):
+            inputs = {**inputs, "cache_mask": host_cache_mask(start, self.capacity)} if "position" in inputs else inputs
+            return np.asarray(model.predict(inputs, state=state)["log_probs"])
+
+    def shifted(offset):
+        class Shifted(DecoderRuntime):  # the mask opens one slot too many (offset 1) or too few (-1)
+            def _call(self, model, inputs, state, start):
+                if "position" in inputs:
+                    inputs = {**inputs, "cache_mask": host_cache_mask(max(start + offset, 0), self.capacity)}
+                out = model.predict(inputs, state=state)
+                for name, output in (("self_k", "new_k"), ("self_v", "new_v")):
+                    write_rows(state, name, out[output], start)
+                return np.asarray(out["log_probs"])
+        return Shifted
+
+    functions = (host.step_model, None, host.prefill_model)
+    whole = run_teacher_forcing(WholeBuffers(*functions), case)
+    np.testing.assert_array_equal(whole, rows)
+    for broken in (Forgetful, shifted(1), shifted(-1)):
+        bad = run_teacher_forcing(broken(*functions), case)
+        assert not teacher_forcing_report(case, bad, "fp16")["passed"], broken.__name__
+
+
+def test_pytorch_host_twin_matches_generate(reference):
+    """The host-state twin (the module only reads its buffers, the twin writes the rows) greedy-decodes
+    exactly like generate() on every tiny shape, through prefill and steps."""
+    name, model, processor = reference
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(1, 200, model.config.encoder_config.num_mel_bins, generator=g)
+    mask = torch.zeros(1, 200, dtype=torch.long)
+    mask[:, :170] = 1
+    prompt = _prompt(processor, "de")
+    with torch.no_grad():
+        ref = model.generate(input_features=feats, attention_mask=mask, decoder_input_ids=torch.tensor([prompt]),
+                             max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+        enc = model.model.encoder(feats, attention_mask=mask)
+    memory = cross_memory(model, enc.last_hidden_state, int(enc.attention_mask.sum()), 32)
+    rt = TorchDecoder.of(model, 32, 32, state_writes="host")
+    state = rt.new_state(memory)
+    lp = rt.prefill(state, prompt)
+    ids, pos = [], len(prompt)
+    while True:
+        ids.append(int(lp.argmax()))
+        if ids[-1] == model.config.eos_token_id or len(ids) == 12:
+            break
+        lp = rt.step(state, ids[-1], pos)
+        pos += 1
+    assert ids == ref, name
+
+
+def test_serve_runtime_host_writes_the_state(trained_reference, host_package):
+    """The Swift package's Linux path for a host-state decoder (`cohere-coreml serve-runtime`): the memory
+    written whole (`write_state`, start null), a step with its cache_mask, its rows written at slot 0 (a
+    region `start`), read back; then the next step: the same log-probs as `DecoderRuntime` in process. A
+    region past the buffer is refused with a message, and the server keeps serving."""
+    from cohere_coreml.decoder_runtime import DecoderRuntime, host_cache_mask
+
+    from .runtime.test_serve import _request, _serve
+
+    model, processor = trained_reference
+    case = teacher_forcing_case(model, 64, _prompt(processor), new_tokens=1, seed=2)
+    req = _request({"op": "load", "path": str(host_package), "function": "main"})  # m1
+    req += _request({"op": "make_state", "model": "m1"})  # s2
+    for name, value in case.memory.items():
+        req += _request({"op": "write_state", "state": "s2", "name": name, "start": None},
+                        {name: value.astype(np.float16)})
+    req += _request({"op": "predict", "model": "m1", "state": "s2"},
+                    {"input_ids": np.array([[case.ids[0]]], np.int32), "position": np.array([0], np.int32),
+                     "cache_mask": host_cache_mask(0, 32)})
+    responses = _serve(req + _request({"op": "quit"}))
+    assert all(h["ok"] for h, _ in responses), [h for h, _ in responses if not h["ok"]]
+    rows = responses[-2][1]
+    req2 = req
+    for name, output in (("self_k", "new_k"), ("self_v", "new_v")):
+        req2 += _request({"op": "write_state", "state": "s2", "name": name, "start": [0, 0, 0, 0]}, {name: rows[output]})
+    req2 += _request({"op": "read_state", "state": "s2", "name": "self_k"})
+    req2 += _request({"op": "predict", "model": "m1", "state": "s2"},
+                     {"input_ids": np.array([[case.ids[1]]], np.int32), "position": np.array([1], np.int32),
+                      "cache_mask": host_cache_mask(1, 32)})
+    req2 += _request({"op": "write_state", "state": "s2", "name": "self_k", "start": [0, 0, 32, 0]},
+                     {"self_k": rows["new_k"]})  # slot 32 of a 32-slot cache
+    responses = _serve(req2 + _request({"op": "quit"}))
+    assert all(h["ok"] for h, _ in responses[:-2]), [h for h, _ in responses if not h["ok"]]
+    assert not responses[-2][0]["ok"] and "cannot write" in responses[-2][0]["error"]
+    cache = responses[-4][1]["self_k"]
+    np.testing.assert_array_equal(cache[:, :, :1], rows["new_k"])
+    assert not cache[:, :, 1:].any()
+    decoder = DecoderRuntime.load(host_package, backend="mil", prefill=False)
+    state = decoder.new_state(case.memory)
+    decoder.step(state, case.ids[0], 0)
+    want = decoder.step(state, case.ids[1], 1)
+    np.testing.assert_array_equal(responses[-3][1]["log_probs"].reshape(-1), want)

@@ -24,15 +24,16 @@ def _prompt(processor):
     return prompt_ids(processor.tokenizer, "en")
 
 
-@pytest.fixture(scope="module")
-def extend_package(trained_reference, tmp_path_factory):
-    """fp16 decoder of the trained model with prefill and extend (K 16), through its gate."""
+@pytest.fixture(scope="module", params=["host", "graph"])
+def extend_package(request, trained_reference, tmp_path_factory):
+    """fp16 decoder of the trained model with prefill and extend (K 16), through its gate; both state
+    variants (host: the host writes the K new rows of each extend call)."""
     from cohere_coreml.convert import ExportSettings
 
     model, processor = trained_reference
     settings = ExportSettings(out_dir=tmp_path_factory.mktemp("extend"), precision="fp16")
     return convert_decoder(model, settings, capacity=CAPACITY, memory_len=MEMORY, prompt=_prompt(processor),
-                           prefill=True, extend=True, extend_len=K)
+                           prefill=True, extend=True, extend_len=K, state_writes=request.param)
 
 
 # --- the plan (pure) ----------------------------------------------------------------------------

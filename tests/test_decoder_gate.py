@@ -71,7 +71,7 @@ def test_gate_refuses_a_step_that_ignores_the_memory_mask(tiny_reference, tmp_pa
     monkeypatch.setattr(decoder_module, "trace_decoder_bind", broken_trace)
     settings = ExportSettings(out_dir=tmp_path, precision="fp32")
     with pytest.raises(ParityError, match="teacher forcing"):
-        convert_decoder(model, settings, capacity=32, memory_len=32, prompt=_prompt(processor))
+        convert_decoder(model, settings, capacity=32, memory_len=32, prompt=_prompt(processor), state_writes="graph")
     assert [p.name for p in tmp_path.iterdir()] == ["decoder.parity-failed.json"], "only the refused gate's figures"
 
 
@@ -167,10 +167,47 @@ def test_gate_refuses_a_packaged_zero_memory_bind(trained_reference, tmp_path, m
                         lambda bind: original(ZeroMemoryBind(model, bind.shapes.capacity, bind.shapes.memory_len)))
     settings = ExportSettings(out_dir=tmp_path, precision="fp32")
     with pytest.raises(ParityError, match="teacher forcing"):
-        convert_decoder(model, settings, capacity=32, memory_len=64, prompt=_prompt(processor))
+        convert_decoder(model, settings, capacity=32, memory_len=64, prompt=_prompt(processor), state_writes="graph")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["decoder.parity-failed.json"]
     failed = json.loads((tmp_path / "decoder.parity-failed.json").read_text())
     assert failed["passed"] is False and failed["component"] == "decoder"
+
+
+def test_gate_refuses_host_steps_that_return_wrong_rows(trained_reference, tmp_path, monkeypatch):
+    """The host-state export: a step whose new K/V rows are not the token's (zeros, or the layers' rows in
+    reverse order) is refused by the export gate through the real path (trace, convert, interpreter,
+    the host's writes); the right one passes, and its programs write no state."""
+    import cohere_coreml.decoder as decoder_module
+    from cohere_coreml.convert import ExportSettings, ParityError
+    from cohere_coreml.decoder import DecoderStepHost
+    from cohere_coreml.decoder_gate import state_write_ops
+
+    class ZeroRows(DecoderStepHost):
+        def forward(self, input_ids, position, cache_mask):
+            lp, k, v = super().forward(input_ids, position, cache_mask)
+            return lp, k * 0, v * 0
+
+    class LayersReversed(DecoderStepHost):  # each layer's rows written into another layer's cache
+        def forward(self, input_ids, position, cache_mask):
+            lp, k, v = super().forward(input_ids, position, cache_mask)
+            return lp, torch.flip(k, [0]), torch.flip(v, [0])
+
+    model, processor = trained_reference
+    original = decoder_module.trace_decoder_step
+    for broken in (ZeroRows, LayersReversed):
+        out = tmp_path / broken.__name__
+        monkeypatch.setattr(decoder_module, "trace_decoder_step",
+                            lambda step, cls=broken: original(cls(model, step.shapes.capacity, step.shapes.memory_len)))
+        with pytest.raises(ParityError, match="teacher forcing"):
+            convert_decoder(model, ExportSettings(out_dir=out, precision="fp16"), capacity=32, memory_len=64,
+                            prompt=_prompt(processor), state_writes="host")
+        assert sorted(p.name for p in out.iterdir()) == ["decoder.parity-failed.json"]
+    monkeypatch.setattr(decoder_module, "trace_decoder_step", original)
+    good = convert_decoder(model, ExportSettings(out_dir=tmp_path / "good", precision="fp16"), capacity=32,
+                           memory_len=64, prompt=_prompt(processor), state_writes="host")
+    assert good["parity"]["passed"] and good["parity"]["state_writes"] == "host"
+    assert good["parity"]["discriminates"], good["parity"]["controls"]
+    assert not any(any(c.values()) for c in state_write_ops(good["path"]).values())
 
 
 def test_gate_warns_when_the_case_cannot_discriminate(tiny_reference, caplog):

@@ -368,20 +368,24 @@ def test_manifest_io_of_every_function(trained_bundle):
     assert enc["io"] == enc["functions"]["main"]["io"]
 
     assert manifest["format_version"] == 2
-    assert dec["functions"] == {"step": "main", "bind": "bind_memory", "prefill": "prefill"}
-    prefill, bind = dec["prefill_io"], dec["bind_io"]
+    # the default decoder: host-state (no bind function: the host writes the memory and each call's rows)
+    assert dec["state_writes"] == "host"
+    assert dec["functions"] == {"step": "main", "bind": None, "prefill": "prefill"}
+    assert dec["bind_io"] is None and dec["bind_inputs"] is None
+    prefill = dec["prefill_io"]
     assert prefill is not None
     assert prefill["inputs"] == {"input_ids": {"shape": [1, dec["prefill_length"]], "dtype": "int32"}}
     assert dec["io"]["inputs"] == {"input_ids": {"shape": [1, 1], "dtype": "int32"},
-                                   "position": {"shape": [1], "dtype": "int32"}}
+                                   "position": {"shape": [1], "dtype": "int32"},
+                                   "cache_mask": {"shape": [1, 1, 1, dec["capacity"]], "dtype": "float16"}}
+    rows = dec["cache_shape"][:2] + [1, dec["cache_shape"][3]]
+    assert dec["io"]["outputs"]["new_k"] == dec["io"]["outputs"]["new_v"] == {"shape": rows, "dtype": "float16"}
+    assert prefill["outputs"]["new_k"]["shape"] == rows[:2] + [dec["prefill_length"], rows[3]]
     # one state layout for every function: the self cache and the window's cross memory
-    assert prefill["states"] == bind["states"] == dec["io"]["states"]
+    assert prefill["states"] == dec["io"]["states"]
     assert set(dec["io"]["states"]) == {"self_k", "self_v", "cross_k", "cross_v", "cross_mask"}
     assert dec["io"]["states"]["self_k"]["shape"] == dec["cache_shape"]
     assert dec["io"]["states"]["cross_k"]["shape"] == dec["memory_shape"]
-    # bind takes the encoder's outputs unchanged (shape and dtype), under the names bind_inputs maps
-    assert set(bind["inputs"]) == set(dec["bind_inputs"])
-    for name, source in dec["bind_inputs"].items():
-        assert bind["inputs"][name] == enc["io"]["outputs"][source], name
-        assert dec["io"]["states"][source]["shape"] == bind["inputs"][name]["shape"]
-    assert bind["outputs"] == {"memory_length": {"shape": [1], "dtype": "int32"}}
+    # the host writes the encoder's outputs into the memory states: same shapes
+    for name, source in dec["memory_states"].items():
+        assert dec["io"]["states"][name]["shape"] == enc["io"]["outputs"][source]["shape"], name

@@ -276,11 +276,11 @@ def test_prefill_function_gives_the_same_tokens(tmp_path):
 
     model, processor = tiny_model(tmp_path / "ckpt", seed=4, sensitive=True, **GQA)
     bundle = export_bundle(model, processor, tmp_path / "bundle", prefill=True)
-    assert set(read_package(bundle / "decoder.mlpackage").function_names) == {"main", "bind_memory", "prefill"}
+    assert set(read_package(bundle / "decoder.mlpackage").function_names) == {"main", "prefill"}  # host-state
     parity = json.loads((bundle / "decoder.parity.json").read_text())
     assert parity["passed"] and parity["prefill"]["passed"] and parity["prefill"]["argmax_agree"] >= 2
     manifest = Bundle.load(bundle).manifest["decoder"]
-    assert manifest["functions"] == {"step": "main", "bind": "bind_memory", "prefill": "prefill"}
+    assert manifest["functions"] == {"step": "main", "bind": None, "prefill": "prefill"}
     assert manifest["prefill_length"] == 10
     assert manifest["prefill_io"]["inputs"] == {"input_ids": {"shape": [1, 10], "dtype": "int32"}}
     with_prefill = Transcriber(bundle, backend="mil")
@@ -358,6 +358,58 @@ def test_trained_heldout_tokens_identical_to_generate(trained):
         matched += window.text == u["text"]
     assert functions == {"window_2s", "main"}
     assert matched >= len(utterances) // 2  # real transcripts, not just agreeing noise
+
+
+@pytest.fixture(scope="module")
+def trained_graph_bundle(trained_reference, trained_bundle, tmp_path_factory):
+    """The session bundle (host-state decoder, the default) with a graph-state decoder instead: its
+    encoder and front end are the session bundle's (copied), its decoder exported with
+    --decoder-state graph."""
+    import shutil
+
+    from cohere_coreml.convert import ExportSettings
+    from cohere_coreml.export import export_model
+
+    from .fixture_data import TRAINED_BUCKETS, TRAINED_WINDOW_S
+
+    model, processor = trained_reference
+    out = tmp_path_factory.mktemp("trained-graph") / "bundle"
+    out.mkdir()
+    for name in ("encoder.mlpackage", "frontend.mlpackage", "encoder.parity.json", "frontend.parity.json"):
+        src = trained_bundle / name
+        if src.is_dir():
+            shutil.copytree(src, out / name)
+        elif src.is_file():
+            shutil.copy2(src, out / name)
+    settings = ExportSettings(out_dir=out, precision="fp16", model_id="cohere-tiny-synth", window_seconds=TRAINED_WINDOW_S)
+    export_model(model, processor, settings, max_new_tokens=TRAINED_MAX_NEW_TOKENS, buckets=TRAINED_BUCKETS,
+                 prefill=True, decoder_state="graph")
+    return out
+
+
+def test_both_decoder_state_variants_give_generates_tokens(trained, trained_graph_bundle):
+    """The host-state decoder (the session bundle) and the graph-state one (same encoder): on held-out
+    clips (3 per language, beam search on one of them too) both give generate()'s ids; the manifests say
+    which variant each is, and only the graph one has bind_memory."""
+    from cohere_coreml.audio import load_audio
+    from cohere_coreml.runtime import read_package
+    from cohere_coreml.transcribe import Transcriber
+
+    model, processor, host = trained
+    graph = Transcriber(trained_graph_bundle, backend="mil")
+    assert host.bundle.manifest["decoder"]["state_writes"] == "host" and host.decoder.host
+    assert graph.bundle.manifest["decoder"]["state_writes"] == "graph" and not graph.decoder.host
+    assert "bind_memory" in read_package(graph.bundle.paths["decoder"]).function_names
+    assert "bind_memory" not in read_package(host.bundle.paths["decoder"]).function_names
+    for u in heldout_utterances(per_language=3):
+        wav = load_audio(u["path"])
+        prompt = processor.get_decoder_prompt_ids(language=u["language"], punctuation=True)
+        ref = reference_ids(model, processor, wav, prompt, TRAINED_MAX_NEW_TOKENS + 1)
+        for tr in (host, graph):
+            assert tr.transcribe(wav, u["language"]).windows[0].token_ids == ref, (u["file"], tr.decoder.state_writes)
+    wav = load_audio(heldout_utterances(per_language=1)[0]["path"])
+    beams = [tr.transcribe(wav, "en", beams=3).windows[0].token_ids for tr in (host, graph)]
+    assert beams[0] == beams[1]
 
 
 @pytest.mark.parametrize("front_end", ["python", "package"])

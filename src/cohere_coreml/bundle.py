@@ -40,9 +40,14 @@ from .config import (
     BIND_INPUT_PREFIX,
     BIND_OUTPUT,
     BUCKETS_METADATA_KEY,
+    CACHE_MASK_INPUT,
+    DECODER_STATE_GRAPH,
+    DECODER_STATE_HOST,
+    DECODER_STATES,
     EXTEND_FUNCTION,
     FRONTEND_FUNCTIONS_METADATA_KEY,
     MEMORY_NAMES,
+    NEW_ROWS_OUTPUTS,
     PREFILL_FUNCTION,
     STEP_FUNCTION,
 )
@@ -190,7 +195,17 @@ def decoder_package_info(path: str | os.PathLike) -> dict:
     except (KeyError, ValueError) as err:
         raise BundleError(f"{path} lacks the decoder metadata of cohere-coreml ({err}): re-export it") from err
     functions = read_package(path).function_names
-    if BIND_FUNCTION not in functions:
+    step_io = package_io(path, function_name=STEP_FUNCTION)
+    # who writes the state: the package's metadata (exports before --decoder-state: graph, with bind_memory)
+    state_writes = meta.get("com.cohere_coreml.decoder_state") or (
+        DECODER_STATE_HOST if CACHE_MASK_INPUT in step_io["inputs"] else DECODER_STATE_GRAPH)
+    if state_writes not in DECODER_STATES:
+        raise BundleError(f"{path}: decoder state {state_writes!r} is none of {DECODER_STATES}: re-export it")
+    host = state_writes == DECODER_STATE_HOST
+    if host and (BIND_FUNCTION in functions or CACHE_MASK_INPUT not in step_io["inputs"]):
+        raise BundleError(f"{path} says it is a host-state decoder but its step takes {sorted(step_io['inputs'])} "
+                          f"and its functions are {sorted(functions)}: re-export it with `cohere-coreml export --force`")
+    if not host and BIND_FUNCTION not in functions:
         raise BundleError(f"{path} has no {BIND_FUNCTION!r} function (it has {sorted(functions)}): a decoder of "
                           f"bundle format 1, which took the cross memory at every step; re-export it with "
                           f"`cohere-coreml export --force`")
@@ -204,14 +219,17 @@ def decoder_package_info(path: str | os.PathLike) -> dict:
     if extend:
         inputs, _, _ = describe(read_package(path, function_name=EXTEND_FUNCTION))
         extend_length = int(inputs["input_ids"][0][1])
-    bind_io = package_io(path, function_name=BIND_FUNCTION)
-    bind_inputs = {BIND_INPUT_PREFIX + name: name for name in MEMORY_NAMES}  # bind input -> encoder output
-    if set(bind_io["inputs"]) != set(bind_inputs):
-        raise BundleError(f"{path}: {BIND_FUNCTION} takes {sorted(bind_io['inputs'])}, this tool expects "
-                          f"{sorted(bind_inputs)}: re-export it with `cohere-coreml export --force`")
-    info = {"shapes": shapes, "functions": {"step": STEP_FUNCTION, "bind": BIND_FUNCTION, "prefill": prefill},
+    bind_io = bind_inputs = None
+    if not host:
+        bind_io = package_io(path, function_name=BIND_FUNCTION)
+        bind_inputs = {BIND_INPUT_PREFIX + name: name for name in MEMORY_NAMES}  # bind input -> encoder output
+        if set(bind_io["inputs"]) != set(bind_inputs):
+            raise BundleError(f"{path}: {BIND_FUNCTION} takes {sorted(bind_io['inputs'])}, this tool expects "
+                              f"{sorted(bind_inputs)}: re-export it with `cohere-coreml export --force`")
+    info = {"shapes": shapes, "state_writes": state_writes,
+            "functions": {"step": STEP_FUNCTION, "bind": None if host else BIND_FUNCTION, "prefill": prefill},
             "prefill_length": prefill_length, "precision": meta.get("com.cohere_coreml.precision"),
-            "io": package_io(path, function_name=STEP_FUNCTION), "bind_io": bind_io, "bind_inputs": bind_inputs,
+            "io": step_io, "bind_io": bind_io, "bind_inputs": bind_inputs,
             "prefill_io": package_io(path, function_name=prefill) if prefill else None}
     if extend:  # optional, and absent (not null) without it: manifests of older exports stay as they were
         info["functions"]["extend"] = extend
@@ -307,13 +325,22 @@ def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, deco
             # (optional) the whole prompt (1, prefill_length) in one call, "extend" (optional, absent or
             # null without it) up to extend_length tokens from a given slot in one call
             "functions": decoder["functions"],
-            # bind function input -> the encoder output it takes, unchanged
+            # bind function input -> the encoder output it takes, unchanged (None: host-state decoder)
             "bind_inputs": decoder["bind_inputs"],
             "prefill_length": decoder["prefill_length"],
             "io": decoder["io"],  # the step function's
-            "bind_io": decoder["bind_io"],  # the bind function's
+            "bind_io": decoder["bind_io"],  # the bind function's (None: host-state decoder)
             "prefill_io": decoder.get("prefill_io"),  # the prefill function's (None without prefill)
+            # who writes the state (docs/decoder.md): "graph" (the functions; bind_memory the memory) or
+            # "host" (the functions only read it; the app writes the memory once per window and each
+            # call's new K/V rows, below)
+            "state_writes": decoder.get("state_writes", DECODER_STATE_GRAPH),
         }
+        if manifest["decoder"]["state_writes"] == DECODER_STATE_HOST:
+            manifest["decoder"].update(
+                memory_states={name: name for name in MEMORY_NAMES},  # state -> the encoder output written into it
+                row_outputs=dict(NEW_ROWS_OUTPUTS),  # state -> the output of each call's new rows (L, Hkv, S, Dh)
+                cache_mask_input=CACHE_MASK_INPUT)  # fp16 (1, 1, 1, C): 0 for slots < position, -1e4 else
         if decoder.get("extend_io") is not None:  # the extend function's: K and I/O (absent without it)
             manifest["decoder"].update(extend_length=decoder["extend_length"], extend_io=decoder["extend_io"])
     manifest["tokens"] = {
@@ -721,6 +748,9 @@ def check_manifest(manifest, where: str, vocab: dict | None = None, processor: d
     f.equal("decoder.memory_shape", memory_shape, "[num_layers, num_key_value_heads, encoder.memory_len, head_dim]",
             [layers, kv_heads, memory_len, head_dim])
     output = f.str(dec, "output", "decoder.output", ("log_probs",))
+    # who writes the state (absent: "graph", the exports before --decoder-state)
+    state_writes = f.str(dec, "state_writes", "decoder.state_writes", DECODER_STATES, optional=True) or DECODER_STATE_GRAPH
+    host = state_writes == DECODER_STATE_HOST
     functions = f.obj(dec, "functions", "decoder.functions")
     f.str(functions, "step", "decoder.functions.step")
     prefill = f.str(functions, "prefill", "decoder.functions.prefill", optional=True)
@@ -751,43 +781,64 @@ def check_manifest(manifest, where: str, vocab: dict | None = None, processor: d
                     ("states", "self_k"): (cache, "float16"), ("states", "self_v"): (cache, "float16")}
         if path in ("decoder.io", "decoder.extend_io"):
             expected[("inputs", "position")] = ([1], "int32")
+            if host:  # the host's mask of the filled cache slots
+                expected[("inputs", CACHE_MASK_INPUT)] = ([1, 1, 1, capacity], "float16")
         if path == "decoder.extend_io":  # the log-probs after each of the K slots
             expected[("outputs", output)] = ([1, ids_len, vocab_size], program_float)
+        if host:  # the call's new K/V rows, which the host writes into self_k / self_v
+            for out_name in NEW_ROWS_OUTPUTS.values():
+                expected[("outputs", out_name)] = ([layers, kv_heads, ids_len, head_dim], "float16")
         # format 2: the cross memory is in the state (fp16), never an input of a step or prefill call
         expected.update({("states", "cross_k"): (memory_shape, "float16"), ("states", "cross_v"): (memory_shape, "float16"),
                          ("states", "cross_mask"): ([1, 1, 1, memory_len], "float16")})
         takes = sorted(n for kind, n in expected if kind == "inputs")
         if isinstance(io.get("inputs"), dict) and sorted(io["inputs"]) != takes:
-            f.fail(f"{path}.inputs", f"are {sorted(io['inputs'])}; a format-{FORMAT_VERSION} decoder call takes {takes} "
-                   "(the cross memory is bound into the state by decoder.functions.bind)")
+            f.fail(f"{path}.inputs", f"are {sorted(io['inputs'])}; a format-{FORMAT_VERSION} {state_writes}-state "
+                   f"decoder call takes {takes} (the cross memory is in the state, written by "
+                   + ("the host once per window)" if host else "decoder.functions.bind)"))
         for (kind, name), (shape, dtype) in expected.items():
             got = f.shape(io, kind, name, path)
             what = {"self_k": "decoder.cache_shape", "self_v": "decoder.cache_shape", "input_ids":
                     {"decoder.io": "[1, 1]", "decoder.prefill_io": "decoder.prefill_length",
                      "decoder.extend_io": "decoder.extend_length"}[path], "position": "[1]",
                     output: "[1, decoder.extend_length, decoder.vocab_size]" if path == "decoder.extend_io"
-                    else "[1, decoder.vocab_size]", "cross_mask": "[1, 1, 1, encoder.memory_len]"}.get(name, "decoder.memory_shape")
+                    else "[1, decoder.vocab_size]", "cross_mask": "[1, 1, 1, encoder.memory_len]",
+                    CACHE_MASK_INPUT: "[1, 1, 1, decoder.capacity]",
+                    **dict.fromkeys(NEW_ROWS_OUTPUTS.values(), "[num_layers, num_key_value_heads, tokens of the call, "
+                                    "head_dim]")}.get(name, "decoder.memory_shape")
             f.equal(f"{path}.{kind}.{name}.shape", got, what, shape)
             f.equal(f"{path}.{kind}.{name}.dtype", io[kind][name]["dtype"],
-                    "the dtype of precision " + repr(precision) if name not in ("input_ids", "position") else "int32",
+                    "int32" if name in ("input_ids", "position") else "float16 (fp16 states, the host's arrays)"
+                    if dtype == "float16" and name not in (output,) else "the dtype of precision " + repr(precision),
                     dtype)
-    # the bind function: the encoder's memory in (under decoder.bind_inputs' names), memory_length out
-    bind = f.str(functions, "bind", "decoder.functions.bind")
-    bind_inputs = f.obj(dec, "bind_inputs", "decoder.bind_inputs")
-    want_inputs = {BIND_INPUT_PREFIX + name: name for name in MEMORY_NAMES}
-    if bind_inputs != want_inputs:
-        f.fail("decoder.bind_inputs", f"is {_show(bind_inputs)}; the {bind!r} function takes {want_inputs}")
-    bind_io = f.io(dec, "bind_io", "decoder.bind_io")
-    memory_of = {"cross_k": (memory_shape, program_float), "cross_v": (memory_shape, program_float),
-                 "cross_mask": ([1, 1, 1, memory_len], program_float)}
-    expected = {("inputs", i): memory_of[o] for i, o in want_inputs.items()}
-    expected.update({("outputs", BIND_OUTPUT): ([1], "int32"), ("states", "self_k"): (cache, "float16"),
-                     ("states", "self_v"): (cache, "float16"),
-                     **{("states", n): (shape, "float16") for n, (shape, _) in memory_of.items()}})
-    for (kind, name), (shape, dtype) in expected.items():
-        f.equal(f"decoder.bind_io.{kind}.{name}.shape", f.shape(bind_io, kind, name, "decoder.bind_io"),
-                "the shape of " + ("the encoder's " + want_inputs[name] if kind == "inputs" else name), shape)
-        f.equal(f"decoder.bind_io.{kind}.{name}.dtype", bind_io[kind][name]["dtype"], "dtype", dtype)
+    if host:  # the host writes the state: no bind function; what it writes, named
+        for key in ("bind_inputs", "bind_io"):
+            if dec.get(key) is not None:
+                f.fail(f"decoder.{key}", f"is {_show(dec.get(key))}; a host-state decoder has no bind function (null)")
+        if functions.get("bind") is not None:
+            f.fail("decoder.functions.bind", f"is {_show(functions.get('bind'))}; a host-state decoder has none (null)")
+        for key, want in (("memory_states", {name: name for name in MEMORY_NAMES}),
+                          ("row_outputs", dict(NEW_ROWS_OUTPUTS)), ("cache_mask_input", CACHE_MASK_INPUT)):
+            if dec.get(key) != want:
+                f.fail(f"decoder.{key}", f"is {_show(dec.get(key))}; a host-state decoder of this format writes "
+                       f"{_show(want)}")
+    else:  # the bind function: the encoder's memory in (under decoder.bind_inputs' names), memory_length out
+        bind = f.str(functions, "bind", "decoder.functions.bind")
+        bind_inputs = f.obj(dec, "bind_inputs", "decoder.bind_inputs")
+        want_inputs = {BIND_INPUT_PREFIX + name: name for name in MEMORY_NAMES}
+        if bind_inputs != want_inputs:
+            f.fail("decoder.bind_inputs", f"is {_show(bind_inputs)}; the {bind!r} function takes {want_inputs}")
+        bind_io = f.io(dec, "bind_io", "decoder.bind_io")
+        memory_of = {"cross_k": (memory_shape, program_float), "cross_v": (memory_shape, program_float),
+                     "cross_mask": ([1, 1, 1, memory_len], program_float)}
+        expected = {("inputs", i): memory_of[o] for i, o in want_inputs.items()}
+        expected.update({("outputs", BIND_OUTPUT): ([1], "int32"), ("states", "self_k"): (cache, "float16"),
+                         ("states", "self_v"): (cache, "float16"),
+                         **{("states", n): (shape, "float16") for n, (shape, _) in memory_of.items()}})
+        for (kind, name), (shape, dtype) in expected.items():
+            f.equal(f"decoder.bind_io.{kind}.{name}.shape", f.shape(bind_io, kind, name, "decoder.bind_io"),
+                    "the shape of " + ("the encoder's " + want_inputs[name] if kind == "inputs" else name), shape)
+            f.equal(f"decoder.bind_io.{kind}.{name}.dtype", bind_io[kind][name]["dtype"], "dtype", dtype)
     # every encoder function's io: features of its frames in, the decoder's memory out
     for name, fn in enc_functions.items():
         path = f"encoder.functions.{name}.io"
@@ -912,7 +963,8 @@ def check_packages(bundle: Bundle, where: str) -> None:
     dec = m["decoder"]
     listed = {"encoder": {name: (fn["io"], f"encoder.functions.{name}") for name, fn in m["encoder"]["functions"].items()},
               "decoder": {dec["functions"]["step"]: (dec["io"], "decoder.functions.step")}}
-    listed["decoder"][dec["functions"]["bind"]] = (dec["bind_io"], "decoder.functions.bind")
+    if dec["functions"].get("bind") is not None:  # null in a host-state decoder
+        listed["decoder"][dec["functions"]["bind"]] = (dec["bind_io"], "decoder.functions.bind")
     if dec["functions"].get("prefill") is not None:
         listed["decoder"][dec["functions"]["prefill"]] = (dec["prefill_io"], "decoder.functions.prefill")
     if dec["functions"].get("extend") is not None:

@@ -57,6 +57,16 @@ MEMORY_NAMES = ("cross_k", "cross_v", "cross_mask")
 BIND_INPUT_PREFIX = "encoder_"
 BIND_OUTPUT = "memory_length"  # int32 (1,): valid (unmasked) frames of the memory just bound
 
+# Who writes the decoder's state (`export --decoder-state`, manifest `decoder.state_writes`, docs/decoder.md):
+# "graph": the functions write the KV cache at the runtime position and bind_memory writes the memory;
+# "host": the functions only read the state and return the new K/V rows, which the host writes (no
+# bind_memory: the host writes the cross memory once per window). DECODER_STATE_DEFAULT is the export's.
+DECODER_STATE_GRAPH = "graph"
+DECODER_STATE_HOST = "host"
+DECODER_STATES = (DECODER_STATE_HOST, DECODER_STATE_GRAPH)
+DECODER_STATE_DEFAULT = DECODER_STATE_HOST
+CACHE_MASK_INPUT = "cache_mask"  # host variant: fp16 (1, 1, 1, C), 0 for filled cache slots, FP16_MASK_VALUE else
+NEW_ROWS_OUTPUTS = {"self_k": "new_k", "self_v": "new_v"}  # host variant: state -> output of its new rows
 
 def round_up(n: int, multiple: int = ANE_MULTIPLE) -> int:
     return -(-int(n) // multiple) * multiple

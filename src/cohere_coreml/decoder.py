@@ -51,17 +51,23 @@ from .config import (
     BIND_FUNCTION,
     BIND_INPUT_PREFIX,
     BIND_OUTPUT,
+    CACHE_MASK_INPUT,
+    DECODER_STATE_DEFAULT,
+    DECODER_STATE_GRAPH,
+    DECODER_STATE_HOST,
+    DECODER_STATES,
     EXTEND_FUNCTION,
     EXTEND_LENGTH,
     FP16_MASK_VALUE,
     MEMORY_NAMES,
+    NEW_ROWS_OUTPUTS,
     PREFILL_FUNCTION,
     PROMPT_LENGTH,
     STEP_FUNCTION,
 )
 from .convert import ExportSettings, convert_module, merge_functions
 from .decoder_gate import COMPONENT, prepare_gate
-from .decoder_runtime import extend_inputs
+from .decoder_runtime import extend_inputs, host_cache_mask, memory_frames
 from .files import save_converted, skip_installed
 from .gate import StagedPackage, stage_gated
 from .shapes import DecoderShapes, cache_capacity
@@ -151,9 +157,18 @@ class StatefulDecoder(nn.Module):
         memory=None,  # i -> (k, v) (1, Hkv, Tp, Dh); default: the bound memory in the state
         cross_mask: torch.Tensor | None = None,  # (1, 1, 1, Tp) additive; default: the state's
         all_rows: bool = False,
-    ) -> torch.Tensor:
+        cache_mask: torch.Tensor | None = None,  # (1, 1, 1, C) additive: the host-state variant
+    ):
         """Feed S consecutive tokens; returns the log-probs after the last one, (1, V), or with `all_rows`
-        after each of them, (1, S, V)."""
+        after each of them, (1, S, V).
+
+        Without `cache_mask` (the "graph" variant) the new K/V rows are written into the state at
+        `positions` and the causal mask is built from `positions`. With `cache_mask` (the "host" variant)
+        the state is only read: the tokens attend over the cache slots `cache_mask` leaves open (0; the
+        others FP16_MASK_VALUE) plus their own K/V (causal among themselves, a constant mask), and
+        (log_probs, new_k, new_v) is returned, new rows (L, Hkv, S, Dh) fp16 for the host to write at
+        `positions`. The new rows are rounded to fp16 before the tokens attend to them, as the graph
+        variant's round trip through the fp16 cache does."""
         s = self.shapes
         dec = self.decoder
         memory = memory or self._memory
@@ -161,18 +176,25 @@ class StatefulDecoder(nn.Module):
             cross_mask = self.cross_mask.to(COMPUTE_DTYPE)  # (1, 1, 1, Tp)
         n = input_ids.shape[1]  # S (static under tracing)
         p = positions[0]
+        host = cache_mask is not None
 
         # token + learned absolute position, then layer norm (as CohereAsrDecoder.forward)
         hidden = dec.embed_tokens(input_ids)  # (1, S, D)
         hidden = dec.embedding_layernorm(hidden + dec.pos_emb(positions).unsqueeze(0))  # (1, S, D)
         dtype = hidden.dtype
 
-        # causal mask over the static cache: slot j is visible to the token at position q iff j <= q
-        self_mask = torch.where(
-            self.slots <= positions.view(1, 1, n, 1),
-            torch.zeros((), dtype=dtype),
-            torch.full((), MASK_VALUE, dtype=dtype),
-        )  # (1, 1, S, C)
+        if host:
+            # the host's slots, then the new tokens' own: causal among themselves (a constant, no position)
+            causal = torch.triu(torch.full((n, n), MASK_VALUE, dtype=dtype), diagonal=1).view(1, 1, n, n)
+            self_mask = torch.cat([cache_mask.to(dtype).expand(1, 1, n, s.capacity), causal], dim=-1)  # (1, 1, S, C+S)
+            new_rows = {"self_k": [], "self_v": []}
+        else:
+            # causal mask over the static cache: slot j is visible to the token at position q iff j <= q
+            self_mask = torch.where(
+                self.slots <= positions.view(1, 1, n, 1),
+                torch.zeros((), dtype=dtype),
+                torch.full((), MASK_VALUE, dtype=dtype),
+            )  # (1, 1, S, C)
 
         for i, layer in enumerate(dec.layers):
             # --- self attention with the static cache ---
@@ -182,11 +204,18 @@ class StatefulDecoder(nn.Module):
             q = attn.q_proj(x).view(1, n, s.num_heads, s.head_dim).transpose(1, 2)  # (1, H, S, Dh)
             k = attn.k_proj(x).view(1, n, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (1, Hkv, S, Dh)
             v = attn.v_proj(x).view(1, n, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (1, Hkv, S, Dh)
-            # slice update with a tensor start (index assignment would be dropped by the tracer)
-            self.self_k[i : i + 1, :, p : p + n, :] = k.to(STATE_DTYPE)
-            self.self_v[i : i + 1, :, p : p + n, :] = v.to(STATE_DTYPE)
-            keys = self.self_k[i : i + 1].to(dtype)  # (1, Hkv, C, Dh)
-            values = self.self_v[i : i + 1].to(dtype)  # (1, Hkv, C, Dh)
+            if host:  # read the cache, never write it: the new rows go out
+                k16, v16 = k.to(STATE_DTYPE), v.to(STATE_DTYPE)
+                new_rows["self_k"].append(k16)
+                new_rows["self_v"].append(v16)
+                keys = torch.cat([self.self_k[i : i + 1].to(dtype), k16.to(dtype)], dim=2)  # (1, Hkv, C+S, Dh)
+                values = torch.cat([self.self_v[i : i + 1].to(dtype), v16.to(dtype)], dim=2)
+            else:
+                # slice update with a tensor start (index assignment would be dropped by the tracer)
+                self.self_k[i : i + 1, :, p : p + n, :] = k.to(STATE_DTYPE)
+                self.self_v[i : i + 1, :, p : p + n, :] = v.to(STATE_DTYPE)
+                keys = self.self_k[i : i + 1].to(dtype)  # (1, Hkv, C, Dh)
+                values = self.self_v[i : i + 1].to(dtype)  # (1, Hkv, C, Dh)
             out, _ = eager_attention_forward(attn, q, keys, values, self_mask, scaling=attn.scaling)
             out = attn.o_proj(out.reshape(1, n, s.num_heads * s.head_dim))  # (1, S, D)
             hidden = residual + out
@@ -206,10 +235,13 @@ class StatefulDecoder(nn.Module):
             hidden = residual + layer.mlp(layer.final_layernorm(hidden))
 
         if all_rows:
-            return stable_log_softmax(self.proj_out(dec.norm(hidden)))  # (1, S, V)
-        hidden = dec.norm(hidden[:, -1:, :])  # (1, 1, D): only the last token's prediction is used
-        logits = self.proj_out(hidden[:, 0, :])  # (1, V)
-        return stable_log_softmax(logits)  # (1, V)
+            log_probs = stable_log_softmax(self.proj_out(dec.norm(hidden)))  # (1, S, V)
+        else:
+            hidden = dec.norm(hidden[:, -1:, :])  # (1, 1, D): only the last token's prediction is used
+            log_probs = stable_log_softmax(self.proj_out(hidden[:, 0, :]))  # (1, V)
+        if host:
+            return log_probs, torch.cat(new_rows["self_k"], dim=0), torch.cat(new_rows["self_v"], dim=0)  # (L, Hkv, S, Dh)
+        return log_probs
 
 
 class DecoderBind(StatefulDecoder):
@@ -265,6 +297,40 @@ class DecoderExtend(StatefulDecoder):
         return self.run_tokens(input_ids, position + self.offsets, all_rows=True)  # (1, K, V)
 
 
+class DecoderStepHost(StatefulDecoder):
+    """`main` of the host-state variant: one decode step that only reads the state; returns the log-probs
+    and the token's K/V rows, which the host writes at slot `position`."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (1, 1) int32
+        position: torch.Tensor,  # (1,) int32: the position embedding's index (the graph's entry gather)
+        cache_mask: torch.Tensor,  # (1, 1, 1, C) fp16: 0 for the filled slots (< position), -1e4 else
+    ):  # -> log_probs (1, V), new_k, new_v (L, Hkv, 1, Dh) fp16
+        return self.run_tokens(input_ids, position, cache_mask=cache_mask)
+
+
+class DecoderPrefillHost(DecoderPrefill):
+    """`prefill` of the host-state variant: the prompt from slot 0 over an empty cache (a constant mask:
+    every cache slot closed); returns the log-probs after the last prompt token and the P new K/V rows."""
+
+    def __init__(self, model, capacity: int, memory_len: int, prompt_len: int):
+        super().__init__(model, capacity, memory_len, prompt_len)
+        self.register_buffer("empty_mask", torch.full((1, 1, 1, capacity), MASK_VALUE, dtype=STATE_DTYPE),
+                             persistent=False)
+
+    def forward(self, input_ids: torch.Tensor):  # (1, P) -> log_probs (1, V), new_k, new_v (L, Hkv, P, Dh)
+        return self.run_tokens(input_ids, self.prompt_positions, cache_mask=self.empty_mask)
+
+
+class DecoderExtendHost(DecoderExtend):
+    """`extend` of the host-state variant: K tokens from slot `position` over the cache slots `cache_mask`
+    leaves open; the log-probs after each and the K new K/V rows (the host writes slots position..+K-1)."""
+
+    def forward(self, input_ids: torch.Tensor, position: torch.Tensor, cache_mask: torch.Tensor):
+        return self.run_tokens(input_ids, position + self.offsets, all_rows=True, cache_mask=cache_mask)
+
+
 class RecomputingStep(StatefulDecoder):
     """Only for the MAC-count comparison (tools/count_decoder_macs.py): the design published ports
     use, where the step takes the encoder memory (1, T, Ddec) and recomputes every layer's cross
@@ -294,8 +360,16 @@ def trace_decoder_bind(bind: StatefulDecoder):
                          torch.zeros((1, 1, 1, s.memory_len))))
 
 
+def _host_mask_example(module: StatefulDecoder) -> tuple:
+    """The cache_mask example input of a host-state function ((), for a graph-state one)."""
+    if isinstance(module, (DecoderStepHost, DecoderExtendHost)):
+        return (torch.zeros((1, 1, 1, module.shapes.capacity), dtype=STATE_DTYPE),)
+    return ()
+
+
 def trace_decoder_step(step: StatefulDecoder):
-    return _trace(step, (torch.zeros((1, 1), dtype=torch.int32), torch.zeros((1,), dtype=torch.int32)))
+    return _trace(step, (torch.zeros((1, 1), dtype=torch.int32), torch.zeros((1,), dtype=torch.int32),
+                         *_host_mask_example(step)))
 
 
 def trace_decoder_prefill(prefill: DecoderPrefill):
@@ -303,7 +377,8 @@ def trace_decoder_prefill(prefill: DecoderPrefill):
 
 
 def trace_decoder_extend(extend: DecoderExtend):
-    return _trace(extend, (torch.zeros((1, extend.extend_len), dtype=torch.int32), torch.zeros((1,), dtype=torch.int32)))
+    return _trace(extend, (torch.zeros((1, extend.extend_len), dtype=torch.int32), torch.zeros((1,), dtype=torch.int32),
+                           *_host_mask_example(extend)))
 
 
 def coreml_states(shapes: DecoderShapes, names=("self_k", "self_v", *MEMORY_NAMES)):
@@ -316,10 +391,22 @@ def coreml_states(shapes: DecoderShapes, names=("self_k", "self_v", *MEMORY_NAME
 
 
 def coreml_io(shapes: DecoderShapes, function: str = STEP_FUNCTION, prompt_len: int | None = None,
-              extend_len: int = EXTEND_LENGTH):
-    """coremltools (inputs, states, outputs) declarations of one function of the package."""
+              extend_len: int = EXTEND_LENGTH, state_writes: str = DECODER_STATE_GRAPH):
+    """coremltools (inputs, states, outputs) declarations of one function of the package. `state_writes`
+    "host": the step and extend also take `cache_mask` (fp16 (1, 1, 1, C)) and every token function also
+    returns `new_k` / `new_v` (fp16 (L, Hkv, S, Dh)); there is no bind function."""
     import coremltools as ct  # heavy: the PyTorch side (decoder_gate, tests) needs none
 
+    if state_writes == DECODER_STATE_HOST:
+        if function == BIND_FUNCTION:
+            raise ValueError("the host-state decoder has no bind function (the host writes the cross memory)")
+        inputs, states, outputs = coreml_io(shapes, function, prompt_len, extend_len)
+        if function != PREFILL_FUNCTION:
+            inputs.append(ct.TensorType(name=CACHE_MASK_INPUT, shape=(1, 1, 1, shapes.capacity), dtype=np.float16))
+        outputs += [ct.TensorType(name=NEW_ROWS_OUTPUTS[n], dtype=np.float16) for n in ("self_k", "self_v")]
+        return inputs, states, outputs
+    if state_writes != DECODER_STATE_GRAPH:
+        raise ValueError(f"state_writes must be one of {DECODER_STATES}, got {state_writes!r}")
     if function == BIND_FUNCTION:
         # no dtype: the program's precision, as the encoder's outputs (fp16 arrays in an fp16 bundle)
         inputs = [ct.TensorType(name=BIND_INPUT_PREFIX + "cross_k", shape=shapes.memory_shape),
@@ -392,6 +479,20 @@ EXTEND_DESCRIPTIONS = {
     "position": "int32 (1,): cache slot of the first token, position + K <= capacity",
     "log_probs": "(1, K, V) log-softmax over the vocabulary after each of the K slots (rows of padding: unused)",
 }
+HOST_DESCRIPTIONS = {
+    **DECODER_DESCRIPTIONS,
+    CACHE_MASK_INPUT: "fp16 (1, 1, 1, C) additive, written by the host: 0 for the cache slots already filled "
+                      "(< position), -1e4 for the others",
+    "new_k": "fp16 (L, Hkv, S, Dh): the new tokens' self-attention keys; the host writes them into self_k at "
+             "slots position..position+S-1",
+    "new_v": "fp16 (L, Hkv, S, Dh): the new tokens' self-attention values, for self_v likewise",
+    "self_k": "fp16 (L, Hkv, C, Dh) self-attention keys, read only (the host writes each call's new_k)",
+    "self_v": "fp16 (L, Hkv, C, Dh) self-attention values, read only (the host writes each call's new_v)",
+    "cross_k": "fp16 (L, Hkv, Tp, Dh) cross-attention keys of the window, written by the host once per window",
+    "cross_v": "fp16 (L, Hkv, Tp, Dh) cross-attention values of the window, written by the host once per window",
+    "cross_mask": "fp16 (1, 1, 1, Tp) additive cross mask of the window (0 valid, -1e4 padding), written by the host",
+}
+HOST_EXTEND_DESCRIPTIONS = {k: v for k, v in HOST_DESCRIPTIONS.items() if k not in ("input_ids", "position", "log_probs")}
 BIND_DESCRIPTIONS = {
     BIND_INPUT_PREFIX + "cross_k": "(L, Hkv, Tp, Dh) encoder.mlpackage's cross_k, unchanged",
     BIND_INPUT_PREFIX + "cross_v": "(L, Hkv, Tp, Dh) encoder.mlpackage's cross_v, unchanged",
@@ -403,18 +504,29 @@ BIND_DESCRIPTIONS = {
 
 class TorchDecoder:
     """A PyTorch `StatefulDecoder` behind the `DecoderRuntime` interface (new_state / bind / step /
-    prefill): the gate's negative controls run through it (`decoder_gate.negative_controls`), and tests
-    use it as the PyTorch twin of a package. Its state is the module itself (one sequence at a time)."""
+    prefill / extend): the gate's negative controls run through it (`decoder_gate.negative_controls`), and
+    tests use it as the PyTorch twin of a package. Its state is the module itself (one sequence at a time).
+
+    `state_writes` as the package's: "graph" (the module writes its cache and memory, as the package's
+    functions do) or "host" (the module only reads its buffers and returns the new K/V rows; this twin
+    writes them, and the memory, as `DecoderRuntime` writes a host-state package's)."""
 
     backend = "torch"
 
-    def __init__(self, module: StatefulDecoder):
+    def __init__(self, module: StatefulDecoder, state_writes: str = DECODER_STATE_GRAPH):
+        if state_writes not in DECODER_STATES:
+            raise ValueError(f"state_writes must be one of {DECODER_STATES}, got {state_writes!r}")
         self.module = module.eval()
+        self.state_writes = state_writes
 
     @classmethod
-    def of(cls, model, capacity: int, memory_len: int) -> TorchDecoder:
+    def of(cls, model, capacity: int, memory_len: int, state_writes: str = DECODER_STATE_GRAPH) -> TorchDecoder:
         """The twin of a package with `capacity` cache slots over `memory_len` encoder frames."""
-        return cls(StatefulDecoder(model, capacity, memory_len))
+        return cls(StatefulDecoder(model, capacity, memory_len), state_writes)
+
+    @property
+    def host(self) -> bool:
+        return self.state_writes == DECODER_STATE_HOST
 
     def new_state(self, memory: dict):
         self.module.reset()
@@ -424,33 +536,47 @@ class TorchDecoder:
     def bind(self, state, memory: dict) -> int:
         args = [torch.from_numpy(np.asarray(memory[k], dtype=np.float32)) for k in MEMORY_NAMES]
         with torch.no_grad():
-            return int(state.bind_memory(*args)[0])
+            if not self.host:
+                return int(state.bind_memory(*args)[0])
+            for name, value in zip(MEMORY_NAMES, args):  # the host's writes (DecoderRuntime.bind)
+                getattr(state, name)[:] = value.to(STATE_DTYPE)
+            state.self_k.zero_()
+            state.self_v.zero_()
+            return memory_frames(memory["cross_mask"])
+
+    def _run(self, state, ids, positions: torch.Tensor, all_rows: bool = False) -> np.ndarray:
+        """The module on `ids` at `positions`; in the host variant the twin writes the new rows after."""
+        ids = torch.tensor([[int(t) for t in ids]], dtype=torch.int32)
+        with torch.no_grad():
+            if not self.host:
+                return state.run_tokens(ids, positions, all_rows=all_rows).numpy()
+            start = int(positions[0])
+            mask = torch.from_numpy(host_cache_mask(start, state.shapes.capacity))
+            lp, new_k, new_v = state.run_tokens(ids, positions, all_rows=all_rows, cache_mask=mask)
+            n = ids.shape[1]
+            state.self_k[:, :, start : start + n] = new_k
+            state.self_v[:, :, start : start + n] = new_v
+            return lp.numpy()
 
     def step(self, state, token: int, position: int) -> np.ndarray:
-        with torch.no_grad():
-            return state.run_tokens(torch.tensor([[int(token)]], dtype=torch.int32),
-                                    torch.tensor([int(position)], dtype=torch.int32)).numpy().reshape(-1)
+        return self._run(state, [token], torch.tensor([int(position)], dtype=torch.int32)).reshape(-1)
 
     def prefill(self, state, ids) -> np.ndarray:
-        ids = [int(t) for t in ids]
-        with torch.no_grad():
-            return state.run_tokens(torch.tensor([ids], dtype=torch.int32),
-                                    torch.arange(len(ids), dtype=torch.int32)).numpy().reshape(-1)
+        return self._run(state, ids, torch.arange(len(ids), dtype=torch.int32)).reshape(-1)
 
     def extend(self, state, ids, start: int, extend_len: int = EXTEND_LENGTH) -> np.ndarray:
         """`extend` as the package computes it: `ids` padded to `extend_len` slots from `start`; the
         (len(ids), V) log-probs after each of them."""
         padded, position = extend_inputs(ids, start, extend_len, self.module.shapes.capacity)
         positions = torch.from_numpy(position + np.arange(extend_len, dtype=np.int32))
-        with torch.no_grad():
-            rows = state.run_tokens(torch.from_numpy(padded), positions, all_rows=True).numpy()[0]  # (K, V)
+        rows = self._run(state, padded[0], positions, all_rows=True)[0]  # (K, V)
         return rows[: len(ids)]
 
 
 def convert_decoder(model, settings: ExportSettings, capacity: int | None = None, memory_len: int | None = None,
                     prompt: list[int] | None = None, backend: str = "mil", prefill: bool = False,
                     control_prompt: list[int] | None = None, extend: bool = False,
-                    extend_len: int = EXTEND_LENGTH) -> dict:
+                    extend_len: int = EXTEND_LENGTH, state_writes: str = DECODER_STATE_DEFAULT) -> dict:
     """Export `decoder.mlpackage` into `settings.out_dir` with a teacher-forcing parity gate.
 
     Args:
@@ -467,13 +593,16 @@ def convert_decoder(model, settings: ExportSettings, capacity: int | None = None
             gate's "wrong prompt" negative control (default: `prompt` reversed).
         extend: also add an `extend` function (`extend_len` tokens from a given slot in one call:
             forced prefixes), same states, weights shared.
+        state_writes: "host" (the functions only read the state and return the new K/V rows, which the
+            host writes; no bind function) or "graph" (the functions write the cache, bind_memory the
+            memory). docs/decoder.md says which is the default and why.
 
     Returns a dict: package path, shapes, parity report (`GateReport.to_dict()`, also written to
     `decoder.parity.json`; None when skipped or unchecked), written (False: the package existed).
     Raises `ParityError` (package not written) when the gate fails.
     """
     staged, result = stage_decoder(model, settings, capacity, memory_len, prompt, backend, prefill, control_prompt,
-                                   extend, extend_len)
+                                   extend, extend_len, state_writes)
     if staged is None:
         return result
     report = staged.finish()
@@ -485,12 +614,16 @@ def convert_decoder(model, settings: ExportSettings, capacity: int | None = None
 def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, memory_len: int | None = None,
                   prompt: list[int] | None = None, backend: str = "mil", prefill: bool = False,
                   control_prompt: list[int] | None = None, extend: bool = False,
-                  extend_len: int = EXTEND_LENGTH) -> tuple[StagedPackage | None, dict]:
+                  extend_len: int = EXTEND_LENGTH,
+                  state_writes: str = DECODER_STATE_DEFAULT) -> tuple[StagedPackage | None, dict]:
     """`convert_decoder` up to the gate: the package at its temporary path (traced and converted
     inside the writer, so no program object outlives it), the teacher-forcing reference and the
     negative controls computed with PyTorch. Returns (staged package or None when skipped, the
     result dict `convert_decoder` returns before gating); `finish()` gates and installs it."""
     capacity = int(capacity) if capacity else cache_capacity()
+    if state_writes not in DECODER_STATES:
+        raise DecoderExportError(f"--decoder-state must be one of {', '.join(DECODER_STATES)}, got {state_writes!r}")
+    host = state_writes == DECODER_STATE_HOST
     if memory_len is None:
         raise DecoderExportError("give memory_len: the padded encoder frames of the encoder package")
     if capacity % ANE_MULTIPLE:
@@ -510,9 +643,9 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
         raise DecoderExportError(f"extend length {extend_len} does not fit after a {len(gate_prompt)}-token prompt "
                                  f"in a cache of {capacity} slots")
     result = {"path": str(path), "shapes": shapes.to_dict(), "parity": None, "written": False,
-              "functions": {"step": STEP_FUNCTION, "bind": BIND_FUNCTION,
+              "functions": {"step": STEP_FUNCTION, "bind": None if host else BIND_FUNCTION,
                             "prefill": PREFILL_FUNCTION if prefill else None},
-              "prefill_length": len(gate_prompt) if prefill else None}
+              "prefill_length": len(gate_prompt) if prefill else None, "state_writes": state_writes}
     if extend:  # absent without it (as in the manifest)
         result["functions"]["extend"] = EXTEND_FUNCTION
         result["extend_length"] = int(extend_len)
@@ -524,6 +657,7 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
         "com.cohere_coreml.cache_capacity": str(shapes.capacity),
         "com.cohere_coreml.memory_len": str(shapes.memory_len),
         "com.cohere_coreml.eos_token_id": str(model.config.eos_token_id),
+        "com.cohere_coreml.decoder_state": state_writes,
     }
 
     def convert(function: str):
@@ -532,36 +666,42 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
             traced, descriptions = trace_decoder_bind(DecoderBind(model, capacity, memory_len)), BIND_DESCRIPTIONS
             summary = "Cohere Transcribe decoder: bind one window's cross memory into the state"
         elif function == PREFILL_FUNCTION:
-            traced = trace_decoder_prefill(DecoderPrefill(model, capacity, memory_len, prompt_len=len(gate_prompt)))
-            descriptions = DECODER_DESCRIPTIONS
+            traced = trace_decoder_prefill((DecoderPrefillHost if host else DecoderPrefill)(
+                model, capacity, memory_len, prompt_len=len(gate_prompt)))
+            descriptions = HOST_DESCRIPTIONS if host else DECODER_DESCRIPTIONS
             summary = "Cohere Transcribe decoder prompt prefill (stateful KV cache, bound cross memory)"
         elif function == EXTEND_FUNCTION:
-            traced = trace_decoder_extend(DecoderExtend(model, capacity, memory_len, extend_len))
-            descriptions = EXTEND_DESCRIPTIONS
+            traced = trace_decoder_extend((DecoderExtendHost if host else DecoderExtend)(
+                model, capacity, memory_len, extend_len))
+            descriptions = {**EXTEND_DESCRIPTIONS, **HOST_EXTEND_DESCRIPTIONS} if host else EXTEND_DESCRIPTIONS
             summary = ("Cohere Transcribe decoder extend: up to K tokens from a given slot in one call "
                        "(stateful KV cache, bound cross memory)")
         else:
             logger.info("decoder: tracing (L=%d Hkv=%d C=%d Tp=%d Dh=%d V=%d)", shapes.num_layers,
                         shapes.num_kv_heads, shapes.capacity, shapes.memory_len, shapes.head_dim, shapes.vocab_size)
-            traced, descriptions = trace_decoder_step(DecoderStep(model, capacity, memory_len)), DECODER_DESCRIPTIONS
+            traced = trace_decoder_step((DecoderStepHost if host else DecoderStep)(model, capacity, memory_len))
+            descriptions = HOST_DESCRIPTIONS if host else DECODER_DESCRIPTIONS
             summary = "Cohere Transcribe decoder step (stateful KV cache + bound cross memory, log-softmax output)"
-        inputs, states, outputs = coreml_io(shapes, function, prompt_len=len(gate_prompt), extend_len=extend_len)
+        inputs, states, outputs = coreml_io(shapes, function, prompt_len=len(gate_prompt), extend_len=extend_len,
+                                            state_writes=state_writes)
+        if host:
+            summary = summary.replace("stateful KV cache", "reads its state, returns new K/V rows for the host")
         return convert_module(traced, inputs, outputs, settings, states=states,
                               metadata={**meta, "com.cohere_coreml.function": function},
                               descriptions={k: v for k, v in descriptions.items()
                                             if k in {t.name for t in (*inputs, *states, *outputs)}},
                               short_description=summary)
 
-    functions = ([STEP_FUNCTION, BIND_FUNCTION] + ([PREFILL_FUNCTION] if prefill else [])
+    functions = ([STEP_FUNCTION] + ([] if host else [BIND_FUNCTION]) + ([PREFILL_FUNCTION] if prefill else [])
                  + ([EXTEND_FUNCTION] if extend else []))
 
     def write(tmp: Path) -> None:
         save_multifunction({fn: (lambda fn=fn: convert(fn)) for fn in functions}, tmp)
 
     def prepare():  # the gate's PyTorch side (reference, negative controls), once the package is written
-        return prepare_gate(model, partial(TorchDecoder.of, model), shapes.memory_len, shapes.capacity, gate_prompt,
-                            control_prompt, settings.precision, settings.min_psnr_db, backend, prefill,
-                            extend_len if extend else None)
+        return prepare_gate(model, partial(TorchDecoder.of, model, state_writes=state_writes), shapes.memory_len,
+                            shapes.capacity, gate_prompt, control_prompt, settings.precision, settings.min_psnr_db,
+                            backend, prefill, extend_len if extend else None, state_writes=state_writes)
 
     return stage_gated(COMPONENT, settings, write, prepare), result
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import ANE_MULTIPLE, BIND_FUNCTION, FP16_MASK_VALUE, round_up
+from .config import ANE_MULTIPLE, BIND_FUNCTION, DECODER_STATE_GRAPH, DECODER_STATE_HOST, FP16_MASK_VALUE, round_up
 from .convert import MIN_PSNR_DB
 from .decoder_runtime import DecoderRuntime
 from .gate import GateReport
@@ -288,6 +288,47 @@ def negative_controls(make_twin: TwinFactory, case: TeacherForcingCase, precisio
     return results
 
 
+STATE_WRITE_OPS = ("coreml_update_state", "write_state")  # MIL ops that write a state (write_state: older name)
+
+
+def state_write_ops(path) -> dict[str, dict[str, int]]:
+    """Per function of a package: its state-writing ops (`coreml_update_state`) and the `slice_update`s
+    whose tensor is a state read (`read_state`): what a host-state decoder must have none of. Read from
+    the program (no weights loaded)."""
+    from .runtime.package import read_package  # imports torch-free protobuf code only
+
+    def names(op, arg):
+        return [b.name for b in op.inputs[arg].arguments if b.name] if arg in op.inputs else []
+
+    spec = read_package(path).spec
+    counts = {}
+    for name, fn in spec.mlProgram.functions.items():
+        producer, n_update, state_slices = {}, 0, set()
+        ops = [op for block in fn.block_specializations.values() for op in block.operations]
+        for op in ops:
+            for o in op.outputs:
+                producer[o.name] = op
+
+        def origin(value):  # the op a value comes from, through value-preserving casts
+            op = producer.get(value)
+            while op is not None and op.type in ("cast", "identity"):
+                op = producer.get(next(iter(names(op, "x")), None))
+            return op
+
+        for op in ops:
+            if op.type in STATE_WRITE_OPS:
+                n_update += 1
+                src = next((origin(v) for v in names(op, "value")), None)
+                if src is not None and src.type == "slice_update":  # a slice written back into a state
+                    state_slices.add(src.outputs[0].name)
+            elif op.type == "slice_update":
+                src = next((origin(v) for v in names(op, "x")), None)
+                if src is not None and src.type == "read_state":  # a slice of a state's value replaced
+                    state_slices.add(op.outputs[0].name)
+        counts[name] = {"coreml_update_state": n_update, "state_slice_update": len(state_slices)}
+    return counts
+
+
 def teacher_forcing_gate(report: dict) -> GateReport:
     """The decoder's `GateReport` from a `teacher_forcing_report` dict (figures kept as they are)."""
     near = report.get("near_tie_flips", 0)
@@ -300,6 +341,10 @@ def teacher_forcing_gate(report: dict) -> GateReport:
         f"{report['mean_kl']:.3g} (max {report['max_kl_allowed']}), argmax "
         f"{report['argmax_agree']}/{report['argmax_steps']} decoding steps, "
         f"{report.get('decisive_flips', 0)} flip(s) beyond what the measured error explains")
+    writes = report.get("state_writes_in_graph")
+    if report.get("state_writes") == DECODER_STATE_HOST and writes:
+        text += (f"; the host-state decoder's programs write their state ({writes}): its functions must only "
+                 "read it")
     memory = report.get("memory")
     if memory is not None and not memory["passed"]:
         text += (f"; {BIND_FUNCTION} did not bind the memory it was given (states differing from it: "
@@ -312,12 +357,15 @@ def teacher_forcing_gate(report: dict) -> GateReport:
 def prepare_gate(model, make_twin: TwinFactory, memory_len: int, capacity: int, prompt: list[int],
                  control_prompt: list[int] | None, precision: str, min_psnr_db: float | None = None,
                  backend: str = "mil", prefill: bool = False,
-                 extend_len: int | None = None) -> Callable[[Path], GateReport]:
+                 extend_len: int | None = None,
+                 state_writes: str = DECODER_STATE_GRAPH) -> Callable[[Path], GateReport]:
     """The PyTorch side of the decoder gate, computed before the package is loaded: the teacher-forcing
     reference (`prompt` + up to 16 greedy tokens, within `capacity`) and the negative controls. Returns
     `gate(package_path) -> GateReport`, which loads the package (`DecoderRuntime`, `backend`) and scores
     the step, the bound memory and (with `prefill`) the prefill function and (with `extend_len`) the
-    extend function (`run_extend_teacher_forcing`) against that reference."""
+    extend function (`run_extend_teacher_forcing`) against that reference. `state_writes` "host": the
+    package must be a host-state one (its step takes cache_mask) whose programs write no state
+    (`state_write_ops`); the bound-memory check then checks the host's writes."""
     case = teacher_forcing_case(model, memory_len, prompt, new_tokens=min(16, capacity - len(prompt)))
     # negative controls: would this case refuse a broken package? (warns when it cannot)
     controls = negative_controls(make_twin, case, precision, min_psnr_db, control_prompt=control_prompt)
@@ -344,6 +392,15 @@ def prepare_gate(model, make_twin: TwinFactory, memory_len: int, capacity: int, 
             report["mean_kl"] = max(report["mean_kl"], ext_report["mean_kl"])
             report["passed"] = bool(report["passed"] and ext_report["passed"])
         report["passed"] = bool(report["passed"] and report["memory"]["passed"])
+        report["state_writes"] = decoder.state_writes
+        if decoder.state_writes != state_writes:
+            raise DecoderGateError(f"the package is a {decoder.state_writes}-state decoder, the export asked for "
+                                   f"{state_writes}")
+        if state_writes == DECODER_STATE_HOST:
+            census = state_write_ops(tmp_path)
+            writes = {fn: c for fn, c in census.items() if any(c.values())}
+            report["state_writes_in_graph"] = writes
+            report["passed"] = bool(report["passed"] and not writes)
         report["controls"] = controls
         report["discriminates"] = all(c["discriminates"] for c in controls.values() if c["applicable"])
         return teacher_forcing_gate(report)

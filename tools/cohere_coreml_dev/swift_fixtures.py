@@ -7,6 +7,8 @@ tools/make_swift_fixtures.py. Writes into one folder (default out/swift-fixtures
                              default components: front end, encoder, decoder). Packages already there
                              are kept (the export skips them) unless the bundle is of an older format
                              (then all are re-exported); the manifest is rewritten from disk.
+    bundle-<state>/          the same bundle with the other decoder state variant (--decoder-state; the
+                             encoder and front end are bundle/'s, hard-linked)
     tokens_bundle.json       token lists -> Python's `decode_ids` text (every list the Python tests
     tokens_tiny.json         decode, the trained model's transcripts, CJK byte fallback, random ids) for
                              the bundle's vocab.json and the tiny test checkpoint's (tiny_vocab.json)
@@ -98,6 +100,44 @@ def export_bundle(out: Path, model: Path, threads: int) -> Path:
         raise FixtureError(f"the export wrote no manifest in {bundle}")
     stamp.write_text(json.dumps(list(EXPORT_ARGS)))
     return bundle
+
+
+def export_other_decoder_bundle(out: Path, bundle: Path, model: Path, threads: int) -> Path:
+    """bundle-<state>/: the test bundle with the other decoder state variant (`--decoder-state`; the test
+    bundle has the default one): its front end and encoder are the test bundle's (hard links), its decoder
+    is exported with the other variant, so both decoders decode the same encoder outputs."""
+    from cohere_coreml.bundle import FORMAT_VERSION
+    from cohere_coreml.config import DECODER_STATE_DEFAULT, DECODER_STATE_GRAPH, DECODER_STATE_HOST
+
+    state = DECODER_STATE_GRAPH if DECODER_STATE_DEFAULT == DECODER_STATE_HOST else DECODER_STATE_HOST
+    other = out / f"bundle-{state}"
+    manifest = other / "manifest.json"
+    args = [*EXPORT_ARGS, "--decoder-state", state]
+    stamp = out / f"bundle-{state}.export-args.json"
+    main_stamp = json.loads((bundle / "manifest.json").read_text()).get("checksums", {}).get("files", {})
+    want = {"args": args, "packages": {k: v for k, v in sorted(main_stamp.items())
+                                       if k.startswith(("encoder.mlpackage/", "frontend.mlpackage/"))}}
+    fresh = (manifest.is_file() and json.loads(manifest.read_text()).get("format_version") == FORMAT_VERSION
+             and stamp.is_file() and json.loads(stamp.read_text()) == want)
+    if not fresh:
+        import shutil
+
+        shutil.rmtree(other, ignore_errors=True)
+        other.mkdir(parents=True)
+        for name in ("encoder.mlpackage", "frontend.mlpackage", "encoder.parity.json", "frontend.parity.json"):
+            src = bundle / name
+            if src.is_dir():
+                shutil.copytree(src, other / name, copy_function=os.link)
+            elif src.is_file():
+                os.link(src, other / name)
+        cmd = _cli("export", "--model", str(model), "--out", str(other), *args, "--components", "encoder,frontend,decoder")
+        logger.info("test bundle, decoder state %s: %s", state, " ".join(cmd))
+        subprocess.run(cmd, check=True, env=_env(threads), stdout=subprocess.DEVNULL)
+        stamp.write_text(json.dumps(want))
+    got = json.loads(manifest.read_text())["decoder"].get("state_writes")
+    if got != state:
+        raise FixtureError(f"{other}: the decoder's state_writes is {got!r}, not {state!r}")
+    return other
 
 
 def reference_key(bundle: Path) -> str:
@@ -387,6 +427,7 @@ def make_fixtures(out: Path, root: Path, model: Path, demo_clips: list[tuple[str
     out.mkdir(parents=True, exist_ok=True)
     (out / "READY").unlink(missing_ok=True)
     bundle = export_bundle(out, model, threads)
+    export_other_decoder_bundle(out, bundle, model, threads)
     token_cases(bundle, out, root)
     cases = audio_cases(out, root, demo_clips)
     package = transcripts(bundle, out, cases, "package", threads)

@@ -8,9 +8,12 @@ Runs on macOS 15+ (Core ML with model state). The bundle's packages do all the w
 
     frontend.mlpackage   16 kHz samples of one window -> log-mel input_features + feature_length
     encoder.mlpackage    features -> the decoder's cross-attention memory (cross_k, cross_v, cross_mask)
-    decoder.mlpackage    bind_memory: a window's memory into a fresh state (once per window);
-                         main (the step): one token + its position -> log_probs, KV cache in the state;
-                         prefill (optional): the whole prompt in one call
+    decoder.mlpackage    main (the step): one token + its position -> log_probs, KV cache in the state;
+                         prefill (optional): the whole prompt in one call; manifest decoder.state_writes
+                         "host": the functions only read the state, this program writes the window's
+                         memory into it once and each call's new K/V rows (new_k, new_v) at their slots,
+                         and passes the mask of the filled slots (cache_mask); "graph": bind_memory writes
+                         a window's memory into a fresh state (once per window), the functions the cache
 
 Every name and size below comes from manifest.json. The steps are those of "Decoding loop" in
 docs/bundle.md (cohere-transcribe-coreml): greedy decoding, audio longer than 30 s cut into
@@ -117,22 +120,42 @@ def encode(bundle: Bundle, samples: np.ndarray) -> dict:
 def decode(bundle: Bundle, memory: dict, prompt: list[int], max_new_tokens: int | None) -> list[int]:
     """Greedy token ids of one window (the eos id included when reached, as generate() returns them)."""
     d = bundle.manifest["decoder"]
+    host = d.get("state_writes", "graph") == "host"  # who writes the decoder's state (docs/bundle.md)
     step = bundle.function("decoder", d["functions"]["step"])
-    bind = bundle.function("decoder", d["functions"]["bind"])
     state = step.make_state()  # one state per window, used with every decoder function
-    # the window's cross memory into the state, once: bind input name -> the encoder output it takes
-    bound = bind.predict({name: memory[output] for name, output in d["bind_inputs"].items()}, state=state)
-    if int(bound["memory_length"][0]) != int(memory["encoder_length"][0]):
-        sys.exit("bind_memory bound another number of frames than the encoder reports: broken bundle")
+    if host:  # the window's cross memory written into the state by this program, once
+        for name, output in d["memory_states"].items():  # state -> the encoder output it holds (fp16)
+            state.write_state(name, np.asarray(memory[output], np.float16))
+        if int((memory["cross_mask"] > -5e3).sum()) != int(memory["encoder_length"][0]):
+            sys.exit("the encoder's cross_mask and encoder_length disagree: broken bundle")
+    else:  # by the bind function, once: bind input name -> the encoder output it takes
+        bind = bundle.function("decoder", d["functions"]["bind"])
+        bound = bind.predict({name: memory[output] for name, output in d["bind_inputs"].items()}, state=state)
+        if int(bound["memory_length"][0]) != int(memory["encoder_length"][0]):
+            sys.exit("bind_memory bound another number of frames than the encoder reports: broken bundle")
 
-    def feed(token: int, position: int) -> np.ndarray:  # a step binds only the token and its cache slot
-        out = step.predict({"input_ids": np.array([[token]], np.int32),
-                            "position": np.array([position], np.int32)}, state=state)
+    def call(model, inputs: dict, start: int) -> np.ndarray:
+        """One decoder call whose first token goes to cache slot `start`; its log_probs."""
+        if host and "position" in inputs:  # the step: the host's mask of the filled slots
+            mask = np.full((1, 1, 1, d["capacity"]), -1e4, np.float16)
+            mask[..., :start] = 0
+            inputs = {**inputs, d["cache_mask_input"]: mask}
+        out = model.predict(inputs, state=state)
+        if host:  # the call's new K/V rows (L, Hkv, S, Dh) into the cache at slots start..
+            for name, output in d["row_outputs"].items():
+                rows = np.asarray(out[output], np.float16)
+                cache = np.array(state.read_state(name), np.float16)  # coremltools' MLState: whole buffers
+                cache[:, :, start:start + rows.shape[2]] = rows
+                state.write_state(name, cache)
         return out["log_probs"]  # (1, vocab)
+
+    def feed(token: int, position: int) -> np.ndarray:  # a step takes only the token and its cache slot
+        return call(step, {"input_ids": np.array([[token]], np.int32), "position": np.array([position], np.int32)},
+                    position)
 
     if d["functions"].get("prefill") and len(prompt) == d["prefill_length"]:
         prefill = bundle.function("decoder", d["functions"]["prefill"])
-        log_probs = prefill.predict({"input_ids": np.array([prompt], np.int32)}, state=state)["log_probs"]
+        log_probs = call(prefill, {"input_ids": np.array([prompt], np.int32)}, 0)
     else:
         for position, token in enumerate(prompt):
             log_probs = feed(token, position)

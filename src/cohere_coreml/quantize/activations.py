@@ -42,11 +42,11 @@ from unittest import mock
 import numpy as np
 import torch
 
-from ..config import BIND_FUNCTION, MEMORY_NAMES, PREFILL_FUNCTION, STEP_FUNCTION
+from ..config import MEMORY_NAMES, PREFILL_FUNCTION, STEP_FUNCTION
 from ..decoder_runtime import DecoderRuntime
 from ..runtime import load_model
 from .inventory import load_function
-from .measure import GateData, decoder_outputs, decoder_runtime
+from .measure import GateData, bind_function, decoder_outputs, decoder_runtime
 from .recipes import QuantizeError, Recipe
 
 logger = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ def interpreter_stats(package: Path, function: str, component: str, data: GateDa
                 decoder_outputs(decoder, data.subset([i]))
         elif component == "decoder" and function == PREFILL_FUNCTION:  # the prompt of each gate sequence
             decoder = DecoderRuntime(load_model(str(package), backend="mil", function_name=STEP_FUNCTION),
-                                     load_model(str(package), backend="mil", function_name=BIND_FUNCTION), model)
+                                     bind_function(package), model)
             for enc, prompt in zip(data.encoder_ref, data.prompts):
                 recorder.next_sample()
                 decoder.prefill(decoder.new_state({k: enc[k] for k in MEMORY_NAMES}), prompt)

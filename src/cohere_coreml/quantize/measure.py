@@ -117,12 +117,21 @@ def decoder_runtime(package: Path, step=None) -> DecoderRuntime:
     step function of it (e.g. one whose constants the sensitivity run replaces)."""
     if step is None:
         return DecoderRuntime.load(package, backend="mil", prefill=False, extend=False)
-    return DecoderRuntime(step, load_model(str(package), backend="mil", function_name=BIND_FUNCTION))
+    return DecoderRuntime(step, bind_function(package))
+
+
+def bind_function(package: Path):
+    """The package's bind_memory function, None for a host-state decoder (the host writes its memory)."""
+    from ..runtime import read_package
+
+    if BIND_FUNCTION not in read_package(package).function_names:
+        return None
+    return load_model(str(package), backend="mil", function_name=BIND_FUNCTION)
 
 
 def decoder_outputs(decoder, data: GateData) -> list[np.ndarray]:
     """Teacher-forced log-probs (S, V) of each gate sequence, on the f16 encoder's memory bound
-    through bind_memory. `decoder`: a `DecoderRuntime` (`decoder_runtime`)."""
+    (bind_memory, or the host's writes). `decoder`: a `DecoderRuntime` (`decoder_runtime`)."""
     rows = []
     for enc, ids, prompt in zip(data.encoder_ref, data.sequences, data.prompts):
         case = TeacherForcingCase(cross_k=enc["cross_k"], cross_v=enc["cross_v"], cross_mask=enc["cross_mask"],

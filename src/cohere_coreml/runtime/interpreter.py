@@ -147,6 +147,23 @@ class MilState:
             raise InputValidationError(f"state {name!r}: expected shape {shape}, got {arr.shape}")
         self.buffers[name] = dtypes.from_numpy(arr.astype(np_dtype), _np_to_mil(np_dtype))
 
+    def write_state_slice(self, name: str, value, start) -> None:
+        """Write `value` into the buffer `name` in place, its element [0, ..., 0] at index `start` (one
+        offset per axis). Not in coremltools' `MLState` (its `write_state` replaces a whole buffer): the
+        interpreter's counterpart of Swift's `MLState.withMultiArray(for:)`, through which a host writes
+        only the rows it changes (the host-state decoder's new K/V rows)."""
+        if name not in self.buffers:
+            raise InputValidationError(f"unknown state {name!r}; states: {sorted(self.buffers)}")
+        shape, np_dtype = self._description[name]
+        arr = np.asarray(value)
+        start = tuple(int(s) for s in start)
+        if arr.ndim != len(shape) or len(start) != len(shape) or any(
+                s < 0 or s + n > d for s, n, d in zip(start, arr.shape, shape)):
+            raise InputValidationError(f"state {name!r} {tuple(shape)}: cannot write a {tuple(arr.shape)} slice "
+                                       f"at {start}")
+        region = tuple(slice(s, s + n) for s, n in zip(start, arr.shape))
+        self.buffers[name][region] = dtypes.from_numpy(arr.astype(np_dtype), _np_to_mil(np_dtype))
+
 
 def _np_to_mil(np_dtype) -> str:
     return {

@@ -19,6 +19,10 @@ Requests (every request may carry an "id", echoed in its response):
     {"op": "predict", "model": "m1", "state": "s1"|null, "arrays": [descriptor, ...]} + payloads
         -> {"ok": true, "arrays": [descriptor, ...]} + payloads       (the function's outputs)
     {"op": "read_state", "state": "s1", "name": N}   -> {"ok": true, "arrays": [descriptor]} + payload
+    {"op": "write_state", "state": "s1", "name": N, "start": [i, ...]|null, "arrays": [descriptor]} + payload
+                                                     -> {"ok": true}: the array replaces the whole buffer
+                                                        (start null) or the region at `start` (one offset
+                                                        per axis): what a host writes into a state
     {"op": "free", "model": "m1"} / {"op": "free", "state": "s1"}   -> {"ok": true}
     {"op": "quit"}                                   -> {"ok": true}, then the server exits 0
 
@@ -186,10 +190,10 @@ class Server:
     def handle(self, request: dict, stream_in: BinaryIO) -> tuple[dict, dict | None]:
         """(response header, arrays or None) for one request; payloads are read from `stream_in`."""
         op = request.get("op")
-        if "arrays" in request or op == "predict":
+        if "arrays" in request or op in ("predict", "write_state"):
             inputs = read_arrays(stream_in, request.get("arrays", []))  # consume payloads first, whatever the op
-            if op != "predict":
-                raise ProtocolError(f"op {str(op)[:100]!r} takes no arrays (only predict does)")
+            if op not in ("predict", "write_state"):
+                raise ProtocolError(f"op {str(op)[:100]!r} takes no arrays (only predict and write_state do)")
         if op == "predict":
             model = self._model(request.get("model"))
             state = None if request.get("state") is None else self._state(request["state"])
@@ -222,6 +226,28 @@ class Server:
             if not isinstance(name, str):
                 raise ProtocolError(f"'read_state' needs a state 'name' (string), got {str(name)[:100]}")
             return {"ok": True}, {name: state.read_state(name)}
+        if op == "write_state":
+            name, start = request.get("name"), request.get("start")
+            state = self._state(request.get("state"))
+            if not isinstance(name, str) or set(inputs) != {name}:
+                raise ProtocolError(f"'write_state' needs a state 'name' (string) and one array of that name, got "
+                                    f"{str(name)[:100]} and {sorted(inputs)[:4]}")
+            if start is None:
+                state.write_state(name, inputs[name])
+            elif isinstance(start, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in start):
+                value = inputs[name]
+                if hasattr(state, "write_state_slice"):  # the interpreter's state: in place
+                    state.write_state_slice(name, value, start)
+                else:  # coremltools' MLState: whole buffers only
+                    buffer = np.array(state.read_state(name), copy=True)
+                    if len(start) != buffer.ndim or value.ndim != buffer.ndim:
+                        raise ProtocolError(f"'write_state' of {name!r}: start {start} and array {value.shape} "
+                                            f"do not fit the state {buffer.shape}")
+                    buffer[tuple(slice(i, i + n) for i, n in zip(start, value.shape))] = value
+                    state.write_state(name, buffer)
+            else:
+                raise ProtocolError(f"'write_state' start must be null or a list of integers, got {str(start)[:100]}")
+            return {"ok": True}, None
         if op == "free":
             if "model" in request:
                 self._model(request["model"])
@@ -230,7 +256,8 @@ class Server:
             self.models.pop(request.get("model"), None) if isinstance(request.get("model"), str) else None
             self.states.pop(request.get("state"), None) if isinstance(request.get("state"), str) else None
             return {"ok": True}, None
-        raise ProtocolError(f"unknown op {str(op)[:100]!r}; ops: load, make_state, predict, read_state, free, quit")
+        raise ProtocolError(f"unknown op {str(op)[:100]!r}; ops: load, make_state, predict, read_state, write_state, "
+                            "free, quit")
 
     def _read_header(self, stream_in: BinaryIO) -> bytes | None:
         """The next header line (None at end of input); a line over MAX_HEADER_BYTES is skipped and refused."""

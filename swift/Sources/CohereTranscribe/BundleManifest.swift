@@ -195,6 +195,18 @@ public struct BundleManifest: Codable, Sendable {
         /// Format 2: bind function input -> the encoder output it takes unchanged
         /// (e.g. "encoder_cross_k" -> "cross_k"; an input cannot share the name of the state it fills).
         public var bindInputs: [String: String]?
+        /// Who writes the decoder state: "graph" (the functions; the bind function the memory; absent: graph)
+        /// or "host" (the functions only read it; the app writes the memory once per window and each call's
+        /// new K/V rows, through `MLState.withMultiArray(for:)`).
+        public var stateWrites: String?
+        /// Host-state decoder: state -> the encoder output written into it once per window.
+        public var memoryStates: [String: String]?
+        /// Host-state decoder: state -> the output of each call's new rows (L, Hkv, S, Dh), written at its slots.
+        public var rowOutputs: [String: String]?
+        /// Host-state decoder: the fp16 (1, 1, 1, C) input, 0 for the filled cache slots, -1e4 for the others.
+        public var cacheMaskInput: String?
+        /// True when the app writes the decoder state (`stateWrites` "host").
+        public var hostWritesState: Bool { stateWrites == "host" }
         enum CodingKeys: String, CodingKey {
             case capacity
             case promptLength = "prompt_length"
@@ -211,6 +223,10 @@ public struct BundleManifest: Codable, Sendable {
             case extendIO = "extend_io"
             case bindIO = "bind_io"
             case bindInputs = "bind_inputs"
+            case stateWrites = "state_writes"
+            case memoryStates = "memory_states"
+            case rowOutputs = "row_outputs"
+            case cacheMaskInput = "cache_mask_input"
         }
     }
 
@@ -410,18 +426,40 @@ public struct BundleManifest: Codable, Sendable {
     public func expectedDecoderIO(prefillLength: Int? = nil) -> ModelIO {
         var inputs: [String: ArrayDescription] = ["input_ids": .init(shape: [1, prefillLength ?? 1], dtype: "int32")]
         if prefillLength == nil { inputs["position"] = .init(shape: [1], dtype: "int32") }
+        if prefillLength == nil, let mask = hostCacheMask { inputs[mask.name] = mask.array }
         return ModelIO(inputs: inputs,
-                       outputs: [decoder.output: .init(shape: [1, decoder.vocabSize], dtype: programFloat)],
+                       outputs: hostRowOutputs(tokens: prefillLength ?? 1)
+                           .merging([decoder.output: .init(shape: [1, decoder.vocabSize], dtype: programFloat)]) { a, _ in a },
                        states: decoderStates)
+    }
+
+    /// A host-state decoder's cache-mask input (nil for a graph-state one).
+    var hostCacheMask: (name: String, array: ArrayDescription)? {
+        guard decoder.hostWritesState else { return nil }
+        return (decoder.cacheMaskInput ?? "cache_mask", .init(shape: [1, 1, 1, decoder.capacity], dtype: "float16"))
+    }
+
+    /// A host-state decoder call's new-row outputs for `tokens` tokens (empty for a graph-state one).
+    func hostRowOutputs(tokens: Int) -> [String: ArrayDescription] {
+        guard decoder.hostWritesState else { return [:] }
+        let c = decoder.cacheShape
+        var out: [String: ArrayDescription] = [:]
+        for (_, output) in decoder.rowOutputs ?? [:] {
+            out[output] = .init(shape: [c[0], c[1], tokens, c[3]], dtype: "float16")
+        }
+        return out
     }
 
     /// What the extend function must take and return: `extendLength` token ids and the first one's slot; the
     /// log-probs after each of the K slots.
     public func expectedExtendIO(extendLength: Int) -> ModelIO {
-        ModelIO(inputs: ["input_ids": .init(shape: [1, extendLength], dtype: "int32"),
-                         "position": .init(shape: [1], dtype: "int32")],
-                outputs: [decoder.output: .init(shape: [1, extendLength, decoder.vocabSize], dtype: programFloat)],
-                states: decoderStates)
+        var inputs: [String: ArrayDescription] = ["input_ids": .init(shape: [1, extendLength], dtype: "int32"),
+                                                  "position": .init(shape: [1], dtype: "int32")]
+        if let mask = hostCacheMask { inputs[mask.name] = mask.array }
+        return ModelIO(inputs: inputs,
+                       outputs: hostRowOutputs(tokens: extendLength)
+                           .merging([decoder.output: .init(shape: [1, extendLength, decoder.vocabSize], dtype: programFloat)]) { a, _ in a },
+                       states: decoderStates)
     }
 
     /// What the bind function must take (the encoder's cross memory, under its `bind_inputs` names) and

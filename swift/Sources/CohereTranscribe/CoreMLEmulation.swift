@@ -34,6 +34,8 @@ public enum CoreMLEmulation {
         public var predictions = 0
         /// Bytes of the input arrays passed to the last prediction of each function.
         public var inputBytesByFunction: [String: Int] = [:]
+        /// `MLState.withMultiArray(for:)` calls (the host's writes into a state).
+        public var stateViews = 0
     }
 
     nonisolated(unsafe) private static var interpreter: InterpreterRuntime?
@@ -388,20 +390,50 @@ public final class MLState: NSObject, @unchecked Sendable {
         self.modelHandle = modelHandle
     }
 
-    /// A copy of the state buffer `stateName` (on a device this is a mutable view; the package only reads).
+    deinit { _ = try? backend.call(["op": "free", "state": handle]) }
+}
+
+// The Swift overlay's declaration (CoreML.swiftmodule/arm64-apple-ios.swiftinterface of the iOS 18.3 SDK,
+// Swift 6.0.3; public copy: github.com/xybp888/iOS-SDKs, iPhoneOS18.3.sdk/System/Library/Frameworks/
+// CoreML.framework/Modules/CoreML.swiftmodule/arm64-apple-ios.swiftinterface):
+//   @available(macOS 15.0, iOS 18.0, watchOS 11.0, tvOS 18.0, *)
+//   extension CoreML.MLState {
+//     @available(macOS 15.0, iOS 18.0, watchOS 11.0, tvOS 18.0, *)
+//     public func withMultiArray<R>(for stateName: Swift.String, _ body: (CoreML.MLMultiArray) throws -> R) rethrows -> R
+//   }
+// It refines MLState.h's `-getMultiArrayForStateNamed:handler:` ("Gets a mutable view into a state buffer. The
+// underlying state buffer's address can differ for each call; one shall not access the state buffer outside
+// of the closure"). Also in the developer documentation: developer.apple.com/documentation/coreml/mlstate/
+// withmultiarray(for:_:).
+@available(macOS 15.0, iOS 18.0, watchOS 11.0, tvOS 18.0, *)
+extension MLState {
+    /// A mutable view of the state buffer `stateName`, valid inside `body` only. Emulated: the buffer is read
+    /// from the interpreter into a padded array (its address differs at each call, as the SDK warns), `body`
+    /// runs on it, and what `body` leaves in it is written back whole; on a device only the bytes `body`
+    /// writes change.
+    @available(macOS 15.0, iOS 18.0, watchOS 11.0, tvOS 18.0, *)
     public func withMultiArray<R>(for stateName: String, _ body: (MLMultiArray) throws -> R) rethrows -> R {
         let array: MLMultiArray
+        let dtype: DType
+        let shape: [Int]
         do {
             let (_, arrays) = try backend.call(["op": "read_state", "state": handle, "name": stateName])
             guard let t = arrays[stateName] else { throw emulationError(4, "no state named '\(stateName)'") }
             array = MLMultiArray.padded(t)
+            (dtype, shape) = (t.dtype, t.shape)
         } catch {
-            preconditionFailure("MLState.withMultiArray(for: \(stateName)): \(error)")
+            preconditionFailure("MLState.withMultiArray(for: \(stateName)): \(error)")  // Core ML's cannot fail either
         }
-        return try body(array)
+        let result = try body(array)
+        do {
+            let value = try Tensor(dtype: dtype, shape: shape, data: array.denseData())
+            _ = try backend.call(["op": "write_state", "state": handle, "name": stateName], arrays: [(stateName, value)])
+        } catch {
+            preconditionFailure("MLState.withMultiArray(for: \(stateName)): writing the buffer back: \(error)")
+        }
+        CoreMLEmulation.record { $0.stateViews += 1 }
+        return result
     }
-
-    deinit { _ = try? backend.call(["op": "free", "state": handle]) }
 }
 
 // MARK: - model

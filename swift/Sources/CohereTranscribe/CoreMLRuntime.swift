@@ -202,6 +202,29 @@ extension ComputeUnits {
 final class CoreMLState: RuntimeState {
     let state: MLState
     init(_ state: MLState) { self.state = state }
+
+    /// The region written through the state buffer's mutable view (`MLState.withMultiArray(for:)`, through
+    /// its strides): only `value`'s bytes are touched (one K/V row per layer for a decode step).
+    func write(_ name: String, _ value: Tensor, at start: [Int]) throws -> Int {
+        try state.withMultiArray(for: name) { array in
+            let shape = array.shape.map(\.intValue)
+            let dtype: DType? = array.dataType == .float16 ? .float16 : array.dataType == .float32 ? .float32
+                : array.dataType == .int32 ? .int32 : nil
+            guard dtype == value.dtype, start.count == shape.count, value.shape.count == shape.count,
+                  zip(zip(start, value.shape), shape).allSatisfy({ $0.0 >= 0 && $0.0 + $0.1 <= $1 }) else {
+                throw TranscriptionError.invalidArgument(
+                    "cannot write a \(value.dtype.rawValue) \(value.shape) array at \(start) into the state '\(name)' "
+                        + "(\(shape), \(CoreMLModel.dtypeName(array.dataType)))")
+            }
+            let size = value.dtype.byteSize
+            let strides = array.strides.map { $0.intValue * size }
+            let offset = zip(start, strides).reduce(0) { $0 + $1.0 * $1.1 }
+            array.withUnsafeMutableBytes { raw, _ in
+                copyStrided(from: value, into: UnsafeMutableRawBufferPointer(rebasing: raw[offset...]), strides: strides)
+            }
+            return value.data.count
+        }
+    }
 }
 
 final class CoreMLModel: RuntimeModel, @unchecked Sendable {

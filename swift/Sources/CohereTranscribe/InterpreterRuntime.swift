@@ -201,6 +201,12 @@ final class InterpreterState: RuntimeState {
         self.runtime = runtime
     }
 
+    /// `serve-runtime`'s write_state with a start: the child writes the region in place.
+    func write(_ name: String, _ value: Tensor, at start: [Int]) throws -> Int {
+        _ = try runtime.call(["op": "write_state", "state": handle, "name": name, "start": start], arrays: [(name, value)])
+        return value.data.count
+    }
+
     deinit {
         _ = try? runtime.call(["op": "free", "state": handle])  // the child drops the buffers
     }

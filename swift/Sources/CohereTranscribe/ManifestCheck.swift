@@ -384,6 +384,8 @@ enum ManifestCheck {
         try equal("decoder.memory_shape", memoryShape, "[num_layers, num_key_value_heads, encoder.memory_len, head_dim]",
                   [layers, kvHeads, memoryLength, headDim])
         let output = try str(dec, "output", "decoder.output", ["log_probs"])!
+        // who writes the state (absent: "graph", the exports before --decoder-state)
+        let host = try str(dec, "state_writes", "decoder.state_writes", ["host", "graph"], optional: true) == "host"
         let functions: JSONObject = try obj(dec, "functions", "decoder.functions")
         _ = try str(functions, "step", "decoder.functions.step")
         let prefill = try str(functions, "prefill", "decoder.functions.prefill", optional: true)
@@ -423,7 +425,16 @@ enum ManifestCheck {
                  isExtend ? "[1, decoder.extend_length, decoder.vocab_size]" : "[1, decoder.vocab_size]"),
                 ("states", "self_k", cache, "float16", "decoder.cache_shape"),
                 ("states", "self_v", cache, "float16", "decoder.cache_shape")]
-            if path != "decoder.prefill_io" { expected.append(("inputs", "position", [1], "int32", "[1]")) }
+            if path != "decoder.prefill_io" {
+                expected.append(("inputs", "position", [1], "int32", "[1]"))
+                if host { expected.append(("inputs", "cache_mask", [1, 1, 1, capacity], "float16", "[1, 1, 1, decoder.capacity]")) }
+            }
+            if host {  // the call's new K/V rows, which the host writes into self_k / self_v
+                for name in ["new_k", "new_v"] {
+                    expected.append(("outputs", name, [layers, kvHeads, idsLength, headDim], "float16",
+                                     "[num_layers, num_key_value_heads, tokens of the call, head_dim]"))
+                }
+            }
             // format 2: the cross memory is in the state (fp16), never an input of a step or prefill call
             expected += [("states", "cross_k", memoryShape, "float16", "decoder.memory_shape"),
                          ("states", "cross_v", memoryShape, "float16", "decoder.memory_shape"),
@@ -431,8 +442,9 @@ enum ManifestCheck {
             let takes = expected.filter { $0.kind == "inputs" }.map(\.name).sorted()
             let inputs = block["inputs"]!.object!.keys.sorted()
             if inputs != takes {
-                throw fail("\(path).inputs", "are \(inputs); a format-2 decoder call takes \(takes) "
-                           + "(the cross memory is bound into the state by decoder.functions.bind)")
+                throw fail("\(path).inputs", "are \(inputs); a \(host ? "host" : "graph")-state decoder call takes \(takes) "
+                           + (host ? "(the cross memory is in the state, written by the host once per window)"
+                              : "(the cross memory is bound into the state by decoder.functions.bind)"))
             }
             for e in expected {
                 let got = try array(block, e.kind, e.name, path)
@@ -442,6 +454,25 @@ enum ManifestCheck {
                           .string(e.dtype))
             }
         }
+        if host {  // the host writes the state: no bind function; what it writes, named
+            for key in ["bind_inputs", "bind_io"] {
+                if let value = dec[key], value != .null {
+                    throw fail("decoder.\(key)", "is \(value.shown); a host-state decoder has no bind function (null)")
+                }
+            }
+            if let value = functions["bind"], value != .null {
+                throw fail("decoder.functions.bind", "is \(value.shown); a host-state decoder has none (null)")
+            }
+            var memoryStates = JSONObject()
+            for name in memoryNames { memoryStates[name] = .string(name) }
+            var rowOutputs = JSONObject()
+            rowOutputs["self_k"] = .string("new_k")
+            rowOutputs["self_v"] = .string("new_v")
+            for (key, want) in [("memory_states", JSONValue.object(memoryStates)), ("row_outputs", .object(rowOutputs)),
+                                ("cache_mask_input", .string("cache_mask"))] where dec[key] != want {
+                throw fail("decoder.\(key)", "is \(dec[key]?.shown ?? "absent"); a host-state decoder of this format writes \(want.shown)")
+            }
+        } else {
         // the bind function: the encoder's memory in (under decoder.bind_inputs' names), memory_length out
         let bind = try str(functions, "bind", "decoder.functions.bind")!
         let bindInputs: JSONObject = try obj(dec, "bind_inputs", "decoder.bind_inputs")
@@ -463,6 +494,7 @@ enum ManifestCheck {
             let got = try array(bindIO, e.kind, e.name, "decoder.bind_io")
             try equal("decoder.bind_io.\(e.kind).\(e.name).shape", got.shape, e.what, shape(e.shape))
             try equal("decoder.bind_io.\(e.kind).\(e.name).dtype", got.dtype, "dtype", .string(e.dtype))
+        }
         }
         // every encoder function's io: features of its frames in, the decoder's memory out
         for (name, fn) in encFunctions.entries {

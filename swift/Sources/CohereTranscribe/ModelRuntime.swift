@@ -28,7 +28,13 @@ public struct ComponentComputeUnits: Sendable {
 }
 
 /// A state of a stateful function (Core ML's `MLState`): one per sequence, never shared across threads.
-public protocol RuntimeState: AnyObject {}
+public protocol RuntimeState: AnyObject {
+    /// Writes `value` into the state buffer `name`, its first element at index `start` (one offset per axis):
+    /// the host-state decoder's writes (the window's memory, each call's new K/V rows). Core ML: in place
+    /// through `MLState.withMultiArray(for:)`, only the given region. Returns the bytes written.
+    @discardableResult
+    func write(_ name: String, _ value: Tensor, at start: [Int]) throws -> Int
+}
 
 /// One loaded function of a package. Predictions are async (Core ML's async prediction API): a
 /// long prediction does not block a thread of the cooperative pool.

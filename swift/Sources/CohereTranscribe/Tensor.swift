@@ -66,6 +66,25 @@ public struct Tensor: Sendable, Equatable {
         return try Tensor(dtype: dtype, shape: Array(shape.dropLast()) + [length], data: out)
     }
 
+    /// The same values as float16 (a float32 array rounded to nearest, ties to even; float16 unchanged).
+    public func asFloat16() throws -> Tensor {
+        switch dtype {
+        case .float16: return self
+        case .float32:
+            let bits = floats().map(floatToFloat16)
+            return try Tensor(dtype: .float16, shape: shape, data: bits.withUnsafeBufferPointer { Data(buffer: $0) })
+        case .int32: throw TranscriptionError.invalidArray("an int32 array has no float16 form")
+        }
+    }
+
+    /// A host-state decoder's cache mask: float16 (1, 1, 1, capacity), 0 for the slots 0..<filled, -1e4 for
+    /// the others (Python's `decoder_runtime.host_cache_mask`).
+    public static func cacheMask(filled: Int, capacity: Int) throws -> Tensor {
+        let open = floatToFloat16(0), closed = floatToFloat16(-1e4)
+        let bits = (0..<capacity).map { $0 < filled ? open : closed }
+        return try Tensor(dtype: .float16, shape: [1, 1, 1, capacity], data: bits.withUnsafeBufferPointer { Data(buffer: $0) })
+    }
+
     /// Values as Int32 (only for int32 arrays).
     public func int32s() -> [Int32] {
         precondition(dtype == .int32, "int32s() of a \(dtype.rawValue) array")
@@ -88,4 +107,30 @@ public func float16ToFloat(_ bits: UInt16) -> Float {
         return Float(bitPattern: sign | 0x7F80_0000 | (mantissa << 13))
     }
     return Float(bitPattern: sign | (UInt32(exponent - 15 + 127) << 23) | (mantissa << 13))
+}
+
+/// Float -> IEEE 754 half (raw bits), rounded to nearest, ties to even (as numpy's astype(float16)); overflow
+/// gives inf, NaN stays NaN.
+@inline(__always)
+public func floatToFloat16(_ value: Float) -> UInt16 {
+    let bits = value.bitPattern
+    let sign = UInt16((bits >> 16) & 0x8000)
+    let exponent = Int((bits >> 23) & 0xFF)
+    var mantissa = bits & 0x7F_FFFF
+    if exponent == 0xFF { return sign | 0x7C00 | (mantissa != 0 ? 0x200 : 0) }  // inf, NaN
+    let e = exponent - 127 + 15
+    if e >= 0x1F { return sign | 0x7C00 }  // too large: inf
+    if e <= 0 {  // a half subnormal (or zero)
+        if e < -10 { return sign }
+        mantissa |= 0x80_0000  // the implicit bit
+        let shift = UInt32(14 - e)
+        var half = mantissa >> shift
+        let rest = mantissa & ((1 << shift) - 1), midway = UInt32(1) << (shift - 1)
+        if rest > midway || (rest == midway && half & 1 == 1) { half += 1 }
+        return sign | UInt16(half)
+    }
+    var half = (UInt32(e) << 10) | (mantissa >> 13)
+    let rest = mantissa & 0x1FFF
+    if rest > 0x1000 || (rest == 0x1000 && half & 1 == 1) { half += 1 }  // a carry into the exponent is right
+    return sign | UInt16(half)
 }

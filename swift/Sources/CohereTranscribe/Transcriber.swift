@@ -38,6 +38,9 @@ public struct WindowTimings: Sendable, Codable {
     public var msPerDecoderCall: Double
     /// Token slots those calls computed (prefill P, extend K with its padding, step 1): the decoder's compute.
     public var decoderTokensFed: Int = 0
+    /// Bytes the app wrote into the decoder state (a host-state decoder, `decoder.state_writes` "host": the
+    /// window's cross memory once, then each call's new K/V rows; 0 for a graph-state decoder).
+    public var decoderStateBytesWritten: Int = 0
 }
 
 /// One decoder call of a `FeedPlan`: `function` feeding ids [offset, offset + count) of a prefix at cache slot
@@ -200,19 +203,28 @@ public actor CohereTranscriber {
 
     /// Decoder functions: step, bind, prefill (when the bundle has it and `usePrefill`), extend (when the bundle
     /// has it and `useExtend`).
+    /// `bind` is nil for a host-state decoder (manifest `decoder.state_writes` "host": the app writes the state).
     private func decoderModels() async throws
-        -> (step: RuntimeModel, bind: RuntimeModel, prefill: RuntimeModel?, extend: RuntimeModel?) {
+        -> (step: RuntimeModel, bind: RuntimeModel?, prefill: RuntimeModel?, extend: RuntimeModel?) {
         let d = manifest.decoder
         let file = manifest.files.decoder
         let stepName = d.functions?.step ?? "main"
         let step = try await load("decoder/\(stepName)", file: file, function: stepName, units: computeUnits.decoder,
                                   expected: manifest.expectedDecoderIO(), component: "decoder")
-        guard let bindName = d.functions?.bind, d.bindInputs?.isEmpty == false else {
-            throw BundleError.unreadableManifest("missing field 'decoder.functions.bind' or 'decoder.bind_inputs' "
-                + "(format 2 bundles bind the cross memory once per window)")
-        }
-        let bind = try await load("decoder/\(bindName)", file: file, function: bindName, units: computeUnits.decoder,
+        var bind: RuntimeModel?
+        if d.hostWritesState {
+            guard d.memoryStates?.isEmpty == false, d.rowOutputs?.isEmpty == false, d.cacheMaskInput != nil else {
+                throw BundleError.unreadableManifest("missing field 'decoder.memory_states', 'decoder.row_outputs' or "
+                    + "'decoder.cache_mask_input' (a host-state decoder names what the app writes)")
+            }
+        } else {
+            guard let bindName = d.functions?.bind, d.bindInputs?.isEmpty == false else {
+                throw BundleError.unreadableManifest("missing field 'decoder.functions.bind' or 'decoder.bind_inputs' "
+                    + "(format 2 bundles bind the cross memory once per window)")
+            }
+            bind = try await load("decoder/\(bindName)", file: file, function: bindName, units: computeUnits.decoder,
                                   expected: manifest.expectedBindIO(), component: "decoder")
+        }
         var prefill: RuntimeModel?
         if usePrefill, let name = d.functions?.prefill, let length = d.prefillLength {
             prefill = try await load("decoder/\(name)", file: file, function: name, units: computeUnits.decoder,
@@ -412,7 +424,7 @@ public actor CohereTranscriber {
                                     bindSeconds: decoded.bindSeconds, promptSeconds: decoded.promptSeconds,
                                     decodeSeconds: decoded.decodeSeconds, decoderCalls: decoded.calls,
                                     msPerDecoderCall: 1000 * (decoded.promptSeconds + decoded.decodeSeconds) / Double(calls),
-                                    decoderTokensFed: decoded.tokensFed)
+                                    decoderTokensFed: decoded.tokensFed, decoderStateBytesWritten: decoded.stateBytesWritten)
         return WindowResult(index: index, startSeconds: startSeconds,
                             durationSeconds: Double(validFrames * manifest.audio.hopLength) / Double(manifest.audio.samplingRate),
                             tokenIds: decoded.tokens, text: text, truncated: decoded.stopReason != .eos,
@@ -427,10 +439,12 @@ public actor CohereTranscriber {
         var bindSeconds: Double
         var promptSeconds: Double
         var decodeSeconds: Double
+        var stateBytesWritten = 0
     }
 
     /// The decoding loop of docs/bundle.md: fresh state, the cross memory bound into it once by the bind
-    /// function, prompt (by `plan`: prefill, extend calls or steps), greedy to eos, the cache capacity or `maxNewTokens`. A
+    /// function (a host-state decoder: written into it by this loop, which also writes each call's new K/V
+    /// rows and passes the mask of the filled cache slots), prompt (by `plan`: prefill, extend calls or steps), greedy to eos, the cache capacity or `maxNewTokens`. A
     /// step binds only its token and position.
     /// `draft`: tokens the decode is expected to emit (a streaming partial's previous hypothesis after its
     /// confirmed tokens), verified with the bundle's extend function exactly as Python's `Transcriber.decode`
@@ -450,16 +464,47 @@ public actor CohereTranscriber {
         let output = manifest.decoder.output
         let state = try decoder.makeState()
         let tb = Date()
-        var bindInputs: [String: Tensor] = [:]  // the window's cross memory, bound into the state once
-        for (input, output) in manifest.decoder.bindInputs ?? [:] {
-            guard let t = cross[output] else {
-                throw BundleError.ioMismatch(component: "decoder", function: binder.functionName,
-                                             detail: "bind input '\(input)' takes '\(output)', which the encoder does not return")
+        let host = manifest.decoder.hostWritesState
+        var stateBytesWritten = 0  // by this loop (host-state decoder): the memory once, then the calls' rows
+        if let binder {
+            var bindInputs: [String: Tensor] = [:]  // the window's cross memory, bound into the state once
+            for (input, output) in manifest.decoder.bindInputs ?? [:] {
+                guard let t = cross[output] else {
+                    throw BundleError.ioMismatch(component: "decoder", function: binder.functionName,
+                                                 detail: "bind input '\(input)' takes '\(output)', which the encoder does not return")
+                }
+                bindInputs[input] = t
             }
-            bindInputs[input] = t
+            _ = try await binder.predict(bindInputs, state: state)
+        } else {  // host-state decoder: the window's cross memory written into the (fresh) state, once, as fp16
+            for (name, output) in (manifest.decoder.memoryStates ?? [:]).sorted(by: { $0.key < $1.key }) {
+                guard let t = cross[output] else {
+                    throw BundleError.ioMismatch(component: "decoder", function: decoder.functionName,
+                                                 detail: "state '\(name)' takes '\(output)', which the encoder does not return")
+                }
+                let half = try t.asFloat16()
+                stateBytesWritten += try state.write(name, half, at: [Int](repeating: 0, count: half.shape.count))
+            }
         }
-        _ = try await binder.predict(bindInputs, state: state)
         let bindSeconds = Date().timeIntervalSince(tb)
+        let capacityMask = manifest.decoder.cacheMaskInput ?? "cache_mask"
+        /// One decoder call whose first token goes to cache slot `start`: a host-state decoder also takes the
+        /// mask of the filled slots (0 for slots < start, -1e4 else) and returns the call's new K/V rows, which
+        /// are written into the state at slots start.. (one K/V row per layer and token). Its outputs.
+        func run(_ model: RuntimeModel, _ inputs: [String: Tensor], start: Int) async throws -> [String: Tensor] {
+            var inputs = inputs
+            if host, model.io.inputs[capacityMask] != nil { inputs[capacityMask] = try Tensor.cacheMask(filled: start, capacity: capacity) }
+            let out = try await model.predict(inputs, state: state)
+            if host {
+                for (name, rowsName) in (manifest.decoder.rowOutputs ?? [:]).sorted(by: { $0.key < $1.key }) {
+                    guard let rows = out[rowsName], rows.shape.count == 4 else {
+                        throw TranscriptionError.badOutput("the decoder function '\(model.functionName)' returned no \(rowsName) rows")
+                    }
+                    stateBytesWritten += try state.write(name, try rows.asFloat16(), at: [0, 0, start, 0])
+                }
+            }
+            return out
+        }
         func logProbs(_ out: [String: Tensor]) throws -> [Float] {
             guard let t = out[output] else { throw TranscriptionError.badOutput("the decoder package returned no \(output)") }
             return t.floats()
@@ -468,7 +513,7 @@ public actor CohereTranscriber {
             try Task.checkCancellation()
             let inputs = ["input_ids": try Tensor(int32: [Int32(token)], shape: [1, 1]),
                           "position": try Tensor(int32: [Int32(position)], shape: [1])]
-            return try logProbs(try await decoder.predict(inputs, state: state))
+            return try logProbs(try await run(decoder, inputs, start: position))
         }
         let vocab = manifest.decoder.vocabSize
         var calls = 0
@@ -484,7 +529,7 @@ public actor CohereTranscriber {
                     guard let prefill else { throw TranscriptionError.invalidArgument("internal: a prefill call without prefill") }
                     let inputs = ["input_ids": try Tensor(int32: part.map(Int32.init), shape: [1, part.count])]
                     after += [[Float]?](repeating: nil, count: part.count - 1)
-                    after.append(try logProbs(try await prefill.predict(inputs, state: state)))
+                    after.append(try logProbs(try await run(prefill, inputs, start: 0)))
                 case .extend:
                     guard let extend else { throw TranscriptionError.invalidArgument("internal: an extend call without extend") }
                     try Task.checkCancellation()
@@ -493,7 +538,7 @@ public actor CohereTranscriber {
                     padded.append(contentsOf: [Int32](repeating: 0, count: call.fed - part.count))
                     let inputs = ["input_ids": try Tensor(int32: padded, shape: [1, call.fed]),
                                   "position": try Tensor(int32: [Int32(start + call.offset)], shape: [1])]
-                    let rows = try logProbs(try await extend.predict(inputs, state: state))  // (1, K, V)
+                    let rows = try logProbs(try await run(extend, inputs, start: start + call.offset))  // (1, K, V)
                     guard rows.count == call.fed * vocab else {
                         throw TranscriptionError.badOutput("the extend function returned \(rows.count) log-probs, not \(call.fed) x \(vocab)")
                     }
@@ -557,6 +602,7 @@ public actor CohereTranscriber {
             tokensFed += 1
         }
         return Decoded(tokens: tokens, stopReason: stopReason, calls: calls, tokensFed: tokensFed, bindSeconds: bindSeconds,
-                       promptSeconds: t1.timeIntervalSince(t0), decodeSeconds: Date().timeIntervalSince(t1))
+                       promptSeconds: t1.timeIntervalSince(t0), decodeSeconds: Date().timeIntervalSince(t1),
+                       stateBytesWritten: stateBytesWritten)
     }
 }

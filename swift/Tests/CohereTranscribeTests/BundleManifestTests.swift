@@ -9,13 +9,15 @@ final class BundleManifestTests: XCTestCase {
     }
 
     /// A copy of the test bundle whose manifest is `edit`ed (packages copied: a bundle holds no links).
-    func editedBundle(_ edit: (inout [String: Any]) -> Void) throws -> URL {
-        var json = try manifestJSON()
+    /// `source`: the test bundle by default; `Fixtures.graphBundle` for the graph-state decoder (bind_memory).
+    func editedBundle(from source: URL = Fixtures.bundle, _ edit: (inout [String: Any]) -> Void) throws -> URL {
+        var json = try JSONSerialization.jsonObject(with: try Data(contentsOf: source.appendingPathComponent("manifest.json")))
+            as! [String: Any]
         edit(&json)
         let dir = Fixtures.scratch.appendingPathComponent("cohere-swift-\(UUID().uuidString)")
         try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
-        for name in try FileManager.default.contentsOfDirectory(atPath: Fixtures.bundle.path) where name != "manifest.json" {
-            try FileManager.default.copyItem(at: Fixtures.bundle.appendingPathComponent(name),
+        for name in try FileManager.default.contentsOfDirectory(atPath: source.path) where name != "manifest.json" {
+            try FileManager.default.copyItem(at: source.appendingPathComponent(name),
                                              to: dir.appendingPathComponent(name))
         }
         try JSONSerialization.data(withJSONObject: json).write(to: dir.appendingPathComponent("manifest.json"))
@@ -27,15 +29,26 @@ final class BundleManifestTests: XCTestCase {
         let json = try manifestJSON()
         let decoder = json["decoder"] as! [String: Any]
         XCTAssertEqual(m.formatVersion, 2)
-        XCTAssertEqual(m.decoder.functions?.bind, "bind_memory")
-        XCTAssertEqual(m.decoder.bindInputs, ["encoder_cross_k": "cross_k", "encoder_cross_v": "cross_v",
-                                              "encoder_cross_mask": "cross_mask"])
-        // the step takes no encoder-length input: the cross memory is in its state
+        // the export's default decoder: host-state (no bind function; the app writes the state)
+        XCTAssertEqual(m.decoder.stateWrites, "host")
+        XCTAssertNil(m.decoder.functions?.bind)
+        XCTAssertEqual(m.decoder.memoryStates, ["cross_k": "cross_k", "cross_v": "cross_v", "cross_mask": "cross_mask"])
+        XCTAssertEqual(m.decoder.rowOutputs, ["self_k": "new_k", "self_v": "new_v"])
+        // the step takes no encoder-length input: the cross memory is in its state; the host's cache mask
         let step = try XCTUnwrap(m.listedIO(component: "decoder", function: "main"))
-        XCTAssertEqual(Set(step.inputs.keys), ["input_ids", "position"])
+        XCTAssertEqual(Set(step.inputs.keys), ["input_ids", "position", "cache_mask"])
+        XCTAssertEqual(step.outputs["new_k"]?.shape, [m.decoder.cacheShape[0], m.decoder.cacheShape[1], 1, m.decoder.cacheShape[3]])
         XCTAssertEqual(Set(step.states.keys), ["self_k", "self_v", "cross_k", "cross_v", "cross_mask"])
-        XCTAssertEqual(m.listedIO(component: "decoder", function: "bind_memory")?.inputs["encoder_cross_k"]?.shape,
-                       m.decoder.memoryShape)
+        XCTAssertEqual(m.expectedDecoderIO().inputs, step.inputs)
+        // the graph-state variant (bundle-graph/): bind_memory takes the encoder's outputs
+        let g = try BundleManifest.load(bundle: Fixtures.graphBundle)
+        XCTAssertFalse(g.decoder.hostWritesState)
+        XCTAssertEqual(g.decoder.functions?.bind, "bind_memory")
+        XCTAssertEqual(g.decoder.bindInputs, ["encoder_cross_k": "cross_k", "encoder_cross_v": "cross_v",
+                                              "encoder_cross_mask": "cross_mask"])
+        XCTAssertEqual(Set(try XCTUnwrap(g.listedIO(component: "decoder", function: "main")).inputs.keys), ["input_ids", "position"])
+        XCTAssertEqual(g.listedIO(component: "decoder", function: "bind_memory")?.inputs["encoder_cross_k"]?.shape,
+                       g.decoder.memoryShape)
         XCTAssertEqual(m.decoder.capacity, decoder["capacity"] as? Int)
         XCTAssertEqual(m.decoder.cacheShape, decoder["cache_shape"] as? [Int])
         XCTAssertEqual(m.decoder.functions?.prefill, "prefill")
@@ -226,7 +239,7 @@ final class BundleManifestTests: XCTestCase {
             XCTAssertEqual(function, "prefill")
             XCTAssertTrue(detail.contains("no output 'extra'"), detail)
         }
-        let bind = try editedBundle { json in  // the bind function's io block: checked at init too
+        let bind = try editedBundle(from: Fixtures.graphBundle) { json in  // the bind function's io block: checked at init too
             Self.editIO(&json, "decoder", function: "bind_memory") { io in
                 var outputs = io["outputs"] as! [String: Any]
                 outputs["memory_length_2"] = ["shape": [2], "dtype": "int32"]

@@ -185,23 +185,32 @@ final class CoreMLRuntimeTests: XCTestCase {
     // MARK: decoder calls
 
     /// What each decoder call binds: a step only its token and position (the cross memory is in the
-    /// decoder state); the bind call the cross memory, once per window.
+    /// decoder state; a host-state decoder's step also the fixed-size fp16 cache mask, C x 2 bytes); the
+    /// graph-state decoder's bind call the cross memory, once per window (the host-state one has none: the
+    /// app writes the memory into the state).
     func testBytesBoundPerDecoderCall() async throws {
         #if os(Linux)
-        let transcriber = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: try Fixtures.coreML())
-        let manifest = transcriber.manifest
-        let clip = try clips().first { ($0["group"] as? String) == "heldout" }!
-        _ = try await transcriber.transcribe(contentsOf: URL(fileURLWithPath: clip["wav"] as! String),
-                                             language: clip["language"] as! String)
-        let bytes = CoreMLEmulation.statistics.inputBytesByFunction
-        let memory = manifest.decoder.memoryShape.reduce(1, *) * 2 * (manifest.precision == "fp32" ? 4 : 2)
-            + manifest.encoder.memoryLength * (manifest.precision == "fp32" ? 4 : 2)
-        let step = manifest.decoder.functions?.step ?? "main"
-        let bind = try XCTUnwrap(manifest.decoder.functions?.bind)
-        XCTAssertEqual(bytes[step], 8)  // input_ids + position, int32: nothing that grows with the audio
-        XCTAssertEqual(bytes[bind], memory)  // the cross memory, once per window
-        if let prefill = manifest.decoder.functions?.prefill, let length = manifest.decoder.prefillLength {
-            XCTAssertEqual(bytes[prefill], 4 * length)
+        for url in [Fixtures.bundle, Fixtures.graphBundle] {
+            let transcriber = try await CohereTranscriber(bundle: url, runtime: try Fixtures.coreML())
+            let manifest = transcriber.manifest
+            let clip = try clips().first { ($0["group"] as? String) == "heldout" }!
+            _ = try await transcriber.transcribe(contentsOf: URL(fileURLWithPath: clip["wav"] as! String),
+                                                 language: clip["language"] as! String)
+            let bytes = CoreMLEmulation.statistics.inputBytesByFunction
+            let memory = manifest.decoder.memoryShape.reduce(1, *) * 2 * (manifest.precision == "fp32" ? 4 : 2)
+                + manifest.encoder.memoryLength * (manifest.precision == "fp32" ? 4 : 2)
+            let step = manifest.decoder.functions?.step ?? "main"
+            if manifest.decoder.hostWritesState {
+                XCTAssertNil(manifest.decoder.functions?.bind)
+                XCTAssertEqual(bytes[step], 8 + 2 * manifest.decoder.capacity)  // + cache_mask, fp16 (1, 1, 1, C)
+            } else {
+                let bind = try XCTUnwrap(manifest.decoder.functions?.bind)
+                XCTAssertEqual(bytes[step], 8)  // input_ids + position, int32: nothing that grows with the audio
+                XCTAssertEqual(bytes[bind], memory)  // the cross memory, once per window
+            }
+            if let prefill = manifest.decoder.functions?.prefill, let length = manifest.decoder.prefillLength {
+                XCTAssertEqual(bytes[prefill], 4 * length)
+            }
         }
         #else
         throw XCTSkip("the emulation's counters are Linux-only")

@@ -13,6 +13,8 @@ enum Fixtures {
     }
 
     static var bundle: URL { dir.appendingPathComponent("bundle") }
+    /// The test bundle with the graph-state decoder (`--decoder-state graph`, bind_memory), same encoder.
+    static var graphBundle: URL { dir.appendingPathComponent("bundle-graph") }
 
     /// This test process's scratch folder (bundle copies, caches, scripts): one folder under the system
     /// temporary directory, removed when the process exits, so runs leave nothing behind (each edited

@@ -80,6 +80,53 @@ final class TranscriberTests: XCTestCase {
         }
     }
 
+    /// Both decoder state variants (the test bundle's and bundle-<other>/'s, same encoder): given Python's
+    /// features, every held-out window's tokens equal the Python CLI's through both runtimes (the interpreter,
+    /// and Core ML where the host writes the state through `MLState.withMultiArray(for:)`). A host-state
+    /// window writes the memory once and then exactly one K/V row per layer and fed token slot; a
+    /// graph-state window writes nothing.
+    func testBothDecoderStateVariantsGiveThePythonTokens() async throws {
+        let clips = try clips(frontEnd: "python").filter { ($0["wav"] as! String).contains("heldout") }
+        XCTAssertEqual(clips.count, 90)
+        var variants: [String: URL] = [:]
+        for url in [Fixtures.bundle, Fixtures.dir.appendingPathComponent("bundle-graph"),
+                    Fixtures.dir.appendingPathComponent("bundle-host")]
+        where FileManager.default.fileExists(atPath: url.appendingPathComponent("manifest.json").path) {
+            variants[try BundleManifest.load(bundle: url).decoder.stateWrites ?? "graph"] = url
+        }
+        XCTAssertEqual(Set(variants.keys), ["host", "graph"], "run `make swift-fixtures`: it writes both variants")
+        for (state, url) in variants.sorted(by: { $0.key < $1.key }) {
+            for (runtimeName, runtime) in try Fixtures.runtimes() {
+                let transcriber = try await CohereTranscriber(bundle: url, runtime: runtime)
+                let manifest = transcriber.manifest
+                XCTAssertEqual(manifest.decoder.hostWritesState, state == "host")
+                let c = manifest.decoder.cacheShape, m = manifest.decoder.memoryShape
+                let rowBytes = 2 * c[0] * c[1] * c[3] * 2  // new_k + new_v: one fp16 row per layer and KV head
+                let memoryBytes = 2 * m.reduce(1, *) * 2 + manifest.encoder.memoryLength * 2
+                let viewsBefore = CoreMLEmulation.statistics.stateViews
+                var windows = 0
+                for clip in clips {
+                    for w in clip["windows"] as! [[String: Any]] {
+                        let features = try Tensor(float32: try Fixtures.floats(w["features"] as! String),
+                                                  shape: [1, manifest.encoder.numMelBins, w["frames"] as! Int])
+                        let r = try await transcriber.transcribeWindow(
+                            features: features, validFrames: w["valid_frames"] as! Int,
+                            prompt: try manifest.prompt(language: clip["language"] as! String))
+                        let name = "\(state) \(runtimeName): \(clip["wav"]!) window \(w["index"]!)"
+                        XCTAssertEqual(r.tokenIds, w["token_ids"] as! [Int], name)
+                        XCTAssertEqual(r.timings.decoderStateBytesWritten,
+                                       state == "host" ? memoryBytes + rowBytes * r.timings.decoderTokensFed : 0, name)
+                        windows += 1
+                    }
+                }
+                XCTAssertEqual(windows, 90)
+                if runtimeName != "interpreter" {  // Core ML: the host's writes went through MLState.withMultiArray(for:)
+                    XCTAssertEqual(CoreMLEmulation.statistics.stateViews > viewsBefore, state == "host", runtimeName)
+                }
+            }
+        }
+    }
+
     /// The front-end package gives the encoder what audio.log_mel gives, to the bit or near it: a window
     /// through the package front end and the same window given Python's features decode alike; a
     /// front end fed the wrong length does not.
