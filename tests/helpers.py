@@ -101,8 +101,10 @@ def broken_encoder_trace(wrapper_cls, length: int = 150):
     of `EncoderForCoreML`: a deliberately broken export for gate tests."""
 
     def trace(model, shapes):
+        from cohere_coreml.encoder import example_inputs
+
         wrapper = wrapper_cls(model, shapes).eval()
-        example = (torch.zeros(1, shapes.n_mels, shapes.frames), torch.tensor([length], dtype=torch.int32))
+        example = example_inputs(shapes, length)
         with torch.no_grad():
             return torch.jit.trace(wrapper, example, check_trace=False, strict=False)
 

@@ -307,7 +307,8 @@ def test_decoder_package_info_reads_the_package(written):
     assert info["io"] == package_io(written / DECODER_FILE, STEP_FUNCTION)
     assert info["io"]["inputs"]["input_ids"]["shape"] == [1, 1]
     assert info["prefill_io"]["inputs"]["input_ids"]["shape"] == [1, info["prefill_length"]]
-    assert set(info["bind_io"]["inputs"]) == set(info["bind_inputs"])
+    s = info["shapes"]
+    assert info["io"]["outputs"]["new_k"]["shape"] == [s["num_layers"], s["num_kv_heads"], 1, s["head_dim"]]
     assert info["precision"] == bundle.manifest["precision"] == "fp16"
     # the manifest's decoder section is this, as written
     assert {k: dec[k] for k in ("functions", "bind_inputs", "prefill_length", "io", "bind_io", "prefill_io")} == {
@@ -351,3 +352,57 @@ def test_build_manifest_refuses_packages_that_do_not_fit(written, trained_refere
                                                                      "frames": enc["window_frames"] * 2}}}
     with pytest.raises(BundleError, match=r"frontend.mlpackage gives .* mel frames but encoder.mlpackage reads"):
         build(frontend=other_window)
+
+
+# --------------------------------------------------------------------------------------------
+# An encoder in parts: encoder.parts and its files
+# --------------------------------------------------------------------------------------------
+
+
+def _edited_parts_bundle(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    manifest = json.loads((dst / MANIFEST_NAME).read_text())
+    edit(manifest)
+    (dst / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return dst
+
+
+def test_parts_bundle_lists_its_programs(trained_parts_bundle):
+    bundle = Bundle.load(trained_parts_bundle)
+    m = bundle.manifest
+    assert m["files"]["encoder_part2"] == "encoder_part2.mlpackage"
+    assert bundle.paths["encoder_part2"] == trained_parts_bundle / "encoder_part2.mlpackage"
+    assert [(p["file"], p["layers"]) for p in m["encoder"]["parts"]] == [("encoder", [0, 2]), ("encoder_part2", [2, 4])]
+    assert m["encoder"]["num_layers"] == 4
+    # the chain's io: the first part's inputs, the last part's outputs
+    chain = m["encoder"]["functions"]["main"]["io"]
+    assert chain["inputs"] == m["encoder"]["parts"][0]["functions"]["main"]["io"]["inputs"]
+    assert chain["outputs"] == m["encoder"]["parts"][1]["functions"]["main"]["io"]["outputs"]
+    assert "input_features" in chain["inputs"] and "cross_k" in chain["outputs"]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["encoder"]["parts"][1].update(layers=[3, 4]), r"encoder\.parts\[1\]\.layers"),
+    (lambda m: m["encoder"]["parts"][1].update(layers=[2, 3]), r"'encoder\.parts' .*end at layer 3"),
+    (lambda m: m["encoder"].update(num_layers=5), r"encoder\.parts\[1\]\.layers|end at layer 4"),
+    (lambda m: m["encoder"]["parts"].pop(), r"end at layer 2"),
+    (lambda m: m["files"].update(encoder_part3="encoder_part2.mlpackage"), r"'files' names \['encoder_part3'\]"),
+    (lambda m: m["encoder"]["parts"][1].update(file="encoder_part3"), r"encoder\.parts\[1\]\.file"),
+    (lambda m: m["files"].update(encoder_part2="encoder_part2.json"), r"files\.encoder_part2.*\.mlpackage"),
+    (lambda m: m["encoder"]["parts"][1]["functions"].pop("window_2s"), r"encoder\.parts\[1\]\.functions"),
+    (lambda m: m["encoder"]["parts"][1]["functions"]["main"]["io"]["inputs"]["hidden_states"].update(shape=[1, 3, 144]),
+     r"encoder\.parts\[1\]\.functions\.main\.io\.inputs"),
+    (lambda m: m["encoder"]["parts"][0]["functions"]["main"]["io"]["outputs"].update(
+        cross_k={"shape": [1], "dtype": "float16"}), r"encoder\.parts\[0\]\.functions\.main\.io\.outputs"),
+])
+def test_inconsistent_parts_are_refused(trained_parts_bundle, tmp_path, edit, message):
+    bundle = _edited_parts_bundle(trained_parts_bundle, tmp_path / "b", edit)
+    with pytest.raises(BundleError, match=message):
+        Bundle.load(bundle)
+
+
+def test_a_missing_part_package_is_refused(trained_parts_bundle, tmp_path):
+    bundle = _edited_parts_bundle(trained_parts_bundle, tmp_path / "b", lambda m: None)
+    shutil.rmtree(bundle / "encoder_part2.mlpackage")
+    with pytest.raises(BundleError, match="encoder_part2.mlpackage"):
+        Bundle.load(bundle)

@@ -100,7 +100,14 @@ def exported(request, tmp_path_factory):
 
 
 def _run(rt, window: np.ndarray, n: int) -> dict:
-    return rt.predict({"input_features": window, "feature_length": np.array([n], dtype=np.int32)})
+    """The package on a window with `n` valid mel frames: the host's length masks (the rule in the
+    package's metadata) and the host's encoder_length added to the outputs, as every caller runs it."""
+    from cohere_coreml.encoder_runtime import package_length_masks
+
+    masks = package_length_masks(rt.path)
+    out = dict(rt.predict({"input_features": window, **masks.inputs(n, window.shape[-1])}))
+    out["encoder_length"] = np.array([masks.encoder_length(n)], dtype=np.int32)
+    return out
 
 
 def test_shapes_follow_the_config(exported):
@@ -117,14 +124,22 @@ def test_shapes_follow_the_config(exported):
     spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
     ins = {i.name: tuple(i.type.multiArrayType.shape) for i in spec.description.input}
     outs = {o.name: tuple(o.type.multiArrayType.shape) for o in spec.description.output}
-    assert ins == {"input_features": (1, s.n_mels, 200), "feature_length": (1,)}
+    stages = cfg.encoder_config.subsampling_factor.bit_length() - 1
+    mask_frames = [200]
+    for _ in range(stages):  # transformers' conv arithmetic, frame by frame
+        mask_frames.append((mask_frames[-1] + 2 * ((cfg.encoder_config.subsampling_conv_kernel_size - 1) // 2)
+                            - cfg.encoder_config.subsampling_conv_kernel_size) // 2 + 1)
+    assert mask_frames[-1] == t
+    names = ["feature_mask", *(f"subsampling_mask_{k}" for k in range(1, stages)), "encoder_mask"]
+    assert ins == {"input_features": (1, s.n_mels, 200), **{n: (1, f) for n, f in zip(names, mask_frames)}}
     assert outs == {
         "encoder_hidden_states": (1, tp, cfg.hidden_size),
         "cross_k": (cfg.num_hidden_layers, cfg.num_key_value_heads, tp, cfg.head_dim),
         "cross_v": (cfg.num_hidden_layers, cfg.num_key_value_heads, tp, cfg.head_dim),
         "cross_mask": (1, 1, 1, tp),
-        "encoder_length": (1,),
     }
+    dtypes = {i.name: i.type.multiArrayType.dataType for i in spec.description.input}
+    assert {n: dtypes[n] for n in names} == {n: ct.proto.FeatureTypes_pb2.ArrayFeatureType.FLOAT16 for n in names}
     meta = dict(spec.description.metadata.userDefined)
     assert meta["com.cohere_coreml.component"] == "encoder"
     assert json.loads(meta["com.cohere_coreml.shapes"])["padded_frames"] == tp
@@ -201,28 +216,27 @@ def test_cross_kv_equal_decoder_own_projections(exported):
 
 
 class _IgnoresLength(E.EncoderForCoreML):
-    """Deliberately broken: the length input is wired to nothing (the published port's bug)."""
+    """Deliberately broken: the length masks are wired to nothing (the published port's bug)."""
 
-    def forward(self, input_features, feature_length):
-        full = torch.full_like(feature_length, self.shapes.frames)
-        return super().forward(input_features, full)
+    def forward(self, input_features, *masks):
+        return super().forward(input_features, *(torch.ones_like(m) for m in masks))
 
 
 class _NoAttentionMask(E.EncoderForCoreML):
-    """Deliberately broken: right lengths, but the encoder runs without its attention mask."""
+    """Deliberately broken: right subsampling masks and cross mask, but the conformer layers run
+    without the encoder mask (padded frames attended to and convolved)."""
 
-    def forward(self, input_features, feature_length):
-        s = self.shapes
-        memory, k, v, mask, length = super().forward(input_features, feature_length)
-        encoded = self.encoder(input_features=input_features.transpose(1, 2))  # no mask
-        valid = (mask[0, 0] == 0).to(memory.dtype)  # (1, Tp)
-        hidden = nn_pad(self.proj(encoded.last_hidden_state), s.padded_frames - s.encoder_frames)
-        hidden = hidden * valid[:, :, None]
-        return hidden, k, v, mask, length
+    def forward(self, *inputs):
+        real = E.host_length_masks
 
+        def subsampling_only(encoder, stage_masks, encoder_mask, layers=None):
+            return real(encoder, stage_masks, encoder_mask, layers=())
 
-def nn_pad(x, pad):
-    return torch.nn.functional.pad(x, (0, 0, 0, pad))
+        E.host_length_masks = subsampling_only
+        try:
+            return super().forward(*inputs)
+        finally:
+            E.host_length_masks = real
 
 
 @pytest.mark.parametrize("broken", [_IgnoresLength, _NoAttentionMask])
@@ -267,8 +281,36 @@ def test_fp16_export_passes_gate_and_masks_finitely(tmp_path):
     assert out["encoder_length"].dtype == np.int32
 
 
+def test_fp16_program_has_no_length_arithmetic(exported, tmp_path):
+    """The fp16 program computes in fp16 end to end: its only non-fp16 op is the cast of the fp32
+    features at its entry (the masks are host inputs); the fp32 export of the same model is all fp32."""
+    from coremltools.proto import MIL_pb2
+
+    from cohere_coreml.runtime.package import read_spec
+
+    model, processor, shapes, _, fp32_path = exported
+    settings = ExportSettings(out_dir=tmp_path, precision="fp16", window_seconds=WINDOW_S, skip_verify=True)
+    fp16_path = E.convert_encoder(model, settings, processor)
+    names = {v: k for k, v in MIL_pb2.DataType.items()}
+
+    def compute_dtypes(path):
+        fn = read_spec(path).mlProgram.functions["main"]
+        found = {}
+        for op in fn.block_specializations[fn.opset].operations:
+            if op.type == "const":
+                continue
+            for out in op.outputs:
+                found.setdefault(names[out.type.tensorType.dataType], []).append(op.type)
+        return found
+
+    fp16 = compute_dtypes(fp16_path)
+    assert {k: v for k, v in fp16.items() if k != "FLOAT16"} == {}, fp16.keys()
+    assert compute_dtypes(fp32_path).keys() == {"FLOAT32"}
+
+
 def test_fp16_length_arithmetic_is_exact_above_2048(tmp_path):
-    """Odd lengths > 2048 are not representable in fp16; encoder_length must still be exact."""
+    """Odd lengths > 2048 are not representable in fp16; the host's encoder_length is exact (transformers'
+    own arithmetic) and the fp16 program's cross mask has exactly that many valid frames."""
     from cohere_coreml.checkpoint import load_reference
     from cohere_coreml.runtime import load_model
     from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
@@ -377,35 +419,22 @@ def test_length_buckets_share_weights_and_keep_the_contract(tiny_reference, tmp_
         choose_bucket(buckets, 301)
 
 
-def test_fp16_needs_the_finite_attention_mask(tiny_reference, tmp_path):
-    """Traced WITHOUT `fp16_safe_encoder_attention`, the fp16 program turns transformers'
-    finfo(float32).min mask into -inf and padded rows into NaN that reach the valid frames;
-    `trace_encoder` (with the clamp) stays finite on the same input."""
+def test_fp16_needs_a_finite_mask_value(tiny_reference, tmp_path, monkeypatch):
+    """The key mask is built in the fp16 program as (1 - encoder_mask) * MASK_VALUE: with transformers'
+    finfo(float32).min (-inf in fp16) the valid frames get 0 * -inf = NaN; -1e4 stays finite."""
     from cohere_coreml.runtime import load_model
 
     model, processor = tiny_reference
     s = E.encoder_shapes(model, WINDOW_S, processor)
     settings = ExportSettings(out_dir=tmp_path, precision="fp16", window_seconds=WINDOW_S)
     feats = np.random.default_rng(0).standard_normal((1, s.n_mels, s.frames)).astype(np.float32)
-    example = (torch.zeros(1, s.n_mels, s.frames), torch.tensor([150], dtype=torch.int32))
-
     results = {}
-    for name in ("unsafe", "safe"):
-        if name == "unsafe":
-            previous = model.config.encoder_config._attn_implementation
-            model.config.encoder_config._attn_implementation = "eager"
-            try:
-                with torch.no_grad():
-                    traced = torch.jit.trace(E.EncoderForCoreML(model, s).eval(), example, check_trace=False,
-                                             strict=False)
-            finally:
-                model.config.encoder_config._attn_implementation = previous
-        else:
-            traced = E.trace_encoder(model, s)
+    for name, value in (("unsafe", float(torch.finfo(torch.float32).min)), ("safe", E.MASK_VALUE)):
+        monkeypatch.setattr(E, "MASK_VALUE", value)
         path = tmp_path / f"{name}.mlpackage"
-        E.convert_traced_encoder(traced, s, settings).save(str(path))
-        out = load_model(path).predict({"input_features": feats, "feature_length": np.array([60], np.int32)})
-        results[name] = np.asarray(out["encoder_hidden_states"], dtype=np.float32)
+        E.convert_traced_encoder(E.trace_encoder(model, s), s, settings).save(str(path))
+        out = _run(load_model(path), feats, 60)
+        results[name] = np.asarray(out["encoder_hidden_states"], dtype=np.float32)[:, : int(out["encoder_length"][0])]
     assert not np.all(np.isfinite(results["unsafe"]))
     assert np.all(np.isfinite(results["safe"]))
 
@@ -428,3 +457,120 @@ def test_refused_forced_reexport_keeps_the_old_package_and_report(exported, tmp_
     assert json.loads((out / "encoder.parity-failed.json").read_text())["passed"] is False
     assert sorted(p.name for p in out.iterdir()) == ["encoder.mlpackage", "encoder.parity-failed.json",
                                                       "encoder.parity.json"]
+
+
+# --------------------------------------------------------------------------------------------
+# The encoder in parts (export --encoder-parts)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def parts_export(tmp_path_factory):
+    """(model, processor, whole path, parts paths, settings) of a 3-layer tiny encoder exported fp32 as
+    one program and in 2 parts, both with a 2 s bucket of a 3 s window."""
+    from cohere_coreml.checkpoint import load_reference
+    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("parts")
+    model, processor = load_reference(make_tiny_checkpoint(root / "ckpt", seed=4, encoder_num_hidden_layers=3))
+    whole = ExportSettings(out_dir=root / "whole", precision="fp32", window_seconds=3.0)
+    E.convert_encoder_buckets(model, whole, [2.0], processor)
+    parts = whole.replace(out_dir=root / "parts")
+    E.convert_encoder_buckets(model, parts, [2.0], processor, parts=2)
+    return model, processor, whole.package_path("encoder"), parts
+
+
+def test_parts_hold_consecutive_layers_and_chain_to_the_whole_encoder(parts_export):
+    from cohere_coreml.bundle import encoder_package_info
+    from cohere_coreml.encoder_runtime import EncoderRuntime
+
+    model, processor, whole_path, settings = parts_export
+    out = settings.out_dir
+    assert sorted(p.name for p in out.glob("*.mlpackage")) == ["encoder.mlpackage", "encoder_part2.mlpackage"]
+    info = encoder_package_info(out / "encoder.mlpackage")
+    assert [p["layers"] for p in info["parts"]] == [[0, 2], [2, 3]] and info["num_layers"] == 3
+    assert sorted(info["parts"][0]["functions"]) == sorted(info["parts"][1]["functions"]) == ["main", "window_2s"]
+    first, second = (info["parts"][i]["functions"]["main"]["io"] for i in (0, 1))
+    assert list(first["outputs"]) == ["hidden_states"] and sorted(second["inputs"]) == ["encoder_mask", "hidden_states"]
+    # the chain's io is the whole encoder's: the same inputs and outputs as the one-program export
+    assert info["functions"]["main"]["io"] == encoder_package_info(whole_path)["functions"]["main"]["io"]
+    report = json.loads(settings.report_path("encoder").read_text())
+    assert report["passed"] and [p["layers"] for p in report["parts"]] == [[0, 2], [2, 3]]
+    gated = {(c["part"], c["case"]) for c in report["functions"]["main"]["cases"]}
+    assert {part for part, _ in gated} == {1, 2, "chain"}
+    # chained through the runtime, the parts give the whole program's outputs (fp32: the same arithmetic)
+    feats = _speech_features(model.config.encoder_config.num_mel_bins, 300, processor)
+    for fn, frames, n in (("main", 300, 211), ("window_2s", 200, 77)):
+        window = _window(feats, n, frames)
+        chained = EncoderRuntime.load(out / "encoder.mlpackage").encode(window, n)
+        one = EncoderRuntime.load(whole_path).encode(window, n)
+        assert EncoderRuntime.load(out / "encoder.mlpackage").parts == 2
+        for name in ("encoder_hidden_states", "cross_k", "cross_v", "cross_mask"):
+            assert psnr(np.asarray(one[name]), np.asarray(chained[name])) >= 120.0, (fn, name)
+        assert int(chained["encoder_length"][0]) == int(one["encoder_length"][0])
+
+
+def test_auto_parts_are_the_fewest_under_the_platform_limit(parts_export, monkeypatch):
+    from cohere_coreml import ane_check
+
+    model = parts_export[0]
+    assert E.plan_parts(model, "auto", "fp16") == [(0, 3)]  # a tiny encoder: one program
+    sizes = {n: E.part_weight_bytes(model, E.part_ranges(3, n), "fp16") for n in (1, 2, 3)}
+    # a limit that two parts meet and one does not
+    limit = int(max(sizes[2]) / E.PART_MARGIN) + 1
+    assert max(sizes[1]) > limit * E.PART_MARGIN
+    monkeypatch.setitem(ane_check.WEIGHT_LIMITS, "ios", limit)
+    assert E.plan_parts(model, "auto", "fp16") == [(0, 2), (2, 3)]
+    assert E.plan_parts(model, "auto", "fp16", platform="macos") == [(0, 3)]  # 2 GiB
+    assert E.part_weight_bytes(model, [(0, 2), (2, 3)], "fp32") == [2 * b for b in sizes[2]]  # 4 bytes per weight
+    monkeypatch.setitem(ane_check.WEIGHT_LIMITS, "ios", 1000)
+    with pytest.raises(E.ExportError, match="one encoder layer"):
+        E.plan_parts(model, "auto", "fp16")
+    assert E.part_ranges(5, 2) == [(0, 3), (3, 5)] and E.part_ranges(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    for bad in (0, 4):
+        with pytest.raises(E.ExportError, match="encoder-parts"):
+            E.plan_parts(model, bad, "fp16")
+
+
+def test_the_estimate_bounds_the_written_weight_files(parts_export):
+    """The estimate `auto` plans with is at least each part's weight file minus the converter's constants
+    (the per-window positional tables), and within a few percent of it."""
+    from cohere_coreml.files import weight_file_bytes
+
+    model, _, _, settings = parts_export
+    estimated = E.part_weight_bytes(model, [(0, 2), (2, 3)], "fp32")
+    written = [weight_file_bytes(settings.package_path(E.part_component(i))) for i in (0, 1)]
+    for est, got in zip(estimated, written):
+        assert est <= got <= est * 1.25 + 200_000, (estimated, written)
+
+
+def test_a_broken_part_is_refused_and_nothing_is_installed(parts_export, tmp_path, monkeypatch):
+    """A part that skips its first layer (a wrong boundary) fails its own gate: no part is installed."""
+    model, processor, _, _ = parts_export
+    real = E.EncoderForCoreML._layers
+
+    def skip_first_layer_of_later_parts(self, hidden, layers):
+        return real(self, hidden, layers[1:] if self.start > 0 else layers)
+
+    monkeypatch.setattr(E.EncoderForCoreML, "_layers", skip_first_layer_of_later_parts)
+    settings = ExportSettings(out_dir=tmp_path, precision="fp32", window_seconds=3.0)
+    with pytest.raises(ParityError, match="refused"):
+        E.convert_encoder(model, settings, processor, clips=E.gate_features(processor, E.encoder_shapes(model, 3.0, processor)),
+                          parts=2)
+    failed = json.loads(settings.failed_report_path("encoder").read_text())
+    refused = [c for c in failed["cases"] if not c["passed"]]
+    assert refused and {c["part"] for c in refused} >= {2}
+    assert all(c["passed"] for c in failed["cases"] if c["part"] == 1)
+    assert [p.name for p in tmp_path.iterdir()] == ["encoder.parity-failed.json"]
+
+
+def test_a_reexport_in_fewer_parts_removes_the_extra_part(parts_export, tmp_path):
+    import shutil
+
+    model, processor, _, settings = parts_export
+    out = tmp_path / "copy"
+    shutil.copytree(settings.out_dir, out)
+    E.convert_encoder_buckets(model, settings.replace(out_dir=out, force=True, skip_verify=True), [2.0], processor,
+                              parts=1)
+    assert sorted(p.name for p in out.glob("*.mlpackage")) == ["encoder.mlpackage"]

@@ -226,6 +226,19 @@ def test_example_transcribes_as_the_transcriber(example_python, finalized_bundle
         assert len(expected.token_ids[0]) > 3  # a transcript, not an immediate eos
 
 
+def test_example_chains_an_encoder_in_parts(example_python, trained_parts_bundle, tmp_path):
+    """A bundle whose encoder is in 2 parts: the example chains them and gives the Transcriber's ids."""
+    bundle = tmp_path / "bundle"
+    shutil.copytree(trained_parts_bundle, bundle)
+    finalize_bundle(bundle)
+    transcriber = Transcriber(bundle, backend="mil", front_end="package")
+    for clip in clips():
+        expected = transcriber.transcribe(clip["path"], clip["language"])
+        proc = run_example(example_python, bundle, clip["path"], clip["language"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert [w["token_ids"] for w in json.loads(proc.stdout)["windows"]] == expected.token_ids, clip["file"]
+
+
 class MirroredMelFrontEnd(FrontEndForCoreML):
     """A front end whose mel bands run from high to low frequencies (the filterbank's rows reversed)."""
 

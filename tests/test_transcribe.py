@@ -412,6 +412,31 @@ def test_both_decoder_state_variants_give_generates_tokens(trained, trained_grap
     assert beams[0] == beams[1]
 
 
+def test_encoder_in_parts_gives_generates_tokens(trained, trained_parts_bundle):
+    """The encoder as 2 programs (encoder.mlpackage: subsampling + layers 0-1, encoder_part2.mlpackage: layers
+    2-3 + the memory projections), chained by the transcriber: on held-out clips (3 per language, both
+    buckets) the ids equal generate()'s and the whole-encoder bundle's, and the encoder memory too."""
+    from cohere_coreml.audio import load_audio
+    from cohere_coreml.transcribe import Transcriber
+
+    model, processor, whole = trained
+    parts = Transcriber(trained_parts_bundle, backend="mil")
+    assert [p["layers"] for p in parts.bundle.manifest["encoder"]["parts"]] == [[0, 2], [2, 4]]
+    assert parts.encoders.parts == 2 and whole.encoders.parts == 1
+    functions = set()
+    for u in heldout_utterances(per_language=3):
+        wav = load_audio(u["path"])
+        prompt = processor.get_decoder_prompt_ids(language=u["language"], punctuation=True)
+        ref = reference_ids(model, processor, wav, prompt, TRAINED_MAX_NEW_TOKENS + 1)
+        window = parts.transcribe(wav, u["language"]).windows[0]
+        assert window.token_ids == ref == whole.transcribe(wav, u["language"]).windows[0].token_ids, u["file"]
+        functions.add(window.timings["encoder_function"])
+        feats, n, _ = parts.features(wav)
+        a, b = parts.encode(feats, n), whole.encode(feats, n)
+        assert all(np.array_equal(a[k], b[k]) for k in ("cross_k", "cross_v", "cross_mask", "encoder_length"))
+    assert functions == {"window_2s", "main"}
+
+
 @pytest.mark.parametrize("front_end", ["python", "package"])
 def test_a_window_no_encoder_function_holds_is_refused(trained, trained_bundle, front_end):
     """The bucket is `shapes.choose_bucket`'s: a window one hop longer than the full window raises

@@ -77,11 +77,11 @@ def main(argv=None) -> int:
             seconds = {"main": args.window_seconds, **{bucket_function_name(b): b for b in args.buckets}}
             for fn in run["macs"]:
                 rt = load_model(path, function_name=fn)
-                frames = encoder_shapes(model, seconds[fn]).frames
-                feats = np.random.default_rng(0).standard_normal((1, config.encoder_config.num_mel_bins, frames))
+                shapes = encoder_shapes(model, seconds[fn])
+                feats = np.random.default_rng(0).standard_normal((1, config.encoder_config.num_mel_bins, shapes.frames))
+                inputs = E.encoder_inputs(shapes, feats, shapes.frames)
                 t1 = time.perf_counter()
-                rt.predict({"input_features": feats.astype(np.float32),
-                            "feature_length": np.array([frames], dtype=np.int32)})
+                rt.predict(inputs)
                 run["predict_s"][fn] = round(time.perf_counter() - t1, 2)
         figures["runs"][layers] = run
         print(json.dumps({layers: run}, indent=2), flush=True)

@@ -35,6 +35,7 @@ from cohere_coreml.bundle import Bundle
 from cohere_coreml.config import EXTEND_FUNCTION, EXTEND_LENGTH, PREFILL_FUNCTION, STEP_FUNCTION
 from cohere_coreml.decoder_runtime import DecoderRuntime, feed_plan
 from cohere_coreml.runtime import load_model
+from cohere_coreml.shapes import LengthMasks
 
 logger = logging.getLogger("bench_hop_walltime")
 
@@ -55,6 +56,7 @@ def measure(bundle_dir: str, repeats: int, steps: int, threads: int | None) -> d
     m = bundle.manifest
     functions = m["encoder"].get("functions") or {"main": {"frames": m["encoder"]["window_frames"]}}
     n_mels = int(m["encoder"]["num_mel_bins"])
+    masks = LengthMasks.from_manifest(m["encoder"]["length_masks"])
     rng = np.random.default_rng(0)
     out = {"bundle": bundle_dir, "encoder_s": {}, "encoder_frames": {}}
     memory = None
@@ -62,7 +64,7 @@ def measure(bundle_dir: str, repeats: int, steps: int, threads: int | None) -> d
         frames = int(spec["frames"])
         model = load_model(str(bundle.paths["encoder"]), backend="mil", function_name=fn, num_threads=threads)
         feats = rng.normal(0, 1, (1, n_mels, frames)).astype(np.float32)
-        inputs = {"input_features": feats, "feature_length": np.array([frames], dtype=np.int32)}
+        inputs = {"input_features": feats, **masks.inputs(frames, frames)}
         out["encoder_s"][fn] = timed(lambda model=model, inputs=inputs: model.predict(inputs), repeats)
         out["encoder_frames"][fn] = frames
         logger.info("encoder %s (%d frames): %.3f s", fn, frames, out["encoder_s"][fn])

@@ -54,6 +54,7 @@ from .config import (
 from .convert import git_hash
 from .files import temporary_dir, write_json_atomic
 from .integrity import MANIFEST_NAME, IntegrityError, check_sizes, invalidate_manifest, manifest_sections, safe_path
+from .shapes import LengthMasks
 from .tokens import (
     BOS_TOKEN,
     EOS_TOKEN,
@@ -69,9 +70,16 @@ from .tokens import (
 logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "cohere-coreml-bundle"
-# 2: the decoder keeps the cross memory in its state (bind_memory once per window; the step takes only
-# input_ids and position). 1: the step took cross_k / cross_v / cross_mask at every call.
-FORMAT_VERSION = 2
+# 3: the encoder's length masks are host inputs. 2: the decoder keeps the cross memory in its state
+# (bind_memory once per window; the step takes only input_ids and position). 1: the step took
+# cross_k / cross_v / cross_mask at every call.
+FORMAT_VERSION = 3
+# what each format changed (the refusal of an older bundle says why it cannot be read)
+FORMAT_CHANGES = {
+    2: f"the decoder keeps the cross memory in its state, bound once per window by its {BIND_FUNCTION!r} function",
+    3: "the encoder takes its length masks from the host as fp16 inputs (encoder.length_masks) instead of a "
+       "feature_length input, so its program holds no integer or fp32 length arithmetic",
+}
 ENCODER_FILE = "encoder.mlpackage"
 DECODER_FILE = "decoder.mlpackage"
 FRONTEND_FILE = "frontend.mlpackage"
@@ -154,12 +162,67 @@ def encoder_package_info(path: str | os.PathLike) -> dict:
             tp = int(meta["com.cohere_coreml.padded_encoder_frames"])
     except (KeyError, ValueError, TypeError) as err:
         raise BundleError(f"{path} lacks the encoder metadata of cohere-coreml ({err}): re-export it") from err
+    from .encoder_runtime import package_length_masks  # (its module imports this one's functions late)
+
     functions = buckets or {"main": {"frames": frames}}
-    for fn in functions:  # every function's I/O (a length bucket takes fewer frames than "main")
-        functions[fn]["io"] = package_io(path, function_name=fn)
+    parts = encoder_parts(path)
+    for fn in functions:  # every function's I/O (a length bucket takes fewer frames than "main"); in parts,
+        # the chain's: the first part's inputs, the last part's outputs
+        ios = [part["functions"][fn]["io"] for part in parts]
+        functions[fn]["io"] = {"inputs": ios[0]["inputs"], "outputs": ios[-1]["outputs"], "states": {}}
     return {"window_frames": frames, "encoder_frames": t, "memory_len": tp,
+            "length_masks": package_length_masks(path).to_manifest(),
+            "num_layers": parts[-1]["layers"][1],
+            "parts": parts,
             "functions": functions, "precision": meta.get("com.cohere_coreml.precision"),
             "io": functions["main"]["io"]}
+
+
+def encoder_part_file(index: int) -> str:
+    """File of part `index` (0-based) of an encoder in parts: encoder.mlpackage, encoder_part2.mlpackage, ..."""
+    return ENCODER_FILE if index == 0 else f"encoder_part{index + 1}.mlpackage"
+
+
+def encoder_part_key(index: int) -> str:
+    """`files` key of part `index`: encoder, encoder_part2, ..."""
+    return "encoder" if index == 0 else f"encoder_part{index + 1}"
+
+
+def encoder_parts(path: str | os.PathLike) -> list[dict]:
+    """[{"file": files key, "layers": [start, stop], "functions": {fn: {"io"}}}] of the encoder whose first
+    package is `path` (one entry for a whole encoder): its parts are the sibling packages its metadata counts."""
+    from .encoder_runtime import PART_METADATA_KEY  # see encoder_package_info
+
+    path = Path(path)
+    meta = package_metadata(path)
+    raw = meta.get(PART_METADATA_KEY)
+    function_names = list(encoder_buckets(path) or {"main": None})
+    if not raw:
+        raise BundleError(f"{path} lacks the encoder part metadata of cohere-coreml (an export before bundle format "
+                          f"{FORMAT_VERSION}): re-export it with `cohere-coreml export --force`")
+    try:
+        count = int(json.loads(raw)["count"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise BundleError(f"{path}: unreadable encoder part metadata: {err}") from err
+    parts, expected_start = [], 0
+    for index in range(count):
+        part_path = path.with_name(encoder_part_file(index))
+        if not part_path.exists():
+            raise BundleError(f"{path} is part 1 of an encoder in {count} parts but {part_path.name} is missing: "
+                              "re-export it (`cohere-coreml export --force`)")
+        try:
+            info = json.loads(package_metadata(part_path)[PART_METADATA_KEY])
+            start, stop = (int(x) for x in info["layers"])
+            same = int(info["index"]) == index and int(info["count"]) == count
+        except (KeyError, ValueError, TypeError) as err:
+            raise BundleError(f"{part_path}: unreadable encoder part metadata: {err}") from err
+        if not same or start != expected_start or stop <= start:
+            raise BundleError(f"{part_path} is not part {index + 1} of {count} following layer {expected_start} "
+                              f"(it says {info}): the parts come from different exports; re-export with --force")
+        expected_start = stop
+        parts.append({"file": encoder_part_key(index), "layers": [start, stop],
+                      "functions": {fn: {"io": package_io(part_path, function_name=fn)} for fn in function_names}})
+    return parts
 
 
 def frontend_package_info(path: str | os.PathLike) -> dict:
@@ -265,6 +328,8 @@ def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, deco
     upstream_max_new = int(getattr(gen, "max_new_tokens", None) or 256)
     window_frames = encoder["window_frames"] if encoder is not None else None
     files = {name: FILES[name] for name in packages}
+    if encoder is not None:
+        files.update({part["file"]: encoder_part_file(i) for i, part in enumerate(encoder["parts"])})
     if frontend is not None:
         files["frontend"] = FRONTEND_FILE
     files.update({"vocab": VOCAB_FILE, "tokenizer": "tokenizer.json", "tokenizer_config": "tokenizer_config.json",
@@ -297,6 +362,13 @@ def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, deco
             "encoder_frames": encoder["encoder_frames"],
             "memory_len": encoder["memory_len"],
             "num_mel_bins": int(config.encoder_config.num_mel_bins),
+            # the host's length-mask rule (shapes.LengthMasks): the masks every encoder call takes
+            "length_masks": encoder["length_masks"],
+            "num_layers": encoder["num_layers"],
+            # the programs, in order: each consecutive layers [start, stop) (the subsampling in the first,
+            # the memory projections in the last), chained through their hidden state; one part: the whole
+            # encoder. Each part's package has every function of encoder.functions (with its own io).
+            "parts": encoder["parts"],
             # functions of encoder.mlpackage: function -> {"frames", "window_seconds" (buckets), "io"}
             # (outputs of every function are padded to the full window's memory_len)
             "functions": encoder["functions"],
@@ -477,8 +549,8 @@ class Bundle:
         if version < FORMAT_VERSION:
             raise BundleError(
                 f"{manifest_path} has format_version {version}, an older bundle format this tool no longer reads "
-                f"(format {FORMAT_VERSION}: the decoder keeps the cross memory in its state, bound once per window "
-                f"by its {BIND_FUNCTION!r} function); re-export the bundle with `cohere-coreml export --force`"
+                f"(format {FORMAT_VERSION}: {FORMAT_CHANGES[FORMAT_VERSION]}); re-export the bundle with "
+                "`cohere-coreml export --force`"
             )
         bundle = cls(dirs=dirs, manifest=manifest)
 
@@ -507,8 +579,11 @@ class Bundle:
                 raise BundleError(f"bundle is missing {name} (looked in {', '.join(map(str, dirs))})")
             bundle.paths[key] = found
         bundle.paths["tokenizer_dir"] = bundle.paths["tokenizer"].parent
-        for key in ("frontend",):  # optional: frontend.mlpackage
+        part_keys = [k for k in files if k.startswith("encoder_part")]  # an encoder in parts: its later programs
+        for key in ("frontend", *part_keys):  # optional: frontend.mlpackage, encoder_part<k>.mlpackage
             name = files.get(key)
+            if key in part_keys and (not isinstance(name, str) or not name.endswith(".mlpackage")):
+                raise BundleError(f"{manifest_path}: field 'files.{key}' is {name!r}; it names a .mlpackage file")
             if name is not None:
                 found = next((d / name for d in dirs if (d / name).exists()), None)
                 if found is None:
@@ -715,6 +790,15 @@ def check_manifest(manifest, where: str, vocab: dict | None = None, processor: d
     encoder_frames = f.int(enc, "encoder_frames", "encoder.encoder_frames", lo=1)
     memory_len = f.int(enc, "memory_len", "encoder.memory_len", lo=encoder_frames)
     f.equal("encoder.num_mel_bins", f.int(enc, "num_mel_bins", "encoder.num_mel_bins", lo=1), "audio.n_mels", n_mels)
+    rule = f.obj(enc, "length_masks", "encoder.length_masks")
+    kernel = f.int(rule, "kernel_size", "encoder.length_masks.kernel_size", lo=1, hi=1024)
+    f.int(rule, "padding", "encoder.length_masks.padding", lo=0, hi=kernel - 1)
+    f.int(rule, "stride", "encoder.length_masks.stride", lo=1, hi=1024)
+    f.int(rule, "stages", "encoder.length_masks.stages", lo=1, hi=16)
+    masks = LengthMasks.from_manifest(rule)
+    if masks.frames(window)[-1] != encoder_frames:
+        f.fail("encoder.length_masks", f"gives {masks.frames(window)[-1]} encoder frames for encoder.window_frames "
+               f"{window}, but encoder.encoder_frames is {encoder_frames}")
     enc_functions = f.obj(enc, "functions", "encoder.functions")
     if "main" not in enc_functions:
         f.fail("encoder.functions", f"has no 'main' function (has {sorted(enc_functions)})")
@@ -729,6 +813,7 @@ def check_manifest(manifest, where: str, vocab: dict | None = None, processor: d
     f.equal("encoder.functions.main.frames", frames_of["main"], "encoder.window_frames", window)
     f.io(enc, "io", "encoder.io")
     f.equal("encoder.io", enc["io"], "encoder.functions.main.io", enc_functions["main"]["io"])
+    _check_encoder_parts(f, manifest, enc, enc_functions, masks, frames_of)
 
     # decoder: cache, prompt, functions and io of the step (and prefill)
     dec = f.obj(manifest, "decoder", "decoder")
@@ -843,9 +928,13 @@ def check_manifest(manifest, where: str, vocab: dict | None = None, processor: d
     for name, fn in enc_functions.items():
         path = f"encoder.functions.{name}.io"
         io = fn["io"]
+        if isinstance(io.get("inputs"), dict) and sorted(io["inputs"]) != sorted(("input_features", *masks.names)):
+            f.fail(f"{path}.inputs", f"are {sorted(io['inputs'])}; a format-{FORMAT_VERSION} encoder takes "
+                   f"{sorted(('input_features', *masks.names))} (the length masks of encoder.length_masks)")
         checks = {("inputs", "input_features"): ([1, n_mels, frames_of[name]], "float32",
                                                  f"[1, audio.n_mels, encoder.functions.{name}.frames]"),
-                  ("inputs", "feature_length"): ([1], "int32", "[1]"),
+                  **{("inputs", mask): ([1, n], "float16", f"[1, frames of {mask} by encoder.length_masks]")
+                     for mask, n in zip(masks.names, masks.frames(frames_of[name]))},
                   ("outputs", "cross_k"): (memory_shape, program_float, "decoder.memory_shape"),
                   ("outputs", "cross_v"): (memory_shape, program_float, "decoder.memory_shape"),
                   ("outputs", "cross_mask"): ([1, 1, 1, memory_len], program_float, "[1, 1, 1, encoder.memory_len]")}
@@ -940,6 +1029,62 @@ def check_manifest(manifest, where: str, vocab: dict | None = None, processor: d
                    f"not {EOS_TOKEN!r}")
 
 
+def _check_encoder_parts(f: _Fields, manifest: dict, enc: dict, enc_functions: dict, masks: LengthMasks,
+                         frames_of: dict) -> None:
+    """encoder.parts: programs of consecutive layers covering encoder.num_layers from layer 0, each in the
+    file its `files` key names, each with every function of encoder.functions; the first takes the
+    function's inputs, the last gives its outputs, each other hands its hidden state on."""
+    num_layers = f.int(enc, "num_layers", "encoder.num_layers", lo=1, hi=100_000)
+    parts = f.get(enc, "parts", "encoder.parts")
+    if not isinstance(parts, list) or not parts:
+        f.fail("encoder.parts", f"must be a non-empty list of the encoder's programs, got {_show(parts)}")
+    files = manifest["files"]
+    start = 0
+    for i, part in enumerate(parts):
+        path = f"encoder.parts[{i}]"
+        if not isinstance(part, dict):
+            f.fail(path, f"must be an object, got {_show(part)}")
+        key = f.str(part, "file", f"{path}.file", (encoder_part_key(i),))
+        if not isinstance(files.get(key), str):
+            f.fail(f"{path}.file", f"names files.{key}, which the manifest does not give")
+        layers = f.ints(part, "layers", f"{path}.layers", hi=num_layers)
+        if len(layers) != 2 or layers[0] != start or layers[1] <= start:
+            f.fail(f"{path}.layers", f"is {_show(layers)}; part {i + 1} holds layers [{start}, stop) with stop > {start}")
+        start = layers[1]
+        functions = f.obj(part, "functions", f"{path}.functions")
+        if sorted(functions) != sorted(enc_functions):
+            f.fail(f"{path}.functions", f"are {sorted(functions)}, encoder.functions {sorted(enc_functions)}: every "
+                   "part has every window's function")
+        for fn, entry in functions.items():
+            if not isinstance(entry, dict):
+                f.fail(f"{path}.functions.{fn}", f"must be an object, got {_show(entry)}")
+            f.io(entry, "io", f"{path}.functions.{fn}.io")
+    if start != num_layers:
+        f.fail("encoder.parts", f"end at layer {start}, the encoder has encoder.num_layers = {num_layers}")
+    extra = sorted(k for k in files if k.startswith("encoder_part") and k not in {p["file"] for p in parts})
+    if extra:
+        f.fail("files", f"names {extra}, which encoder.parts does not list")
+    for fn, entry in enc_functions.items():
+        ios = [part["functions"][fn]["io"] for part in parts]
+        chain = enc_functions[fn]["io"]
+        f.equal(f"encoder.parts[0].functions.{fn}.io.inputs", ios[0]["inputs"], f"encoder.functions.{fn}.io.inputs",
+                chain["inputs"])
+        f.equal(f"encoder.parts[{len(parts) - 1}].functions.{fn}.io.outputs", ios[-1]["outputs"],
+                f"encoder.functions.{fn}.io.outputs", chain["outputs"])
+        t = masks.frames(frames_of[fn])[-1]
+        for i in range(len(parts) - 1):  # hidden state (1, T, He) out, then in with the encoder mask
+            hidden = f.shape(ios[i], "outputs", "hidden_states", f"encoder.parts[{i}].functions.{fn}.io")
+            if len(hidden) != 3 or hidden[:2] != [1, t] or sorted(ios[i]["outputs"]) != ["hidden_states"]:
+                f.fail(f"encoder.parts[{i}].functions.{fn}.io.outputs", f"are {_show(ios[i]['outputs'])}; a part "
+                       f"before the last gives only hidden_states [1, {t}, hidden size]")
+            nxt = ios[i + 1]["inputs"]
+            want = {"hidden_states": ios[i]["outputs"]["hidden_states"],
+                    "encoder_mask": {"shape": [1, t], "dtype": "float16"}}
+            if nxt != want:
+                f.fail(f"encoder.parts[{i + 1}].functions.{fn}.io.inputs", f"are {_show(nxt)}; the part after "
+                       f"part {i + 1} takes {_show(want)}")
+
+
 def _package_stamp(path: Path) -> tuple:
     """What identifies a package's contents cheaply (every file's size and mtime)."""
     return tuple(sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns)
@@ -961,8 +1106,10 @@ def check_packages(bundle: Bundle, where: str) -> None:
 
     m = bundle.manifest
     dec = m["decoder"]
-    listed = {"encoder": {name: (fn["io"], f"encoder.functions.{name}") for name, fn in m["encoder"]["functions"].items()},
-              "decoder": {dec["functions"]["step"]: (dec["io"], "decoder.functions.step")}}
+    listed = {part["file"]: {name: (fn["io"], f"encoder.parts[{i}].functions.{name}")
+                             for name, fn in part["functions"].items()}
+              for i, part in enumerate(m["encoder"]["parts"])}
+    listed["decoder"] = {dec["functions"]["step"]: (dec["io"], "decoder.functions.step")}
     if dec["functions"].get("bind") is not None:  # null in a host-state decoder
         listed["decoder"][dec["functions"]["bind"]] = (dec["bind_io"], "decoder.functions.bind")
     if dec["functions"].get("prefill") is not None:

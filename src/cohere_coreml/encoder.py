@@ -1,22 +1,32 @@
 """Encoder export: one fixed audio window of log-mel features in, everything the decoder needs out.
 
 The traced module wraps the `transformers` modules of `CohereAsrForConditionalGeneration`:
-`model.model.encoder` (ParakeetEncoder, FastConformer), `model.model.decoder.proj` (encoder width
--> decoder width) and every decoder layer's `encoder_attn.k_proj` / `encoder_attn.v_proj`, so the
-cross-attention memory is projected once per window, never per decoder step.
+`model.model.encoder` (ParakeetEncoder, FastConformer: its subsampling, positional encoding and
+layers), `model.model.decoder.proj` (encoder width -> decoder width) and every decoder layer's
+`encoder_attn.k_proj` / `encoder_attn.v_proj`, so the cross-attention memory is projected once per
+window, never per decoder step.
 
-The `feature_length` input really masks: it is turned into the same `attention_mask` the feature
-extractor returns, and `ParakeetEncoder.forward` applies it in the subsampling convolutions, in
-self-attention and in the convolution module, exactly as `transformers` does.
+The length masks are inputs (issue 27, docs/ane.md): the host computes them from the window's valid
+mel frames (`shapes.LengthMasks`, transformers' own length arithmetic) and passes them as fp16 0/1
+masks, so the program holds no int / fp32 / bool length arithmetic (floor, floor_div, less, casts:
+off the Neural Engine). The masks act where `ParakeetEncoder.forward` applies its `attention_mask`:
+after every subsampling convolution, on the attention scores (padded keys) and before each
+convolution module's depthwise convolution (padded frames zeroed); `host_length_masks` routes them
+there with hooks on the transformers modules, none of which is re-implemented. Padded query rows
+then differ from transformers' (they attend to the valid frames instead of uniformly), but no valid
+frame reads a padded row and the outputs zero them: the gate compares every output with the
+unmodified transformers forward.
 
-Contract (see docs/contract.md):
-    inputs : input_features  float32 (1, M, F)      normalised log-mel; frames >= feature_length are ignored
-             feature_length  int32   (1,)           valid mel frames, clamped to [1, F]
-    outputs: encoder_hidden_states (1, Tp, Ddec)    after decoder.proj; rows >= encoder_length are zero
-             cross_k               (L, Hkv, Tp, Dh)  decoder.layers[i].encoder_attn.k_proj(enc), head layout
-             cross_v               (L, Hkv, Tp, Dh)  same with v_proj
-             cross_mask            (1, 1, 1, Tp)    additive: 0 for valid frames, -1e4 for padding
-             encoder_length        int32 (1,)       valid encoder frames
+Contract (see docs/contract.md), one encoder program (or the first/last of its parts, `EncoderPart`):
+    inputs : input_features      float32 (1, M, F)    normalised log-mel; frames >= n are ignored
+             feature_mask        float16 (1, F)       1 for the n valid mel frames, 0 after
+             subsampling_mask_k  float16 (1, T_k)     the same after stride convolution k (k < S)
+             encoder_mask        float16 (1, T)       the same for the encoder frames (T = T_S)
+    outputs: encoder_hidden_states (1, Tp, Ddec)     after decoder.proj; rows >= encoder_length are zero
+             cross_k               (L, Hkv, Tp, Dh)   decoder.layers[i].encoder_attn.k_proj(enc), head layout
+             cross_v               (L, Hkv, Tp, Dh)   same with v_proj
+             cross_mask            (1, 1, 1, Tp)      additive: 0 for valid frames, -1e4 for padding
+The window's encoder_length is the host's (`LengthMasks.encoder_length`), not an output.
 """
 
 from __future__ import annotations
@@ -26,75 +36,149 @@ import json
 import logging
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
 
+from . import faults
 from .audio import FrontEndConfig, load_audio, log_mel
 from .config import BUCKETS_METADATA_KEY, FP16_MASK_VALUE
 from .convert import ExportError, ExportSettings, convert_module, merge_functions
-from .files import save_converted, skip_installed, temporary_dir
-from .gate import GateCase, GateReport, StagedPackage, compare_cases, default_gate_audio, stage_gated
-from .parity import psnr
+from .encoder_runtime import LENGTH_MASKS_METADATA_KEY, PART_METADATA_KEY, PartChain
+from .errors import ParityError
+from .files import (
+    install_package,
+    remove_package,
+    save_converted,
+    skip_installed,
+    staging_path,
+    temporary_dir,
+    write_json_atomic,
+)
+from .gate import GateCase, GateReport, compare_cases, default_gate_audio
+from .integrity import invalidate_manifest
+from .parity import psnr, report_correctness
 from .reference import cross_memory
-from .shapes import EncoderShapes, ShapeError, bucket_shapes, encoder_shapes
+from .shapes import ENCODER_MASK, EncoderShapes, ShapeError, bucket_shapes, encoder_shapes
 
 logger = logging.getLogger(__name__)
 
 COMPONENT = "encoder"
 # Additive mask value for padded encoder frames: finite in fp16 (finfo(fp32).min or -1e9 become -inf).
 MASK_VALUE = FP16_MASK_VALUE
-# Name under which the fp16-safe eager attention is registered in transformers' AttentionInterface.
-_SAFE_ATTENTION = "cohere_coreml_fp16_safe_eager"
+# Name under which the host-masked attention is registered in transformers' AttentionInterface.
+_HOST_MASK_ATTENTION = "cohere_coreml_host_mask_eager"
 # Speech clips the gate uses by default (the packaged gate audio)
 DEFAULT_GATE_CLIPS = 2
+# The encoder in parts (`export --encoder-parts auto`): the platform whose per-program weight limit
+# "auto" keeps every part under (ane_check.WEIGHT_LIMITS, docs/ane.md), and the share of that limit
+# the estimated parameter bytes may take (constants the converter adds: positional tables per function)
+DEFAULT_PART_PLATFORM = "ios"
+PART_MARGIN = 0.95
 
-INPUT_NAMES = ("input_features", "feature_length")
-OUTPUT_NAMES = ("encoder_hidden_states", "cross_k", "cross_v", "cross_mask", "encoder_length")
+FEATURES_INPUT = "input_features"
+HIDDEN_NAME = "hidden_states"  # between two parts of an encoder: the conformer's hidden state (1, T, He)
+OUTPUT_NAMES = ("encoder_hidden_states", "cross_k", "cross_v", "cross_mask")
 
 
 class EncoderInputError(ShapeError):
     """Features or lengths that do not fit the exported encoder's window."""
 
 
+def input_names(shapes: EncoderShapes, first: bool = True) -> tuple[str, ...]:
+    """Inputs of an encoder program: features and every length mask (the first part, or the whole
+    encoder); the hidden state and the encoder mask (a later part)."""
+    return (FEATURES_INPUT, *shapes.masks.names) if first else (HIDDEN_NAME, ENCODER_MASK)
+
+
+def encoder_inputs(shapes: EncoderShapes, features: np.ndarray, n_valid: int) -> dict[str, np.ndarray]:
+    """The whole encoder's (or its first part's) inputs for a window: features (1, M, F) float32 and
+    the host's length masks for `n_valid` valid mel frames."""
+    return {FEATURES_INPUT: np.asarray(features, dtype=np.float32).reshape(1, shapes.n_mels, shapes.frames),
+            **shapes.masks.inputs(n_valid, shapes.frames)}
+
+
+def example_inputs(shapes: EncoderShapes, n_valid: int | None = None, first: bool = True) -> tuple[torch.Tensor, ...]:
+    """Tracing inputs of an encoder program (a partial window: every mask has zeros and ones)."""
+    n = max(1, shapes.frames - 3) if n_valid is None else int(n_valid)
+    masks = {k: torch.from_numpy(v) for k, v in shapes.masks.inputs(n, shapes.frames).items()}
+    if first:
+        return (torch.zeros(1, shapes.n_mels, shapes.frames, dtype=torch.float32), *masks.values())
+    return (torch.zeros(1, shapes.encoder_frames, shapes.encoder_hidden_size), masks[ENCODER_MASK])
+
+
 # --------------------------------------------------------------------------------------------
-# fp16-safe attention masking
+# Host length masks, routed into the transformers modules
 # --------------------------------------------------------------------------------------------
 
 
-def _fp16_safe_eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """transformers' parakeet eager attention with the additive mask clamped to MASK_VALUE.
+def _host_mask_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers' parakeet eager attention with the host's key mask added to the scores.
 
-    ParakeetEncoderAttention fills masked positions with finfo(float32).min, which is -inf in an
-    fp16 program; fully masked (padding) rows then give NaN that leaks into valid frames through
-    the values of later layers. Clamping keeps the masking (exp(-1e4) == 0) and stays finite.
+    ParakeetEncoderAttention passes its position scores (`matrix_bd`) as `attention_mask`; with the
+    layer called without a mask they are unmasked, and the additive key mask of `host_length_masks`
+    (0 valid, MASK_VALUE padded: finite in fp16, where transformers' finfo(float32).min is -inf and a
+    fully masked row NaN) is added here. exp(MASK_VALUE + x) == 0: padded keys get no weight.
     """
     from transformers.models.parakeet import modeling_parakeet  # heavy, and it loads sentencepiece (see decoder_gate)
 
-    if attention_mask is not None:
-        attention_mask = attention_mask.clamp(min=MASK_VALUE)
+    key_mask = getattr(module, "_cohere_key_mask", None)
+    if key_mask is not None:
+        attention_mask = attention_mask + key_mask.to(attention_mask.dtype)
     return modeling_parakeet.eager_attention_forward(
         module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
     )
 
 
 @contextlib.contextmanager
-def fp16_safe_encoder_attention(model):
-    """Temporarily route the encoder's attention through `_fp16_safe_eager_attention`."""
+def host_length_masks(encoder, stage_masks, encoder_mask: torch.Tensor, layers=None):
+    """Route the host's masks into `encoder` (ParakeetEncoder) while it is called WITHOUT its
+    attention_mask (so transformers computes no length arithmetic):
+
+    * `stage_masks` (1, T_k), k = 1..S: multiply the output of every subsampling Conv2d (a stride
+      convolution moves to the next mask; a 1x1 pointwise one keeps it), as
+      `ParakeetEncoderSubsamplingConv2D.forward` multiplies by its channel mask;
+    * `encoder_mask` (1, T): padded keys get MASK_VALUE in every layer's attention scores (the
+      registered `_host_mask_attention`), and each convolution module's depthwise convolution sees
+      its padded frames zeroed (transformers' `masked_fill(all_masked_rows, 0.0)`).
+
+    `layers`: the encoder layers to mask (default all). Hooks and attributes are removed on exit.
+    """
     from transformers import AttentionInterface  # heavy: this module loads without transformers
 
-    AttentionInterface.register(_SAFE_ATTENTION, _fp16_safe_eager_attention)
-    configs = {id(m.config): m.config for m in model.model.encoder.modules() if hasattr(m, "config")}
-    previous = {key: cfg._attn_implementation for key, cfg in configs.items()}
+    AttentionInterface.register(_HOST_MASK_ATTENTION, _host_mask_attention)
+    layers = list(encoder.layers) if layers is None else list(layers)
+    handles, configs = [], {}
+    key_mask = ((1.0 - encoder_mask) * MASK_VALUE)[:, None, None, :]  # (1, 1, 1, T) additive, fp16 arithmetic
+    valid = encoder_mask[:, None, :]  # (1, 1, T): times (B, C, T)
     try:
+        if stage_masks:
+            stage = -1
+            for layer in encoder.subsampling.layers:
+                if isinstance(layer, nn.Conv2d):
+                    if layer.stride != (1, 1):
+                        stage += 1
+                    mask = stage_masks[max(stage, 0)][:, None, :, None]  # (1, 1, T_k, 1)
+                    handles.append(layer.register_forward_hook(lambda _m, _a, out, mask=mask: out * mask))
+        for layer in layers:
+            layer.self_attn._cohere_key_mask = key_mask
+            configs[id(layer.self_attn.config)] = layer.self_attn.config
+            handles.append(layer.conv.depthwise_conv.register_forward_pre_hook(
+                lambda _m, args: (args[0] * valid.to(args[0].dtype),)))
+        previous = {key: cfg._attn_implementation for key, cfg in configs.items()}
         for cfg in configs.values():
-            cfg._attn_implementation = _SAFE_ATTENTION
-        yield model
+            cfg._attn_implementation = _HOST_MASK_ATTENTION
+        yield encoder
     finally:
+        for handle in handles:
+            handle.remove()
+        for layer in layers:
+            layer.self_attn.__dict__.pop("_cohere_key_mask", None)
         for key, cfg in configs.items():
-            cfg._attn_implementation = previous[key]
+            cfg._attn_implementation = previous.get(key, cfg._attn_implementation)
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,33 +187,47 @@ def fp16_safe_encoder_attention(model):
 
 
 class EncoderForCoreML(nn.Module):
-    """Traceable encoder: (features, length) -> decoder memory, cross K/V and mask.
+    """Traceable encoder program: consecutive layers [start, stop) of the conformer.
 
-    Only wraps the transformers modules; no layer of the model is re-implemented.
+    The first program (start 0) takes the features and the length masks and runs the subsampling
+    first; the last one (stop = all layers) ends with `decoder.proj` and the cross K/V; a program
+    that is both is the whole encoder. Between parts flows the conformer's hidden state (1, T, He).
+    Only wraps the transformers modules; `forward` follows `ParakeetEncoder.forward` (subsampling,
+    input scale, positional encoding, layers) with the masks of `host_length_masks`.
     """
 
-    def __init__(self, model, shapes: EncoderShapes):
+    def __init__(self, model, shapes: EncoderShapes, layers: tuple[int, int] | None = None):
         super().__init__()
         self.shapes = shapes
         self.encoder = model.model.encoder
+        n = len(self.encoder.layers)
+        self.start, self.stop = layers if layers is not None else (0, n)
+        if not 0 <= self.start < self.stop <= n:
+            raise ShapeError(f"encoder layers [{self.start}, {self.stop}) are not a range of the {n} layers")
+        self.first, self.last = self.start == 0, self.stop == n
         self.proj = model.model.decoder.proj
         self.k_proj = nn.ModuleList([layer.encoder_attn.k_proj for layer in model.model.decoder.layers])
         self.v_proj = nn.ModuleList([layer.encoder_attn.v_proj for layer in model.model.decoder.layers])
 
-    def forward(self, input_features: torch.Tensor, feature_length: torch.Tensor):
+    def forward(self, *inputs: torch.Tensor):
         s = self.shapes
-        # input_features: (1, M, F) float; feature_length: (1,) int32
-        length = feature_length.to(torch.int64).clamp(1, s.frames)  # (1,)
-        frame_ids = torch.arange(s.frames, dtype=torch.int64)  # (F,)
-        attention_mask = (frame_ids[None, :] < length[:, None]).to(torch.int64)  # (1, F), 1 = valid
-        features = input_features.transpose(1, 2)  # (1, F, M), the layout transformers uses
-        features = features * attention_mask[:, :, None].to(features.dtype)  # padding is zero by contract
-
-        encoded = self.encoder(input_features=features, attention_mask=attention_mask)
-        hidden = encoded.last_hidden_state  # (1, T, He)
-        valid = encoded.attention_mask.to(hidden.dtype)  # (1, T), 1 for valid encoder frames
-        encoder_length = encoded.attention_mask.to(torch.int32).sum(-1)  # (1,)
-
+        enc = self.encoder
+        layers = enc.layers[self.start : self.stop]
+        if self.first:
+            # input_features (1, M, F) float; masks (1, F), (1, T_1) ... (1, T) fp16 0/1
+            input_features, feature_mask, *stage_masks = inputs
+            encoder_mask = stage_masks[-1]
+            features = input_features.transpose(1, 2) * feature_mask[:, :, None].to(input_features.dtype)  # (1, F, M)
+            with host_length_masks(enc, stage_masks, encoder_mask, layers):
+                hidden = enc.subsampling(features) * enc.input_scale  # (1, T, He)
+                hidden = self._layers(hidden, layers)
+        else:
+            hidden, encoder_mask = inputs  # (1, T, He), (1, T)
+            with host_length_masks(enc, (), encoder_mask, layers):
+                hidden = self._layers(hidden, layers)
+        if not self.last:
+            return hidden
+        valid = encoder_mask.to(hidden.dtype)  # (1, T), 1 for valid encoder frames
         pad = s.padded_frames - s.encoder_frames
         memory = self.proj(hidden)  # (1, T, Ddec)
         memory = nn.functional.pad(memory * valid[:, :, None], (0, 0, 0, pad))  # (1, Tp, Ddec)
@@ -143,7 +241,14 @@ class EncoderForCoreML(nn.Module):
             values.append(v_proj(memory).view(s.padded_frames, s.num_kv_heads, s.head_dim).transpose(0, 1))
         cross_k = torch.stack(keys, dim=0)  # (L, Hkv, Tp, Dh)
         cross_v = torch.stack(values, dim=0)  # (L, Hkv, Tp, Dh)
-        return memory, cross_k, cross_v, cross_mask, encoder_length
+        return memory, cross_k, cross_v, cross_mask
+
+    def _layers(self, hidden: torch.Tensor, layers) -> torch.Tensor:
+        """`ParakeetEncoder.forward`'s layer loop (eval: no dropout, no layer drop), no attention_mask."""
+        position_embeddings = self.encoder.encode_positions(hidden)  # depends on the shape only: constant
+        for layer in layers:
+            hidden = layer(hidden, attention_mask=None, position_embeddings=position_embeddings)
+        return hidden
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,13 +256,15 @@ class EncoderForCoreML(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-def reference_outputs(model, shapes: EncoderShapes, input_features: np.ndarray, feature_length: int) -> dict:
+def reference_outputs(model, shapes: EncoderShapes, input_features: np.ndarray, feature_length: int,
+                      boundaries=()) -> dict:
     """What the exported encoder must produce, computed with transformers' public forward.
 
     Independent of `EncoderForCoreML`: builds the feature extractor's attention mask, runs
     `model.model.encoder(features, attention_mask=...)`, then the contract's cross memory
     (`cohere_coreml.reference.cross_memory`: `decoder.proj`, each layer's cross-attention
-    `k_proj`/`v_proj`, padding).
+    `k_proj`/`v_proj`, padding). `boundaries` (first layers of the parts after the first): also
+    transformers' hidden state entering each of those layers, as "hidden_states" [(1, T, He) float32].
     """
     s = shapes
     feats = np.asarray(input_features, dtype=np.float32).reshape(1, s.n_mels, s.frames)
@@ -167,8 +274,11 @@ def reference_outputs(model, shapes: EncoderShapes, input_features: np.ndarray, 
     mask = torch.zeros(1, s.frames, dtype=torch.int64)
     mask[:, :n] = 1
     with torch.no_grad():
-        out = model.model.encoder(input_features=x, attention_mask=mask)
-    return cross_memory(model, out.last_hidden_state, int(out.attention_mask.sum()), s.padded_frames)
+        out = model.model.encoder(input_features=x, attention_mask=mask, output_hidden_states=bool(boundaries))
+    ref = cross_memory(model, out.last_hidden_state, int(out.attention_mask.sum()), s.padded_frames)
+    if boundaries:  # hidden_states[k]: the input of layer k (hidden_states[0]: after the subsampling)
+        ref["hidden_states"] = [out.hidden_states[b].numpy() for b in boundaries]
+    return ref
 
 
 def unpadded_reference(model, input_features: np.ndarray) -> np.ndarray:
@@ -184,91 +294,59 @@ def unpadded_reference(model, input_features: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
-def trace_encoder(model, shapes: EncoderShapes) -> torch.jit.ScriptModule:
-    """`torch.jit.trace` of `EncoderForCoreML` (fp16-safe attention masking, eval mode)."""
+def trace_encoder(model, shapes: EncoderShapes, layers: tuple[int, int] | None = None) -> torch.jit.ScriptModule:
+    """`torch.jit.trace` of `EncoderForCoreML` (the whole encoder, or its layers [start, stop))."""
     model.eval()
-    wrapper = EncoderForCoreML(model, shapes).eval()
-    example = (
-        torch.zeros(1, shapes.n_mels, shapes.frames, dtype=torch.float32),
-        torch.tensor([max(1, shapes.frames - 3)], dtype=torch.int32),
-    )
-    with fp16_safe_encoder_attention(model), torch.no_grad():
-        traced = torch.jit.trace(wrapper, example, check_trace=False, strict=False)
+    wrapper = EncoderForCoreML(model, shapes, layers).eval()
+    with torch.no_grad():
+        traced = torch.jit.trace(wrapper, example_inputs(shapes, first=wrapper.first), check_trace=False, strict=False)
     return traced
 
 
 def describe_io(shapes: EncoderShapes) -> dict[str, str]:
     s = shapes
-    return {
+    masks = s.masks
+    frames = s.mask_frames
+    texts = {
         "input_features": f"float32 (1, {s.n_mels}, {s.frames}): normalised log-mel features of one "
-        f"{s.window_seconds:g} s window (hop {s.hop_length} at {s.sample_rate} Hz); frames >= feature_length ignored",
-        "feature_length": f"int32 (1,): number of valid mel frames, 1..{s.frames}",
+        f"{s.window_seconds:g} s window (hop {s.hop_length} at {s.sample_rate} Hz); frames past feature_mask ignored",
+        HIDDEN_NAME: f"(1, {s.encoder_frames}, {s.encoder_hidden_size}): the conformer's hidden state between "
+        "two parts of the encoder",
         "encoder_hidden_states": f"(1, {s.padded_frames}, {s.decoder_hidden_size}): encoder output after "
-        "decoder.proj; rows >= encoder_length are zero",
+        "decoder.proj; rows past encoder_mask are zero",
         "cross_k": f"({s.num_layers}, {s.num_kv_heads}, {s.padded_frames}, {s.head_dim}): per decoder layer, "
         "encoder_attn.k_proj of the memory in head layout",
         "cross_v": f"({s.num_layers}, {s.num_kv_heads}, {s.padded_frames}, {s.head_dim}): per decoder layer, "
         "encoder_attn.v_proj of the memory in head layout",
         "cross_mask": f"(1, 1, 1, {s.padded_frames}): additive cross-attention mask, 0 for valid encoder "
         f"frames, {MASK_VALUE:g} for padding",
-        "encoder_length": "int32 (1,): number of valid encoder frames",
     }
+    rule = (f"L_k = (L_k-1 + {2 * masks.padding} - {masks.kernel_size}) // {masks.stride} + 1, L_0 = valid mel "
+            "frames")
+    for k, (name, n) in enumerate(zip(masks.names, frames)):
+        what = "mel frames" if k == 0 else ("encoder frames" if k == masks.stages else f"frames after stride convolution {k}")
+        texts[name] = f"float16 (1, {n}): 1 for the L_{k} valid {what}, 0 after ({rule})"
+    return texts
 
 
-def _fp16_except_length_arithmetic():
-    """fp16 compute precision for everything that depends on `input_features`.
-
-    The length arithmetic (feature_length -> subsampled lengths -> masks) depends only on
-    `feature_length`; in fp16 a length such as 2049 rounds to 2048 and `encoder_length` (and the
-    masks) would be off by one for odd lengths above 2048. Those few scalar ops stay fp32.
-    """
-    import coremltools as ct  # heavy: the PyTorch side (reference, gates) needs none
-
-    memo: dict[int, bool] = {}
-
-    def depends_on_features(var) -> bool:
-        stack = [var]
-        while stack:
-            v = stack[-1]
-            if id(v) in memo:
-                stack.pop()
-                continue
-            op = v.op
-            if op is None:
-                memo[id(v)] = v.name == "input_features"
-                stack.pop()
-                continue
-            parents = [p for p in _op_input_vars(op) if id(p) not in memo]
-            if parents:
-                stack.extend(parents)
-                continue
-            memo[id(v)] = any(memo[id(p)] for p in _op_input_vars(op))
-            stack.pop()
-        return memo[id(var)]
-
-    def selector(op) -> bool:  # True: run this op in fp16
-        return any(depends_on_features(v) for v in _op_input_vars(op))
-
-    return ct.transform.FP16ComputePrecision(op_selector=selector)
-
-
-def _op_input_vars(op):
-    for value in op.inputs.values():
-        if isinstance(value, (list, tuple)):
-            yield from value
-        else:
-            yield value
-
-
-def convert_traced_encoder(traced, shapes: EncoderShapes, settings: ExportSettings, extra_metadata=None):
+def convert_traced_encoder(traced, shapes: EncoderShapes, settings: ExportSettings, extra_metadata=None,
+                           first: bool = True, last: bool = True):
+    """The traced encoder program as an ML program: fp16 end to end for an fp16 export (the length
+    arithmetic is the host's: nothing in it needs fp32 or integers)."""
     import coremltools as ct  # heavy: the PyTorch side (reference, gates) needs none
 
     s = shapes
-    inputs = [
-        ct.TensorType(name="input_features", shape=(1, s.n_mels, s.frames), dtype=np.float32),
-        ct.TensorType(name="feature_length", shape=(1,), dtype=np.int32),
-    ]
-    outputs = [ct.TensorType(name=name) for name in OUTPUT_NAMES]
+    frames = dict(zip(s.masks.names, s.mask_frames))
+    if first:
+        inputs = [ct.TensorType(name=FEATURES_INPUT, shape=(1, s.n_mels, s.frames), dtype=np.float32)]
+        inputs += [ct.TensorType(name=name, shape=(1, n), dtype=np.float16) for name, n in frames.items()]
+    else:
+        dtype = np.float16 if settings.precision == "fp16" else np.float32
+        inputs = [ct.TensorType(name=HIDDEN_NAME, shape=(1, s.encoder_frames, s.encoder_hidden_size), dtype=dtype),
+                  ct.TensorType(name=ENCODER_MASK, shape=(1, s.encoder_frames), dtype=np.float16)]
+    outputs = [ct.TensorType(name=name) for name in (OUTPUT_NAMES if last else (HIDDEN_NAME,))]
+    io = describe_io(s)
+    names = [i.name for i in inputs] + [o.name for o in outputs]
     metadata = {
         "com.cohere_coreml.component": COMPONENT,
         "com.cohere_coreml.sample_rate": s.sample_rate,
@@ -277,32 +355,21 @@ def convert_traced_encoder(traced, shapes: EncoderShapes, settings: ExportSettin
         "com.cohere_coreml.encoder_frames": s.encoder_frames,
         "com.cohere_coreml.padded_encoder_frames": s.padded_frames,
         "com.cohere_coreml.cross_mask_value": MASK_VALUE,
+        LENGTH_MASKS_METADATA_KEY: s.masks.to_manifest(),
         "com.cohere_coreml.shapes": s.to_dict(),
-        "com.cohere_coreml.io": describe_io(s),
+        "com.cohere_coreml.io": {k: io[k] for k in names},
         **(extra_metadata or {}),
     }
-    mlmodel = convert_module(
+    return convert_module(
         traced,
         inputs,
         outputs,
         settings,
         metadata=metadata,
-        descriptions=describe_io(s),
+        descriptions={k: io[k] for k in names},
         short_description=f"Cohere Transcribe encoder, {s.window_seconds:g} s window, cross-attention K/V "
         "for every decoder layer",
-        compute_precision=_fp16_except_length_arithmetic() if settings.precision == "fp16" else None,
     )
-    _check_output_dtypes(mlmodel)
-    return mlmodel
-
-
-def _check_output_dtypes(mlmodel) -> None:
-    """Integer outputs must stay int32 (the decoder reads them as ints)."""
-    from coremltools.proto import FeatureTypes_pb2 as ft  # heavy: the PyTorch side (reference, gates) needs none
-
-    for out in mlmodel.get_spec().description.output:
-        if out.name == "encoder_length" and out.type.multiArrayType.dataType != ft.ArrayFeatureType.INT32:
-            raise ExportError("encoder_length is not int32 in the converted program")
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,8 +402,16 @@ def gate_inputs(shapes: EncoderShapes, clips: list[np.ndarray] | None = None, se
     return cases
 
 
-def gate_cases(model, shapes: EncoderShapes, windows, min_psnr_db: float) -> list[GateCase]:
-    """`GateCase`s of (features, n_valid) windows, with the reference outputs.
+@dataclass
+class EncoderGateCase(GateCase):
+    """A gate case of an encoder in parts: also transformers' hidden state entering each later part."""
+
+    parts: list[np.ndarray] = field(default_factory=list)
+
+
+def gate_cases(model, shapes: EncoderShapes, windows, min_psnr_db: float, boundaries=()) -> list[EncoderGateCase]:
+    """`GateCase`s of (features, n_valid) windows, with the reference outputs (and, for an encoder in
+    parts starting at layers `boundaries`, the hidden states between them).
 
     A partial window also records its discriminating power: how far the right answer is from the
     published ports' bug (the padding treated as speech). Above the threshold, the case could not
@@ -344,10 +419,14 @@ def gate_cases(model, shapes: EncoderShapes, windows, min_psnr_db: float) -> lis
     """
     cases = []
     for i, (features, n) in enumerate(windows):
-        ref = reference_outputs(model, shapes, features, n)
-        info = {"feature_length": int(n)}
+        ref = reference_outputs(model, shapes, features, n, boundaries)
+        hidden = ref.pop("hidden_states", [])
+        t = int(ref.pop("encoder_length")[0])  # the host's figure, not a program output
+        info = {"feature_length": int(n), "encoder_length": t}
+        if shapes.masks.encoder_length(n) != t:
+            raise ExportError(f"the host length masks give {shapes.masks.encoder_length(n)} encoder frames for {n} "
+                              f"mel frames, transformers {t}")
         if n < shapes.frames:
-            t = int(ref["encoder_length"][0])
             wrong = reference_outputs(model, shapes, features, shapes.frames)["encoder_hidden_states"]
             effect = psnr(ref["encoder_hidden_states"][:, :t], wrong[:, :t])
             info["unmasked_reference_psnr_db"] = effect if np.isfinite(effect) else str(effect)
@@ -355,8 +434,8 @@ def gate_cases(model, shapes: EncoderShapes, windows, min_psnr_db: float) -> lis
             if effect >= min_psnr_db:
                 logger.warning("encoder gate case %d: the unmasked reference is %.1f dB from the masked one "
                                "(>= %.0f dB): this case cannot detect ignored masking", i, effect, min_psnr_db)
-        inputs = {"input_features": features.astype(np.float32), "feature_length": np.array([n], dtype=np.int32)}
-        cases.append(GateCase(inputs=inputs, reference=ref, info=info))
+        inputs = encoder_inputs(shapes, features, n)
+        cases.append(EncoderGateCase(inputs=inputs, reference=ref, info=info, parts=hidden))
     return cases
 
 
@@ -370,7 +449,7 @@ def run_gate(package: Path, model, shapes: EncoderShapes, settings: ExportSettin
 def compare_gate_cases(package: Path, cases: list[GateCase], settings: ExportSettings,
                        function_name: str | None = None) -> GateReport:
     """The encoder gate on reference cases computed beforehand (`gate_cases`)."""
-    return compare_cases(COMPONENT, package, cases, settings.gate_psnr_db, exact=("encoder_length",),
+    return compare_cases(COMPONENT, package, cases, settings.gate_psnr_db,
                          function_name=function_name, details={"precision": settings.precision})
 
 
@@ -381,14 +460,18 @@ def convert_encoder(
     clips: list[np.ndarray] | None = None,
     extra_metadata: dict | None = None,
     _wrapper_hook=None,
+    parts: int | str = 1,
+    platform: str = DEFAULT_PART_PLATFORM,
 ) -> Path | None:
-    """Export `encoder.mlpackage` into `settings.out_dir`, parity-gated.
+    """Export `encoder.mlpackage` (and, in parts, `encoder_part<k>.mlpackage`) into `settings.out_dir`,
+    parity-gated.
 
-    Returns the package path, or None when it exists and `settings.force` is False.
+    Returns the (first) package path, or None when it exists and `settings.force` is False.
     Raises ParityError (and writes nothing) when the program does not match PyTorch.
-    `_wrapper_hook(wrapper_cls)` is for tests that deliberately break the export.
+    `_wrapper_hook(model, shapes)` is for tests that deliberately break the export (one part).
     """
-    staged = stage_encoder(model, settings, processor, clips, extra_metadata, _wrapper_hook)
+    staged = stage_encoder(model, settings, processor, clips, extra_metadata, _wrapper_hook, parts=parts,
+                           platform=platform)
     if staged is None:
         return None
     staged.finish()
@@ -396,35 +479,14 @@ def convert_encoder(
 
 
 def stage_encoder(model, settings: ExportSettings, processor=None, clips: list[np.ndarray] | None = None,
-                  extra_metadata: dict | None = None, _wrapper_hook=None) -> StagedPackage | None:
-    """`convert_encoder` up to the gate: the package written to its temporary path (traced and
+                  extra_metadata: dict | None = None, _wrapper_hook=None, parts: int | str = 1,
+                  platform: str = DEFAULT_PART_PLATFORM):
+    """`convert_encoder` up to the gate: the package(s) written to temporary paths (traced and
     converted inside the writer, so neither outlives it) and the gate's PyTorch references
     computed. `finish()` the result to gate and install it (the model is not needed any more)."""
-    if skip_installed(settings, COMPONENT):
-        return None
     shapes = encoder_shapes(model, settings.window_seconds, processor)
     logger.info("encoder shapes: %s", shapes)
-
-    def write(tmp: Path) -> None:
-        t0 = time.perf_counter()
-        traced = trace_encoder(model, shapes) if _wrapper_hook is None else _wrapper_hook(model, shapes)
-        logger.info("traced in %.1f s", time.perf_counter() - t0)
-        mlmodel = convert_traced_encoder(traced, shapes, settings, extra_metadata)
-        del traced
-        logger.info("converted in %.1f s", time.perf_counter() - t0)
-        mlmodel.save(str(tmp))
-
-    def prepare():
-        cases = gate_cases(model, shapes, gate_inputs(shapes, clips), settings.gate_psnr_db)
-
-        def gate(tmp: Path) -> GateReport:
-            report = compare_gate_cases(tmp, cases, settings)
-            report.details["shapes"] = shapes.to_dict()
-            return report
-
-        return gate
-
-    return stage_gated(COMPONENT, settings, write, prepare)
+    return _stage(model, settings, {"main": shapes}, {"main": clips}, extra_metadata, parts, platform, _wrapper_hook)
 
 
 # --------------------------------------------------------------------------------------------
@@ -439,6 +501,8 @@ def convert_encoder_buckets(
     processor=None,
     gate_audio=None,
     extra_metadata: dict | None = None,
+    parts: int | str = 1,
+    platform: str = DEFAULT_PART_PLATFORM,
 ) -> Path | None:
     """Export `encoder.mlpackage` as a multifunction package with one function per window.
 
@@ -446,9 +510,11 @@ def convert_encoder_buckets(
     bucket (e.g. 10 s, 20 s) is a function `window_<s>s` whose input has that bucket's frames but
     whose outputs are padded to the FULL window's memory length Tp, so the decoder (and the
     contract) are unchanged: a short clip only pays for its bucket's encoder compute. Identical
-    weights are stored once (`convert.merge_functions`). Every function is gated.
+    weights are stored once (`convert.merge_functions`). Every function is gated. In parts, every
+    part's package has the same functions.
     """
-    staged = stage_encoder_buckets(model, settings, bucket_seconds, processor, gate_audio, extra_metadata)
+    staged = stage_encoder_buckets(model, settings, bucket_seconds, processor, gate_audio, extra_metadata,
+                                   parts=parts, platform=platform)
     if staged is None:
         return None
     staged.finish()
@@ -456,50 +522,327 @@ def convert_encoder_buckets(
 
 
 def stage_encoder_buckets(model, settings: ExportSettings, bucket_seconds, processor=None, gate_audio=None,
-                          extra_metadata: dict | None = None) -> StagedPackage | None:
+                          extra_metadata: dict | None = None, parts: int | str = 1,
+                          platform: str = DEFAULT_PART_PLATFORM):
     """`convert_encoder_buckets` up to the gate (see `stage_encoder`)."""
-
-    if skip_installed(settings, COMPONENT):
-        return None
     shapes_by_fn = bucket_shapes(model, settings.window_seconds, bucket_seconds, processor)
+    clips = {fn: gate_features(processor, shapes, gate_audio) if processor else None
+             for fn, shapes in shapes_by_fn.items()}
+    return _stage(model, settings, shapes_by_fn, clips, extra_metadata, parts, platform)
+
+
+# --------------------------------------------------------------------------------------------
+# The encoder in parts: consecutive layers per program, chained through the hidden state
+# --------------------------------------------------------------------------------------------
+
+
+def part_component(index: int) -> str:
+    """Component name (and package stem) of part `index` (0-based): `encoder`, `encoder_part2`, ..."""
+    return COMPONENT if index == 0 else f"{COMPONENT}_part{index + 1}"
+
+
+def part_ranges(num_layers: int, parts: int) -> list[tuple[int, int]]:
+    """`parts` ranges of consecutive layers [start, stop), as even as possible (earlier parts take the
+    remainder: the first part also holds the subsampling, the last the memory projections)."""
+    if not 1 <= parts <= num_layers:
+        raise ExportError(f"--encoder-parts {parts}: the encoder has {num_layers} layers (1..{num_layers} parts)")
+    base, extra = divmod(num_layers, parts)
+    ranges, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        ranges.append((start, stop))
+        start = stop
+    return ranges
+
+
+def part_weight_bytes(model, ranges, precision: str) -> list[int]:
+    """Estimated weight bytes of each part's program: its parameters at the program precision (the
+    first part's subsampling, the last part's decoder.proj and cross K/V projections included)."""
+    per = 2 if precision == "fp16" else 4
+    enc = model.model.encoder
+
+    def count(modules) -> int:
+        return sum(p.numel() for m in modules for p in m.parameters())
+
+    tail = [model.model.decoder.proj] + [m for layer in model.model.decoder.layers
+                                         for m in (layer.encoder_attn.k_proj, layer.encoder_attn.v_proj)]
+    sizes = []
+    for i, (start, stop) in enumerate(ranges):
+        n = count(enc.layers[start:stop])
+        if i == 0:
+            n += count([enc.subsampling])
+        if i == len(ranges) - 1:
+            n += count(tail)
+        sizes.append(n * per)
+    return sizes
+
+
+def plan_parts(model, parts: int | str, precision: str, platform: str = DEFAULT_PART_PLATFORM) -> list[tuple[int, int]]:
+    """Layer ranges of the encoder's programs: `parts` = N, or "auto": the fewest parts whose estimated
+    weights (`part_weight_bytes`) stay within PART_MARGIN of the platform's per-program limit
+    (`ane_check.WEIGHT_LIMITS`: iOS 1 GiB, macOS 2 GiB; docs/ane.md)."""
+    from .ane_check import WEIGHT_LIMITS  # the limits' one home (with their sources)
+
+    n = len(model.model.encoder.layers)
+    if parts != "auto":
+        try:
+            count = int(parts)
+        except (TypeError, ValueError):
+            raise ExportError(f"--encoder-parts must be 'auto' or a number of parts, got {parts!r}") from None
+        return part_ranges(n, count)
+    if platform not in WEIGHT_LIMITS:
+        raise ExportError(f"unknown platform {platform!r}; choose from {sorted(WEIGHT_LIMITS)}")
+    limit = WEIGHT_LIMITS[platform] * PART_MARGIN
+    for count in range(1, n + 1):
+        ranges = part_ranges(n, count)
+        sizes = part_weight_bytes(model, ranges, precision)
+        if max(sizes) <= limit:
+            logger.info("encoder parts (auto, %s, limit %.0f MB): %d, estimated %s MB", platform, limit / 1e6, count,
+                        [round(b / 1e6, 1) for b in sizes])
+            return ranges
+    raise ExportError(f"one encoder layer's weights exceed the {platform} per-program limit "
+                      f"({WEIGHT_LIMITS[platform]} bytes): the encoder cannot be split finely enough")
+
+
+def _part_metadata(index: int, ranges, num_layers: int) -> str:
+    start, stop = ranges[index]
+    return json.dumps({"index": index, "count": len(ranges), "layers": [start, stop], "num_layers": num_layers},
+                      sort_keys=True)
+
+
+@dataclass
+class StagedEncoder:
+    """The encoder's parts written to their temporary paths, the gate's references computed.
+
+    `finish()` gates them together (each part, then the chain end to end) and installs every part
+    (`encoder.mlpackage`, `encoder_part2.mlpackage`, ...) with one `encoder.parity.json`, or none;
+    packages of parts beyond the new count (an earlier export in more parts) are removed.
+    `discard()` removes the temporaries. Same interface as `gate.StagedPackage`.
+    """
+
+    component: str
+    settings: ExportSettings
+    tmps: list[Path]
+    gate: object  # Callable[[list[Path]], GateReport] | None (--skip-verify)
+
+    @property
+    def paths(self) -> list[Path]:
+        return [self.settings.package_path(part_component(i)) for i in range(len(self.tmps))]
+
+    def finish(self) -> GateReport:
+        settings = self.settings
+        try:
+            if self.gate is None:
+                logger.warning("%s parity gate skipped (--skip-verify)", COMPONENT)
+                report = GateReport.skipped_gate(COMPONENT)
+            else:
+                report = self.gate(self.tmps)
+                logger.info("%s", report.summary())
+                report.raise_if_failed(self.paths[0])
+        except ParityError as err:
+            self.discard()
+            failed = err.report.to_dict() if isinstance(err.report, GateReport) else {"component": COMPONENT,
+                                                                                       "passed": False}
+            write_json_atomic({**failed, "error": str(err)}, settings.failed_report_path(COMPONENT))
+            raise
+        except BaseException:
+            self.discard()
+            raise
+        finally:
+            self.gate = None
+        try:  # as StagedPackage.finish: no manifest over changing files, no report of other packages
+            invalidate_manifest(settings.out_dir)
+            settings.report_path(COMPONENT).unlink(missing_ok=True)
+            for stale in _installed_extra_parts(settings, len(self.tmps)):
+                remove_package(stale)
+        except BaseException:
+            self.discard()
+            raise
+        for i, (tmp, path) in enumerate(zip(self.tmps, self.paths)):
+            try:
+                install_package(tmp, path)
+            except BaseException:
+                for rest in self.tmps[i + 1 :]:
+                    remove_package(rest)
+                raise
+        write_json_atomic(report.to_dict(), settings.report_path(COMPONENT))
+        settings.failed_report_path(COMPONENT).unlink(missing_ok=True)
+        return report
+
+    def discard(self) -> None:
+        for tmp in self.tmps:
+            remove_package(tmp)
+        self.gate = None
+
+
+def _installed_extra_parts(settings: ExportSettings, count: int) -> list[Path]:
+    """Part packages of index >= count in the output folder (left by an export in more parts)."""
+    found = []
+    for path in sorted(settings.out_dir.glob(f"{COMPONENT}_part*.mlpackage")):
+        suffix = path.stem[len(COMPONENT) + len("_part"):]
+        if suffix.isdigit() and int(suffix) > count:
+            found.append(path)
+    return found
+
+
+def _parts_installed(settings: ExportSettings) -> bool:
+    """The encoder's first package and its report are in place and every part the first names is there
+    (`files.skip_installed` for a component in several packages)."""
+    if not skip_installed(settings, COMPONENT):
+        return False
+    from .bundle import package_metadata  # bundle loads without torch; keep it lazy like the others
+
+    raw = package_metadata(settings.package_path(COMPONENT)).get(PART_METADATA_KEY)
+    count = int(json.loads(raw)["count"]) if raw else 1
+    missing = [part_component(i) for i in range(1, count) if not settings.package_path(part_component(i)).exists()]
+    if missing:
+        logger.warning("%s names %d parts but %s are missing: exporting it again", COMPONENT, count, missing)
+        return False
+    return True
+
+
+def _stage(model, settings: ExportSettings, shapes_by_fn: dict[str, EncoderShapes], clips_by_fn: dict,
+           extra_metadata, parts, platform, _wrapper_hook=None) -> StagedEncoder | None:
+    """Write every part (one function per window in each) to its temporary path and prepare the gate."""
+    if _parts_installed(settings):
+        return None
+    settings.out_dir.mkdir(parents=True, exist_ok=True)
+    num_layers = len(model.model.encoder.layers)
+    ranges = plan_parts(model, parts, settings.precision, platform)
+    if _wrapper_hook is not None and len(ranges) != 1:
+        raise ExportError("a wrapper hook (tests) replaces the whole encoder: one part only")
     buckets_meta = {fn: {"window_seconds": sh.window_seconds, "frames": sh.frames,
                          "encoder_frames": sh.encoder_frames, "padded_frames": sh.padded_frames}
                     for fn, sh in shapes_by_fn.items()}
-    settings.out_dir.mkdir(parents=True, exist_ok=True)
+    main = shapes_by_fn["main"]
+    tmps = [staging_path(settings.package_path(part_component(i))) for i in range(len(ranges))]
 
-    def write(tmp: Path):
+    def write_part(index: int, tmp: Path) -> None:
+        layers = ranges[index]
+        first, last = index == 0, index == len(ranges) - 1
+        meta = {**(extra_metadata or {}), PART_METADATA_KEY: _part_metadata(index, ranges, num_layers)}
+        if len(shapes_by_fn) == 1:  # one window: the converted program as it is
+            t0 = time.perf_counter()
+            traced = (_wrapper_hook(model, main) if _wrapper_hook is not None else
+                      trace_encoder(model, main, layers) if len(ranges) > 1 else trace_encoder(model, main))
+            logger.info("encoder part %d/%d (layers %d-%d): traced in %.1f s", index + 1, len(ranges), layers[0],
+                        layers[1] - 1, time.perf_counter() - t0)
+            save_converted(convert_traced_encoder(traced, main, settings, meta, first=first, last=last), tmp)
+            del traced
+            logger.info("converted in %.1f s", time.perf_counter() - t0)
+            return
         scratch = temporary_dir(settings.out_dir, "encoder-buckets")
         try:
             singles = {}
             for fn, shapes in shapes_by_fn.items():
-                logger.info("bucket %s: %s", fn, shapes)
+                logger.info("encoder part %d/%d, bucket %s: %s", index + 1, len(ranges), fn, shapes)
                 single = scratch / f"{fn}.mlpackage"
-                traced = trace_encoder(model, shapes)
+                traced = trace_encoder(model, shapes, layers) if len(ranges) > 1 else trace_encoder(model, shapes)
                 save_converted(convert_traced_encoder(traced, shapes, settings.replace(window_seconds=shapes.window_seconds),
-                                                      extra_metadata), single)
+                                                      meta, first=first, last=last), single)
                 del traced
                 singles[fn] = single
             mlmodel = merge_functions(singles, "main", scratch)
+            # the merged package keeps no function's metadata: what every function shares
             mlmodel.user_defined_metadata[BUCKETS_METADATA_KEY] = json.dumps(buckets_meta, sort_keys=True)
+            mlmodel.user_defined_metadata[LENGTH_MASKS_METADATA_KEY] = json.dumps(main.masks.to_manifest(),
+                                                                                  sort_keys=True)
+            mlmodel.user_defined_metadata[PART_METADATA_KEY] = meta[PART_METADATA_KEY]
             mlmodel.save(str(tmp))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
-    def prepare():
-        cases = {}
-        for fn, shapes in shapes_by_fn.items():
-            windows = gate_inputs(shapes, gate_features(processor, shapes, gate_audio) if processor else None)
-            cases[fn] = gate_cases(model, shapes, windows, settings.gate_psnr_db)
+    def write(tmp: Path) -> None:
+        for index in range(len(ranges)):
+            write_part(index, tmp if index == 0 else tmps[index])
 
-        def gate(tmp: Path) -> GateReport:
-            reports = {fn: compare_gate_cases(tmp, cases[fn], settings.replace(window_seconds=sh.window_seconds),
-                                              function_name=fn)
-                       for fn, sh in shapes_by_fn.items()}
-            return GateReport.of_functions(COMPONENT, reports, buckets=buckets_meta)
+    def prepare():
+        cases = {fn: gate_cases(model, shapes, gate_inputs(shapes, clips_by_fn.get(fn)), settings.gate_psnr_db,
+                                boundaries=[r[0] for r in ranges[1:]])
+                 for fn, shapes in shapes_by_fn.items()}
+
+        def gate(paths) -> GateReport:
+            paths = [paths] if isinstance(paths, Path) else list(paths)
+            reports = {}
+            for fn, shapes in shapes_by_fn.items():
+                fn_settings = settings.replace(window_seconds=shapes.window_seconds)
+                if len(paths) == 1:
+                    report = compare_gate_cases(paths[0], cases[fn], fn_settings,
+                                                function_name=None if len(shapes_by_fn) == 1 else fn)
+                else:
+                    report = compare_part_cases(paths, cases[fn], fn_settings, fn, ranges)
+                report.details["shapes"] = shapes.to_dict()
+                reports[fn] = report
+            if len(shapes_by_fn) == 1:
+                report = reports["main"]
+            else:
+                report = GateReport.of_functions(COMPONENT, reports, buckets=buckets_meta)
+            if len(ranges) > 1:
+                report.details["parts"] = [{"package": f"{part_component(i)}.mlpackage", "layers": list(r)}
+                                           for i, r in enumerate(ranges)]
+            return report
 
         return gate
 
-    return stage_gated(COMPONENT, settings, write, prepare)
+    for tmp in tmps:
+        remove_package(tmp)
+    try:
+        faults.point(f"stage/{COMPONENT}", tmps[0])
+        write(tmps[0])
+        faults.point(f"staged/{COMPONENT}", tmps[0])
+        gate = None if settings.skip_verify else prepare()
+    except BaseException:
+        for tmp in tmps:
+            remove_package(tmp)
+        raise
+    return StagedEncoder(component=COMPONENT, settings=settings, tmps=tmps, gate=gate)
+
+
+def compare_part_cases(paths: list[Path], cases: list[GateCase], settings: ExportSettings, function_name: str,
+                       ranges) -> GateReport:
+    """The gate of an encoder in parts: each part on the transformers hidden state at its first layer
+    (valid frames compared with transformers' at its last; the last part's outputs in full), then the
+    chain of parts end to end on the window (every output, as the whole encoder's gate)."""
+    from .runtime import load_model  # cohere_coreml.runtime imports torch; gate loads without it
+
+    min_db = settings.gate_psnr_db
+    results, texts = [], []
+    for i, path in enumerate(paths):  # one part loaded at a time
+        loaded = load_model(str(path), function_name=function_name)
+        for k, case in enumerate(cases):
+            t = case.info["encoder_length"]
+            if i == 0:
+                inputs = case.inputs
+            else:
+                inputs = {HIDDEN_NAME: case.parts[i - 1], ENCODER_MASK: case.inputs[ENCODER_MASK]}
+            produced = loaded.predict(inputs)
+            if i == len(paths) - 1:
+                reference, got = case.reference, produced
+            else:  # valid frames: padded rows are not transformers' (docs/contract.md)
+                reference = {HIDDEN_NAME: case.parts[i][:, :t]}
+                got = {HIDDEN_NAME: np.asarray(produced[HIDDEN_NAME])[:, :t]}
+            report = report_correctness(reference, got, min_db)
+            report.extra.update({"case": k, "part": i + 1, "layers": list(ranges[i]), **case.info})
+            texts.append(f"[{COMPONENT} gate] function {function_name} part {i + 1} ({ranges[i][0]}-{ranges[i][1] - 1}) "
+                         f"case {k}\n{report.summary()}")
+            results.append(report)
+        del loaded
+    chain = PartChain(load_model(str(p), function_name=function_name) for p in paths)
+    for k, case in enumerate(cases):
+        report = report_correctness(case.reference, chain.predict(case.inputs), min_db)
+        report.extra.update({"case": k, "part": "chain", **case.info})
+        texts.append(f"[{COMPONENT} gate] function {function_name} parts chained, case {k}\n{report.summary()}")
+        results.append(report)
+    for text in texts:
+        logger.info("%s", text)
+    worst = min(r.worst_psnr_db for r in results)
+    return GateReport(component=COMPONENT, passed=all(r.passed for r in results),
+                      headline=f"worst PSNR {worst:.1f} dB over {len(cases)} case(s) x {len(paths)} parts and the "
+                               f"chain (need {min_db:g} dB)",
+                      details={"function": function_name, "min_psnr_db": float(min_db),
+                               "worst_psnr_db": worst if np.isfinite(worst) else str(worst),
+                               "precision": settings.precision},
+                      cases=[r.to_dict() for r in results], text="\n".join(texts))
 
 
 # --------------------------------------------------------------------------------------------

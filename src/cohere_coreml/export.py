@@ -23,6 +23,7 @@ is one `Component` entry here plus its module.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -36,6 +37,8 @@ from .audio import FrontEndConfig
 from .bundle import decoder_package_info, write_bundle
 from .config import (
     CONTROL_LANGUAGE,
+    DECODER_STATE_DEFAULT,
+    DECODER_STATES,
     DEFAULT_HUB_ID,
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_OUT_DIR,
@@ -69,6 +72,9 @@ class ExportJob:
     prefill: bool = False
     extend: bool = False  # the decoder's `extend` function (forced prefixes K tokens per call)
     backend: str = "mil"  # runtime backend of stateful gates
+    decoder_state: str = DECODER_STATE_DEFAULT  # who writes the decoder state: "host" | "graph" (docs/decoder.md)
+    encoder_parts: int | str = "auto"  # programs of consecutive encoder layers: N, or "auto" (under `platform`'s limit)
+    platform: str = "ios"  # whose per-program weight limit "auto" keeps the parts under (docs/ane.md)
 
 
 @dataclass(frozen=True)
@@ -84,14 +90,16 @@ class Component:
 def _stage_encoder(job: ExportJob) -> StagedPackage | None:
     from . import encoder  # loads torch: this module imports without it
 
+    parts = {"parts": job.encoder_parts, "platform": job.platform}
     if job.buckets:  # one multifunction package: `main` = full window, `window_<s>s` = shorter buckets
-        return encoder.stage_encoder_buckets(job.model, job.settings, job.buckets, job.processor, job.gate_audio)
+        return encoder.stage_encoder_buckets(job.model, job.settings, job.buckets, job.processor, job.gate_audio,
+                                             **parts)
     clips = None
     if not job.settings.skip_verify:
         clips = encoder.gate_features(job.processor, job.plan.window, job.gate_audio)
         if not clips:
             logger.warning("no speech clips for the encoder gate: using synthetic features")
-    return encoder.stage_encoder(job.model, job.settings, job.processor, clips=clips)
+    return encoder.stage_encoder(job.model, job.settings, job.processor, clips=clips, **parts)
 
 
 def _stage_frontend(job: ExportJob) -> StagedPackage | None:
@@ -110,13 +118,18 @@ def _stage_decoder(job: ExportJob) -> StagedPackage | None:
     shapes = job.plan.decoder
     path = job.settings.package_path("decoder")
     if path.exists() and not job.settings.force and job.settings.report_path("decoder").is_file():  # to be skipped
-        present = decoder_package_info(path)["shapes"]
+        info = decoder_package_info(path)
+        present = info["shapes"]
         if (present["capacity"], present["memory_len"]) != (shapes.capacity, shapes.memory_len):
             raise ExportError(f"{path} has cache {present['capacity']} / memory {present['memory_len']}, the export "
                               f"asks for {shapes.capacity} / {shapes.memory_len}; use --force to re-export")
+        if info["state_writes"] != job.decoder_state:
+            raise ExportError(f"{path} is a {info['state_writes']}-state decoder, the export asks for "
+                              f"--decoder-state {job.decoder_state}; use --force to re-export")
     staged, _ = decoder.stage_decoder(job.model, job.settings, capacity=shapes.capacity, memory_len=shapes.memory_len,
                                       prompt=job.prompt, backend=job.backend, prefill=job.prefill,
-                                      control_prompt=job.control_prompt, extend=job.extend)
+                                      control_prompt=job.control_prompt, extend=job.extend,
+                                      state_writes=job.decoder_state)
     return staged
 
 
@@ -193,7 +206,9 @@ class StagedExport:
 
 def stage_export(model, processor, settings: ExportSettings, components: Sequence[str] = tuple(COMPONENTS),
                  gate_audio=None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, buckets=(), prefill: bool = False,
-                 backend: str = "mil", extend: bool = False) -> StagedExport:
+                 backend: str = "mil", extend: bool = False,
+                 decoder_state: str = DECODER_STATE_DEFAULT, encoder_parts: int | str = "auto",
+                 platform: str = "ios") -> StagedExport:
     """The PyTorch half of an export: convert every component and compute its gate's references.
 
     After this returns the model is no longer needed (the caller may free it), so the gates'
@@ -210,7 +225,7 @@ def stage_export(model, processor, settings: ExportSettings, components: Sequenc
     job = ExportJob(model=model, processor=processor, settings=settings, plan=plan, prompt=prompt,
                     control_prompt=control_prompt,
                     gate_audio=gate_audio, buckets=tuple(buckets), prefill=prefill, backend=backend,
-                    extend=extend)
+                    extend=extend, decoder_state=decoder_state, encoder_parts=encoder_parts, platform=platform)
     result = StagedExport(settings=settings, model_info=ModelInfo.of(model), processor=processor, staged={})
     try:
         for name in (c for c in COMPONENTS if c in components):
@@ -223,7 +238,9 @@ def stage_export(model, processor, settings: ExportSettings, components: Sequenc
 
 def export_model(model, processor, settings: ExportSettings, components: Sequence[str] = tuple(COMPONENTS),
                  gate_audio=None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, buckets=(), prefill: bool = False,
-                 backend: str = "mil", extend: bool = False) -> ExportResult:
+                 backend: str = "mil", extend: bool = False,
+                 decoder_state: str = DECODER_STATE_DEFAULT, encoder_parts: int | str = "auto",
+                 platform: str = "ios") -> ExportResult:
     """Export `components` of a loaded checkpoint into `settings.out_dir`, then write the bundle.
 
     Each component is parity gated unless `settings.skip_verify`; a failing gate raises
@@ -233,7 +250,8 @@ def export_model(model, processor, settings: ExportSettings, components: Sequenc
     """
     return stage_export(model, processor, settings, components, gate_audio=gate_audio,
                         max_new_tokens=max_new_tokens, buckets=buckets, prefill=prefill, backend=backend,
-                        extend=extend).finish()
+                        extend=extend, decoder_state=decoder_state, encoder_parts=encoder_parts,
+                        platform=platform).finish()
 
 
 def export_checkpoint(model_ref: str, settings: ExportSettings, revision: str | None = None,
@@ -271,7 +289,8 @@ def cmd_export(args) -> int:
                                components=components,
                                gate_audio=args.gate_audio, max_new_tokens=args.max_tokens,
                                buckets=tuple(args.buckets or ()), prefill=args.prefill,
-                               extend=args.extend)
+                               extend=args.extend, decoder_state=args.decoder_state,
+                               encoder_parts=args.encoder_parts, platform=args.platform)
     for name, package in result.packages.items():
         print(f"{name}: {package['path'] if package['written'] else 'exists, skipped (use --force)'}")
         report = package["report"]
@@ -280,6 +299,15 @@ def cmd_export(args) -> int:
             print(f"  parity: {verdict}, {report['headline']}")
     print(f"manifest: {result.manifest}")
     return 0
+
+
+def _encoder_parts(value: str) -> int | str:
+    """--encoder-parts: 'auto' or a positive number of parts."""
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a positive number of parts, got {value!r}")
+    return int(value)
 
 
 def add_command(subparsers) -> None:
@@ -324,6 +352,20 @@ def add_command(subparsers) -> None:
     p.add_argument("--extend", action="store_true",
                    help="add an extend function to decoder.mlpackage (up to 32 tokens from a given cache slot in "
                    "one call: the forced prefix of a streaming partial; docs/decoder.md)")
+    p.add_argument("--decoder-state", choices=DECODER_STATES, default=DECODER_STATE_DEFAULT,
+                   help="who writes the decoder's state: 'host' (its functions only read the KV cache and the "
+                   "cross memory and return each call's new K/V rows, which the app writes; the Neural Engine "
+                   "compiler refused in-graph state writes at a runtime position in published ports) or 'graph' "
+                   "(the functions write the cache, a bind_memory function the memory). Default: %(default)s; "
+                   "docs/decoder.md")
+    p.add_argument("--encoder-parts", default="auto", type=_encoder_parts, metavar="auto|N",
+                   help="the encoder as N programs of consecutive layers (encoder.mlpackage, encoder_part2.mlpackage, "
+                   "...: the subsampling in the first, the memory projections in the last), chained through the "
+                   "hidden state; 'auto' (default): the fewest whose weights stay under --platform's per-program "
+                   "limit (docs/ane.md)")
+    p.add_argument("--platform", choices=("ios", "macos"), default="ios",
+                   help="target whose Neural Engine weight limit --encoder-parts auto keeps every program under: "
+                   "ios 1 GiB (default), macos 2 GiB")
     p.add_argument("--force", action="store_true", help="overwrite packages that already exist")
     p.add_argument("--skip-verify", action="store_true",
                    help="do not run the parity gates (packages are written unchecked)")

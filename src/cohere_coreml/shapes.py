@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
+
 from .audio import FrontEndConfig
 from .config import ANE_MULTIPLE, DEFAULT_MAX_NEW_TOKENS, PROMPT_LENGTH, round_up
 
@@ -154,6 +156,87 @@ def frontend_shapes(front_end, window_seconds: float) -> FrontEndShapes:
 # --------------------------------------------------------------------------------------------
 
 
+# Names of the encoder's length-mask inputs (fp16, 1 = valid frame, 0 = padding), one per time
+# resolution: the mel frames, each subsampling stage but the last, then the encoder frames.
+FEATURE_MASK = "feature_mask"
+SUBSAMPLING_MASK_PREFIX = "subsampling_mask_"
+ENCODER_MASK = "encoder_mask"
+
+
+@dataclass(frozen=True)
+class LengthMasks:
+    """The encoder's length masks: what the host computes from a window's valid mel frames.
+
+    The exported encoder computes no length arithmetic (issue 27: int/fp32/bool ops keep a program
+    off the Neural Engine); the host passes one fp16 0/1 mask per time resolution instead:
+
+        feature_mask         (1, F)    frames < n                   (the mel frames)
+        subsampling_mask_k   (1, T_k)  frames < L_k, k = 1..S-1     (after stride convolution k)
+        encoder_mask         (1, T)    frames < L_S                 (the encoder frames, T = T_S)
+
+    with L_0 = n and L_k = (L_{k-1} + 2 * padding - kernel) // stride + 1, transformers' arithmetic
+    (`ParakeetEncoderSubsamplingConv2D._get_output_length` for each stage,
+    `ParakeetPreTrainedModel._get_subsampling_output_length` for the encoder frames: the same numbers
+    for integer lengths, checked against the model by `encoder_shapes`). L_S is the window's
+    `encoder_length`. `frames` are the masks' sizes for one window, (F, T_1, ..., T_S), by the same
+    rule applied to F. The manifest carries `kernel_size`, `stride`, `padding` and `stages`
+    (`to_manifest`); the Swift package and the bundle's example compute the same masks from them.
+    """
+
+    kernel_size: int
+    stride: int
+    padding: int
+    stages: int  # S, stride convolutions (log2 of the subsampling factor)
+
+    @classmethod
+    def from_config(cls, encoder_config) -> LengthMasks:
+        factor = int(encoder_config.subsampling_factor)
+        stages = factor.bit_length() - 1
+        if factor < 1 or 2 ** stages != factor:
+            raise ShapeError(f"subsampling factor {factor} is not a power of two")
+        kernel = int(encoder_config.subsampling_conv_kernel_size)
+        return cls(kernel_size=kernel, stride=int(encoder_config.subsampling_conv_stride),
+                   padding=(kernel - 1) // 2, stages=stages)
+
+    @classmethod
+    def from_manifest(cls, block: dict) -> LengthMasks:
+        return cls(**{k: int(block[k]) for k in ("kernel_size", "stride", "padding", "stages")})
+
+    def to_manifest(self) -> dict[str, int]:
+        return asdict(self)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Input names, mel frames first, encoder frames last."""
+        return (FEATURE_MASK, *(f"{SUBSAMPLING_MASK_PREFIX}{k}" for k in range(1, self.stages)), ENCODER_MASK)
+
+    def lengths(self, n: int) -> list[int]:
+        """[L_0 = n, L_1, ..., L_S]: valid frames at each resolution (L_S: the encoder_length)."""
+        out = [int(n)]
+        for _ in range(self.stages):
+            out.append((out[-1] + 2 * self.padding - self.kernel_size) // self.stride + 1)
+        return out
+
+    def frames(self, window_frames: int) -> list[int]:
+        """The masks' sizes for a window of F mel frames: (F, T_1, ..., T_S)."""
+        return self.lengths(window_frames)
+
+    def inputs(self, n_valid: int, window_frames: int) -> dict[str, np.ndarray]:
+        """{name: (1, frames) float16 0/1 mask} for `n_valid` valid mel frames of a window of F."""
+        n = int(n_valid)
+        if not 1 <= n <= window_frames:
+            raise ShapeError(f"{n} valid mel frames do not fit an encoder window of {window_frames} (1..{window_frames})")
+        masks = {}
+        for name, frames, valid in zip(self.names, self.frames(window_frames), self.lengths(n)):
+            mask = np.zeros((1, frames), dtype=np.float16)
+            mask[0, : max(0, min(valid, frames))] = 1.0
+            masks[name] = mask
+        return masks
+
+    def encoder_length(self, n_valid: int) -> int:
+        return self.lengths(n_valid)[-1]
+
+
 @dataclass(frozen=True)
 class EncoderShapes:
     """All sizes of the exported encoder, read from the model config and the front end."""
@@ -170,9 +253,16 @@ class EncoderShapes:
     sample_rate: int
     hop_length: int
     window_seconds: float
+    masks: LengthMasks  # the length-mask inputs (host arithmetic)
+    encoder_layers: int  # conformer layers
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def mask_frames(self) -> list[int]:
+        """Sizes of the length masks (F, T_1, ..., T_S = T)."""
+        return self.masks.frames(self.frames)
 
 
 def encoder_shapes(model, window_seconds: float, processor=None, frames: int | None = None,
@@ -190,6 +280,10 @@ def encoder_shapes(model, window_seconds: float, processor=None, frames: int | N
     t = encoder_frames(model, int(frames))
     if t < 1:
         raise ShapeError(f"a window of {frames} mel frames gives no encoder frame")
+    masks = LengthMasks.from_config(enc)
+    if masks.frames(int(frames))[-1] != t:
+        raise ShapeError(f"the host length-mask arithmetic gives {masks.frames(int(frames))[-1]} encoder frames for "
+                         f"{frames} mel frames, transformers {t}: this subsampling is not supported")
     padded = memory_len(t) if memory_frames is None else int(memory_frames)
     if padded < t:
         raise ShapeError(f"memory of {padded} frames cannot hold the {t} encoder frames of {frames} mel frames")
@@ -206,6 +300,8 @@ def encoder_shapes(model, window_seconds: float, processor=None, frames: int | N
         sample_rate=front_end.sampling_rate,
         hop_length=front_end.hop_length,
         window_seconds=float(window_seconds),
+        masks=masks,
+        encoder_layers=int(enc.num_hidden_layers),
     )
 
 

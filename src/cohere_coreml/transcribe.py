@@ -35,9 +35,9 @@ from . import streaming
 from .audio import AudioError, FrontEndConfig, check_waveform, log_mel, pad_to_window, valid_frames
 from .bundle import Bundle, BundleError
 from .cli_options import HelpFormatter, add_bundle_arg, add_decoding_args
-from .config import MEMORY_NAMES
 from .decoder_runtime import DecoderRuntime
 from .decoding import DecodeResult, RepetitionGuard, StopReason, beam_search
+from .encoder_runtime import EncoderRuntime
 from .engines import Engine, TranscriptionResult, WindowResult, transcribe_files
 from .runtime import load_model
 from .shapes import ShapeError, choose_bucket, choose_frontend_function
@@ -110,12 +110,10 @@ class Transcriber(Engine):
         except (OSError, ValueError) as err:
             raise BundleError(f"cannot load the bundle's tokenizer: {err}") from err
         t0 = time.perf_counter()
-        self.encoder = load_model(str(self.bundle.paths["encoder"]), backend=backend, compute_units=compute_units)
         # length buckets (multifunction encoder): {function name: window frames}, smallest first
-        functions = m["encoder"].get("functions") or {"main": {"frames": m["encoder"]["window_frames"]}}
-        self.encoder_buckets = {fn: frames for frames, fn in sorted((int(v["frames"]), fn)
-                                                                    for fn, v in functions.items())}
-        self._encoders = {"main": self.encoder}
+        self.encoders = EncoderRuntime.from_bundle(self.bundle, backend=backend, compute_units=compute_units)
+        self.encoder = self.encoders.model("main")
+        self.encoder_buckets = self.encoders.buckets
         # bind_memory + step (+ prefill) of decoder.mlpackage, one state per window
         self.decoder = DecoderRuntime.load(self.bundle.paths["decoder"], backend=backend, compute_units=compute_units,
                                            prefill=use_prefill, extend=use_extend)
@@ -197,23 +195,7 @@ class Transcriber(Engine):
 
         F selects the encoder function (the full window, or a length bucket of exactly that many frames).
         """
-        features = np.asarray(features, dtype=np.float32)
-        if features.ndim == 2:
-            features = features[None]
-        fn = next((f for f, frames in self.encoder_buckets.items() if frames == features.shape[-1]), None)
-        if fn is None:
-            raise ShapeError(f"features of {features.shape[-1]} frames match no encoder function "
-                             f"{self.encoder_buckets}: pad them to one (audio.pad_to_window)")
-        if fn not in self._encoders:
-            self._encoders[fn] = load_model(str(self.bundle.paths["encoder"]), backend=self.backend, function_name=fn,
-                                            compute_units=self.compute_units)
-        out = self._encoders[fn].predict(
-            {"input_features": features, "feature_length": np.array([int(n_valid)], dtype=np.int32)}
-        )
-        missing = [k for k in MEMORY_NAMES if k not in out]
-        if missing:
-            raise TranscriptionError(f"encoder package returned no {missing}: is it a {self.bundle.manifest['format']} encoder?")
-        return out
+        return self.encoders.encode(features, n_valid)
 
     @_serialized
     def decode(self, encoder_out: dict[str, np.ndarray], prompt: Sequence[int], max_new_tokens: int | None = None,

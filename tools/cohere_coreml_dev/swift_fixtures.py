@@ -9,6 +9,9 @@ tools/make_swift_fixtures.py. Writes into one folder (default out/swift-fixtures
                              (then all are re-exported); the manifest is rewritten from disk.
     bundle-<state>/          the same bundle with the other decoder state variant (--decoder-state; the
                              encoder and front end are bundle/'s, hard-linked)
+    bundle-parts/            the same bundle with its encoder in 2 parts (--encoder-parts 2; the decoder and
+                             front end are bundle/'s, hard-linked); transcripts_parts.json: what the CLI
+                             prints for it (Python front end, as transcripts_python.json)
     tokens_bundle.json       token lists -> Python's `decode_ids` text (every list the Python tests
     tokens_tiny.json         decode, the trained model's transcripts, CJK byte fallback, random ids) for
                              the bundle's vocab.json and the tiny test checkpoint's (tiny_vocab.json)
@@ -53,6 +56,8 @@ EXPORT_ARGS = ("--prefill", "--extend", "--buckets", "10")
 STREAM_LANGUAGE = "en"
 STREAM_UTTERANCES = 3
 STREAM_SEED = 0
+# the test bundle's encoder in this many programs (bundle-parts/)
+PARTS = 2
 
 
 class FixtureError(RuntimeError):
@@ -273,14 +278,15 @@ def cli_transcripts(bundle: Path, cases: list[dict], front_end: str, threads: in
     return results
 
 
-def transcripts(bundle: Path, out: Path, cases: list[dict], front_end: str, threads: int) -> dict | None:
-    """transcripts_<front_end>.json (skipped when made from the same bundle); None without a front-end
-    package for front_end="package"."""
+def transcripts(bundle: Path, out: Path, cases: list[dict], front_end: str, threads: int,
+                name: str | None = None) -> dict | None:
+    """transcripts_<name or front_end>.json (skipped when made from the same bundle); None without a
+    front-end package for front_end="package"."""
     from cohere_coreml.audio import FrontEndConfig, load_audio, log_mel, pad_to_window
     from cohere_coreml.shapes import choose_bucket
 
     manifest = json.loads((bundle / "manifest.json").read_text())
-    path = out / f"transcripts_{front_end}.json"
+    path = out / f"transcripts_{name or front_end}.json"
     if front_end == "package" and "frontend" not in manifest["files"]:
         path.unlink(missing_ok=True)
         logger.warning("the bundle has no frontend.mlpackage: no package front-end reference")
@@ -423,15 +429,52 @@ def streaming_cases(bundle: Path, out: Path, root: Path, threads: int) -> dict:
     return data
 
 
+def export_parts_bundle(out: Path, bundle: Path, model: Path, threads: int) -> Path:
+    """bundle-parts/: the test bundle with its encoder in PARTS programs (`--encoder-parts`): the front end
+    and decoder are the test bundle's (hard links), the encoder exported in parts."""
+    import shutil
+
+    from cohere_coreml.bundle import FORMAT_VERSION
+
+    parts = out / "bundle-parts"
+    manifest = parts / "manifest.json"
+    args = [*EXPORT_ARGS, "--encoder-parts", str(PARTS)]
+    stamp = out / "bundle-parts.export-args.json"
+    main_stamp = json.loads((bundle / "manifest.json").read_text()).get("checksums", {}).get("files", {})
+    want = {"args": args, "packages": {k: v for k, v in sorted(main_stamp.items())
+                                       if k.startswith(("decoder.mlpackage/", "frontend.mlpackage/"))}}
+    fresh = (manifest.is_file() and json.loads(manifest.read_text()).get("format_version") == FORMAT_VERSION
+             and stamp.is_file() and json.loads(stamp.read_text()) == want)
+    if not fresh:
+        shutil.rmtree(parts, ignore_errors=True)
+        parts.mkdir(parents=True)
+        for name in ("decoder.mlpackage", "frontend.mlpackage", "decoder.parity.json", "frontend.parity.json"):
+            src = bundle / name
+            if src.is_dir():
+                shutil.copytree(src, parts / name, copy_function=os.link)
+            elif src.is_file():
+                os.link(src, parts / name)
+        cmd = _cli("export", "--model", str(model), "--out", str(parts), *args)
+        logger.info("test bundle, encoder in %d parts: %s", PARTS, " ".join(cmd))
+        subprocess.run(cmd, check=True, env=_env(threads), stdout=subprocess.DEVNULL)
+        stamp.write_text(json.dumps(want))
+    got = len(json.loads(manifest.read_text())["encoder"]["parts"])
+    if got != PARTS:
+        raise FixtureError(f"{parts}: its encoder has {got} parts, not {PARTS}")
+    return parts
+
+
 def make_fixtures(out: Path, root: Path, model: Path, demo_clips: list[tuple[str, str]], threads: int = 2) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "READY").unlink(missing_ok=True)
     bundle = export_bundle(out, model, threads)
     export_other_decoder_bundle(out, bundle, model, threads)
+    parts_bundle = export_parts_bundle(out, bundle, model, threads)
     token_cases(bundle, out, root)
     cases = audio_cases(out, root, demo_clips)
     package = transcripts(bundle, out, cases, "package", threads)
     python = transcripts(bundle, out, cases, "python", threads)
+    transcripts(parts_bundle, out, cases, "python", threads, name="parts")
     summary = compare_front_ends(package, python)
     if summary is not None:
         logger.info("package vs python front end: %d of %d windows with identical token ids", summary["identical"],

@@ -7,7 +7,9 @@
 Runs on macOS 15+ (Core ML with model state). The bundle's packages do all the work:
 
     frontend.mlpackage   16 kHz samples of one window -> log-mel input_features + feature_length
-    encoder.mlpackage    features -> the decoder's cross-attention memory (cross_k, cross_v, cross_mask)
+    encoder.mlpackage    features + the host's length masks -> the decoder's cross-attention memory
+                         (cross_k, cross_v, cross_mask); an encoder in parts: encoder.mlpackage, then
+                         encoder_part2.mlpackage ... on the previous part's hidden state
     decoder.mlpackage    main (the step): one token + its position -> log_probs, KV cache in the state;
                          prefill (optional): the whole prompt in one call; manifest decoder.state_writes
                          "host": the functions only read the state, this program writes the window's
@@ -42,8 +44,8 @@ class Bundle:
         if not (folder / "manifest.json").is_file():
             sys.exit(f"{folder} has no manifest.json: pass the bundle folder with --bundle")
         self.manifest = json.loads((folder / "manifest.json").read_text())
-        if self.manifest.get("format_version") != 2:
-            sys.exit(f"{folder}: bundle format {self.manifest.get('format_version')}, this example reads format 2")
+        if self.manifest.get("format_version") != 3:
+            sys.exit(f"{folder}: bundle format {self.manifest.get('format_version')}, this example reads format 3")
         if "frontend" not in self.manifest["files"]:
             sys.exit(f"{folder} has no frontend.mlpackage: re-export it with `cohere-coreml export`")
         self.vocab = json.loads((folder / self.manifest["files"]["vocab"]).read_text())  # {"id": piece}
@@ -92,6 +94,23 @@ def split_points(samples: np.ndarray, audio: dict) -> list[tuple[int, int]]:
     return ranges
 
 
+def length_masks(rule: dict, n: int, frames: int) -> dict:
+    """The encoder's fp16 length masks for n valid mel frames of a window of `frames`: one per time
+    resolution, L_0 = n, L_k = (L_k-1 + 2 * padding - kernel_size) // stride + 1 (docs/contract.md).
+    Returns them and the window's encoder length L_S."""
+    # Copied from cohere_coreml.shapes.LengthMasks (names, lengths, inputs): this file needs no cohere_coreml
+    names = ["feature_mask"] + [f"subsampling_mask_{k}" for k in range(1, rule["stages"])] + ["encoder_mask"]
+    lengths, sizes = [n], [frames]
+    for _ in range(rule["stages"]):
+        lengths.append((lengths[-1] + 2 * rule["padding"] - rule["kernel_size"]) // rule["stride"] + 1)
+        sizes.append((sizes[-1] + 2 * rule["padding"] - rule["kernel_size"]) // rule["stride"] + 1)
+    masks = {}
+    for name, size, valid in zip(names, sizes, lengths):
+        masks[name] = np.zeros((1, size), np.float16)
+        masks[name][0, : max(0, min(valid, size))] = 1.0
+    return masks, lengths[-1]
+
+
 def encode(bundle: Bundle, samples: np.ndarray) -> dict:
     """One window's samples -> the encoder's outputs (front end, then encoder, both Core ML)."""
     m = bundle.manifest
@@ -112,9 +131,19 @@ def encode(bundle: Bundle, samples: np.ndarray) -> dict:
     frontend = bundle.function("frontend", frontend_function, m["frontend"]["compute_units"])
     fe = frontend.predict({"audio": padded, "audio_length": np.array([n], np.int32)})
     features = np.ascontiguousarray(fe["input_features"][:, :, :frames])  # (1, n_mels, frames); 0 beyond `valid`
-    encoder = bundle.function("encoder", encoder_function)
-    return encoder.predict({"input_features": features,
-                            "feature_length": np.asarray(fe["feature_length"], np.int32)})
+    if int(fe["feature_length"][0]) != valid:
+        sys.exit("the front end gives another number of mel frames than the audio holds: broken bundle")
+    # the encoder computes no lengths: the host passes its length masks (fp16 0/1, encoder.length_masks)
+    masks, encoder_length = length_masks(m["encoder"]["length_masks"], valid, frames)
+    # the encoder's programs in order (one, or its parts): each next part takes the hidden state
+    parts = m["encoder"]["parts"]
+    memory = bundle.function(parts[0]["file"], encoder_function).predict({"input_features": features, **masks})
+    for part in parts[1:]:
+        memory = bundle.function(part["file"], encoder_function).predict(
+            {"hidden_states": memory["hidden_states"], "encoder_mask": masks["encoder_mask"]})
+    memory = dict(memory)
+    memory["encoder_length"] = np.array([encoder_length], np.int32)
+    return memory
 
 
 def decode(bundle: Bundle, memory: dict, prompt: list[int], max_new_tokens: int | None) -> list[int]:

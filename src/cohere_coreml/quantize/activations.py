@@ -148,10 +148,7 @@ def adjust_concats(stats: dict, concat_groups: list[list[str]]) -> dict:
 
 def encoder_samples(model, data: GateData) -> Iterable[dict[str, np.ndarray]]:
     """The gate windows as inputs of one encoder function (a bucket takes the first frames of each)."""
-    frames = int(model.input_description["input_features"][0][-1])
-    for window, n in data.windows:
-        yield {"input_features": np.ascontiguousarray(window[..., :frames]),
-               "feature_length": np.array([min(n, frames)], dtype=np.int32)}
+    yield from data.encoder_inputs(int(model.input_description["input_features"][0][-1]))
 
 
 def ranges(model, samples: Iterable[dict], names: Iterable[str] | None = None, reduction: str = "all") -> dict:

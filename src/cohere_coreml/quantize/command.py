@@ -25,13 +25,13 @@ from typing import Any
 from .. import faults
 from ..bundle import MANIFEST_NAME, write_manifest
 from ..convert import ExportSettings, ParityError
-from ..files import TEMPORARY_NAME, sweep_stale_temporaries, write_json_atomic
+from ..files import TEMPORARY_NAME, sweep_stale_temporaries, temporary_dir, write_json_atomic
 from ..gate import HELDOUT_COMPONENT, GateReport, export_gated
 from ..integrity import COMPRESSION_FILE, check_bundle
 from ..memory import release_memory
 from ..publish import finalize_bundle
 from .compress import compress_package
-from .gate import QuantizeGateError, component_gate, heldout_gate
+from .gate import QuantizeGateError, component_gate, encoder_parts_gate, heldout_gate
 from .inventory import compressed_ops
 from .lowrank import build_lowrank_encoder
 from .measure import GateData, build_gate_data, clips_of
@@ -82,6 +82,19 @@ def source_preset(bundle_dir: Path) -> str:
 UNCOMPRESSED_PRESETS = ("f16", "lowrank")
 
 
+def bundle_components(bundle_dir: Path) -> list[str]:
+    """The packages quantize compresses, in order: the encoder's parts (encoder, encoder_part2, ...: one
+    for a whole encoder, from the manifest's encoder.parts), then the decoder."""
+    manifest = json.loads((Path(bundle_dir) / MANIFEST_NAME).read_text())
+    parts = (manifest.get("encoder") or {}).get("parts") or [{"file": "encoder"}]
+    return [part["file"] for part in parts] + [c for c in COMPONENTS if c != "encoder"]
+
+
+def recipe_component(comp: str) -> str:
+    """The recipe (and gate kind) of a package: an encoder part is compressed and gated as the encoder."""
+    return "encoder" if comp.startswith("encoder") else comp
+
+
 def check_source(bundle_dir: Path, preset: str | None = None) -> str:
     """Refuse anything but a complete bundle with uncompressed (fp16) weights: the f16 export, or a
     `lowrank` bundle for a weight-compression preset. Returns the source's preset."""
@@ -104,7 +117,7 @@ def check_source(bundle_dir: Path, preset: str | None = None) -> str:
     if found_preset != "f16" and preset in LOWRANK_ENERGY:
         raise QuantizeError(f"{bundle_dir} is a {found_preset!r} bundle: preset {preset} rewrites the encoder of the "
                             "f16 export; pass the f16 bundle")
-    for comp in COMPONENTS:
+    for comp in bundle_components(bundle_dir):
         pkg = bundle_dir / f"{comp}.mlpackage"
         if not pkg.is_dir():
             raise QuantizeError(f"{bundle_dir} has no {pkg.name}")
@@ -146,9 +159,10 @@ def bundle_bytes(bundle_dir: Path) -> int:
 def copy_bundle_files(src: Path, dst: Path) -> None:
     """Everything of the f16 bundle but the packages compressed here, their gate reports and generated
     docs. A package not compressed (frontend.mlpackage, fp32) is copied as is, with its gate report."""
-    skip = {f"{c}.mlpackage" for c in COMPONENTS} | {COMPRESSION_FILE, "README.md", "example_inference.py",
-                                                       MANIFEST_NAME}
-    skip |= {f"{c}.parity.json" for c in (*COMPONENTS, HELDOUT_COMPONENT)}
+    comps = bundle_components(src)
+    skip = {f"{c}.mlpackage" for c in comps} | {COMPRESSION_FILE, "README.md", "example_inference.py",
+                                                  MANIFEST_NAME}
+    skip |= {f"{c}.parity.json" for c in (*comps, *COMPONENTS, HELDOUT_COMPONENT)}
     for f in src.iterdir():
         if f.name in skip or f.name.endswith(".parity-failed.json") or f.name.startswith("."):
             continue
@@ -227,6 +241,13 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
                            "measures the calibration audio itself; pass --calibration with other in-domain audio "
                            "for an unbiased figure", preset)
     source = check_source(src, preset)
+    comps = bundle_components(src)
+    parts = [c for c in comps if recipe_component(c) == "encoder"]
+    if len(parts) > 1 and (preset in ("mixed", "q8a8") or with_sensitivity or target_psnr is not None):
+        raise QuantizeError(f"{src}: its encoder is in {len(parts)} parts; preset {preset}"
+                            f"{' with sensitivity / --target-psnr' if preset not in ('mixed', 'q8a8') else ''} "
+                            "plans over one encoder package (issue 27: not yet over parts): quantize an export "
+                            "with --encoder-parts 1, or use q8, q8-hybrid, q4, lowrank or q8-lowrank")
     if out.resolve() == src.resolve():
         raise QuantizeError("--out must differ from --bundle (the f16 bundle is never modified)")
     if holds_files(out) and not force:
@@ -262,21 +283,39 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
             mixed_section = plan(src, budget, sens_data, proxy=proxy, scratch_parent=out.parent,
                                  sensitivity_file=sensitivity_file)
             recipes["encoder"] = mixed_recipe(mixed_section)
-        for comp in COMPONENTS:
+        lowrank_dir = None  # the rewritten encoder's fp16 parts, exported once (low-rank presets)
+        for comp in comps:
             section: dict[str, Any] = {}
+            kind = recipe_component(comp)
 
-            def write(path: Path, comp=comp, section=section) -> None:
-                if comp == "encoder" and preset in LOWRANK_ENERGY:  # re-exported from the rewritten checkpoint
-                    section.update(build_lowrank_encoder(src, path, recipes[comp], model, Path(calibration),
-                                                         LOWRANK_ENERGY[preset], skip_verify=skip_verify))
+            def write(path: Path, comp=comp, kind=kind, section=section) -> None:
+                nonlocal lowrank_dir
+                if kind == "encoder" and preset in LOWRANK_ENERGY:  # re-exported from the rewritten checkpoint
+                    if lowrank_dir is None:
+                        lowrank_dir = temporary_dir(out.parent, "lowrank")
+                        section.update(build_lowrank_encoder(src, path, recipes[kind], model, Path(calibration),
+                                                             LOWRANK_ENERGY[preset], skip_verify=skip_verify,
+                                                             keep_parts=lowrank_dir))
+                    else:
+                        section.update(compress_package(lowrank_dir / f"{comp}.mlpackage", path, recipes[kind]))
                     return
-                section.update(build_component(comp, src / f"{comp}.mlpackage", path, recipes[comp], data,
+                section.update(build_component(kind, src / f"{comp}.mlpackage", path, recipes[kind], data,
                                                with_sensitivity=with_sensitivity, target_psnr=target_psnr))
 
-            def gate(path: Path, comp=comp) -> GateReport:
-                return component_gate(comp, path, data, preset, gates)
+            def gate(path: Path, comp=comp, kind=kind) -> GateReport:
+                if kind == "encoder" and len(parts) > 1:  # the parts so far, chained (the last: the whole encoder)
+                    done = [tmp / f"{c}.mlpackage" for c in parts[: parts.index(comp)]]
+                    return encoder_parts_gate(comp, [*done, path], src, data, preset, gates)
+                return component_gate(kind, path, data, preset, gates)
 
-            gate_reports[comp] = export_gated(comp, settings, write, gate)
+            try:
+                gate_reports[comp] = export_gated(comp, settings, write, gate)
+            except BaseException:
+                if lowrank_dir is not None:
+                    shutil.rmtree(lowrank_dir, ignore_errors=True)
+                raise
+            if lowrank_dir is not None and comp == parts[-1]:  # every part compressed from it
+                shutil.rmtree(lowrank_dir, ignore_errors=True)
             report["components"][comp] = section
             if mixed_section is not None and comp == "encoder":
                 section["mixed"] = attach_measured(mixed_section, section["compressed"])

@@ -43,6 +43,42 @@ class QuantizeGateError(RuntimeError):
         self.report = report
 
 
+def encoder_parts_gate(comp: str, packages: list[Path], f16_bundle: Path, data: GateData, preset: str,
+                       gates: dict) -> GateReport:
+    """Parts 1..k of a quantized encoder in parts (`packages`: the parts compressed so far, `comp` the k-th)
+    chained, vs the f16 bundle's parts 1..k chained, on the gate windows: worst PSNR of the last part's
+    outputs (the whole encoder, when k is the last part: the same figure as `component_gate`'s) or of
+    part k's hidden state. One part of each is loaded at a time."""
+    from .command import bundle_components  # (command imports this module)
+
+    f16_parts = [Path(f16_bundle) / f"{c}.mlpackage" for c in bundle_components(f16_bundle)[: len(packages)]]
+    ref_states = out_states = data.encoder_inputs()
+    for f16_part, part in zip(f16_parts, packages):
+        f16, quantized = load_model(str(f16_part), backend="mil"), load_model(str(part), backend="mil")
+
+        def step(model, states, inputs):
+            if "input_features" in model.input_description:
+                return [model.predict(x) for x in inputs]
+            return [model.predict({"hidden_states": st["hidden_states"], "encoder_mask": x["encoder_mask"]})
+                    for st, x in zip(states, inputs)]
+
+        inputs = data.encoder_inputs()
+        ref_states, out_states = step(f16, ref_states, inputs), step(quantized, out_states, inputs)
+        del f16, quantized
+        release_memory()
+    worst = encoder_psnr(ref_states, out_states)
+    need = gates["encoder_psnr_db"]
+    passed = bool(worst >= need)
+    what = "encoder" if "hidden_states" not in ref_states[0] else f"encoder parts 1-{len(packages)} (hidden state)"
+    return GateReport(
+        component=comp, passed=passed,
+        headline=f"{what} PSNR {worst:.1f} dB {'>=' if passed else '<'} {need} dB vs the f16 encoder's "
+        f"({len(data.windows)} windows)",
+        details={"reference": f"f16 {', '.join(p.name for p in f16_parts)} chained (runtime)", "preset": preset,
+                 "worst_psnr_db": worst, "min_psnr_db": need, "windows": len(data.windows),
+                 "parts": len(packages)})
+
+
 def component_gate(comp: str, package: Path, data: GateData, preset: str, gates: dict) -> GateReport:
     """A quantized package vs the f16 one, through the runtime, on the f16 references of `data`.
 

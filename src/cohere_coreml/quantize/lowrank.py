@@ -407,12 +407,14 @@ def bundle_windows(manifest: dict) -> tuple[float, tuple[float, ...]]:
     return full, tuple(sorted(seconds.values()))
 
 
-def export_lowrank_encoder(model, processor, settings: ExportSettings, buckets: tuple[float, ...]) -> dict:
-    """Export the (rewritten) model's encoder with the project's encoder export into `settings.out_dir`,
-    gated against that PyTorch model (`encoder.parity.json`); returns the gate report's dict."""
-    staged = (stage_encoder_buckets(model, settings, buckets, processor) if buckets
+def export_lowrank_encoder(model, processor, settings: ExportSettings, buckets: tuple[float, ...],
+                           parts: int = 1) -> dict:
+    """Export the (rewritten) model's encoder with the project's encoder export into `settings.out_dir`
+    (in `parts` programs, as the f16 bundle's), gated against that PyTorch model (`encoder.parity.json`);
+    returns the gate report's dict."""
+    staged = (stage_encoder_buckets(model, settings, buckets, processor, parts=parts) if buckets
               else stage_encoder(model, settings, processor, clips=None if settings.skip_verify else
-                                 encoder_gate_clips(processor, model, settings)))
+                                 encoder_gate_clips(processor, model, settings), parts=parts))
     report = staged.finish()
     logger.info("low-rank encoder conversion gate: %s", report.headline)
     return report.to_dict()
@@ -424,26 +426,31 @@ def encoder_gate_clips(processor, model, settings: ExportSettings):
 
 
 def build_lowrank_encoder(f16_bundle: Path, dst: Path, recipe: Recipe, model_ref: str, calibration: Path,
-                          thresholds: Mapping[str, float], *, skip_verify: bool = False) -> dict:
+                          thresholds: Mapping[str, float], *, skip_verify: bool = False,
+                          keep_parts: Path | None = None) -> dict:
     """The preset's encoder package at `dst`: the checkpoint calibrated and rewritten, its encoder exported
-    with the f16 bundle's windows (gated against the rewritten PyTorch model), then `recipe` applied
-    (`compress_package`: a copy for fp16, int8 for q8-lowrank); returns its compression.json section."""
+    with the f16 bundle's windows and parts (gated against the rewritten PyTorch model), then `recipe`
+    applied (`compress_package`: a copy for fp16, int8 for q8-lowrank); returns its compression.json
+    section. An encoder in parts: `dst` is the first part; the fp16 packages of every part are exported
+    into `keep_parts` (left for the caller to compress the others, and to remove)."""
     manifest = json.loads((Path(f16_bundle) / MANIFEST_NAME).read_text())
     window, buckets = bundle_windows(manifest)
+    parts = len(manifest["encoder"].get("parts") or [None])
     model, processor = load_reference(model_ref)
     report = lowrank_model(model, processor, calibration_clips(calibration), thresholds)
     report["calibration"] = str(calibration)
-    scratch = temporary_dir(Path(dst).parent, "lowrank")
+    scratch = keep_parts if keep_parts is not None else temporary_dir(Path(dst).parent, "lowrank")
     try:
         settings = ExportSettings(out_dir=scratch, precision=manifest.get("precision", "fp16"), window_seconds=window,
                                   skip_verify=skip_verify, model_id=manifest.get("model_id") or "unknown",
                                   revision=manifest.get("revision"))
-        report["conversion_gate"] = export_lowrank_encoder(model, processor, settings, buckets)
+        report["conversion_gate"] = export_lowrank_encoder(model, processor, settings, buckets, parts=parts)
         del model
         release_memory()  # the PyTorch model before the package is compressed and gated
         section = compress_package(scratch / f"{COMPONENT}.mlpackage", Path(dst), recipe)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if keep_parts is None:
+            shutil.rmtree(scratch, ignore_errors=True)
     # compress_package's before/after are the rewritten fp16 package and `dst`; the bundle's "before" is the f16 encoder
     f16_encoder = Path(f16_bundle) / f"{COMPONENT}.mlpackage"
     report["package_bytes"] = {"f16": package_size_bytes(f16_encoder), "lowrank_fp16": section["package_bytes"]["before"],

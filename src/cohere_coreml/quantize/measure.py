@@ -26,6 +26,7 @@ from ..gate import default_gate_audio
 from ..memory import release_memory
 from ..parity import argmax_flips, kl_rows, psnr
 from ..runtime import load_model
+from ..shapes import LengthMasks
 from ..transcribe import Transcriber
 from .recipes import QuantizeError
 
@@ -43,6 +44,19 @@ class GateData:
     sequences: list[list[int]] = field(default_factory=list)  # fed ids (prompt + greedy - last)
     decoder_ref: list[np.ndarray] = field(default_factory=list)  # (S, V) f16 decoder log-probs
     eos_ids: tuple[int, ...] = ()
+    length_masks: LengthMasks | None = None  # the encoder's length-mask rule (the f16 bundle's manifest)
+
+    def encoder_inputs(self, frames: int | None = None) -> list[dict[str, np.ndarray]]:
+        """Every window as an encoder function's inputs (features and the host's length masks); a
+        function of `frames` mel frames (a length bucket) takes the first frames of each window."""
+        if self.length_masks is None:
+            raise QuantizeError("the gate data has no length-mask rule (build it with build_gate_data)")
+        out = []
+        for window, n in self.windows:
+            f = window.shape[-1] if frames is None else int(frames)
+            out.append({"input_features": np.ascontiguousarray(window[..., :f]),
+                        **self.length_masks.inputs(min(n, f), f)})
+        return out
 
     def subset(self, indices: Sequence[int]) -> GateData:
         """The same data restricted to some windows (sensitivity runs use few)."""
@@ -50,7 +64,7 @@ class GateData:
         return GateData(windows=[self.windows[i] for i in pick], languages=[self.languages[i] for i in pick],
                         prompts=[self.prompts[i] for i in pick], encoder_ref=[self.encoder_ref[i] for i in pick],
                         sequences=[self.sequences[i] for i in pick], decoder_ref=[self.decoder_ref[i] for i in pick],
-                        eos_ids=self.eos_ids)
+                        eos_ids=self.eos_ids, length_masks=self.length_masks)
 
 
 def gate_clips(eval_dir: str | os.PathLike, per_language: int = GATE_CLIPS_PER_LANGUAGE) -> list[tuple[Path, str]]:
@@ -93,7 +107,8 @@ def build_gate_data(bundle_dir: Path, clips: Sequence[tuple[Path, str]], max_new
         windows.append((full[None].astype(np.float32), frames))
         languages.append(languages[0])
     data = GateData(windows=windows, languages=languages,
-                    prompts=[bundle.prompt(lang) for lang in languages], eos_ids=tuple(sorted(bundle.eos_ids)))
+                    prompts=[bundle.prompt(lang) for lang in languages], eos_ids=tuple(sorted(bundle.eos_ids)),
+                    length_masks=LengthMasks.from_manifest(m["encoder"]["length_masks"]))
     tr = Transcriber(bundle, backend="mil", use_prefill=False, use_extend=False)  # one log-prob row per fed token
     for (window, n), prompt in zip(windows, data.prompts):
         enc = tr.encode(window, n)
@@ -108,8 +123,7 @@ def build_gate_data(bundle_dir: Path, clips: Sequence[tuple[Path, str]], max_new
 
 
 def encoder_outputs(model, data: GateData) -> list[dict[str, np.ndarray]]:
-    return [model.predict({"input_features": w, "feature_length": np.array([n], dtype=np.int32)})
-            for w, n in data.windows]
+    return [model.predict(inputs) for inputs in data.encoder_inputs()]
 
 
 def decoder_runtime(package: Path, step=None) -> DecoderRuntime:

@@ -96,9 +96,9 @@ public struct ModelIO: Codable, Equatable, Sendable {
 /// `manifest.json` of a bundle (docs/bundle.md). Swift names are camelCase; `CodingKeys` map the JSON's snake_case.
 public struct BundleManifest: Codable, Sendable {
     public static let formatName = "cohere-coreml-bundle"
-    /// The `format_version` this package reads (2: the decoder keeps the cross memory in its state,
-    /// written once per window by its bind function; format 1 bound it at every step and is refused).
-    public static let supportedFormatVersion = 2
+    /// The `format_version` this package reads (3: the encoder takes its length masks from the host,
+    /// `Encoder.lengthMasks`; 2: the decoder keeps the cross memory in its state; older formats are refused).
+    public static let supportedFormatVersion = 3
     public static let fileName = "manifest.json"
 
     public struct Files: Codable, Sendable {
@@ -106,10 +106,57 @@ public struct BundleManifest: Codable, Sendable {
         public var decoder: String
         public var vocab: String
         public var frontend: String?
+        /// An encoder in parts: the later programs' files, by `files` key (`encoder_part2`, ...; `Encoder.parts`
+        /// names them). Empty for a whole encoder.
+        public var encoderParts: [String: String] = [:]
 
         /// (manifest key, path) of every file named.
         public var named: [(String, String)] {
             [("encoder", encoder), ("decoder", decoder), ("vocab", vocab)] + (frontend.map { [("frontend", $0)] } ?? [])
+                + encoderParts.sorted { $0.key < $1.key }.map { ($0.key, $0.value) }
+        }
+
+        /// The file a `files` key names (the encoder, decoder, vocabulary, front end or an encoder part).
+        public func file(forKey key: String) -> String? {
+            switch key {
+            case "encoder": return encoder
+            case "decoder": return decoder
+            case "vocab": return vocab
+            case "frontend": return frontend
+            default: return encoderParts[key]
+            }
+        }
+
+        public init(encoder: String, decoder: String, vocab: String, frontend: String? = nil,
+                    encoderParts: [String: String] = [:]) {
+            (self.encoder, self.decoder, self.vocab, self.frontend, self.encoderParts) = (encoder, decoder, vocab, frontend, encoderParts)
+        }
+
+        struct Key: CodingKey {
+            var stringValue: String
+            var intValue: Int? { nil }
+            init(stringValue: String) { self.stringValue = stringValue }
+            init?(intValue: Int) { nil }
+        }
+
+        public init(from decoder: Swift.Decoder) throws {
+            let c = try decoder.container(keyedBy: Key.self)
+            encoder = try c.decode(String.self, forKey: Key(stringValue: "encoder"))
+            self.decoder = try c.decode(String.self, forKey: Key(stringValue: "decoder"))
+            vocab = try c.decode(String.self, forKey: Key(stringValue: "vocab"))
+            frontend = try c.decodeIfPresent(String.self, forKey: Key(stringValue: "frontend"))
+            for key in c.allKeys where key.stringValue.hasPrefix("encoder_part") {
+                encoderParts[key.stringValue] = try c.decode(String.self, forKey: key)
+            }
+        }
+
+        public func encode(to encoder: Swift.Encoder) throws {
+            var c = encoder.container(keyedBy: Key.self)
+            try c.encode(self.encoder, forKey: Key(stringValue: "encoder"))
+            try c.encode(decoder, forKey: Key(stringValue: "decoder"))
+            try c.encode(vocab, forKey: Key(stringValue: "vocab"))
+            try c.encodeIfPresent(frontend, forKey: Key(stringValue: "frontend"))
+            for (key, file) in encoderParts { try c.encode(file, forKey: Key(stringValue: key)) }
         }
     }
 
@@ -148,16 +195,80 @@ public struct BundleManifest: Codable, Sendable {
         }
     }
 
+    /// The encoder's length-mask rule (Python's `shapes.LengthMasks`): the encoder program computes no
+    /// lengths; the host passes one float16 0/1 mask per time resolution, `names[k]` of shape (1, frames_k)
+    /// holding L_k ones, with L_0 the valid mel frames and L_k = (L_k-1 + 2 * padding - kernelSize) / stride + 1
+    /// (floor division); the same rule applied to a window's frames gives the masks' sizes. L_S is the
+    /// window's encoder length.
+    public struct LengthMasks: Codable, Sendable, Equatable {
+        public var kernelSize: Int
+        public var stride: Int
+        public var padding: Int
+        public var stages: Int
+        enum CodingKeys: String, CodingKey {
+            case kernelSize = "kernel_size"
+            case stride, padding, stages
+        }
+
+        /// Input names, mel frames first, encoder frames last.
+        public var names: [String] {
+            ["feature_mask"] + (stages > 1 ? (1..<stages).map { "subsampling_mask_\($0)" } : []) + ["encoder_mask"]
+        }
+
+        /// [L_0 = n, L_1, ..., L_S].
+        public func lengths(_ n: Int) -> [Int] {
+            var out = [n]
+            for _ in 0..<stages {
+                let x = out[out.count - 1] + 2 * padding - kernelSize
+                out.append((x >= 0 ? x / stride : -((-x + stride - 1) / stride)) + 1)  // floor division, as Python's //
+            }
+            return out
+        }
+
+        /// The masks (float16 0/1, (1, frames_k)) of `validFrames` valid mel frames in a window of `frames`.
+        public func tensors(validFrames: Int, frames: Int) throws -> [String: Tensor] {
+            guard (1...max(frames, 1)).contains(validFrames) else {
+                throw TranscriptionError.invalidArgument("\(validFrames) valid mel frames do not fit an encoder window of \(frames)")
+            }
+            var out: [String: Tensor] = [:]
+            for (name, (size, valid)) in zip(names, zip(lengths(frames), lengths(validFrames))) {
+                let ones = max(0, min(valid, size))
+                let bits = [UInt16](repeating: 0x3C00, count: ones) + [UInt16](repeating: 0, count: size - ones)  // 1.0, 0.0
+                out[name] = try Tensor(dtype: .float16, shape: [1, size], data: bits.withUnsafeBufferPointer { Data(buffer: $0) })
+            }
+            return out
+        }
+
+        /// The window's encoder length for `validFrames` valid mel frames.
+        public func encoderLength(validFrames: Int) -> Int { lengths(validFrames).last ?? 0 }
+    }
+
+    /// One program of the encoder: consecutive layers `layers[0] ..< layers[1]`, in the file `files[file]`,
+    /// with every function of `Encoder.functions` (its own I/O). The first takes the features and the
+    /// length masks, each next one the previous part's `hidden_states` and the `encoder_mask`; the last gives
+    /// the cross memory.
+    public struct EncoderPart: Codable, Sendable {
+        public struct Function: Codable, Sendable { public var io: ModelIO? }
+        public var file: String
+        public var layers: [Int]
+        public var functions: [String: Function]
+    }
+
     public struct Encoder: Codable, Sendable {
         public var windowFrames: Int
         public var memoryLength: Int
         public var numMelBins: Int
+        public var lengthMasks: LengthMasks
+        /// The encoder's programs in order (one: the whole encoder; `cohere-coreml export --encoder-parts`).
+        public var parts: [EncoderPart]
         public var functions: [String: EncoderFunction]?
         public var io: ModelIO?
         enum CodingKeys: String, CodingKey {
             case windowFrames = "window_frames"
             case memoryLength = "memory_len"
             case numMelBins = "num_mel_bins"
+            case lengthMasks = "length_masks"
+            case parts
             case functions
             case io
         }
@@ -373,6 +484,8 @@ public struct BundleManifest: Codable, Sendable {
     public func listedIO(component: String, function: String) -> ModelIO? {
         let io: ModelIO?
         switch component {
+        case _ where encoder.parts.count > 1 && encoder.parts.contains(where: { $0.file == component }):
+            io = encoder.parts.first { $0.file == component }?.functions[function]?.io
         case "encoder": io = encoder.functions?[function]?.io ?? (function == "main" ? encoder.io : nil)
         case "decoder":
             if function == decoder.functions?.prefill { io = decoder.prefillIO }
@@ -399,12 +512,26 @@ public struct BundleManifest: Codable, Sendable {
     /// What one encoder function must take and return (docs/contract.md), from the manifest's sizes.
     public func expectedEncoderIO(frames: Int) -> ModelIO {
         let memory = decoder.memoryShape
+        var inputs: [String: ArrayDescription] = ["input_features": .init(shape: [1, encoder.numMelBins, frames], dtype: "float32")]
+        let masks = encoder.lengthMasks
+        for (name, size) in zip(masks.names, masks.lengths(frames)) { inputs[name] = .init(shape: [1, size], dtype: "float16") }
         return ModelIO(
-            inputs: ["input_features": .init(shape: [1, encoder.numMelBins, frames], dtype: "float32"),
-                     "feature_length": .init(shape: [1], dtype: "int32")],
+            inputs: inputs,
             outputs: ["cross_k": .init(shape: memory, dtype: programFloat),
                       "cross_v": .init(shape: memory, dtype: programFloat),
                       "cross_mask": .init(shape: [1, 1, 1, encoder.memoryLength], dtype: programFloat)])
+    }
+
+    /// What part `index` of the encoder takes and returns for a function of `frames` mel frames: the first
+    /// the features and length masks, a later one the hidden state and the encoder mask; the last the cross
+    /// memory, an earlier one its hidden state (only its frame count is fixed by the manifest's sizes here; the
+    /// exact shapes are the part's `io` block).
+    public func expectedEncoderPartIO(index: Int, frames: Int) -> ModelIO {
+        let whole = expectedEncoderIO(frames: frames)
+        let encoderFrames = encoder.lengthMasks.lengths(frames).last ?? 0
+        let inputs = index == 0 ? whole.inputs : ["encoder_mask": .init(shape: [1, encoderFrames], dtype: "float16")]
+        let outputs = index == encoder.parts.count - 1 ? whole.outputs : [:]
+        return ModelIO(inputs: inputs, outputs: outputs)
     }
 
     var crossMemoryArrays: [String: ArrayDescription] {

@@ -157,6 +157,86 @@ enum ManifestCheck {
 
     // MARK: - Bundle.load: header, files, checksums
 
+    /// `encoder.parts` (Python's `bundle._check_encoder_parts`): programs of consecutive layers covering
+    /// `encoder.num_layers` from layer 0, each in the file its `files` key names, each with every function of
+    /// `encoder.functions`; the first takes the function's inputs, the last gives its outputs, each other
+    /// hands its hidden state (and the encoder mask) on.
+    static func checkEncoderParts(_ m: JSONObject, _ enc: JSONObject, _ encFunctions: JSONObject,
+                                  masks: BundleManifest.LengthMasks, framesOf: [String: Int]) throws {
+        let numLayers: Int = try int(enc, "num_layers", "encoder.num_layers", lo: 1, hi: 100_000)
+        guard case .array(let parts)? = enc["parts"], !parts.isEmpty else {
+            throw fail("encoder.parts", "must be a non-empty list of the encoder's programs, got \((enc["parts"] ?? .null).shown)")
+        }
+        let files = m["files"]?.object ?? JSONObject()
+        var start = 0
+        var ios: [[String: JSONObject]] = []
+        var keys: Set<String> = []
+        for (i, value) in parts.enumerated() {
+            let path = "encoder.parts[\(i)]"
+            guard let part = value.object else { throw fail(path, "must be an object, got \(value.shown)") }
+            let want = i == 0 ? "encoder" : "encoder_part\(i + 1)"
+            guard part["file"] == .string(want) else {
+                throw fail("\(path).file", "is \((part["file"] ?? .null).shown); part \(i + 1) is in files.\(want)")
+            }
+            guard case .string? = files[want] else {
+                throw fail("\(path).file", "names files.\(want), which the manifest does not give")
+            }
+            keys.insert(want)
+            guard case .array(let layers)? = part["layers"], layers.count == 2, case .int(let a) = layers[0],
+                  case .int(let b) = layers[1], a == start, b > start, b <= numLayers else {
+                throw fail("\(path).layers", "is \((part["layers"] ?? .null).shown); part \(i + 1) holds layers [\(start), stop) "
+                           + "with stop > \(start)")
+            }
+            start = b
+            let functions: JSONObject = try obj(part, "functions", "\(path).functions")
+            guard functions.keys.sorted() == encFunctions.keys.sorted() else {
+                throw fail("\(path).functions", "are \(functions.keys.sorted()), encoder.functions \(encFunctions.keys.sorted()): "
+                           + "every part has every window's function")
+            }
+            var byFunction: [String: JSONObject] = [:]
+            for (fn, entry) in functions.entries {
+                guard let e = entry.object else { throw fail("\(path).functions.\(fn)", "must be an object, got \(entry.shown)") }
+                byFunction[fn] = try io(e, "io", "\(path).functions.\(fn).io")
+            }
+            ios.append(byFunction)
+        }
+        guard start == numLayers else {
+            throw fail("encoder.parts", "end at layer \(start), the encoder has encoder.num_layers = \(numLayers)")
+        }
+        let extra = files.keys.filter { $0.hasPrefix("encoder_part") && !keys.contains($0) }.sorted()
+        if !extra.isEmpty { throw fail("files", "names \(extra), which encoder.parts does not list") }
+        for (fn, entry) in encFunctions.entries {
+            let chain = entry.object!["io"]!.object!
+            try equal("encoder.parts[0].functions.\(fn).io.inputs", ios[0][fn]!["inputs"]!, "encoder.functions.\(fn).io.inputs",
+                      chain["inputs"]!)
+            try equal("encoder.parts[\(ios.count - 1)].functions.\(fn).io.outputs", ios[ios.count - 1][fn]!["outputs"]!,
+                      "encoder.functions.\(fn).io.outputs", chain["outputs"]!)
+            let t = masks.lengths(framesOf[fn]!).last ?? 0
+            for i in 0..<(ios.count - 1) {
+                let outputs = ios[i][fn]!["outputs"]?.object ?? JSONObject()
+                let hidden = outputs["hidden_states"]?.object
+                guard outputs.keys == ["hidden_states"], case .array(let shape)? = hidden?["shape"], shape.count == 3,
+                      shape[0] == .int(1), shape[1] == .int(t) else {
+                    throw fail("encoder.parts[\(i)].functions.\(fn).io.outputs", "are \((ios[i][fn]!["outputs"] ?? .null).shown); a part "
+                               + "before the last gives only hidden_states [1, \(t), hidden size]")
+                }
+                var want = JSONObject()
+                want["hidden_states"] = outputs["hidden_states"]!
+                var mask = JSONObject()
+                mask["shape"] = .array([.int(1), .int(t)])
+                mask["dtype"] = .string("float16")
+                want["encoder_mask"] = .object(mask)
+                let next = ios[i + 1][fn]!["inputs"] ?? .null
+                guard let n = next.object, n.keys.sorted() == ["encoder_mask", "hidden_states"],
+                      n["hidden_states"] == want["hidden_states"], n["encoder_mask"]?.object?["shape"] == mask["shape"],
+                      n["encoder_mask"]?.object?["dtype"] == mask["dtype"] else {
+                    throw fail("encoder.parts[\(i + 1)].functions.\(fn).io.inputs", "are \(next.shown); the part after part \(i + 1) "
+                               + "takes \(JSONValue.object(want).shown)")
+                }
+            }
+        }
+    }
+
     /// `format`, `format_version` and `files` (every path safe, of its suffix, the required ones named);
     /// with `bundle`, every named file present there.
     static func checkHeaderAndFiles(_ m: JSONObject, bundle: URL?) throws {
@@ -173,7 +253,7 @@ enum ManifestCheck {
             guard v == BundleManifest.supportedFormatVersion else {
                 throw BundleError.unsupportedFormat(
                     "bundle format_version \(v) is an older format this package no longer reads (format "
-                        + "\(BundleManifest.supportedFormatVersion): the decoder keeps the cross memory in its state): "
+                        + "\(BundleManifest.supportedFormatVersion): the encoder takes its length masks from the host): "
                         + "re-export the bundle with `cohere-coreml export --force`")
             }
         case .bigInt(let digits) where !digits.hasPrefix("-"):
@@ -200,6 +280,15 @@ enum ManifestCheck {
             guard case .string(let name)? = files[key] else {
                 if key == "frontend" { continue }
                 throw fail("files.\(key)", "is missing: the manifest describes no \(key); export it (`cohere-coreml export`)")
+            }
+            if let bundle, !FileManager.default.fileExists(atPath: bundle.appendingPathComponent(name).path) {
+                throw BundleError.missingFile("bundle is missing \(name) (looked in \(bundle.path))")
+            }
+        }
+        // an encoder in parts: its later programs (Python's Bundle.load, after the front end)
+        for (key, value) in files.entries where key.hasPrefix("encoder_part") && value != .null {
+            guard case .string(let name) = value, name.hasSuffix(".mlpackage") else {
+                throw fail("files.\(key)", "is \(value.shown); it names a .mlpackage file")
             }
             if let bundle, !FileManager.default.fileExists(atPath: bundle.appendingPathComponent(name).path) {
                 throw BundleError.missingFile("bundle is missing \(name) (looked in \(bundle.path))")
@@ -349,6 +438,17 @@ enum ManifestCheck {
         let encoderFrames: Int = try int(enc, "encoder_frames", "encoder.encoder_frames", lo: 1)
         let memoryLength: Int = try int(enc, "memory_len", "encoder.memory_len", lo: encoderFrames)
         try equal("encoder.num_mel_bins", try int(enc, "num_mel_bins", "encoder.num_mel_bins", lo: 1), "audio.n_mels", nMels)
+        let rule: JSONObject = try obj(enc, "length_masks", "encoder.length_masks")
+        let kernel: Int = try int(rule, "kernel_size", "encoder.length_masks.kernel_size", lo: 1, hi: 1024)
+        let masks = BundleManifest.LengthMasks(
+            kernelSize: kernel,
+            stride: try int(rule, "stride", "encoder.length_masks.stride", lo: 1, hi: 1024),
+            padding: try int(rule, "padding", "encoder.length_masks.padding", lo: 0, hi: kernel - 1),
+            stages: try int(rule, "stages", "encoder.length_masks.stages", lo: 1, hi: 16))
+        if masks.lengths(window).last != encoderFrames {
+            throw fail("encoder.length_masks", "gives \(masks.lengths(window).last ?? 0) encoder frames for encoder.window_frames "
+                       + "\(window), but encoder.encoder_frames is \(encoderFrames)")
+        }
         let encFunctions: JSONObject = try obj(enc, "functions", "encoder.functions")
         guard encFunctions["main"] != nil else {
             throw fail("encoder.functions", "has no 'main' function (has \(encFunctions.keys.sorted()))")
@@ -364,6 +464,7 @@ enum ManifestCheck {
         try equal("encoder.functions.main.frames", framesOf["main"]!, "encoder.window_frames", window)
         _ = try io(enc, "io", "encoder.io")
         try equal("encoder.io", enc["io"]!, "encoder.functions.main.io", encFunctions["main"]!.object!["io"]!)
+        try checkEncoderParts(m, enc, encFunctions, masks: masks, framesOf: framesOf)
 
         // decoder: cache, prompt, functions and io of the step (and prefill)
         let dec: JSONObject = try obj(m, "decoder", "decoder")
@@ -500,9 +601,18 @@ enum ManifestCheck {
         for (name, fn) in encFunctions.entries {
             let path = "encoder.functions.\(name).io"
             let block = fn.object!["io"]!.object!
+            let want = (["input_features"] + masks.names).sorted()
+            if let inputs = block["inputs"]?.object, inputs.keys.sorted() != want {
+                throw fail("\(path).inputs", "are \(inputs.keys.sorted()); a format-\(BundleManifest.supportedFormatVersion) encoder "
+                           + "takes \(want) (the length masks of encoder.length_masks)")
+            }
+            var maskChecks: [Expected] = []
+            for (mask, size) in zip(masks.names, masks.lengths(framesOf[name]!)) {
+                maskChecks.append(("inputs", mask, [1, size], "float16", "[1, frames of \(mask) by encoder.length_masks]"))
+            }
             let checks: [Expected] = [
-                ("inputs", "input_features", [1, nMels, framesOf[name]!], "float32", "[1, audio.n_mels, encoder.functions.\(name).frames]"),
-                ("inputs", "feature_length", [1], "int32", "[1]"),
+                ("inputs", "input_features", [1, nMels, framesOf[name]!], "float32", "[1, audio.n_mels, encoder.functions.\(name).frames]")]
+                + maskChecks + [
                 ("outputs", "cross_k", memoryShape, programFloat, "decoder.memory_shape"),
                 ("outputs", "cross_v", memoryShape, programFloat, "decoder.memory_shape"),
                 ("outputs", "cross_mask", crossMask, programFloat, "[1, 1, 1, encoder.memory_len]")]

@@ -246,13 +246,22 @@ public actor CohereTranscriber {
                         extendLength: useExtend && d.functions?.extend != nil ? d.extendLength : nil)
     }
 
-    private func encoder(function: String) async throws -> RuntimeModel {
+    /// One encoder function through every part of the encoder (one part: the whole encoder), loaded and checked.
+    private func encoder(function: String) async throws -> [RuntimeModel] {
         guard let bucket = manifest.encoderBuckets.first(where: { $0.function == function }) else {
             throw BundleError.ioMismatch(component: "encoder", function: function, detail: "not in the manifest's encoder functions")
         }
-        return try await load("encoder/\(function)", file: manifest.files.encoder, function: function,
-                              units: computeUnits.encoder, expected: manifest.expectedEncoderIO(frames: bucket.frames),
-                              component: "encoder")
+        var chain: [RuntimeModel] = []
+        for (index, part) in manifest.encoder.parts.enumerated() {
+            guard let file = manifest.files.file(forKey: part.file) else {
+                throw BundleError.missingFile("the manifest names no file for encoder part \(index + 1) (files.\(part.file))")
+            }
+            let key = index == 0 ? "encoder/\(function)" : "\(part.file)/\(function)"
+            chain.append(try await load(key, file: file, function: function, units: computeUnits.encoder,
+                                        expected: manifest.expectedEncoderPartIO(index: index, frames: bucket.frames),
+                                        component: part.file))
+        }
+        return chain
     }
 
     static let noFrontEnd = BundleError.noFrontEnd(
@@ -407,10 +416,18 @@ public actor CohereTranscriber {
                 "features have \(frames) frames; the encoder takes \(manifest.encoderBuckets.map { String($0.frames) }.joined(separator: " or "))")
         }
         let input = try Tensor(dtype: .float32, shape: [1, manifest.encoder.numMelBins, frames], data: features.data)
-        let model = try await encoder(function: bucket.function)
+        let parts = try await encoder(function: bucket.function)
+        // the encoder computes no lengths: the host's float16 length masks (manifest encoder.length_masks)
+        var inputs = try manifest.encoder.lengthMasks.tensors(validFrames: validFrames, frames: frames)
+        inputs["input_features"] = input
         let t0 = Date()
-        let encoded = try await model.predict(["input_features": input,
-                                               "feature_length": try Tensor(int32: [Int32(validFrames)], shape: [1])], state: nil)
+        var encoded = try await parts[0].predict(inputs, state: nil)
+        for part in parts.dropFirst() {  // an encoder in parts: each next one on the previous hidden state
+            guard let hidden = encoded["hidden_states"], let mask = inputs["encoder_mask"] else {
+                throw TranscriptionError.badOutput("an encoder part returned no hidden_states")
+            }
+            encoded = try await part.predict(["hidden_states": hidden, "encoder_mask": mask], state: nil)
+        }
         let encoderSeconds = Date().timeIntervalSince(t0)
         var cross: [String: Tensor] = [:]
         for name in ["cross_k", "cross_v", "cross_mask"] {

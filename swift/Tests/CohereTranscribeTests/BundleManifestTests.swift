@@ -28,7 +28,7 @@ final class BundleManifestTests: XCTestCase {
         let m = try BundleManifest.load(bundle: Fixtures.bundle)
         let json = try manifestJSON()
         let decoder = json["decoder"] as! [String: Any]
-        XCTAssertEqual(m.formatVersion, 2)
+        XCTAssertEqual(m.formatVersion, 3)
         // the export's default decoder: host-state (no bind function; the app writes the state)
         XCTAssertEqual(m.decoder.stateWrites, "host")
         XCTAssertNil(m.decoder.functions?.bind)
@@ -109,14 +109,35 @@ final class BundleManifestTests: XCTestCase {
         XCTAssertEqual(loaded.manifest.files.decoder, manifest.files.decoder)
     }
 
-    /// A format-1 bundle (the cross memory an input of every step) is refused with the command that
-    /// re-exports it.
+    /// A format-1 bundle (the cross memory an input of every step) and a format-2 one (the encoder computed
+    /// its own length masks from feature_length) are refused with the command that re-exports them.
     func testOlderFormatVersionIsRefused() throws {
-        let dir = try editedBundle { $0["format_version"] = 1 }
-        XCTAssertThrowsError(try BundleManifest.load(bundle: dir)) { error in
-            guard case BundleError.unsupportedFormat(let message) = error else { return XCTFail("\(error)") }
-            XCTAssertTrue(message.contains("format_version 1") && message.contains("cohere-coreml export --force"), message)
+        for version in [1, 2] {
+            let dir = try editedBundle { $0["format_version"] = version }
+            XCTAssertThrowsError(try BundleManifest.load(bundle: dir)) { error in
+                guard case BundleError.unsupportedFormat(let message) = error else { return XCTFail("\(error)") }
+                XCTAssertTrue(message.contains("format_version \(version)") && message.contains("cohere-coreml export --force"), message)
+            }
         }
+    }
+
+    /// The host's length masks follow transformers' subsampling arithmetic (Python's `shapes.LengthMasks`):
+    /// the released x8 subsampling (kernel 3, stride 2, padding 1) turns 3500 mel frames into 438 encoder
+    /// frames, odd lengths above 2048 exactly, and a length that a stage floors below zero gives 0 (floor division).
+    func testLengthMasksFollowTheSubsamplingArithmetic() throws {
+        let released = BundleManifest.LengthMasks(kernelSize: 3, stride: 2, padding: 1, stages: 3)
+        XCTAssertEqual(released.names, ["feature_mask", "subsampling_mask_1", "subsampling_mask_2", "encoder_mask"])
+        XCTAssertEqual(released.lengths(3500), [3500, 1750, 875, 438])
+        XCTAssertEqual(released.lengths(2049), [2049, 1025, 513, 257])
+        XCTAssertEqual(BundleManifest.LengthMasks(kernelSize: 5, stride: 2, padding: 1, stages: 1).lengths(1), [1, 0])
+        let masks = try released.tensors(validFrames: 9, frames: 20)
+        XCTAssertEqual(masks["feature_mask"]?.shape, [1, 20])
+        XCTAssertEqual(masks["feature_mask"]?.floats(), [Float](repeating: 1, count: 9) + [Float](repeating: 0, count: 11))
+        XCTAssertEqual(masks["encoder_mask"]?.shape, [1, 3])
+        XCTAssertEqual(masks["encoder_mask"]?.floats(), [1, 1, 0])  // 9 -> 5 -> 3 -> 2 valid of 20 -> 10 -> 5 -> 3
+        XCTAssertEqual(masks["encoder_mask"]?.dtype, .float16)
+        XCTAssertThrowsError(try released.tensors(validFrames: 21, frames: 20))
+        XCTAssertThrowsError(try released.tensors(validFrames: 0, frames: 20))
     }
 
     func testNewerFormatVersionIsRefused() throws {

@@ -55,9 +55,11 @@ final class CoreMLRuntimeTests: XCTestCase {
         let frames = manifest.encoderBuckets[0].frames
         let features = try CoreMLModel.multiArray(try Tensor(float32: [Float](repeating: 0.1, count: manifest.encoder.numMelBins * frames),
                                                              shape: [1, manifest.encoder.numMelBins, frames]))
-        let length = try CoreMLModel.multiArray(try Tensor(int32: [Int32(frames)], shape: [1]))
-        let out = try await model.prediction(from: try MLDictionaryFeatureProvider(dictionary: ["input_features": features,
-                                                                                              "feature_length": length]),
+        var inputs: [String: MLMultiArray] = ["input_features": features]
+        for (name, mask) in try manifest.encoder.lengthMasks.tensors(validFrames: frames, frames: frames) {
+            inputs[name] = try CoreMLModel.multiArray(mask)
+        }
+        let out = try await model.prediction(from: try MLDictionaryFeatureProvider(dictionary: inputs),
                                              options: MLPredictionOptions())
         let k = try XCTUnwrap(out.featureValue(for: "cross_k")?.multiArrayValue)
         let shape = k.shape.map(\.intValue)

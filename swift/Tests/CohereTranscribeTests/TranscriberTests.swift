@@ -80,6 +80,45 @@ final class TranscriberTests: XCTestCase {
         }
     }
 
+    /// The encoder in parts (bundle-parts/: `--encoder-parts 2`, the test bundle's decoder and front end): the
+    /// manifest lists two programs of consecutive layers, the transcriber loads both for every bucket and chains
+    /// them, and given Python's features every held-out window's tokens equal the Python CLI's on that bundle
+    /// through both runtimes (and the whole-encoder bundle's: the parts compute the same arithmetic).
+    func testEncoderInPartsGivesThePythonTokens() async throws {
+        let url = Fixtures.dir.appendingPathComponent("bundle-parts")
+        let manifest = try BundleManifest.load(bundle: url)
+        XCTAssertEqual(manifest.encoder.parts.map(\.file), ["encoder", "encoder_part2"])
+        XCTAssertEqual(manifest.encoder.parts.map(\.layers), [[0, 2], [2, 4]])
+        XCTAssertEqual(manifest.files.encoderParts, ["encoder_part2": "encoder_part2.mlpackage"])
+        let clips = try clips(frontEnd: "parts").filter { ($0["wav"] as! String).contains("heldout") }
+        let whole = Dictionary(uniqueKeysWithValues: try clips(frontEnd: "python").map { ($0["wav"] as! String, $0) })
+        XCTAssertEqual(clips.count, 90)
+        for (runtimeName, runtime) in try Fixtures.runtimes() {
+            let transcriber = try await CohereTranscriber(bundle: url, runtime: runtime)
+            try await transcriber.prewarm()
+            XCTAssertTrue(transcriber.loadedFunctions.contains("encoder_part2/window_10s"), "\(transcriber.loadedFunctions)")
+            var windows = 0, sameAsWhole = 0
+            for clip in clips {
+                let language = clip["language"] as! String
+                let wholeWindows = whole[clip["wav"] as! String]?["windows"] as? [[String: Any]] ?? []
+                for (i, w) in (clip["windows"] as! [[String: Any]]).enumerated() {
+                    let frames = w["frames"] as! Int
+                    let features = try Tensor(float32: try Fixtures.floats(w["features"] as! String),
+                                              shape: [1, manifest.encoder.numMelBins, frames])
+                    let r = try await transcriber.transcribeWindow(features: features, validFrames: w["valid_frames"] as! Int,
+                                                                   prompt: try manifest.prompt(language: language))
+                    let name = "\(runtimeName): \(clip["wav"]!) window \(w["index"]!)"
+                    XCTAssertEqual(r.tokenIds, w["token_ids"] as! [Int], name)
+                    XCTAssertEqual(r.stopReason.rawValue, w["stop_reason"] as! String, name)
+                    if i < wholeWindows.count, r.tokenIds == wholeWindows[i]["token_ids"] as! [Int] { sameAsWhole += 1 }
+                    windows += 1
+                }
+            }
+            XCTAssertEqual(windows, 90, runtimeName)
+            XCTAssertEqual(sameAsWhole, windows, "\(runtimeName): the parts' tokens differ from the whole encoder's")
+        }
+    }
+
     /// Both decoder state variants (the test bundle's and bundle-<other>/'s, same encoder): given Python's
     /// features, every held-out window's tokens equal the Python CLI's through both runtimes (the interpreter,
     /// and Core ML where the host writes the state through `MLState.withMultiArray(for:)`). A host-state
