@@ -137,8 +137,10 @@ def record_decoder_inputs(transcriber) -> tuple[RecordingRuntime, RecordingRunti
     """Make `transcriber` record what its decoder functions receive: (step, prefill or None, bind)."""
     decoder = transcriber.decoder  # a DecoderRuntime
     decoder.step_model = RecordingRuntime(decoder.step_model)
-    decoder.bind_model = RecordingRuntime(decoder.bind_model)
+    bind = RecordingRuntime(decoder.bind_model)  # a host-state decoder has none: it records nothing
+    if decoder.bind_model is not None:
+        decoder.bind_model = bind
     if decoder.prefill_model is not None:
         decoder.prefill_model = RecordingRuntime(decoder.prefill_model)
     transcriber.prefill = decoder.prefill_model
-    return decoder.step_model, decoder.prefill_model, decoder.bind_model
+    return decoder.step_model, decoder.prefill_model, bind

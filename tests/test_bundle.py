@@ -198,7 +198,8 @@ def test_write_then_load_round_trips_what_the_loop_reads(written, trained_bundle
     assert m["decoder"]["memory_shape"][2] == m["encoder"]["memory_len"]
     assert m["encoder"]["num_mel_bins"] == model.config.encoder_config.num_mel_bins == front_end["n_mels"]
     # the packages' sections are what the readers say of the packages on disk
-    assert {k: m["encoder"][k] for k in ("window_frames", "encoder_frames", "memory_len", "functions", "io")} == {
+    assert {k: m["encoder"][k] for k in ("window_frames", "encoder_frames", "memory_len", "length_masks", "num_layers",
+                                         "parts", "functions", "io")} == {
         k: v for k, v in encoder_package_info(written / ENCODER_FILE).items() if k != "precision"}
     fe = frontend_package_info(written / FRONTEND_FILE)
     assert m["frontend"] == {k: fe[k] for k in ("compute_units", "precision", "functions", "io")}

@@ -102,7 +102,7 @@ def exported(request, tmp_path_factory):
 def _run(rt, window: np.ndarray, n: int) -> dict:
     """The package on a window with `n` valid mel frames: the host's length masks (the rule in the
     package's metadata) and the host's encoder_length added to the outputs, as every caller runs it."""
-    from cohere_coreml.encoder_runtime import package_length_masks
+    from cohere_coreml.bundle import package_length_masks
 
     masks = package_length_masks(rt.path)
     out = dict(rt.predict({"input_features": window, **masks.inputs(n, window.shape[-1])}))
@@ -492,7 +492,7 @@ def test_parts_hold_consecutive_layers_and_chain_to_the_whole_encoder(parts_expo
     assert [p["layers"] for p in info["parts"]] == [[0, 2], [2, 3]] and info["num_layers"] == 3
     assert sorted(info["parts"][0]["functions"]) == sorted(info["parts"][1]["functions"]) == ["main", "window_2s"]
     first, second = (info["parts"][i]["functions"]["main"]["io"] for i in (0, 1))
-    assert list(first["outputs"]) == ["hidden_states"] and sorted(second["inputs"]) == ["encoder_mask", "hidden_states"]
+    assert list(first["outputs"]) == ["hidden_states_out"] and sorted(second["inputs"]) == ["encoder_mask", "hidden_states"]
     # the chain's io is the whole encoder's: the same inputs and outputs as the one-program export
     assert info["functions"]["main"]["io"] == encoder_package_info(whole_path)["functions"]["main"]["io"]
     report = json.loads(settings.report_path("encoder").read_text())
@@ -574,3 +574,23 @@ def test_a_reexport_in_fewer_parts_removes_the_extra_part(parts_export, tmp_path
     E.convert_encoder_buckets(model, settings.replace(out_dir=out, force=True, skip_verify=True), [2.0], processor,
                               parts=1)
     assert sorted(p.name for p in out.glob("*.mlpackage")) == ["encoder.mlpackage"]
+
+
+def test_a_middle_part_takes_and_gives_the_hidden_state(parts_export, tmp_path):
+    """3 parts of a 3-layer encoder (one layer each): the middle program has no features and no memory, only
+    the hidden state in (hidden_states) and out (hidden_states_out); gated, and chained it is the whole encoder."""
+    from cohere_coreml.bundle import encoder_package_info
+    from cohere_coreml.encoder_runtime import EncoderRuntime
+
+    model, processor, whole_path, _ = parts_export
+    settings = ExportSettings(out_dir=tmp_path, precision="fp32", window_seconds=3.0)
+    path = E.convert_encoder(model, settings, processor, parts=3)
+    info = encoder_package_info(path)
+    assert [p["layers"] for p in info["parts"]] == [[0, 1], [1, 2], [2, 3]]
+    middle = info["parts"][1]["functions"]["main"]["io"]
+    assert sorted(middle["inputs"]) == ["encoder_mask", "hidden_states"] and list(middle["outputs"]) == ["hidden_states_out"]
+    assert json.loads(settings.report_path("encoder").read_text())["passed"]
+    feats = _speech_features(model.config.encoder_config.num_mel_bins, 300, processor)
+    chained = EncoderRuntime.load(path).encode(_window(feats, 250, 300), 250)
+    one = EncoderRuntime.load(whole_path).encode(_window(feats, 250, 300), 250)
+    assert psnr(np.asarray(one["cross_k"]), np.asarray(chained["cross_k"])) >= 120.0

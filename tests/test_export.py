@@ -367,7 +367,7 @@ def test_manifest_io_of_every_function(trained_bundle):
     assert frames[0] < frames[1] == enc["window_frames"]
     assert enc["io"] == enc["functions"]["main"]["io"]
 
-    assert manifest["format_version"] == 2
+    assert manifest["format_version"] == 3
     # the default decoder: host-state (no bind function: the host writes the memory and each call's rows)
     assert dec["state_writes"] == "host"
     assert dec["functions"] == {"step": "main", "bind": None, "prefill": "prefill"}

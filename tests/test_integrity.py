@@ -83,8 +83,10 @@ def test_schema_rejects_broken_manifests(bundle):
                      lambda m: m["frontend"].update(compute_units="neural_engine"),
                      lambda m: m["frontend"]["functions"].pop("main"),
                      lambda m: m.update(format_version=1),
-                     lambda m: m["decoder"].pop("bind_io"),
-                     lambda m: m["decoder"]["functions"].pop("bind"),
+                     lambda m: m["decoder"].pop("cache_mask_input"),  # a host-state decoder (the default)
+                     lambda m: m["decoder"].update(state_writes="graph"),  # ... is no graph one (no bind_io)
+                     lambda m: m["encoder"].pop("length_masks"),
+                     lambda m: m["encoder"].pop("parts"),
                      lambda m: m["decoder"]["io"]["inputs"].update(cross_k={"shape": [1], "dtype": "float16"}),
                      lambda m: m["decoder"]["io"]["states"].pop("cross_mask")):
         broken = json.loads(json.dumps(manifest))
@@ -358,7 +360,7 @@ def test_format_1_manifest_is_refused(bundle, tmp_path, capsys):
     from cohere_coreml.bundle import FORMAT_VERSION, Bundle, BundleError
     from cohere_coreml.cli import main
 
-    assert FORMAT_VERSION == 2
+    assert FORMAT_VERSION == 3
     copy = tmp_path / "old"
     shutil.copytree(bundle, copy)
     manifest = json.loads((copy / "manifest.json").read_text())
@@ -370,7 +372,7 @@ def test_format_1_manifest_is_refused(bundle, tmp_path, capsys):
                  "--language", "en"])
     err = capsys.readouterr().err
     assert code != 0 and "format_version 1" in err and "re-export" in err and "Traceback" not in err
-    manifest["format_version"] = 3
+    manifest["format_version"] = FORMAT_VERSION + 1
     (copy / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(BundleError, match="format_version 3.*update"):
+    with pytest.raises(BundleError, match=f"format_version {FORMAT_VERSION + 1}.*update"):
         Bundle.load(copy)

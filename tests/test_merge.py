@@ -62,7 +62,7 @@ def merges(tiny_reference, tmp_path_factory):
         encoder = E.convert_encoder_buckets(model, settings, [1.0, 2.0], processor)
         dec_cap = _capture(mp, D, root / "dec")
         D.convert_decoder(model, settings, capacity=32, memory_len=64,
-                          prompt=prompt_ids(processor.tokenizer, "en", True), prefill=True)
+                          prompt=prompt_ids(processor.tokenizer, "en", True), prefill=True, state_writes="graph")
         q_cap = _capture(mp, C, root / "q")
         C.compress_package(encoder, root / "int8.mlpackage", Q.Recipe("int8"))
         compressed = {}

@@ -495,18 +495,32 @@ def test_decoder_receives_the_processor_prompt(trained_bundle, trained_reference
     _, processor = trained_reference
     tr = Transcriber(trained_bundle, backend="mil", use_prefill=use_prefill)
     step, prefill, bind = record_decoder_inputs(tr)
+    binds = []  # windows whose memory was written: through bind_memory (graph) or by the host (host)
+    real_bind = tr.decoder.bind
+
+    def counted_bind(state, memory, *args, **kwargs):
+        binds.append(sorted(k for k in memory if k.startswith("cross")))
+        return real_bind(state, memory, *args, **kwargs)
+
+    tr.decoder.bind = counted_bind
     wav = load_audio(heldout_utterances(per_language=1)[0]["path"])
     outputs = set()
     for lang in ("en", "de", "es", "fr", "ja", "zh"):
         for punctuation in (True, False):
             step.calls.clear()
             bind.inputs.clear()
+            binds.clear()
             if prefill is not None:
                 prefill.calls.clear()
             result = tr.transcribe(wav, lang, punctuation=punctuation, max_new_tokens=4)
-            # one window: the cross memory bound once; every step bound only the token and its position
-            assert bind.inputs == [["encoder_cross_k", "encoder_cross_mask", "encoder_cross_v"]]
-            assert set(map(tuple, step.inputs)) == {("input_ids", "position")}
+            # one window: the cross memory bound once; every step bound only the token and its position (and,
+            # host-state decoder, the cache mask); bind_memory only in a graph-state decoder
+            assert binds == [["cross_k", "cross_mask", "cross_v"]]
+            if tr.decoder.host:
+                assert bind.inputs == [] and set(map(tuple, step.inputs)) == {("cache_mask", "input_ids", "position")}
+            else:
+                assert bind.inputs == [["encoder_cross_k", "encoder_cross_mask", "encoder_cross_v"]]
+                assert set(map(tuple, step.inputs)) == {("input_ids", "position")}
             expected = processor.get_decoder_prompt_ids(language=lang, punctuation=punctuation)
             if use_prefill:
                 assert prefill.calls == [expected], (lang, punctuation)

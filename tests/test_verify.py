@@ -54,8 +54,11 @@ def test_manifest(exported):
     assert m["decoder"]["io"]["states"]["self_k"]["shape"] == m["decoder"]["cache_shape"]
     enc_out = m["encoder"]["io"]["outputs"]
     assert enc_out["cross_k"]["shape"] == m["decoder"]["memory_shape"] == m["decoder"]["io"]["states"]["cross_k"]["shape"]
-    assert enc_out["cross_k"] == m["decoder"]["bind_io"]["inputs"]["encoder_cross_k"]
-    assert set(m["decoder"]["io"]["inputs"]) == {"input_ids", "position"}
+    # the default host-state decoder: the host writes the encoder's memory into the states it names
+    assert m["decoder"]["state_writes"] == "host" and m["decoder"]["bind_io"] is None
+    assert m["decoder"]["memory_states"] == {"cross_k": "cross_k", "cross_v": "cross_v", "cross_mask": "cross_mask"}
+    assert enc_out["cross_k"]["shape"] == m["decoder"]["io"]["states"]["cross_k"]["shape"]
+    assert set(m["decoder"]["io"]["inputs"]) == {"input_ids", "position", "cache_mask"}
     assert m["encoder"]["window_frames"] == 3500 and m["encoder"]["memory_len"] == 448
     assert m["audio"]["sampling_rate"] == 16000 and m["audio"]["dither"] == 0.0
     vocab = json.loads((out / "vocab.json").read_text())

@@ -14,7 +14,12 @@ Prints and writes (JSON) a table. Full size takes about an hour and ~16 GB: run 
     uv run python tools/bench_quantize.py --out /tmp/bench_q            # full size (run alone)
 
 Targets (issue 12): f16 <= 2.02, q8 <= 1.03, q4 <= 0.56 bytes per checkpoint parameter; the gated
-export's peak RSS <= 16 GB.
+export's peak RSS <= 16 GB. Issue 27: the export splits the encoder (`--encoder-parts`, default auto:
+under the iOS limit of 1 GiB per program); every bundle's programs are listed with their weight file
+against that limit. A preset `q4@lowrank` is q4 over the `lowrank` bundle (the lowrank->q4 chain;
+`lowrank` needs --calibration: a folder like --data, a few clips suffice for sizes).
+
+    uv run python tools/bench_quantize.py --presets q8 lowrank q4@lowrank --calibration DIR --out /tmp/bq
 """
 
 from __future__ import annotations
@@ -29,6 +34,14 @@ from pathlib import Path
 from cohere_coreml_dev.cli_runs import bundle_bytes, gate_figures, run_cli
 
 TARGETS = {"f16": 2.02, "q8": 1.03, "q4": 0.56}
+IOS_LIMIT = 1 << 30  # ane_check.WEIGHT_LIMITS["ios"]
+
+
+def programs(bundle: Path) -> dict[str, int]:
+    """{package: weight file bytes} of every program of a bundle."""
+    from cohere_coreml.files import weight_file_bytes
+
+    return {p.name: weight_file_bytes(p) for p in sorted(bundle.glob("*.mlpackage"))}
 
 
 def make_checkpoint(out: Path, encoder_layers: int | None, seed: int = 0) -> int:
@@ -62,6 +75,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-gates", action="store_true",
                         help="no export or quantize gates (smoke runs: sizes, times and RSS of conversion alone)")
     parser.add_argument("--window-seconds", type=float, default=35.0)
+    parser.add_argument("--encoder-parts", default="auto", help="the export's --encoder-parts (default: auto)")
+    parser.add_argument("--calibration", default=None, help="calibration folder of the lowrank preset")
     parser.add_argument("--reuse", action="store_true",
                         help="reuse the checkpoint and f16 bundle of an earlier run in --out (re-measure the presets)")
     args = parser.parse_args(argv)
@@ -83,7 +98,8 @@ def main(argv=None) -> int:
         print(f"checkpoint: {params:,} parameters ({figures['checkpoint_s']} s)", flush=True)
         gate_flag = ["--skip-verify"] if args.skip_gates else []
         export = run_cli(["export", "--model", str(ckpt), "--out", str(f16), "--force",
-                          "--window-seconds", str(args.window_seconds), *gate_flag], log=out / "export.log")
+                          "--window-seconds", str(args.window_seconds), "--encoder-parts", str(args.encoder_parts),
+                          *gate_flag], log=out / "export.log")
         run_cli(["bundle", "finalize", str(f16)])
         figures["bundles"]["f16"] = {"bytes": bundle_bytes(f16), "seconds": export["seconds"],
                                      "peak_rss_gb": export["peak_rss_gb"],
@@ -91,14 +107,19 @@ def main(argv=None) -> int:
                                                for p in sorted(f16.glob("*.parity.json"))}}
         print(f"f16 export: {export['seconds']} s, peak RSS {export['peak_rss_gb']} GB", flush=True)
         saved.write_text(json.dumps(figures, indent=2, default=str))
-    for preset in args.presets:
-        q = out / preset
-        cmd = ["quantize", "--bundle", str(f16), "--out", str(q), "--preset", preset, "--data", "none", "--force"]
+    figures["bundles"]["f16"]["programs"] = programs(f16)
+    for name in args.presets:
+        preset, _, source = name.partition("@")  # q4@lowrank: q4 over the lowrank bundle
+        q = out / name
+        cmd = ["quantize", "--bundle", str(out / source if source else f16), "--out", str(q), "--preset", preset,
+               "--data", "none", "--force"]
+        if preset in ("lowrank", "q8-lowrank"):
+            cmd += ["--model", str(ckpt), "--calibration", str(args.calibration)]
         res = run_cli(cmd + (["--skip-verify"] if args.skip_gates else []), check=args.skip_gates,
                       log=out / f"quantize-{preset}.log")
         entry: dict = {"seconds": res["seconds"], "peak_rss_gb": res["peak_rss_gb"]}
         if res["returncode"] != 0:  # refused by its gate: figures from the refusal, size from an ungated build
-            refusal = out / f"{preset}.parity-failed.json"
+            refusal = out / f"{name}.parity-failed.json"
             if not refusal.is_file():
                 raise SystemExit(f"quantize {preset} failed ({res['returncode']}):\n{res['stderr_tail']}")
             entry["gate"] = {"passed": False, **gate_figures(json.loads(refusal.read_text())["gate"])}
@@ -107,11 +128,12 @@ def main(argv=None) -> int:
         report = json.loads((q / "compression.json").read_text())
         entry.setdefault("gate", {"passed": report["gate"].get("passed"), **gate_figures(report["gate"])})
         entry.update(bytes=bundle_bytes(q), uncompressed_tensors={c: s["tensors"]["uncompressed"]
-                                                                  for c, s in report["components"].items()})
-        figures["bundles"][preset] = entry
+                                                                  for c, s in report["components"].items()},
+                     programs=programs(q))
+        figures["bundles"][name] = entry
         rebuilt = (f"; refused, rebuilt with --skip-verify: {entry['ungated_seconds']} s, peak RSS "
                    f"{entry['ungated_peak_rss_gb']} GB" if "ungated_seconds" in entry else "")
-        print(f"{preset}: {entry['seconds']} s, peak RSS {entry['peak_rss_gb']} GB{rebuilt}, gate {entry['gate']}",
+        print(f"{name}: {entry['seconds']} s, peak RSS {entry['peak_rss_gb']} GB{rebuilt}, gate {entry['gate']}",
               flush=True)
     print(f"\n{'bundle':10s} {'bytes':>15s} {'B/param':>8s} {'target':>7s} {'time s':>8s} {'peak RSS GB':>11s}")
     for name, b in figures["bundles"].items():
@@ -119,6 +141,10 @@ def main(argv=None) -> int:
         target = TARGETS.get(name)
         print(f"{name:10s} {b['bytes']:>15,} {b['bytes_per_parameter']:>8.4f} {target or '':>7} "
               f"{b['seconds']:>8.1f} {b['peak_rss_gb']:>11.2f}")
+    print(f"\n{'bundle':10s} programs: weight file bytes (iOS limit {IOS_LIMIT:,} per program)")
+    for name, b in figures["bundles"].items():
+        listed = ", ".join(f"{p} {n:,}{' OVER' if n > IOS_LIMIT else ''}" for p, n in b.get("programs", {}).items())
+        print(f"{name:10s} {listed}")
     print(f"\n{'vs f16':10s} {'gate':>6s} {'enc dB':>7s} {'dec dB':>7s} {'mean KL':>9s} {'argmax':>8s} "
           f"{'|dlogp| median / p99 / max (nats)':>34s} {'eos max':>8s}")
     for name, b in figures["bundles"].items():

@@ -46,8 +46,10 @@ from .config import (
     DECODER_STATES,
     EXTEND_FUNCTION,
     FRONTEND_FUNCTIONS_METADATA_KEY,
+    LENGTH_MASKS_METADATA_KEY,
     MEMORY_NAMES,
     NEW_ROWS_OUTPUTS,
+    PART_METADATA_KEY,
     PREFILL_FUNCTION,
     STEP_FUNCTION,
 )
@@ -162,8 +164,6 @@ def encoder_package_info(path: str | os.PathLike) -> dict:
             tp = int(meta["com.cohere_coreml.padded_encoder_frames"])
     except (KeyError, ValueError, TypeError) as err:
         raise BundleError(f"{path} lacks the encoder metadata of cohere-coreml ({err}): re-export it") from err
-    from .encoder_runtime import package_length_masks  # (its module imports this one's functions late)
-
     functions = buckets or {"main": {"frames": frames}}
     parts = encoder_parts(path)
     for fn in functions:  # every function's I/O (a length bucket takes fewer frames than "main"); in parts,
@@ -176,6 +176,18 @@ def encoder_package_info(path: str | os.PathLike) -> dict:
             "parts": parts,
             "functions": functions, "precision": meta.get("com.cohere_coreml.precision"),
             "io": functions["main"]["io"]}
+
+
+def package_length_masks(path: str | os.PathLike) -> LengthMasks:
+    """The length-mask rule an encoder package was exported with (its metadata)."""
+    raw = package_metadata(path).get(LENGTH_MASKS_METADATA_KEY)
+    if not raw:
+        raise BundleError(f"{path} has no length-mask metadata: it is an encoder of an older bundle format that "
+                          "computed its masks from a feature_length input; re-export it with `cohere-coreml export`")
+    try:
+        return LengthMasks.from_manifest(json.loads(raw))
+    except (ValueError, KeyError, TypeError) as err:
+        raise BundleError(f"{path}: unreadable length-mask metadata: {err}") from err
 
 
 def encoder_part_file(index: int) -> str:
@@ -191,8 +203,6 @@ def encoder_part_key(index: int) -> str:
 def encoder_parts(path: str | os.PathLike) -> list[dict]:
     """[{"file": files key, "layers": [start, stop], "functions": {fn: {"io"}}}] of the encoder whose first
     package is `path` (one entry for a whole encoder): its parts are the sibling packages its metadata counts."""
-    from .encoder_runtime import PART_METADATA_KEY  # see encoder_package_info
-
     path = Path(path)
     meta = package_metadata(path)
     raw = meta.get(PART_METADATA_KEY)
@@ -1053,8 +1063,8 @@ def _check_encoder_parts(f: _Fields, manifest: dict, enc: dict, enc_functions: d
         start = layers[1]
         functions = f.obj(part, "functions", f"{path}.functions")
         if sorted(functions) != sorted(enc_functions):
-            f.fail(f"{path}.functions", f"are {sorted(functions)}, encoder.functions {sorted(enc_functions)}: every "
-                   "part has every window's function")
+            f.fail(f"{path}.functions", f"are {sorted(functions)}, but the encoder functions (encoder.functions) are "
+                   f"{sorted(enc_functions)}: every part has every window's function")
         for fn, entry in functions.items():
             if not isinstance(entry, dict):
                 f.fail(f"{path}.functions.{fn}", f"must be an object, got {_show(entry)}")
@@ -1073,12 +1083,12 @@ def _check_encoder_parts(f: _Fields, manifest: dict, enc: dict, enc_functions: d
                 f"encoder.functions.{fn}.io.outputs", chain["outputs"])
         t = masks.frames(frames_of[fn])[-1]
         for i in range(len(parts) - 1):  # hidden state (1, T, He) out, then in with the encoder mask
-            hidden = f.shape(ios[i], "outputs", "hidden_states", f"encoder.parts[{i}].functions.{fn}.io")
-            if len(hidden) != 3 or hidden[:2] != [1, t] or sorted(ios[i]["outputs"]) != ["hidden_states"]:
+            hidden = f.shape(ios[i], "outputs", "hidden_states_out", f"encoder.parts[{i}].functions.{fn}.io")
+            if len(hidden) != 3 or hidden[:2] != [1, t] or sorted(ios[i]["outputs"]) != ["hidden_states_out"]:
                 f.fail(f"encoder.parts[{i}].functions.{fn}.io.outputs", f"are {_show(ios[i]['outputs'])}; a part "
-                       f"before the last gives only hidden_states [1, {t}, hidden size]")
+                       f"before the last gives only hidden_states_out [1, {t}, hidden size]")
             nxt = ios[i + 1]["inputs"]
-            want = {"hidden_states": ios[i]["outputs"]["hidden_states"],
+            want = {"hidden_states": ios[i]["outputs"]["hidden_states_out"],
                     "encoder_mask": {"shape": [1, t], "dtype": "float16"}}
             if nxt != want:
                 f.fail(f"encoder.parts[{i + 1}].functions.{fn}.io.inputs", f"are {_show(nxt)}; the part after "

@@ -40,6 +40,10 @@ FP16_MASK_VALUE = -1e4
 # Package format: names written by the exporters (encoder, front end, decoder) and read by bundle/transcribe.
 # Metadata key of a length-bucketed encoder: {function: {window_seconds, frames, encoder_frames, padded_frames}}
 BUCKETS_METADATA_KEY = "com.cohere_coreml.buckets"
+# the host's length-mask rule of an encoder package (shapes.LengthMasks.to_manifest, JSON)
+LENGTH_MASKS_METADATA_KEY = "com.cohere_coreml.length_masks"
+# an encoder in parts: {"index", "count", "layers": [start, stop], "num_layers"} in each part's package
+PART_METADATA_KEY = "com.cohere_coreml.encoder_part"
 # Metadata key of the front-end package: {function: {window_seconds, samples, frames}}
 FRONTEND_FUNCTIONS_METADATA_KEY = "com.cohere_coreml.functions"
 # Functions of decoder.mlpackage (one state layout shared by all of them, docs/decoder.md):

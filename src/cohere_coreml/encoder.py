@@ -45,9 +45,9 @@ import torch.nn as nn
 
 from . import faults
 from .audio import FrontEndConfig, load_audio, log_mel
-from .config import BUCKETS_METADATA_KEY, FP16_MASK_VALUE
+from .config import BUCKETS_METADATA_KEY, FP16_MASK_VALUE, LENGTH_MASKS_METADATA_KEY, PART_METADATA_KEY
 from .convert import ExportError, ExportSettings, convert_module, merge_functions
-from .encoder_runtime import LENGTH_MASKS_METADATA_KEY, PART_METADATA_KEY, PartChain
+from .encoder_runtime import PartChain
 from .errors import ParityError
 from .files import (
     install_package,
@@ -80,7 +80,8 @@ DEFAULT_PART_PLATFORM = "ios"
 PART_MARGIN = 0.95
 
 FEATURES_INPUT = "input_features"
-HIDDEN_NAME = "hidden_states"  # between two parts of an encoder: the conformer's hidden state (1, T, He)
+HIDDEN_NAME = "hidden_states"  # between two parts of an encoder: the conformer's hidden state (1, T, He), in
+HIDDEN_OUTPUT = "hidden_states_out"  # ... and out (a program's input and output cannot share a name)
 OUTPUT_NAMES = ("encoder_hidden_states", "cross_k", "cross_v", "cross_mask")
 
 
@@ -312,6 +313,8 @@ def describe_io(shapes: EncoderShapes) -> dict[str, str]:
         f"{s.window_seconds:g} s window (hop {s.hop_length} at {s.sample_rate} Hz); frames past feature_mask ignored",
         HIDDEN_NAME: f"(1, {s.encoder_frames}, {s.encoder_hidden_size}): the conformer's hidden state between "
         "two parts of the encoder",
+        HIDDEN_OUTPUT: f"(1, {s.encoder_frames}, {s.encoder_hidden_size}): the conformer's hidden state between "
+        "two parts of the encoder (out)",
         "encoder_hidden_states": f"(1, {s.padded_frames}, {s.decoder_hidden_size}): encoder output after "
         "decoder.proj; rows past encoder_mask are zero",
         "cross_k": f"({s.num_layers}, {s.num_kv_heads}, {s.padded_frames}, {s.head_dim}): per decoder layer, "
@@ -344,7 +347,7 @@ def convert_traced_encoder(traced, shapes: EncoderShapes, settings: ExportSettin
         dtype = np.float16 if settings.precision == "fp16" else np.float32
         inputs = [ct.TensorType(name=HIDDEN_NAME, shape=(1, s.encoder_frames, s.encoder_hidden_size), dtype=dtype),
                   ct.TensorType(name=ENCODER_MASK, shape=(1, s.encoder_frames), dtype=np.float16)]
-    outputs = [ct.TensorType(name=name) for name in (OUTPUT_NAMES if last else (HIDDEN_NAME,))]
+    outputs = [ct.TensorType(name=name) for name in (OUTPUT_NAMES if last else (HIDDEN_OUTPUT,))]
     io = describe_io(s)
     names = [i.name for i in inputs] + [o.name for o in outputs]
     metadata = {
@@ -690,9 +693,9 @@ def _parts_installed(settings: ExportSettings) -> bool:
     (`files.skip_installed` for a component in several packages)."""
     if not skip_installed(settings, COMPONENT):
         return False
-    from .bundle import package_metadata  # bundle loads without torch; keep it lazy like the others
+    from .runtime.package import read_spec  # (the bundle's readers are not the encoder's business)
 
-    raw = package_metadata(settings.package_path(COMPONENT)).get(PART_METADATA_KEY)
+    raw = dict(read_spec(settings.package_path(COMPONENT)).description.metadata.userDefined).get(PART_METADATA_KEY)
     count = int(json.loads(raw)["count"]) if raw else 1
     missing = [part_component(i) for i in range(1, count) if not settings.package_path(part_component(i)).exists()]
     if missing:
@@ -819,8 +822,8 @@ def compare_part_cases(paths: list[Path], cases: list[GateCase], settings: Expor
             if i == len(paths) - 1:
                 reference, got = case.reference, produced
             else:  # valid frames: padded rows are not transformers' (docs/contract.md)
-                reference = {HIDDEN_NAME: case.parts[i][:, :t]}
-                got = {HIDDEN_NAME: np.asarray(produced[HIDDEN_NAME])[:, :t]}
+                reference = {HIDDEN_OUTPUT: case.parts[i][:, :t]}
+                got = {HIDDEN_OUTPUT: np.asarray(produced[HIDDEN_OUTPUT])[:, :t]}
             report = report_correctness(reference, got, min_db)
             report.extra.update({"case": k, "part": i + 1, "layers": list(ranges[i]), **case.info})
             texts.append(f"[{COMPONENT} gate] function {function_name} part {i + 1} ({ranges[i][0]}-{ranges[i][1] - 1}) "

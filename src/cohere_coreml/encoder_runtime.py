@@ -13,41 +13,22 @@ outputs, which is what `DecoderRuntime.bind` checks the bound memory against.
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 
+from .bundle import encoder_package_info, encoder_part_file, package_length_masks
 from .config import MEMORY_NAMES
 from .shapes import LengthMasks, ShapeError
 
-LENGTH_MASKS_METADATA_KEY = "com.cohere_coreml.length_masks"
-# an encoder in parts: {"index", "count", "layers": [start, stop], "num_layers"} in each part's package
-PART_METADATA_KEY = "com.cohere_coreml.encoder_part"
 FEATURES_INPUT = "input_features"
+HIDDEN_NAME = "hidden_states"  # what one part hands the next (with the encoder mask): its input name ...
+HIDDEN_OUTPUT = "hidden_states_out"  # ... and the previous part's output name
+ENCODER_MASK = "encoder_mask"
 
 
 class EncoderRuntimeError(RuntimeError):
-    """The encoder package cannot be used as the bundle format says (no length masks, wrong outputs)."""
-
-
-def package_length_masks(path: str | os.PathLike) -> LengthMasks:
-    """The length-mask rule an encoder package was exported with (its metadata)."""
-    from .bundle import package_metadata  # bundle imports this module's callers; keep the import late
-
-    raw = package_metadata(path).get(LENGTH_MASKS_METADATA_KEY)
-    if not raw:
-        raise EncoderRuntimeError(f"{path} has no length-mask metadata: it is an encoder of an older bundle format "
-                                  "that computed its masks from a feature_length input; re-export it with "
-                                  "`cohere-coreml export`")
-    try:
-        return LengthMasks.from_manifest(json.loads(raw))
-    except (ValueError, KeyError, TypeError) as err:
-        raise EncoderRuntimeError(f"{path}: unreadable length-mask metadata: {err}") from err
-
-
-HIDDEN_NAME = "hidden_states"  # what one part hands the next (with the encoder mask)
-ENCODER_MASK = "encoder_mask"
+    """The encoder package cannot be used as the bundle format says (wrong function, missing outputs)."""
 
 
 class PartChain:
@@ -60,7 +41,7 @@ class PartChain:
     def predict(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = self.models[0].predict(inputs)
         for model in self.models[1:]:
-            out = model.predict({HIDDEN_NAME: out[HIDDEN_NAME], ENCODER_MASK: inputs[ENCODER_MASK]})
+            out = model.predict({HIDDEN_NAME: out[HIDDEN_OUTPUT], ENCODER_MASK: inputs[ENCODER_MASK]})
         return out
 
     @property
@@ -93,8 +74,6 @@ class EncoderRuntime:
     def load(cls, path: str | os.PathLike, backend: str = "auto", compute_units: str = "all",
              num_threads: int | None = None) -> EncoderRuntime:
         """From the package alone (its metadata: buckets and length-mask rule)."""
-        from .bundle import encoder_package_info, encoder_part_file  # see package_length_masks
-
         info = encoder_package_info(path)
         buckets = {fn: int(v["frames"]) for fn, v in info["functions"].items()}
         paths = [os.path.join(os.path.dirname(os.fspath(path)), encoder_part_file(i)) if i else os.fspath(path)

@@ -98,7 +98,7 @@ def length_masks(rule: dict, n: int, frames: int) -> dict:
     """The encoder's fp16 length masks for n valid mel frames of a window of `frames`: one per time
     resolution, L_0 = n, L_k = (L_k-1 + 2 * padding - kernel_size) // stride + 1 (docs/contract.md).
     Returns them and the window's encoder length L_S."""
-    # Copied from cohere_coreml.shapes.LengthMasks (names, lengths, inputs): this file needs no cohere_coreml
+    # Copied from shapes.LengthMasks of cohere-coreml (names, lengths, inputs): this file runs without the toolkit
     names = ["feature_mask"] + [f"subsampling_mask_{k}" for k in range(1, rule["stages"])] + ["encoder_mask"]
     lengths, sizes = [n], [frames]
     for _ in range(rule["stages"]):
@@ -140,7 +140,7 @@ def encode(bundle: Bundle, samples: np.ndarray) -> dict:
     memory = bundle.function(parts[0]["file"], encoder_function).predict({"input_features": features, **masks})
     for part in parts[1:]:
         memory = bundle.function(part["file"], encoder_function).predict(
-            {"hidden_states": memory["hidden_states"], "encoder_mask": masks["encoder_mask"]})
+            {"hidden_states": memory["hidden_states_out"], "encoder_mask": masks["encoder_mask"]})
     memory = dict(memory)
     memory["encoder_length"] = np.array([encoder_length], np.int32)
     return memory

@@ -45,7 +45,9 @@ from .recipes import (
     SCHEMES,
     QuantizeError,
     Recipe,
+    bundle_components,
     preset_recipes,
+    recipe_component,
 )
 from .sensitivity import SENSITIVITY_WINDOWS, choose_fp16, sensitivity
 
@@ -80,19 +82,6 @@ def source_preset(bundle_dir: Path) -> str:
 # Bundles whose weights are still fp16, so weight compression may start from them: the export, and
 # the low-rank encoder (`lowrank`: a smaller fp16 encoder, compressed further by q8 / q4 / mixed).
 UNCOMPRESSED_PRESETS = ("f16", "lowrank")
-
-
-def bundle_components(bundle_dir: Path) -> list[str]:
-    """The packages quantize compresses, in order: the encoder's parts (encoder, encoder_part2, ...: one
-    for a whole encoder, from the manifest's encoder.parts), then the decoder."""
-    manifest = json.loads((Path(bundle_dir) / MANIFEST_NAME).read_text())
-    parts = (manifest.get("encoder") or {}).get("parts") or [{"file": "encoder"}]
-    return [part["file"] for part in parts] + [c for c in COMPONENTS if c != "encoder"]
-
-
-def recipe_component(comp: str) -> str:
-    """The recipe (and gate kind) of a package: an encoder part is compressed and gated as the encoder."""
-    return "encoder" if comp.startswith("encoder") else comp
 
 
 def check_source(bundle_dir: Path, preset: str | None = None) -> str:

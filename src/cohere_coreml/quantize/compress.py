@@ -149,8 +149,9 @@ def extract_function(path: Path, function_name: str):
     functions = spec.mlProgram.functions
     if function_name not in functions:
         raise QuantizeError(f"{path} has no function {function_name!r} (has {sorted(functions)})")
-    if len(functions) == 1 and function_name == "main":
+    if len(functions) == 1 and function_name == "main" and not spec.description.functions:
         return ct.models.MLModel(spec, weights_dir=weights_dir, skip_model_load=True)
+    # (a package merged from one function keeps a multifunction description, which compression refuses)
     kept = type(functions[function_name])()
     kept.CopyFrom(functions[function_name])
     for name in list(functions.keys()):

@@ -28,7 +28,7 @@ from ..metrics import error_counts, token_agreement
 from ..runtime import load_model
 from ..transcribe import Transcriber
 from .measure import GateData, decoder_outputs, decoder_runtime, encoder_outputs, encoder_psnr, log_prob_error
-from .recipes import QuantizeError
+from .recipes import QuantizeError, bundle_components
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +49,6 @@ def encoder_parts_gate(comp: str, packages: list[Path], f16_bundle: Path, data: 
     chained, vs the f16 bundle's parts 1..k chained, on the gate windows: worst PSNR of the last part's
     outputs (the whole encoder, when k is the last part: the same figure as `component_gate`'s) or of
     part k's hidden state. One part of each is loaded at a time."""
-    from .command import bundle_components  # (command imports this module)
-
     f16_parts = [Path(f16_bundle) / f"{c}.mlpackage" for c in bundle_components(f16_bundle)[: len(packages)]]
     ref_states = out_states = data.encoder_inputs()
     for f16_part, part in zip(f16_parts, packages):
@@ -59,7 +57,7 @@ def encoder_parts_gate(comp: str, packages: list[Path], f16_bundle: Path, data: 
         def step(model, states, inputs):
             if "input_features" in model.input_description:
                 return [model.predict(x) for x in inputs]
-            return [model.predict({"hidden_states": st["hidden_states"], "encoder_mask": x["encoder_mask"]})
+            return [model.predict({"hidden_states": st["hidden_states_out"], "encoder_mask": x["encoder_mask"]})
                     for st, x in zip(states, inputs)]
 
         inputs = data.encoder_inputs()
@@ -69,7 +67,7 @@ def encoder_parts_gate(comp: str, packages: list[Path], f16_bundle: Path, data: 
     worst = encoder_psnr(ref_states, out_states)
     need = gates["encoder_psnr_db"]
     passed = bool(worst >= need)
-    what = "encoder" if "hidden_states" not in ref_states[0] else f"encoder parts 1-{len(packages)} (hidden state)"
+    what = "encoder" if "hidden_states_out" not in ref_states[0] else f"encoder parts 1-{len(packages)} (hidden state)"
     return GateReport(
         component=comp, passed=passed,
         headline=f"{what} PSNR {worst:.1f} dB {'>=' if passed else '<'} {need} dB vs the f16 encoder's "

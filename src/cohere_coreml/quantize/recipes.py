@@ -18,10 +18,27 @@ missing native runtime on Linux, and the CLI imports this package for `--help`.
 from __future__ import annotations
 
 import fnmatch
+import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 COMPONENTS = ("encoder", "decoder")
+
+
+def bundle_components(bundle_dir: Path) -> list[str]:
+    """The packages quantize compresses, in order: the encoder's parts (encoder, encoder_part2, ...: one
+    for a whole encoder, from the manifest's encoder.parts), then the decoder."""
+    manifest = json.loads((Path(bundle_dir) / "manifest.json").read_text())
+    parts = (manifest.get("encoder") or {}).get("parts") or [{"file": "encoder"}]
+    return [part["file"] for part in parts] + [c for c in COMPONENTS if c != "encoder"]
+
+
+def recipe_component(comp: str) -> str:
+    """The recipe (and gate kind) of a package: an encoder part is compressed and gated as the encoder."""
+    return "encoder" if comp.startswith("encoder") else comp
+
+
 # coremltools' default: tensors with at most this many elements are never compressed.
 WEIGHT_THRESHOLD = 2048
 PALETTE_GROUP = 16  # output channels sharing one palette (per_grouped_channel)

@@ -190,8 +190,8 @@ enum ManifestCheck {
             start = b
             let functions: JSONObject = try obj(part, "functions", "\(path).functions")
             guard functions.keys.sorted() == encFunctions.keys.sorted() else {
-                throw fail("\(path).functions", "are \(functions.keys.sorted()), encoder.functions \(encFunctions.keys.sorted()): "
-                           + "every part has every window's function")
+                throw fail("\(path).functions", "are \(functions.keys.sorted()), but the encoder functions (encoder.functions) are "
+                           + "\(encFunctions.keys.sorted()): every part has every window's function")
             }
             var byFunction: [String: JSONObject] = [:]
             for (fn, entry) in functions.entries {
@@ -214,14 +214,14 @@ enum ManifestCheck {
             let t = masks.lengths(framesOf[fn]!).last ?? 0
             for i in 0..<(ios.count - 1) {
                 let outputs = ios[i][fn]!["outputs"]?.object ?? JSONObject()
-                let hidden = outputs["hidden_states"]?.object
-                guard outputs.keys == ["hidden_states"], case .array(let shape)? = hidden?["shape"], shape.count == 3,
+                let hidden = outputs["hidden_states_out"]?.object
+                guard outputs.keys == ["hidden_states_out"], case .array(let shape)? = hidden?["shape"], shape.count == 3,
                       shape[0] == .int(1), shape[1] == .int(t) else {
                     throw fail("encoder.parts[\(i)].functions.\(fn).io.outputs", "are \((ios[i][fn]!["outputs"] ?? .null).shown); a part "
-                               + "before the last gives only hidden_states [1, \(t), hidden size]")
+                               + "before the last gives only hidden_states_out [1, \(t), hidden size]")
                 }
                 var want = JSONObject()
-                want["hidden_states"] = outputs["hidden_states"]!
+                want["hidden_states"] = outputs["hidden_states_out"]!
                 var mask = JSONObject()
                 mask["shape"] = .array([.int(1), .int(t)])
                 mask["dtype"] = .string("float16")

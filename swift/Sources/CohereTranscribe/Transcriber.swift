@@ -423,8 +423,8 @@ public actor CohereTranscriber {
         let t0 = Date()
         var encoded = try await parts[0].predict(inputs, state: nil)
         for part in parts.dropFirst() {  // an encoder in parts: each next one on the previous hidden state
-            guard let hidden = encoded["hidden_states"], let mask = inputs["encoder_mask"] else {
-                throw TranscriptionError.badOutput("an encoder part returned no hidden_states")
+            guard let hidden = encoded["hidden_states_out"], let mask = inputs["encoder_mask"] else {
+                throw TranscriptionError.badOutput("an encoder part returned no hidden_states_out")
             }
             encoded = try await part.predict(["hidden_states": hidden, "encoder_mask": mask], state: nil)
         }
