@@ -96,7 +96,8 @@ final class TranscriberTests: XCTestCase {
         for (runtimeName, runtime) in try Fixtures.runtimes() {
             let transcriber = try await CohereTranscriber(bundle: url, runtime: runtime)
             try await transcriber.prewarm()
-            XCTAssertTrue(transcriber.loadedFunctions.contains("encoder_part2/window_10s"), "\(transcriber.loadedFunctions)")
+            let loaded = await transcriber.loadedFunctions
+            XCTAssertTrue(loaded.contains("encoder_part2/window_10s"), "\(loaded)")
             var windows = 0, sameAsWhole = 0
             for clip in clips {
                 let language = clip["language"] as! String
