@@ -89,12 +89,6 @@ class EncoderInputError(ShapeError):
     """Features or lengths that do not fit the exported encoder's window."""
 
 
-def input_names(shapes: EncoderShapes, first: bool = True) -> tuple[str, ...]:
-    """Inputs of an encoder program: features and every length mask (the first part, or the whole
-    encoder); the hidden state and the encoder mask (a later part)."""
-    return (FEATURES_INPUT, *shapes.masks.names) if first else (HIDDEN_NAME, ENCODER_MASK)
-
-
 def encoder_inputs(shapes: EncoderShapes, features: np.ndarray, n_valid: int) -> dict[str, np.ndarray]:
     """The whole encoder's (or its first part's) inputs for a window: features (1, M, F) float32 and
     the host's length masks for `n_valid` valid mel frames."""

@@ -297,6 +297,9 @@ def cmd_export(args) -> int:
         if report is not None:
             verdict = "PASS" if report["passed"] else ("SKIPPED" if report.get("skipped") else "FAIL")
             print(f"  parity: {verdict}, {report['headline']}")
+            if report.get("parts"):  # an encoder in parts (--encoder-parts)
+                print("  parts: " + ", ".join(f"{p['package']} (layers {p['layers'][0]}-{p['layers'][1] - 1})"
+                                             for p in report["parts"]))
     print(f"manifest: {result.manifest}")
     return 0
 
