@@ -182,12 +182,12 @@ enum ManifestCheck {
                 throw fail("\(path).file", "names files.\(want), which the manifest does not give")
             }
             keys.insert(want)
-            guard case .array(let layers)? = part["layers"], layers.count == 2, case .int(let a) = layers[0],
-                  case .int(let b) = layers[1], a == start, b > start, b <= numLayers else {
+            let layers: [Int] = try ints(part, "layers", "\(path).layers", hi: numLayers)
+            guard layers.count == 2, layers[0] == start, layers[1] > start else {
                 throw fail("\(path).layers", "is \((part["layers"] ?? .null).shown); part \(i + 1) holds layers [\(start), stop) "
                            + "with stop > \(start)")
             }
-            start = b
+            start = layers[1]
             let functions: JSONObject = try obj(part, "functions", "\(path).functions")
             guard functions.keys.sorted() == encFunctions.keys.sorted() else {
                 throw fail("\(path).functions", "are \(functions.keys.sorted()), but the encoder functions (encoder.functions) are "

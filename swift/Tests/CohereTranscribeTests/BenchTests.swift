@@ -211,7 +211,7 @@ final class BenchTests: XCTestCase {
     func bundleIdentity() throws -> (sha: String, layout: String) {
         let sha = try SHA256.hexDigest(ofFile: Fixtures.bundle.appendingPathComponent("manifest.json"))
         let layouts = try BundleLayout.layouts(bundle: Fixtures.bundle)
-        XCTAssertEqual(layouts.map(\.id), ["decoder.state_writes=graph,encoder.parts=whole"])
+        XCTAssertEqual(layouts.map(\.id), ["decoder.state_writes=host,encoder.parts=whole"])  // the default export
         return (sha, layouts[0].id)
     }
 
@@ -400,12 +400,12 @@ final class BenchTests: XCTestCase {
         }
 
         // a layout the bundle does not hold: refused, naming it and the bundle's
-        let foreign = try write(choiceDocument(sha: sha, layout: "decoder.state_writes=host,encoder.parts=whole"), "layout.json")
+        let foreign = try write(choiceDocument(sha: sha, layout: "decoder.state_writes=graph,encoder.parts=whole"), "layout.json")
         do {
             _ = try await transcriber(.file(foreign))
             XCTFail("a device choice naming a layout the bundle lacks was accepted")
         } catch {
-            XCTAssertTrue("\(error)".contains("chose layout 'decoder.state_writes=host,encoder.parts=whole'"), "\(error)")
+            XCTAssertTrue("\(error)".contains("chose layout 'decoder.state_writes=graph,encoder.parts=whole'"), "\(error)")
             XCTAssertTrue("\(error)".contains("it holds: \(layout)"), "\(error)")
         }
 

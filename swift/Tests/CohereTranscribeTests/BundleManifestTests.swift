@@ -197,13 +197,14 @@ final class BundleManifestTests: XCTestCase {
             XCTAssertEqual(error.field, "decoder.memory_shape", "\(error)")
             XCTAssertTrue("\(error)".contains("encoder.memory_len"), "\(error)")
         }
-        // a manifest io block that names an input the package lacks (in encoder.io and functions.main.io,
-        // which the loader checks equal)
+        // a manifest io block that names an output the package lacks (in encoder.io and functions.main.io,
+        // which the loader checks equal; an extra input is refused earlier: the manifest names a format-3
+        // encoder's inputs exactly)
         let dir2 = try editedBundle { json in
             Self.editIO(&json, "encoder", function: "main") { io in
-                var inputs = io["inputs"] as! [String: Any]
-                inputs["speaker"] = ["shape": [1], "dtype": "int32"]
-                io["inputs"] = inputs
+                var outputs = io["outputs"] as! [String: Any]
+                outputs["speaker"] = ["shape": [1], "dtype": "int32"]
+                io["outputs"] = outputs
             }
             var encoder = json["encoder"] as! [String: Any]
             encoder["io"] = ((encoder["functions"] as! [String: Any])["main"] as! [String: Any])["io"]
@@ -211,9 +212,9 @@ final class BundleManifestTests: XCTestCase {
         }
         do {
             _ = try await CohereTranscriber(bundle: dir2, runtime: runtime)
-            XCTFail("a manifest io block naming a missing input was accepted")
+            XCTFail("a manifest io block naming a missing output was accepted")
         } catch let error as BundleError {
-            XCTAssertTrue("\(error)".contains("no input 'speaker'"), "\(error)")
+            XCTAssertTrue("\(error)".contains("no output 'speaker'"), "\(error)")
         }
     }
 
@@ -234,6 +235,13 @@ final class BundleManifestTests: XCTestCase {
             f["io"] = io
             functions[function] = f
             s["functions"] = functions
+            // a whole encoder's one part lists the same io (the manifest checks the two agree)
+            if section == "encoder", var parts = s["parts"] as? [[String: Any]], parts.count == 1 {
+                var partFunctions = parts[0]["functions"] as! [String: Any]
+                partFunctions[function] = ["io": io]
+                parts[0]["functions"] = partFunctions
+                s["parts"] = parts
+            }
         }
         json[section] = s
     }
