@@ -64,23 +64,16 @@ def trained_bundle(trained_reference, tmp_path_factory) -> Path:
 def trained_parts_bundle(trained_reference, trained_bundle, tmp_path_factory) -> Path:
     """`trained_bundle` with its encoder in 2 parts (export --encoder-parts 2): the front end and decoder
     are the session bundle's (copied, so the export skips them), the encoder exported in parts."""
-    import shutil
-
     import torch
 
     from cohere_coreml.convert import ExportSettings
     from cohere_coreml.export import export_model
 
+    from .helpers import copy_packages
+
     torch.set_num_threads(1)
     model, processor = trained_reference
-    out = tmp_path_factory.mktemp("trained-parts") / "bundle"
-    out.mkdir()
-    for name in ("decoder.mlpackage", "frontend.mlpackage", "decoder.parity.json", "frontend.parity.json"):
-        src = trained_bundle / name
-        if src.is_dir():
-            shutil.copytree(src, out / name)
-        elif src.is_file():
-            shutil.copy2(src, out / name)
+    out = copy_packages(trained_bundle, tmp_path_factory.mktemp("trained-parts") / "bundle", ("decoder", "frontend"))
     settings = ExportSettings(out_dir=out, precision="fp16", model_id="cohere-tiny-synth",
                               window_seconds=TRAINED_WINDOW_S)
     export_model(model, processor, settings, max_new_tokens=TRAINED_MAX_NEW_TOKENS, buckets=TRAINED_BUCKETS,

@@ -144,3 +144,16 @@ def record_decoder_inputs(transcriber) -> tuple[RecordingRuntime, RecordingRunti
         decoder.prefill_model = RecordingRuntime(decoder.prefill_model)
     transcriber.prefill = decoder.prefill_model
     return decoder.step_model, decoder.prefill_model, bind
+
+
+def copy_packages(src: Path, dst: Path, components) -> Path:
+    """`dst` (created) holding `src`'s packages of `components` with their gate reports: an export into `dst`
+    skips them and writes only the other components."""
+    import shutil
+
+    dst.mkdir(parents=True)
+    for component in components:
+        shutil.copytree(src / f"{component}.mlpackage", dst / f"{component}.mlpackage")
+        if (src / f"{component}.parity.json").is_file():
+            shutil.copy2(src / f"{component}.parity.json", dst / f"{component}.parity.json")
+    return dst

@@ -365,22 +365,14 @@ def trained_graph_bundle(trained_reference, trained_bundle, tmp_path_factory):
     """The session bundle (host-state decoder, the default) with a graph-state decoder instead: its
     encoder and front end are the session bundle's (copied), its decoder exported with
     --decoder-state graph."""
-    import shutil
-
     from cohere_coreml.convert import ExportSettings
     from cohere_coreml.export import export_model
 
     from .fixture_data import TRAINED_BUCKETS, TRAINED_WINDOW_S
+    from .helpers import copy_packages
 
     model, processor = trained_reference
-    out = tmp_path_factory.mktemp("trained-graph") / "bundle"
-    out.mkdir()
-    for name in ("encoder.mlpackage", "frontend.mlpackage", "encoder.parity.json", "frontend.parity.json"):
-        src = trained_bundle / name
-        if src.is_dir():
-            shutil.copytree(src, out / name)
-        elif src.is_file():
-            shutil.copy2(src, out / name)
+    out = copy_packages(trained_bundle, tmp_path_factory.mktemp("trained-graph") / "bundle", ("encoder", "frontend"))
     settings = ExportSettings(out_dir=out, precision="fp16", model_id="cohere-tiny-synth", window_seconds=TRAINED_WINDOW_S)
     export_model(model, processor, settings, max_new_tokens=TRAINED_MAX_NEW_TOKENS, buckets=TRAINED_BUCKETS,
                  prefill=True, decoder_state="graph")

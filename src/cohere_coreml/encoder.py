@@ -43,23 +43,17 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from . import faults
 from .audio import FrontEndConfig, load_audio, log_mel
 from .config import BUCKETS_METADATA_KEY, FP16_MASK_VALUE, LENGTH_MASKS_METADATA_KEY, PART_METADATA_KEY
 from .convert import ExportError, ExportSettings, convert_module, merge_functions
 from .encoder_runtime import PartChain
-from .errors import ParityError
 from .files import (
-    install_package,
-    remove_package,
     save_converted,
     skip_installed,
     staging_path,
     temporary_dir,
-    write_json_atomic,
 )
-from .gate import GateCase, GateReport, compare_cases, default_gate_audio
-from .integrity import invalidate_manifest
+from .gate import GateCase, GateReport, StagedPackage, compare_cases, default_gate_audio, stage_gated
 from .parity import psnr, report_correctness
 from .reference import cross_memory
 from .shapes import ENCODER_MASK, EncoderShapes, ShapeError, bucket_shapes, encoder_shapes
@@ -607,71 +601,6 @@ def _part_metadata(index: int, ranges, num_layers: int) -> str:
                       sort_keys=True)
 
 
-@dataclass
-class StagedEncoder:
-    """The encoder's parts written to their temporary paths, the gate's references computed.
-
-    `finish()` gates them together (each part, then the chain end to end) and installs every part
-    (`encoder.mlpackage`, `encoder_part2.mlpackage`, ...) with one `encoder.parity.json`, or none;
-    packages of parts beyond the new count (an earlier export in more parts) are removed.
-    `discard()` removes the temporaries. Same interface as `gate.StagedPackage`.
-    """
-
-    component: str
-    settings: ExportSettings
-    tmps: list[Path]
-    gate: object  # Callable[[list[Path]], GateReport] | None (--skip-verify)
-
-    @property
-    def paths(self) -> list[Path]:
-        return [self.settings.package_path(part_component(i)) for i in range(len(self.tmps))]
-
-    def finish(self) -> GateReport:
-        settings = self.settings
-        try:
-            if self.gate is None:
-                logger.warning("%s parity gate skipped (--skip-verify)", COMPONENT)
-                report = GateReport.skipped_gate(COMPONENT)
-            else:
-                report = self.gate(self.tmps)
-                logger.info("%s", report.summary())
-                report.raise_if_failed(self.paths[0])
-        except ParityError as err:
-            self.discard()
-            failed = err.report.to_dict() if isinstance(err.report, GateReport) else {"component": COMPONENT,
-                                                                                       "passed": False}
-            write_json_atomic({**failed, "error": str(err)}, settings.failed_report_path(COMPONENT))
-            raise
-        except BaseException:
-            self.discard()
-            raise
-        finally:
-            self.gate = None
-        try:  # as StagedPackage.finish: no manifest over changing files, no report of other packages
-            invalidate_manifest(settings.out_dir)
-            settings.report_path(COMPONENT).unlink(missing_ok=True)
-            for stale in _installed_extra_parts(settings, len(self.tmps)):
-                remove_package(stale)
-        except BaseException:
-            self.discard()
-            raise
-        for i, (tmp, path) in enumerate(zip(self.tmps, self.paths)):
-            try:
-                install_package(tmp, path)
-            except BaseException:
-                for rest in self.tmps[i + 1 :]:
-                    remove_package(rest)
-                raise
-        write_json_atomic(report.to_dict(), settings.report_path(COMPONENT))
-        settings.failed_report_path(COMPONENT).unlink(missing_ok=True)
-        return report
-
-    def discard(self) -> None:
-        for tmp in self.tmps:
-            remove_package(tmp)
-        self.gate = None
-
-
 def _installed_extra_parts(settings: ExportSettings, count: int) -> list[Path]:
     """Part packages of index >= count in the output folder (left by an export in more parts)."""
     found = []
@@ -699,10 +628,8 @@ def _parts_installed(settings: ExportSettings) -> bool:
 
 
 def _stage(model, settings: ExportSettings, shapes_by_fn: dict[str, EncoderShapes], clips_by_fn: dict,
-           extra_metadata, parts, platform, _wrapper_hook=None) -> StagedEncoder | None:
+           extra_metadata, parts, platform, _wrapper_hook=None) -> StagedPackage | None:
     """Write every part (one function per window in each) to its temporary path and prepare the gate."""
-    if _parts_installed(settings):
-        return None
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     num_layers = len(model.model.encoder.layers)
     ranges = plan_parts(model, parts, settings.precision, platform)
@@ -758,8 +685,8 @@ def _stage(model, settings: ExportSettings, shapes_by_fn: dict[str, EncoderShape
                                 boundaries=[r[0] for r in ranges[1:]])
                  for fn, shapes in shapes_by_fn.items()}
 
-        def gate(paths) -> GateReport:
-            paths = [paths] if isinstance(paths, Path) else list(paths)
+        def gate(tmp: Path) -> GateReport:
+            paths = [tmp, *tmps[1:]]  # the first part's staging path, then the companions'
             reports = {}
             for fn, shapes in shapes_by_fn.items():
                 fn_settings = settings.replace(window_seconds=shapes.window_seconds)
@@ -781,18 +708,12 @@ def _stage(model, settings: ExportSettings, shapes_by_fn: dict[str, EncoderShape
 
         return gate
 
-    for tmp in tmps:
-        remove_package(tmp)
-    try:
-        faults.point(f"stage/{COMPONENT}", tmps[0])
-        write(tmps[0])
-        faults.point(f"staged/{COMPONENT}", tmps[0])
-        gate = None if settings.skip_verify else prepare()
-    except BaseException:
-        for tmp in tmps:
-            remove_package(tmp)
-        raise
-    return StagedEncoder(component=COMPONENT, settings=settings, tmps=tmps, gate=gate)
+    # the parts are gated together and installed together (gate.StagedPackage's companions), with one
+    # encoder.parity.json; a re-export in fewer parts removes the packages of the parts beyond
+    companions = [(tmps[i], settings.package_path(part_component(i))) for i in range(1, len(ranges))]
+    return stage_gated(COMPONENT, settings, write, prepare, companions=companions,
+                       replaces=_installed_extra_parts(settings, len(ranges)),
+                       installed=lambda: _parts_installed(settings))
 
 
 def compare_part_cases(paths: list[Path], cases: list[GateCase], settings: ExportSettings, function_name: str,

@@ -119,6 +119,16 @@ class StagedPackage:
     settings: ExportSettings
     tmp: Path
     gate: Callable[[Path], GateReport] | None  # None: --skip-verify
+    # further packages the same writer wrote and the same gate judged, installed with this one:
+    # (staging path, installed path) (an encoder in parts: encoder_part2.mlpackage ...)
+    companions: list[tuple[Path, Path]] = field(default_factory=list)
+    # installed packages the new ones supersede, removed when they are installed (a re-export in fewer parts)
+    replaces: list[Path] = field(default_factory=list)
+
+    def _remove_staged(self) -> None:
+        remove_package(self.tmp)
+        for staged, _ in self.companions:
+            remove_package(staged)
 
     def finish(self) -> GateReport:
         """Gate the staged package; install it and write `<component>.parity.json` when it passes.
@@ -137,13 +147,13 @@ class StagedPackage:
                 logger.info("%s", report.summary())
                 report.raise_if_failed(path)
         except ParityError as err:
-            remove_package(self.tmp)
+            self._remove_staged()
             failed = err.report.to_dict() if isinstance(err.report, GateReport) else {"component": component,
                                                                                        "passed": False}
             write_json_atomic({**failed, "error": str(err)}, settings.failed_report_path(component))
             raise
         except BaseException:
-            remove_package(self.tmp)
+            self._remove_staged()
             raise
         finally:
             self.gate = None  # its references are not needed any more
@@ -152,41 +162,55 @@ class StagedPackage:
         try:
             invalidate_manifest(settings.out_dir)
             settings.report_path(component).unlink(missing_ok=True)
+            for old in self.replaces:
+                remove_package(old)
         except BaseException:
-            remove_package(self.tmp)
+            self._remove_staged()
             raise
-        install_package(self.tmp, path)  # removes the staging package itself when it fails
+        staged = [(self.tmp, path), *self.companions]
+        for i, (tmp, target) in enumerate(staged):
+            try:
+                install_package(tmp, target)  # removes the staging package itself when it fails
+            except BaseException:
+                for rest, _ in staged[i + 1 :]:
+                    remove_package(rest)
+                raise
         write_json_atomic(report.to_dict(), settings.report_path(component))
         settings.failed_report_path(component).unlink(missing_ok=True)
         return report
 
     def discard(self) -> None:
-        remove_package(self.tmp)
+        self._remove_staged()
         self.gate = None
 
 
 def stage_gated(component: str, settings: ExportSettings, write: Callable[[Path], Any],
-                prepare: GatePreparer) -> StagedPackage | None:
+                prepare: GatePreparer, companions: Sequence[tuple[Path, Path]] = (),
+                replaces: Sequence[Path] = (), installed: Callable[[], bool] | None = None) -> StagedPackage | None:
     """First half of `export_gated`: `write(tmp_path)`, then `prepare()` the gate's references.
 
-    Returns None when the package and its report exist and `settings.force` is off (skipped). `write` should
-    build what it saves (trace, convert) itself, so nothing of the conversion outlives it; the
-    gate is not prepared under `settings.skip_verify`.
+    Returns None when the package and its report exist and `settings.force` is off (skipped;
+    `installed()` decides instead when given). `write` should build what it saves (trace, convert)
+    itself, so nothing of the conversion outlives it; the gate is not prepared under
+    `settings.skip_verify`. `companions` / `replaces`: see `StagedPackage` (`write` writes the companions'
+    staging paths too).
     """
     path = settings.package_path(component)
     tmp = staging_path(path)
-    if skip_installed(settings, component):
+    if installed() if installed is not None else skip_installed(settings, component):
         return None
-    remove_package(tmp)
+    staged = StagedPackage(component=component, settings=settings, tmp=tmp, gate=None,
+                           companions=list(companions), replaces=list(replaces))
+    staged.discard()  # staging leftovers of this process
     try:
         faults.point(f"stage/{component}", tmp)
         write(tmp)
         faults.point(f"staged/{component}", tmp)
-        gate = None if settings.skip_verify else prepare()
+        staged.gate = None if settings.skip_verify else prepare()
     except BaseException:
-        remove_package(tmp)
+        staged.discard()
         raise
-    return StagedPackage(component=component, settings=settings, tmp=tmp, gate=gate)
+    return staged
 
 
 def export_gated(component: str, settings: ExportSettings, write: Callable[[Path], Any],

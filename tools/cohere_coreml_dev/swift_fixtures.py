@@ -107,42 +107,62 @@ def export_bundle(out: Path, model: Path, threads: int) -> Path:
     return bundle
 
 
+def export_variant_bundle(out: Path, bundle: Path, model: Path, threads: int, name: str, args: list[str],
+                          kept: tuple[str, ...]) -> Path:
+    """out/<name>/: the test bundle exported with more `args`, the packages (components) `kept` being the
+    test bundle's (hard links, with their gate reports: the export skips them). Re-exported when the
+    args, the kept packages' checksums or the bundle format changed."""
+    import shutil
+
+    from cohere_coreml.bundle import FORMAT_VERSION
+
+    variant = out / name
+    manifest = variant / "manifest.json"
+    stamp = out / f"{name}.export-args.json"
+    main_stamp = json.loads((bundle / "manifest.json").read_text()).get("checksums", {}).get("files", {})
+    want = {"args": args, "packages": {k: v for k, v in sorted(main_stamp.items())
+                                       if k.startswith(tuple(f"{c}.mlpackage/" for c in kept))}}
+    fresh = (manifest.is_file() and json.loads(manifest.read_text()).get("format_version") == FORMAT_VERSION
+             and stamp.is_file() and json.loads(stamp.read_text()) == want)
+    if not fresh:
+        shutil.rmtree(variant, ignore_errors=True)
+        variant.mkdir(parents=True)
+        for component in kept:
+            shutil.copytree(bundle / f"{component}.mlpackage", variant / f"{component}.mlpackage",
+                            copy_function=os.link)
+            if (bundle / f"{component}.parity.json").is_file():
+                os.link(bundle / f"{component}.parity.json", variant / f"{component}.parity.json")
+        cmd = _cli("export", "--model", str(model), "--out", str(variant), *args)
+        logger.info("test bundle %s: %s", name, " ".join(cmd))
+        subprocess.run(cmd, check=True, env=_env(threads), stdout=subprocess.DEVNULL)
+        stamp.write_text(json.dumps(want))
+    return variant
+
+
 def export_other_decoder_bundle(out: Path, bundle: Path, model: Path, threads: int) -> Path:
     """bundle-<state>/: the test bundle with the other decoder state variant (`--decoder-state`; the test
     bundle has the default one): its front end and encoder are the test bundle's (hard links), its decoder
     is exported with the other variant, so both decoders decode the same encoder outputs."""
-    from cohere_coreml.bundle import FORMAT_VERSION
     from cohere_coreml.config import DECODER_STATE_DEFAULT, DECODER_STATE_GRAPH, DECODER_STATE_HOST
 
     state = DECODER_STATE_GRAPH if DECODER_STATE_DEFAULT == DECODER_STATE_HOST else DECODER_STATE_HOST
-    other = out / f"bundle-{state}"
-    manifest = other / "manifest.json"
-    args = [*EXPORT_ARGS, "--decoder-state", state]
-    stamp = out / f"bundle-{state}.export-args.json"
-    main_stamp = json.loads((bundle / "manifest.json").read_text()).get("checksums", {}).get("files", {})
-    want = {"args": args, "packages": {k: v for k, v in sorted(main_stamp.items())
-                                       if k.startswith(("encoder.mlpackage/", "frontend.mlpackage/"))}}
-    fresh = (manifest.is_file() and json.loads(manifest.read_text()).get("format_version") == FORMAT_VERSION
-             and stamp.is_file() and json.loads(stamp.read_text()) == want)
-    if not fresh:
-        import shutil
-
-        shutil.rmtree(other, ignore_errors=True)
-        other.mkdir(parents=True)
-        for name in ("encoder.mlpackage", "frontend.mlpackage", "encoder.parity.json", "frontend.parity.json"):
-            src = bundle / name
-            if src.is_dir():
-                shutil.copytree(src, other / name, copy_function=os.link)
-            elif src.is_file():
-                os.link(src, other / name)
-        cmd = _cli("export", "--model", str(model), "--out", str(other), *args, "--components", "encoder,frontend,decoder")
-        logger.info("test bundle, decoder state %s: %s", state, " ".join(cmd))
-        subprocess.run(cmd, check=True, env=_env(threads), stdout=subprocess.DEVNULL)
-        stamp.write_text(json.dumps(want))
-    got = json.loads(manifest.read_text())["decoder"].get("state_writes")
+    other = export_variant_bundle(out, bundle, model, threads, f"bundle-{state}",
+                                  [*EXPORT_ARGS, "--decoder-state", state], kept=("encoder", "frontend"))
+    got = json.loads((other / "manifest.json").read_text())["decoder"].get("state_writes")
     if got != state:
         raise FixtureError(f"{other}: the decoder's state_writes is {got!r}, not {state!r}")
     return other
+
+
+def export_parts_bundle(out: Path, bundle: Path, model: Path, threads: int) -> Path:
+    """bundle-parts/: the test bundle with its encoder in PARTS programs (`--encoder-parts`): the front end
+    and decoder are the test bundle's (hard links), the encoder exported in parts."""
+    parts = export_variant_bundle(out, bundle, model, threads, "bundle-parts",
+                                  [*EXPORT_ARGS, "--encoder-parts", str(PARTS)], kept=("decoder", "frontend"))
+    got = len(json.loads((parts / "manifest.json").read_text())["encoder"]["parts"])
+    if got != PARTS:
+        raise FixtureError(f"{parts}: its encoder has {got} parts, not {PARTS}")
+    return parts
 
 
 def reference_key(bundle: Path) -> str:
@@ -427,41 +447,6 @@ def streaming_cases(bundle: Path, out: Path, root: Path, threads: int) -> dict:
             "updates": updates, "lines": lines, "stats": stats, "stats_without_extend": stats_without_extend}
     _write_json(path, data)
     return data
-
-
-def export_parts_bundle(out: Path, bundle: Path, model: Path, threads: int) -> Path:
-    """bundle-parts/: the test bundle with its encoder in PARTS programs (`--encoder-parts`): the front end
-    and decoder are the test bundle's (hard links), the encoder exported in parts."""
-    import shutil
-
-    from cohere_coreml.bundle import FORMAT_VERSION
-
-    parts = out / "bundle-parts"
-    manifest = parts / "manifest.json"
-    args = [*EXPORT_ARGS, "--encoder-parts", str(PARTS)]
-    stamp = out / "bundle-parts.export-args.json"
-    main_stamp = json.loads((bundle / "manifest.json").read_text()).get("checksums", {}).get("files", {})
-    want = {"args": args, "packages": {k: v for k, v in sorted(main_stamp.items())
-                                       if k.startswith(("decoder.mlpackage/", "frontend.mlpackage/"))}}
-    fresh = (manifest.is_file() and json.loads(manifest.read_text()).get("format_version") == FORMAT_VERSION
-             and stamp.is_file() and json.loads(stamp.read_text()) == want)
-    if not fresh:
-        shutil.rmtree(parts, ignore_errors=True)
-        parts.mkdir(parents=True)
-        for name in ("decoder.mlpackage", "frontend.mlpackage", "decoder.parity.json", "frontend.parity.json"):
-            src = bundle / name
-            if src.is_dir():
-                shutil.copytree(src, parts / name, copy_function=os.link)
-            elif src.is_file():
-                os.link(src, parts / name)
-        cmd = _cli("export", "--model", str(model), "--out", str(parts), *args)
-        logger.info("test bundle, encoder in %d parts: %s", PARTS, " ".join(cmd))
-        subprocess.run(cmd, check=True, env=_env(threads), stdout=subprocess.DEVNULL)
-        stamp.write_text(json.dumps(want))
-    got = len(json.loads(manifest.read_text())["encoder"]["parts"])
-    if got != PARTS:
-        raise FixtureError(f"{parts}: its encoder has {got} parts, not {PARTS}")
-    return parts
 
 
 def make_fixtures(out: Path, root: Path, model: Path, demo_clips: list[tuple[str, str]], threads: int = 2) -> Path:
