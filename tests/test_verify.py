@@ -153,3 +153,124 @@ def test_bundle_split_over_folders(exported, tmp_path):
     (first / "manifest.json").write_text("{not json")
     with pytest.raises(BundleError, match="not readable JSON"):
         Bundle.load([first, second])
+
+
+# --------------------------------------------------------------------------------------------
+# Token verdicts: identical, near-tie or DIFFERS (on the trained model's session bundle)
+# --------------------------------------------------------------------------------------------
+
+
+def test_verdicts_in_domain_clips_are_identical(trained_reference, trained_bundle):
+    """Held-out clips (the trained model's own domain): every window "same", counted per tag."""
+    from cohere_coreml.verify import SAME, format_table, verify_bundle
+
+    from .fixture_data import heldout_utterances
+
+    model, processor = trained_reference
+    utts = heldout_utterances(1)
+    report = verify_bundle(model, processor, trained_bundle, [u["path"] for u in utts],
+                           languages=[u["language"] for u in utts], backend="mil",
+                           tags=["in-domain"] * len(utts))
+    s = report["summary"]
+    assert s["tokens_identical_windows"] == s["windows"] == len(utts)
+    assert s["tokens_near_tie_windows"] == s["tokens_differing_windows"] == 0
+    assert s["by_tag"] == {"in-domain": {"windows": len(utts), SAME: len(utts), "near-tie": 0, "DIFFERS": 0}}
+    assert all(w["tokens"]["verdict"] == SAME for c in report["clips"] for w in c["windows"])
+    table = format_table(report)
+    assert "in-domain: identical token windows 3/3, near-tie 0, DIFFERS 0" in table
+    assert "token differences" not in table
+
+
+def _swapped_memory(monkeypatch):
+    """A real defect: the encoder's cross K and V swapped before the decoder sees them."""
+    from cohere_coreml.transcribe import Transcriber
+
+    encode = Transcriber.encode
+
+    def swapped(self, features, n_valid):
+        out = dict(encode(self, features, n_valid))
+        out["cross_k"], out["cross_v"] = out["cross_v"], out["cross_k"]
+        return out
+
+    monkeypatch.setattr(Transcriber, "encode", swapped)
+
+
+def test_verdicts_a_swapped_cross_memory_differs(trained_reference, trained_bundle, monkeypatch, capsys, caplog):
+    """The broken variant: every window whose tokens change is DIFFERS (never near-tie), the table
+    names the step, and `cohere-coreml verify` exits 1."""
+    from cohere_coreml.cli import main
+    from cohere_coreml.verify import DIFFERS, verify_bundle
+
+    from .fixture_data import TRAINED_MODEL, heldout_utterances
+
+    _swapped_memory(monkeypatch)
+    model, processor = trained_reference
+    utts = heldout_utterances(1)
+    report = verify_bundle(model, processor, trained_bundle, [u["path"] for u in utts],
+                           languages=[u["language"] for u in utts], backend="mil")
+    windows = [w for c in report["clips"] for w in c["windows"]]
+    assert report["summary"]["tokens_differing_windows"] == len(windows) == len(utts)
+    for w in windows:
+        d = w["tokens"]["difference"]
+        assert d["verdict"] == DIFFERS and d["step"] == w["tokens"]["common_prefix"]
+        assert d["reference_token"] == w["tokens"]["reference"][d["step"]]
+        assert d["bundle_token"] == w["tokens"]["bundle"][d["step"]]
+        assert d["before"]["passed"] is False  # far outside the export gate before the flip
+    u = utts[0]
+    assert main(["verify", "--model", str(TRAINED_MODEL), "--bundle", str(trained_bundle), "--audio", str(u["path"]),
+                 "--language", u["language"], "--backend", "mil"]) == 1
+    out = capsys.readouterr()
+    assert "DIFFERS 0/" in out.out and "token differences" in out.out and "DIFFERS at step" in out.out
+    assert "differ from the reference beyond a near-tie" in caplog.text
+
+
+def test_verdicts_the_near_tie_bound(trained_reference, trained_bundle):
+    """`judge_difference` at the rule's boundary: the same bundle rows, a reference whose runner-up
+    sits 0.5x (near-tie) or 4x (DIFFERS) the measured step error below its top token."""
+    import numpy as np
+
+    from cohere_coreml.audio import load_audio, log_mel, pad_to_window
+    from cohere_coreml.config import NEAR_TIE_FACTOR
+    from cohere_coreml.decoder_gate import teacher_forcing_case
+    from cohere_coreml.transcribe import Transcriber
+    from cohere_coreml.verify import DIFFERS, NEAR_TIE, judge_difference
+
+    from .fixture_data import heldout_utterances
+
+    model, processor = trained_reference
+    u = heldout_utterances(1)[0]
+    tr = Transcriber(trained_bundle, backend="mil")
+    wav = load_audio(u["path"], target_rate=tr.front_end.sampling_rate)
+    feats, n_valid = log_mel(wav, tr.front_end)
+    memory = tr.encode(pad_to_window(feats, n_valid, frames=tr.window_frames)[0], n_valid)  # the bundle's own
+    ref = processor.feature_extractor(wav, sampling_rate=tr.front_end.sampling_rate, return_tensors="pt",
+                                      return_attention_mask=True)
+    with torch.no_grad():
+        enc = model.model.encoder(ref["input_features"], attention_mask=ref["attention_mask"].long())
+    case = teacher_forcing_case(model, int(tr.bundle.manifest["encoder"]["memory_len"]), tr.bundle.prompt(u["language"]),
+                                enc.last_hidden_state, enc.attention_mask, tail_garbage=0)
+    k = 2  # the third generated token
+    row = case.prompt_len - 1 + k
+    ref_ids = case.ids[case.prompt_len:] + [int(case.log_probs[-1].argmax())]
+    a = ref_ids[k]
+    b = int(np.argsort(-case.log_probs[row])[1])  # the reference's runner-up at that step
+    bundle_ids = ref_ids[:k] + [b]
+    probe = judge_difference(tr.decoder, memory, ref_ids, bundle_ids, case.ids, case.log_probs, case.prompt_len,
+                             "fp16")
+    error = probe["step_error_nats"]
+    assert 0 < error < 0.1 and probe["ref_margin_nats"] > NEAR_TIE_FACTOR * error  # a real margin: DIFFERS
+    assert probe["verdict"] == DIFFERS and probe["before"]["passed"]
+    for scale, verdict in ((0.5, NEAR_TIE), (4.0, DIFFERS)):
+        lp = case.log_probs.copy()
+        lp[row, b] = lp[row, a] - scale * error
+        got = judge_difference(tr.decoder, memory, ref_ids, bundle_ids, case.ids, lp, case.prompt_len, "fp16")
+        assert got["verdict"] == verdict, (scale, got)
+        assert got["ref_margin_nats"] == pytest.approx(scale * error, rel=1e-6)
+        assert got["step_error_nats"] == pytest.approx(error, rel=1e-9)  # measured on the other top tokens
+
+
+def test_verdicts_a_length_difference(trained_bundle):
+    from cohere_coreml.verify import DIFFERS, judge_difference
+
+    got = judge_difference(None, {}, [5, 6, 7], [5, 6], [1, 2, 5, 6], None, 2, "fp16")
+    assert got["verdict"] == DIFFERS and got["step"] == 2 and "lengths differ" in got["reason"]

@@ -158,7 +158,8 @@ def teacher_forcing_report(case: TeacherForcingCase, produced: np.ndarray, preci
             for i in range(len(case.ids))
         ],
     }
-    flips = argmax_flips(case.log_probs[decoding], produced[decoding], positions=range(decoding.start, len(case.ids)))
+    flips = (argmax_flips(case.log_probs[decoding], produced[decoding], positions=range(decoding.start, len(case.ids)))
+             if decoding.start < len(case.ids) else {"near_tie_flips": 0, "decisive_flips": 0, "rows": []})
     report["near_tie_flips"] = flips["near_tie_flips"]
     report["decisive_flips"] = flips["decisive_flips"]
     report["flips"] = flips["rows"]

@@ -2,8 +2,9 @@
 
 * `psnr`: peak signal-to-noise ratio of one array against its reference (every gate's figure);
 * `kl_rows`: KL(P_ref || P_out) per row of log-prob (or logit) matrices, both sides renormalised;
-* `argmax_flips`: argmax disagreements of log-prob rows, each judged against the error measured at
-  that step (near-tie or decisive; the decoder gate's and the quantization gate's rule);
+* `argmax_flips` / `flip_row`: argmax disagreements of log-prob rows, each judged against the error
+  measured at that step (near-tie or decisive; the rule of the decoder gate, the quantization gate and
+  verify's token verdicts);
 * `report_correctness` / `CorrectnessReport`: per-output PSNR (and exact integer outputs) of one
   call of a program, as `gate.compare_cases` and the front end's gate score their cases.
 
@@ -75,30 +76,37 @@ def kl_rows(reference: np.ndarray, produced: np.ndarray, axis: int = -1) -> np.n
 # --------------------------------------------------------------------------------------------
 
 
+def flip_row(ref_row: np.ndarray, out_row: np.ndarray, a: int, b: int, top_k: int = NEAR_TIE_TOP_K,
+             factor: float = NEAR_TIE_FACTOR) -> dict:
+    """One argmax disagreement judged against the error measured at its step: the reference's token `a`,
+    the produced token `b`, of one (V,) log-prob row each.
+
+    margin = ref[a] - ref[b]; error = max |out - ref| over the reference's top-`top_k` tokens other than
+    a and b (the error level of that step, measured on tokens the flip does not involve: the two flipped
+    tokens' own errors always explain the flip). The flip is a near-tie when margin <= `factor` x error:
+    what the measured error could flip; otherwise it is decisive."""
+    ref = np.asarray(ref_row, np.float64).reshape(-1)
+    out = np.asarray(out_row, np.float64).reshape(-1)
+    top = [int(t) for t in np.argsort(-ref)[: top_k + 2] if t not in (a, b)][:top_k]
+    error = float(np.max(np.abs(out[top] - ref[top]))) if top else 0.0
+    margin = float(ref[a] - ref[b])
+    finite = bool(np.isfinite(margin) and np.isfinite(error))
+    return {"ref_token": int(a), "out_token": int(b), "ref_margin_nats": margin, "step_error_nats": error,
+            "near_tie": bool(finite and margin <= factor * error)}
+
+
 def argmax_flips(ref_log_probs: np.ndarray, out_log_probs: np.ndarray, positions=None,
                  top_k: int = NEAR_TIE_TOP_K, factor: float = NEAR_TIE_FACTOR) -> dict:
-    """Argmax disagreements of `out` vs `ref` ((steps, V) log-probs), each judged against the error
-    measured at that step.
-
-    For a step whose argmax differs (reference token a, produced token b): margin = ref[a] - ref[b];
-    error = max |out - ref| over the reference's top-`top_k` tokens other than a and b (the error level of
-    that step, measured on tokens the flip does not involve: the two flipped tokens' own errors always
-    explain the flip). The flip is a near-tie when margin <= `factor` x error: what the measured error
-    could flip; otherwise it is decisive and refuses. Returns counts and one row per flip."""
+    """Argmax disagreements of `out` vs `ref` ((steps, V) log-probs), each judged by `flip_row` (a
+    near-tie the measured error could flip, or decisive: what refuses). Returns counts and one row per flip."""
     ref = np.asarray(ref_log_probs, np.float64).reshape(len(ref_log_probs), -1)
     out = np.asarray(out_log_probs, np.float64).reshape(len(out_log_probs), -1)
     positions = list(range(len(ref))) if positions is None else list(positions)
     rows = []
     for i, pos in enumerate(positions):
         a, b = int(ref[i].argmax()), int(out[i].argmax())
-        if a == b:
-            continue
-        top = [int(t) for t in np.argsort(-ref[i])[: top_k + 2] if t not in (a, b)][:top_k]
-        error = float(np.max(np.abs(out[i, top] - ref[i, top]))) if top else 0.0
-        margin = float(ref[i, a] - ref[i, b])
-        finite = bool(np.isfinite(margin) and np.isfinite(error))
-        rows.append({"position": int(pos), "ref_token": a, "out_token": b, "ref_margin_nats": margin,
-                     "step_error_nats": error, "near_tie": bool(finite and margin <= factor * error)})
+        if a != b:
+            rows.append({"position": int(pos), **flip_row(ref[i], out[i], a, b, top_k, factor)})
     near = sum(r["near_tie"] for r in rows)
     return {"flips": len(rows), "near_tie_flips": near, "decisive_flips": len(rows) - near, "top_k": top_k,
             "factor": factor, "rows": rows}
