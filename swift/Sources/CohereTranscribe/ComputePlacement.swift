@@ -61,6 +61,11 @@ enum ComputePlanWalker {
     /// package's default function), so each function's placement is the one Core ML plans for that function. Throws
     /// when no function's plan can be loaded (on Linux, always); a function whose plan fails or which the plan lacks
     /// is reported in its row.
+    ///
+    /// The SDK has no function parameter on the load (iOS 18.3 CoreML.swiftinterface: `public static func
+    /// load(contentsOf url: Foundation.URL, configuration: CoreML.MLModelConfiguration) async throws ->
+    /// CoreML.MLComputePlan`); the configuration picks the function (MLModelConfiguration.h: `@property (readwrite,
+    /// nullable, copy, nonatomic) NSString *functionName API_AVAILABLE(macos(15.0), ios(18.0), ...)`).
     static func placement(compiled: URL, target: PlacementTarget) async throws -> [FunctionPlacement] {
         let package = target.package.lastPathComponent
         var rows: [FunctionPlacement] = []

@@ -1,12 +1,24 @@
 // EMULATION OF CORE ML'S COMPUTE-PLAN API (MLComputePlan, MLModelStructure, MLComputeDevice) FOR LINUX.
 //
-// `DeviceBenchmark`'s placement code is written against the iOS 18.3 SDK's CoreML.swiftinterface and must
-// compile there; this file gives it the same names, types and availability attributes on Linux, where
-// Core ML does not exist, so the same code type-checks and runs here. It declares only what the package
-// uses, with the SDK's signatures (the enums with all their cases, as a `switch` over them sees them):
-// the `MLModelAsset` overloads, `MLModelStructure.load`, `deviceUsage(for: Layer)`, `description` and
-// `allComputeDevices` are left out. Declarations are internal (like CoreMLMirror.swift), so the package
-// exports no Core ML names on Linux. `MLModelConfiguration` comes from the Core ML mirror.
+// The placement code (`ComputePlanWalker` in ComputePlacement.swift) is written against the iOS 18.3 SDK's
+// CoreML.swiftmodule/arm64-apple-ios.swiftinterface and must compile there; this file gives it the same
+// names, types, availability and Sendable conformances on Linux, where Core ML does not exist, so the same
+// code type-checks and runs here. It declares only what the package uses, with the SDK's signatures (the
+// enums with all their cases, as a `switch` over them sees them): the `MLModelAsset` overloads,
+// `MLModelStructure.load`, `deviceUsage(for: Layer)`, `description` and `allComputeDevices` are left out.
+// Declarations are internal (unlike CoreMLEmulation.swift's), so the package exports no compute-plan names
+// on Linux. `MLModelConfiguration` comes from CoreMLEmulation.swift.
+//
+// Sendable, as the SDK declares it:
+// - `MLComputePlan` is not: the interface has `@available(*, unavailable) extension CoreML.MLComputePlan :
+//   Swift.Sendable {}`; its `DeviceUsage` and `Cost` are `Swift.Sendable` structs.
+// - `MLModelStructure` and every nested type: `public enum MLModelStructure : Swift.Sendable` (and each
+//   `public struct ... : Swift.Sendable`).
+// - `MLComputeDevice`: `public enum MLComputeDevice : Swift.Equatable, Swift.Hashable,
+//   Swift.CustomStringConvertible, Swift.Sendable`; its payloads are final and Sendable
+//   (MLGPUComputeDevice.h, MLNeuralEngineComputeDevice.h: `ML_EXPORT NS_SWIFT_SENDABLE
+//   __attribute__((objc_subclassing_restricted)) @interface ML...ComputeDevice : NSObject<MLComputeDeviceProtocol>`;
+//   the CPU device likewise, as the Sendable enum that carries it requires).
 //
 // Behaviour: `MLComputePlan.load` throws `ComputePlanUnavailable` (placement is not available on Linux);
 // no plan, structure or device is ever created here.
@@ -23,13 +35,13 @@ struct ComputePlanUnavailable: Error, CustomStringConvertible, LocalizedError {
 }
 
 @available(macOS 14.0, iOS 17.0, watchOS 10.0, tvOS 17.0, *)
-class MLCPUComputeDevice: NSObject, @unchecked Sendable {}
+final class MLCPUComputeDevice: NSObject, Sendable {}
 
 @available(macOS 14.0, iOS 17.0, watchOS 10.0, tvOS 17.0, *)
-class MLGPUComputeDevice: NSObject, @unchecked Sendable {}
+final class MLGPUComputeDevice: NSObject, Sendable {}
 
 @available(macOS 14.0, iOS 17.0, watchOS 10.0, tvOS 17.0, *)
-class MLNeuralEngineComputeDevice: NSObject, @unchecked Sendable {}
+final class MLNeuralEngineComputeDevice: NSObject, Sendable {}
 
 @available(macOS 14.0, iOS 17.0, watchOS 10.0, tvOS 17.0, *)
 enum MLComputeDevice: Equatable, Hashable, Sendable {
@@ -110,7 +122,11 @@ class MLComputePlan {
         self.modelStructure = modelStructure
     }
 
-    /// Always throws on Linux: there is no Core ML to ask.
+    /// The SDK's `public static func load(contentsOf url: Foundation.URL, configuration:
+    /// CoreML.MLModelConfiguration) async throws -> CoreML.MLComputePlan` (MLComputePlan.h:
+    /// `+loadContentsOfURL:configuration:completionHandler:`): no function parameter; the configuration's
+    /// `functionName` (macOS 15 / iOS 18) picks the function of a multifunction package. Always throws on
+    /// Linux: there is no Core ML to ask.
     static func load(contentsOf url: URL, configuration: MLModelConfiguration) async throws -> MLComputePlan {
         throw ComputePlanUnavailable()
     }
@@ -119,4 +135,7 @@ class MLComputePlan {
 
     func deviceUsage(for operation: MLModelStructure.Program.Operation) -> MLComputePlan.DeviceUsage? { nil }
 }
+
+@available(*, unavailable)
+extension MLComputePlan: Sendable {}
 #endif

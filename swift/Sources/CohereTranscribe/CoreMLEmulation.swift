@@ -10,6 +10,13 @@
 // macOS and iOS (it imports CoreML on Apple platforms and compiles against this file on Linux).
 //
 // Properties the SDK declares read-only are read-only here too (`private(set)`).
+// Sendable as the SDK declares it: of the classes only `MLState` (MLState.h: `ML_EXPORT NS_SWIFT_SENDABLE
+// __attribute__((objc_subclassing_restricted)) @interface MLState : NSObject`); every other class here is
+// `ML_EXPORT @interface MLx : NSObject...` with no NS_SWIFT_SENDABLE (MLModel.h, MLModelConfiguration.h,
+// MLPredictionOptions.h, MLMultiArray.h, MLFeatureValue.h, MLDictionaryFeatureProvider.h,
+// MLFeatureDescription.h, MLModelDescription.h, MLMultiArrayConstraint.h, MLStateConstraint.h of the iOS
+// 18.3 SDK), so not Sendable: code that sends one across isolation domains fails here as it would on a
+// device build. The NS_ENUMs (MLComputeUnits, MLMultiArrayDataType, MLFeatureType) import as Sendable.
 // Behaviour, as on a device:
 // - `MLModel.compileModel(at:)` returns a temporary `<name>.mlmodelc` folder that is deleted when the
 //   process exits unless the caller moves it; `MLModel(contentsOf:configuration:)` and `MLModel.load`
@@ -95,7 +102,7 @@ func emulationError(_ code: Int, _ message: String) -> NSError {
 // MARK: - enums
 
 /// `MLComputeUnits` (MLModelConfiguration.h). `.cpuAndNeuralEngine`: macOS 13 / iOS 16.
-public enum MLComputeUnits: Int, @unchecked Sendable {
+public enum MLComputeUnits: Int, Sendable {
     case cpuOnly = 0
     case cpuAndGPU = 1
     case all = 2
@@ -104,22 +111,26 @@ public enum MLComputeUnits: Int, @unchecked Sendable {
 }
 
 /// `MLMultiArrayDataType` (MLMultiArray.h). `float64` and `float` are aliases of `double` and `float32`
-/// in the SDK (imported as static properties, not cases); `float16`: macOS 12 / iOS 15; `int8`: macOS 26 / iOS 26.
-public enum MLMultiArrayDataType: Int, @unchecked Sendable {
+/// in the SDK (imported as static properties, not cases; macOS 11 / iOS 14); `float16`: macOS 12 / iOS 16
+/// (`MLMultiArrayDataTypeFloat16 API_AVAILABLE(macos(12.0), ios(16.0), watchos(9.0), tvos(16.0))`);
+/// `int8`: macOS 26 / iOS 26.
+public enum MLMultiArrayDataType: Int, Sendable {
     case double = 65600
     case float32 = 65568
-    @available(macOS 12.0, iOS 15.0, watchOS 8.0, tvOS 15.0, *)
+    @available(macOS 12.0, iOS 16.0, watchOS 9.0, tvOS 16.0, *)
     case float16 = 65552
     case int32 = 131104
     @available(macOS 26.0, iOS 26.0, watchOS 26.0, tvOS 26.0, visionOS 26.0, *)
     case int8 = 131080
 
+    @available(macOS 11.0, iOS 14.0, watchOS 7.0, tvOS 14.0, *)
     public static var float64: MLMultiArrayDataType { .double }
+    @available(macOS 11.0, iOS 14.0, watchOS 7.0, tvOS 14.0, *)
     public static var float: MLMultiArrayDataType { .float32 }
 }
 
 /// `MLFeatureType` (MLFeatureType.h).
-public enum MLFeatureType: Int, @unchecked Sendable {
+public enum MLFeatureType: Int, Sendable {
     case invalid = 0, int64 = 1, double = 2, string = 3, image = 4, multiArray = 5, dictionary = 6, sequence = 7
     @available(macOS 15.0, iOS 18.0, watchOS 11.0, tvOS 18.0, visionOS 2.0, *)
     case state = 8
@@ -158,7 +169,7 @@ extension MLMultiArrayDataType {
 // MARK: - configuration, options
 
 @available(macOS 10.14, iOS 12.0, watchOS 5.0, tvOS 12.0, *)
-open class MLModelConfiguration: NSObject, NSCopying, @unchecked Sendable {
+open class MLModelConfiguration: NSObject, NSCopying {
     open var computeUnits: MLComputeUnits = .all
     @available(macOS 15.0, iOS 18.0, watchOS 11.0, tvOS 18.0, visionOS 2.0, *)
     open var functionName: String?
@@ -176,14 +187,14 @@ open class MLModelConfiguration: NSObject, NSCopying, @unchecked Sendable {
 }
 
 @available(macOS 10.13, iOS 11.0, watchOS 4.0, tvOS 11.0, *)
-open class MLPredictionOptions: NSObject, @unchecked Sendable {
+open class MLPredictionOptions: NSObject {
     public override init() { super.init() }
 }
 
 // MARK: - MLMultiArray
 
 @available(macOS 10.13, iOS 11.0, watchOS 4.0, tvOS 11.0, *)
-open class MLMultiArray: NSObject, @unchecked Sendable {
+open class MLMultiArray: NSObject {
     private let storage: UnsafeMutableRawBufferPointer
     private let shapeValues: [Int]
     private let strideValues: [Int]
@@ -278,7 +289,7 @@ open class MLMultiArray: NSObject, @unchecked Sendable {
 // MARK: - feature values and providers
 
 @available(macOS 10.13, iOS 11.0, watchOS 4.0, tvOS 11.0, *)
-open class MLFeatureValue: NSObject, @unchecked Sendable {
+open class MLFeatureValue: NSObject {
     public private(set) var type: MLFeatureType
     public private(set) var multiArrayValue: MLMultiArray?
 
@@ -296,7 +307,7 @@ public protocol MLFeatureProvider: NSObjectProtocol {
 }
 
 @available(macOS 10.13, iOS 11.0, watchOS 4.0, tvOS 11.0, *)
-open class MLDictionaryFeatureProvider: NSObject, MLFeatureProvider, @unchecked Sendable {
+open class MLDictionaryFeatureProvider: NSObject, MLFeatureProvider {
     public private(set) var dictionary: [String: MLFeatureValue]
 
     /// Values are `MLFeatureValue`s or what `MLFeatureValue` wraps (here: `MLMultiArray`).
@@ -323,7 +334,7 @@ open class MLDictionaryFeatureProvider: NSObject, MLFeatureProvider, @unchecked 
 // MARK: - descriptions
 
 @available(macOS 10.13, iOS 11.0, watchOS 4.0, tvOS 11.0, *)
-open class MLMultiArrayConstraint: NSObject, @unchecked Sendable {
+open class MLMultiArrayConstraint: NSObject {
     public private(set) var shape: [NSNumber]
     public private(set) var dataType: MLMultiArrayDataType
     init(shape: [Int], dataType: MLMultiArrayDataType) {
@@ -333,7 +344,7 @@ open class MLMultiArrayConstraint: NSObject, @unchecked Sendable {
 }
 
 @available(macOS 15.0, iOS 18.0, watchOS 11.0, tvOS 18.0, visionOS 2.0, *)
-open class MLStateConstraint: NSObject, @unchecked Sendable {
+open class MLStateConstraint: NSObject {
     /// `[Int]` in Swift (the Objective-C `bufferShape` is refined for Swift by the overlay).
     public private(set) var bufferShape: [Int]
     public private(set) var dataType: MLMultiArrayDataType
@@ -344,7 +355,7 @@ open class MLStateConstraint: NSObject, @unchecked Sendable {
 }
 
 @available(macOS 10.13, iOS 11.0, watchOS 4.0, tvOS 11.0, *)
-open class MLFeatureDescription: NSObject, @unchecked Sendable {
+open class MLFeatureDescription: NSObject {
     public private(set) var name: String
     public private(set) var type: MLFeatureType
     open var isOptional: Bool { false }
@@ -361,7 +372,7 @@ open class MLFeatureDescription: NSObject, @unchecked Sendable {
 }
 
 @available(macOS 10.13, iOS 11.0, watchOS 4.0, tvOS 11.0, *)
-open class MLModelDescription: NSObject, @unchecked Sendable {
+open class MLModelDescription: NSObject {
     public private(set) var inputDescriptionsByName: [String: MLFeatureDescription]
     public private(set) var outputDescriptionsByName: [String: MLFeatureDescription]
     @available(macOS 15.0, iOS 18.0, watchOS 11.0, tvOS 18.0, visionOS 2.0, *)
@@ -377,9 +388,10 @@ open class MLModelDescription: NSObject, @unchecked Sendable {
 
 // MARK: - state
 
-/// `MLState` (MLState.h: final, Sendable): the state buffers of one stateful model instance.
+/// `MLState` (MLState.h: `NS_SWIFT_SENDABLE`, `objc_subclassing_restricted`: final and Sendable): the
+/// state buffers of one stateful model instance. Checked Sendable: immutable, its backend is Sendable.
 @available(macOS 15.0, iOS 18.0, watchOS 11.0, tvOS 18.0, visionOS 2.0, *)
-public final class MLState: NSObject, @unchecked Sendable {
+public final class MLState: NSObject, Sendable {
     let handle: String
     let backend: InterpreterRuntime
     let modelHandle: String
@@ -439,7 +451,7 @@ extension MLState {
 // MARK: - model
 
 @available(macOS 10.13, iOS 11.0, watchOS 4.0, tvOS 11.0, *)
-open class MLModel: NSObject, @unchecked Sendable {
+open class MLModel: NSObject {
     public private(set) var modelDescription: MLModelDescription
     @available(macOS 10.14, iOS 12.0, watchOS 5.0, tvOS 12.0, *)
     public private(set) var configuration: MLModelConfiguration

@@ -15,6 +15,7 @@ import CoreML
 /// share one compile. Loads and predictions use Core ML's async APIs.
 ///
 /// Float16 arrays are exchanged as raw bits (`Tensor`), never as Swift's `Float16`, which Intel Macs lack.
+/// `@unchecked Sendable`: its only mutable state (the compile / cache counters) is behind `counts`.
 public final class CoreMLRuntime: ModelRuntime, @unchecked Sendable {
     public let name = "coreml"
     /// Folder of compiled models: by default `<Caches>/CohereTranscribe/compiled`.
@@ -227,6 +228,11 @@ final class CoreMLState: RuntimeState {
     }
 }
 
+/// `@unchecked Sendable` (RuntimeModel is Sendable): `MLModel` is not Sendable in the SDK (MLModel.h:
+/// `ML_EXPORT @interface MLModel : NSObject`, no NS_SWIFT_SENDABLE), but this wrapper only reads its immutable
+/// `modelDescription` (in `init`) and calls `prediction(from:options:) async` / `makeState()`; Core ML's async
+/// prediction API is documented as thread-safe for concurrent calls (WWDC23 "Improve Core ML integration with
+/// async prediction"). The arrays, providers and options of a call stay inside that call.
 final class CoreMLModel: RuntimeModel, @unchecked Sendable {
     let model: MLModel
     let functionName: String

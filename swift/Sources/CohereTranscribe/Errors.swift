@@ -68,3 +68,50 @@ public enum TranscriptionError: Error, Equatable, CustomStringConvertible, Local
     }
     public var errorDescription: String? { description }
 }
+
+/// Why `MicrophoneSource.start()` refused to start (checked before the engine is touched: an input bus with
+/// no sample rate or no channels makes `installTap` raise an Objective-C exception Swift cannot catch).
+public enum MicrophoneError: Error, Equatable, CustomStringConvertible, LocalizedError {
+    /// The user denied microphone access (`AVAudioApplication.shared.recordPermission == .denied`).
+    case permissionDenied
+    /// iOS: microphone access not requested yet (`.undetermined`).
+    case permissionUndetermined
+    /// iOS: the audio session's category does not record (`category`: its raw value).
+    case sessionCannotRecord(category: String)
+    /// iOS: `AVAudioSession.setActive(true)` failed.
+    case sessionActivationFailed(String)
+    /// iOS: no audio input hardware (`AVAudioSession.isInputAvailable` is false).
+    case noInputDevice
+    /// The input node's format has no sample rate or no channels.
+    case unusableInputFormat(sampleRate: Double, channels: UInt32)
+    /// `start()` while started: one tap per source.
+    case alreadyStarted
+    /// `start()` after `stop()`: the stream's input is finished.
+    case stopped
+
+    public var description: String {
+        switch self {
+        case .permissionDenied:
+            return "microphone access is denied: the user can allow it in Settings > Privacy & Security > Microphone"
+        case .permissionUndetermined:
+            return "microphone access has not been requested: call AVAudioApplication.requestRecordPermission() before "
+                + "start() (the app's Info.plist needs NSMicrophoneUsageDescription)"
+        case .sessionCannotRecord(let category):
+            return "the audio session's category \(category) does not record: set .record or .playAndRecord "
+                + "(AVAudioSession.sharedInstance().setCategory) before start()"
+        case .sessionActivationFailed(let why):
+            return "cannot activate the audio session: \(why)"
+        case .noInputDevice:
+            return "no audio input is available"
+        case .unusableInputFormat(let rate, let channels):
+            return "the microphone input is \(rate) Hz with \(channels) channel(s): no usable input (no microphone, no "
+                + "permission, or a macOS app without its entitlement: com.apple.security.device.microphone in the App "
+                + "Sandbox, com.apple.security.device.audio-input with the Hardened Runtime)"
+        case .alreadyStarted:
+            return "the microphone source is already started"
+        case .stopped:
+            return "the microphone source was stopped and its stream input finished: make a new stream and source"
+        }
+    }
+    public var errorDescription: String? { description }
+}

@@ -20,8 +20,9 @@ enum BenchCommand {
       cohere-coreml bench --data DATASET --merge-engine FILE.json [--pytorch MODEL --bundle DIR ...]
       --data           dataset folder (its manifest's sha256 is recorded: the merge checks it)
       --out            write the JSON there (default: print it on stdout)
-      --runtime        coreml (default on macOS) or interpreter (`cohere-coreml serve-runtime`; the default on
-                       Linux, where `coreml` runs Core ML's code path over the emulation: placement unavailable)
+      --runtime        coreml (default on macOS) or interpreter (`cohere-coreml serve-runtime`, a child process:
+                       macOS and Linux only; the default on Linux, where `coreml` runs Core ML's code path over the
+                       emulation: placement unavailable)
       --interpreter    path of the cohere-coreml command (default: $COHERE_COREML, else PATH)
       --cache-dir      folder of compiled Core ML models (default: the user's Caches/CohereTranscribe/compiled)
     With Core ML the device decides: every candidate (compute units x each package layout the bundle holds) runs in a
@@ -56,11 +57,7 @@ enum BenchCommand {
         var fromManifest = false, warmup = true, quiet = false
         var cacheDir: String?, candidateUnits: [ComputeUnits]?, deviceChoicePath: String?, childTimeout = 7200.0
         var childCandidate: String?, childResult: String?
-        #if os(macOS)
-        var runtimeName = "coreml"
-        #else
-        var runtimeName = "interpreter"
-        #endif
+        var runtimeName = RuntimeChoice.defaultName
         while !args.isEmpty {
             let a = args.removeFirst()
             func value() -> String? { args.isEmpty ? nil : args.removeFirst() }
@@ -142,17 +139,8 @@ enum BenchCommand {
         }
 
         let runtime: ModelRuntime
-        do {
-            if runtimeName == "interpreter" {
-                runtime = try interpreterPath.map { try InterpreterRuntime(executable: URL(fileURLWithPath: $0)) }
-                    ?? InterpreterRuntime()
-            } else {
-                #if os(Linux)
-                CoreMLEmulation.use(try interpreterPath.map { try InterpreterRuntime(executable: URL(fileURLWithPath: $0)) }
-                    ?? InterpreterRuntime())  // the Core ML code path over the emulation (placement: unavailable)
-                #endif
-                runtime = try CoreMLRuntime(cacheDirectory: cacheDir.map { URL(fileURLWithPath: $0, isDirectory: true) })
-            }
+        do {  // on Linux `coreml` is Core ML's code path over the emulation (placement: unavailable)
+            runtime = try RuntimeChoice.make(runtimeName, interpreterPath: interpreterPath, cacheDir: cacheDir)
         } catch {
             return fail("\(error)")
         }

@@ -17,8 +17,9 @@ usage: cohere-transcribe-swift --bundle DIR --language LANG FILE... [--json] [--
 Greedy transcription with a bundle written by `cohere-coreml export` (front end, encoder, decoder
 packages, manifest.json, vocab.json); token for token what `cohere-coreml transcribe` gives.
   --runtime        coreml (default on macOS) or interpreter (the project's MIL interpreter through
-                   `cohere-coreml serve-runtime`; the default on Linux). On Linux `coreml` runs the same
-                   Core ML code path over the project's Core ML emulation (backed by the interpreter).
+                   `cohere-coreml serve-runtime`, a child process: macOS and Linux only; the default on
+                   Linux). On Linux `coreml` runs the same Core ML code path over the project's Core ML
+                   emulation (backed by the interpreter).
   --interpreter    path of the cohere-coreml command (default: $COHERE_COREML, else PATH)
   --cache-dir      folder of compiled Core ML models (default: the user's Caches/CohereTranscribe/compiled)
   --compute-units  Core ML compute units for every component (default: the device choice `bench` wrote for
@@ -54,11 +55,7 @@ var stream = false
 var pace = true
 var hop: Double?
 var stats = false
-#if os(macOS)
-var runtimeName = "coreml"
-#else
-var runtimeName = "interpreter"
-#endif
+var runtimeName = RuntimeChoice.defaultName
 
 var args = Array(CommandLine.arguments.dropFirst())
 func value(_ flag: String) -> String {
@@ -137,18 +134,7 @@ func jsonObject(_ path: String, _ r: TranscriptionResult) -> [String: Any] {
 
 let transcriber: CohereTranscriber
 do {
-    func interpreter() throws -> InterpreterRuntime {
-        try interpreterPath.map { try InterpreterRuntime(executable: URL(fileURLWithPath: $0)) } ?? InterpreterRuntime()
-    }
-    let runtime: ModelRuntime
-    if runtimeName == "interpreter" {
-        runtime = try interpreter()
-    } else {
-        #if os(Linux)
-        CoreMLEmulation.use(try interpreter())  // the Core ML code path, run by the emulation
-        #endif
-        runtime = try CoreMLRuntime(cacheDirectory: cacheDir.map { URL(fileURLWithPath: $0, isDirectory: true) })
-    }
+    let runtime = try RuntimeChoice.make(runtimeName, interpreterPath: interpreterPath, cacheDir: cacheDir)
     transcriber = try await CohereTranscriber(bundle: URL(fileURLWithPath: bundle), runtime: runtime,
                                               computeUnits: units.map { .uniform($0) }, deviceChoice: deviceChoice)
     _ = try transcriber.manifest.prompt(language: language, punctuation: punctuation)  // unknown language: fail now

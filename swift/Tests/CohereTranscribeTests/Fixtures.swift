@@ -44,11 +44,19 @@ enum Fixtures {
         try JSONSerialization.jsonObject(with: Data(contentsOf: try require().appendingPathComponent(name)))
     }
 
+    /// Why a test that needs a child process (`Process`: macOS and Linux only) is skipped elsewhere (iOS).
+    static let noChildProcesses = "needs child processes (Foundation's Process: macOS and Linux only)"
+
+    #if os(macOS) || os(Linux)
     /// The project's cohere-coreml command (after `make sync`) as the interpreter runtime, with
     /// `$COHERE_SWIFT_THREADS` (default 2) torch threads: the machine is shared with the build and CI.
     /// One child process serves every test (starting one costs ~15 s of Python imports); models and
     /// states are freed in the child when the tests drop them.
     static func interpreter() throws -> InterpreterRuntime { try sharedInterpreter.get() }
+    #else
+    /// No interpreter runtime on iOS (it is a child process): the test is skipped.
+    static func interpreter() throws -> any ModelRuntime { throw XCTSkip("the interpreter runtime \(noChildProcesses)") }
+    #endif
 
     /// The Core ML runtime of the package run on the Linux Core ML emulation (over the shared
     /// interpreter), with a fresh compiled-model cache under the temporary folder. On macOS: Core ML.
@@ -61,17 +69,23 @@ enum Fixtures {
         return try CoreMLRuntime(cacheDirectory: cache)
     }
 
-    /// Both runtimes the transcriber tests run through.
+    /// The runtimes the transcriber tests run through: the interpreter (macOS, Linux) and Core ML.
     static func runtimes() throws -> [(String, ModelRuntime)] {
+        #if os(macOS) || os(Linux)
         [("interpreter", try interpreter()), ("coreml", try coreML())]
+        #else
+        [("coreml", try coreML())]
+        #endif
     }
 
+    #if os(macOS) || os(Linux)
     private static let sharedInterpreter = Result<InterpreterRuntime, Error> {
         _ = try require()
         let exe = repoRoot.appendingPathComponent(".venv/bin/cohere-coreml")
         let threads = ProcessInfo.processInfo.environment["COHERE_SWIFT_THREADS"] ?? "2"
         return try InterpreterRuntime(executable: exe, arguments: ["serve-runtime", "--num-threads", threads])
     }
+    #endif
 
     static func floats(_ path: String) throws -> [Float] {
         let data = try Data(contentsOf: URL(fileURLWithPath: path))

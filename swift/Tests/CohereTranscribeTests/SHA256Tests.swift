@@ -51,6 +51,7 @@ final class SHA256Tests: XCTestCase {
     }
 
     func testFileDigestsEqualSha256sum() throws {
+        #if os(macOS) || os(Linux)
         let dir = Fixtures.scratch.appendingPathComponent("sha256-\(UUID().uuidString)")
         try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
         defer { try? FileManager.default.removeItem(at: dir) }
@@ -82,6 +83,9 @@ final class SHA256Tests: XCTestCase {
             XCTAssertEqual(try SHA256.hexDigest(ofFile: url), want, url.lastPathComponent)
             XCTAssertEqual(SHA256.hexDigest(try Data(contentsOf: url)), want, url.lastPathComponent)
         }
+        #else
+        throw XCTSkip("sha256sum \(Fixtures.noChildProcesses)")
+        #endif
     }
 
     func testHexString() {
