@@ -395,6 +395,68 @@ def _cases():
 
     shape_case("scaled_dot_product_attention", lambda mb, c, x, y, z: mb.scaled_dot_product_attention(query=x, key=y, value=z),
                sdpa_ref, shapes={"x": (1, 2, 3, 4), "y": (1, 2, 5, 4), "z": (1, 2, 5, 4)})
+
+    # rank-0 values (MIL scalars): scalar consts, reductions to a scalar, slices squeezed to a scalar.
+    # reduce_max / reduce_min give exact fp16 scalars; every output's shape is also checked against
+    # coremltools' type inference (see _check_shape).
+    def width(mb, x):  # rank-0 int32 from a slice squeezed to a scalar (x.shape[2] = 4)
+        return mb.slice_by_index(x=mb.shape(x=x), begin=[2], end=[3], squeeze_mask=[True])
+
+    cases.append(Case("scalar_binary", U,
+                      lambda mb, c, x: (mb.add(x=mb.reduce_max(x=x), y=c(1.5)), mb.mul(x=c(-2.0), y=mb.reduce_min(x=x)),
+                                        mb.real_div(x=mb.reduce_max(x=x), y=c(3.0)), mb.maximum(x=mb.reduce_min(x=x), y=c(-0.5))),
+                      lambda c, x: (x.max() + c(1.5), c(-2.0) * x.min(), x.max() / c(3.0), np.maximum(x.min(), c(-0.5))),
+                      ops=("add", "mul", "real_div", "maximum")))
+    cases.append(Case("scalar_unary_cast", U,
+                      lambda mb, c, x: (mb.exp(x=mb.sub(x=mb.reduce_max(x=x), y=c(1.0))), mb.cast(x=mb.mul(x=mb.reduce_min(x=x), y=c(2.0)), dtype="int32"),
+                                        mb.sqrt(x=c(2.25))),
+                      lambda c, x: (np.exp(x.max() - c(1.0)), np.trunc(x.min() * 2).astype(np.int32), np.sqrt(c(2.25))),
+                      ops=("exp", "cast", "sqrt", "sub")))
+    cases.append(Case("gather_scalar_index", U,
+                      lambda mb, c, x: (mb.gather(x=x, indices=np.int32(-1), axis=1),
+                                        mb.gather(x=mb.reduce_max(x=x, axes=[0, 1]), indices=np.int32(2), axis=0)),
+                      lambda c, x: (x[:, -1], x.max((0, 1))[2]), ops=("gather",)))
+    cases.append(Case("concat_scalars", U,
+                      lambda mb, c, x: (mb.concat(values=(mb.reduce_max(x=x), c(0.5), mb.reduce_min(x=x)), axis=0),
+                                        mb.concat(values=(mb.reduce_min(x=x), mb.reduce_max(x=x)), axis=-1, interleave=True)),
+                      lambda c, x: (np.array([x.max(), c(0.5), x.min()]), np.array([x.min(), x.max()])), ops=("concat",)))
+
+    def dynamic_slice(mb, c, x):  # x[:, p:p + 1, 1:w] with rank-0 int32 arithmetic (w = 4, p = w - 3)
+        w = width(mb, x)
+        p = mb.sub(x=w, y=np.int32(3))
+        begin = mb.concat(values=(np.int32(0), p, np.int32(1)), axis=0)
+        end = mb.concat(values=(np.int32(2), mb.add(x=p, y=np.int32(1)), w), axis=0)
+        return mb.slice_by_index(x=x, begin=begin, end=end)
+
+    cases.append(Case("slice_scalar_bounds", U, dynamic_slice, lambda c, x: x[:, 1:2, 1:4], ops=("slice_by_index", "concat", "shape")))
+    cases.append(Case("select_scalar", U,
+                      lambda mb, c, x: tuple(mb.select(cond=mb.greater(x=mb.reduce_max(x=x), y=c(t)), a=mb.reduce_min(x=x), b=c(-3.0))
+                                             for t in (1.0, 5.0)),
+                      lambda c, x: tuple(np.where(x.max() > c(t), x.min(), c(-3.0)) for t in (1.0, 5.0)), ops=("select", "greater")))
+
+    def scalar_shapes(mb, c, x):
+        s = mb.add(x=mb.reduce_max(x=x), y=c(0.5))
+        corner = mb.slice_by_size(x=x, begin=[0, 0, 0], size=[1, 1, 1])
+        return (mb.expand_dims(x=s, axes=[0, -1]),  # (1, 1)
+                mb.mul(x=mb.reshape(x=corner, shape=np.zeros(0, dtype=np.int32)), y=c(2.0)),  # ()
+                mb.reshape(x=s, shape=[1, 1, 1]),
+                mb.mul(x=mb.squeeze(x=corner), y=c(-1.0)),  # ()
+                mb.concat(values=(mb.shape(x=s), mb.shape(x=x)), axis=0),  # shape of a scalar: an empty vector
+                mb.fill(shape=mb.shape(x=s), value=c(1.5)),  # ()
+                mb.one_hot(indices=mb.sub(x=width(mb, x), y=np.int32(2)), one_hot_vector_size=4, on_value=c(1.0), off_value=c(0.0)))
+
+    cases.append(Case("scalar_shape_ops", U, scalar_shapes,
+                      lambda c, x: (np.full((1, 1), x.max() + c(0.5)), x[0, 0, 0] * 2.0, np.full((1, 1, 1), x.max() + c(0.5)),
+                                    -x[0, 0, 0], np.array([2, 3, 4], dtype=np.int32), np.float64(c(1.5)), np.eye(4)[2]),
+                      ops=("expand_dims", "reshape", "squeeze", "shape", "fill", "one_hot")))
+
+    def scatter_scalar_ref(c, x, y):
+        out = x.copy()
+        out[:, 1] = y
+        return out
+
+    shape_case("scatter_scalar_index", lambda mb, c, x, y: mb.scatter(data=x, indices=np.int32(1), updates=y, axis=1, mode="update"),
+               scatter_scalar_ref, shapes={"x": (2, 3, 4), "y": (2, 4)}, ops=("scatter",))
     return cases
 
 
@@ -426,14 +488,15 @@ def _build_program(cases, float_dtype):
         func.set_outputs(outs)
     prog = Program()
     prog.add_function("main", func)
-    return prog, names, c
+    inferred = [tuple(v.shape) for v in func.outputs]  # coremltools' type inference, () for a scalar
+    return prog, names, c, inferred
 
 
 def _run_zoo(tmp_path, float_dtype):
     import coremltools as ct
 
     cases = [c for c in _cases() if float_dtype == np.float32 or c.fp16]
-    prog, names, c = _build_program(cases, float_dtype)
+    prog, names, c, inferred = _build_program(cases, float_dtype)
     ml = ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.macOS15,
                     pass_pipeline=ct.PassPipeline.EMPTY, skip_model_load=True)
     path = tmp_path / f"zoo_{np.dtype(float_dtype).name}.mlpackage"
@@ -459,8 +522,8 @@ def _run_zoo(tmp_path, float_dtype):
         ref = case.ref(lambda v: c(v).astype(np.float64), **arrays[i])
         ref = ref if isinstance(ref, tuple) else (ref,)
         got = out_list[j : j + len(ref)]
+        results[case.name] = (case, [np.asarray(r) for r in ref], got, inferred[j : j + len(ref)])
         j += len(ref)
-        results[case.name] = (case, [np.asarray(r) for r in ref], got)
     assert j == len(out_list)
     used = {s.op_type for s in model._steps}
     return results, used
@@ -479,12 +542,18 @@ def zoo16(tmp_path_factory):
 CASE_NAMES = [c.name for c in _cases()]
 
 
+def _check_shape(name, got, ref, inferred):
+    assert got.shape == ref.shape, (name, got.shape, ref.shape)
+    if all(isinstance(d, (int, np.integer)) for d in inferred):  # symbolic dims: not known before running
+        assert got.shape == inferred, (name, got.shape, inferred)
+
+
 @pytest.mark.parametrize("name", CASE_NAMES)
 def test_op_fp32(zoo32, name):
     results, _ = zoo32
-    case, refs, gots = results[name]
-    for ref, got in zip(refs, gots):
-        assert got.shape == ref.shape, (name, got.shape, ref.shape)
+    case, refs, gots, inferred = results[name]
+    for ref, got, shape in zip(refs, gots, inferred):
+        _check_shape(name, got, ref, shape)
         if case.exact or got.dtype.kind in "iu":
             np.testing.assert_array_equal(got, ref)
         else:
@@ -496,9 +565,9 @@ def test_op_fp32(zoo32, name):
 @pytest.mark.parametrize("name", [c.name for c in _cases() if c.fp16])
 def test_op_fp16(zoo16, name):
     results, _ = zoo16
-    case, refs, gots = results[name]
-    for ref, got in zip(refs, gots):
-        assert got.shape == ref.shape, (name, got.shape, ref.shape)
+    case, refs, gots, inferred = results[name]
+    for ref, got, shape in zip(refs, gots, inferred):
+        _check_shape(name, got, ref, shape)
         if case.exact or got.dtype.kind in "iu":
             np.testing.assert_array_equal(got, ref)
             continue

@@ -4,6 +4,10 @@ One module with many outputs, converted once at FP32 and once at FP16 precision.
 error / max |torch| <= 1e-4 per output. FP16: the whole chain runs in fp16 in the package, so
 errors accumulate over a few ops: PSNR per output is printed (``pytest -s``) and must exceed
 40 dB.
+
+Then a toy decoder step with the KV cache as inputs and outputs (no Core ML state) and scalar
+(rank-0) position arithmetic, as other projects convert Cohere's decoder: several steps, the
+interpreter's caches fed back, vs torch.
 """
 
 from __future__ import annotations
@@ -106,3 +110,98 @@ def test_torch_zoo(zoo_results, name):
         value = psnr(ref, got)
         print(f"torch zoo fp16 {name}: PSNR {value:.1f} dB, max rel err {max_rel_err(got, ref):.2e}")
         assert value > 40
+
+
+# ---------------------------------------------------------------- decoder step, cache in / cache out
+V, D, HEADS, LAYERS, T, STEPS = 13, 16, 2, 2, 8, 6
+
+
+class _CacheIODecoderStep(torch.nn.Module):
+    """One decoder step: token (1, 1) int32, position (1,) int32, caches (LAYERS, 1, HEADS, T, D / HEADS)
+    in; logits and the caches with row `position` written out. `position[0]` is rank-0 in the MIL
+    program: it feeds a scalar gather (position table), scalar slices (gain table, cache[:, :, p:p + 1])
+    and `p + 1`."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, D)
+        self.pos_table = torch.nn.Parameter(torch.randn(T, D) * 0.5)
+        self.pos_gain = torch.nn.Parameter(torch.rand(T) + 0.5)
+        self.ln = torch.nn.ModuleList(torch.nn.LayerNorm(D) for _ in range(LAYERS))
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(D, 3 * D) for _ in range(LAYERS))
+        self.o = torch.nn.ModuleList(torch.nn.Linear(D, D) for _ in range(LAYERS))
+        self.ff = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(D, 2 * D), torch.nn.GELU(), torch.nn.Linear(2 * D, D))
+            for _ in range(LAYERS))
+        self.head = torch.nn.Linear(D, V)
+
+    def forward(self, token, position, k_cache, v_cache):
+        p = position[0]
+        h = self.emb(token) + F.embedding(p, self.pos_table) * self.pos_gain[p]
+        bias = torch.where(torch.arange(T) < p + 1, 0.0, -1e4)  # attend to rows <= p
+        hd = D // HEADS
+        keys, values = [], []
+        for i in range(LAYERS):
+            q, k, v = self.qkv[i](self.ln[i](h)).view(1, 1, 3, HEADS, hd).permute(2, 0, 3, 1, 4)
+            kc, vc = k_cache[i].clone(), v_cache[i].clone()
+            kc[:, :, p:p + 1] = k
+            vc[:, :, p:p + 1] = v
+            keys.append(kc)
+            values.append(vc)
+            att = torch.softmax(q @ kc.transpose(-1, -2) / hd**0.5 + bias, dim=-1) @ vc
+            h = h + self.o[i](att.transpose(1, 2).reshape(1, 1, D))
+            h = h + self.ff[i](h)
+        return self.head(h), torch.stack(keys), torch.stack(values)
+
+
+@pytest.fixture(scope="module")
+def cache_io_decoder(tmp_path_factory):
+    torch.manual_seed(2)
+    module = _CacheIODecoderStep().eval()
+    cache = (LAYERS, 1, HEADS, T, D // HEADS)
+    example = [torch.tensor([[3]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32),
+               torch.randn(cache), torch.randn(cache)]
+    path = convert_torch(module, example, tmp_path_factory.mktemp("cacheio") / "step.mlpackage",
+                         output_names=["logits", "k_out", "v_out"])
+    return module, path, load_model(path, backend="mil")
+
+
+def test_cache_io_decoder_shapes_follow_type_inference(cache_io_decoder):
+    """Every op output has the shape coremltools infers for it (rank-0 values included)."""
+    from coremltools.converters.mil.mil import types
+
+    from cohere_coreml.runtime.package import load_mil_function, read_package
+
+    _, path, model = cache_io_decoder
+    function = load_mil_function(read_package(path))
+    inferred = {v.name: tuple(v.shape) for op in function.operations for v in op.outputs
+                if types.is_tensor(v.sym_type) or types.is_scalar(v.sym_type)}
+    shape = model.input_description["x2"][0]
+    feeds = {"x0": np.array([[4]], np.int32), "x1": np.array([3], np.int32),
+             "x2": np.ones(shape, np.float32), "x3": np.ones(shape, np.float32)}
+    values = model.intermediates(feeds)
+    scalars = [name for name, s in inferred.items() if s == () and name in values]
+    assert scalars  # the position is rank-0 in this program
+    for name, value in values.items():
+        assert value.shape == inferred[name], (name, value.shape, inferred[name])
+
+
+def test_cache_io_decoder_steps_match_torch(cache_io_decoder):
+    module, _, model = cache_io_decoder
+    assert {"concat", "gather", "slice_update"} <= {s.op_type for s in model._steps}
+    shape = model.input_description["x2"][0]
+    tokens = torch.randint(0, V, (STEPS,), generator=torch.Generator().manual_seed(3)).tolist()
+    k_ref = v_ref = torch.zeros(shape)
+    k, v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    for step, token in enumerate(tokens):
+        out = model.predict({"x0": np.array([[token]], np.int32), "x1": np.array([step], np.int32), "x2": k, "x3": v})
+        with torch.no_grad():
+            logits, k_ref, v_ref = module(torch.tensor([[token]], dtype=torch.int32),
+                                          torch.tensor([step], dtype=torch.int32), k_ref, v_ref)
+        k, v = out["k_out"], out["v_out"]  # the interpreter's caches feed its next step
+        assert not k[:, :, :, step + 1:].any() and k[:, :, :, step].any()  # row `step` written, later rows untouched
+        for name, got, ref in (("logits", out["logits"], logits), ("k", k, k_ref), ("v", v, v_ref)):
+            assert got.shape == tuple(ref.shape)
+            err = max_rel_err(got, ref.numpy())
+            print(f"cache-io decoder step {step} {name}: max rel err {err:.2e}")
+            assert err <= 1e-4, (step, name, err)

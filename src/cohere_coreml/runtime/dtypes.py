@@ -71,14 +71,15 @@ def coerce(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def from_numpy(arr: np.ndarray, name: str) -> torch.Tensor:
-    """Numpy array (of the MIL dtype ``name``) -> interpreter representation."""
+    """Numpy array (of the MIL dtype ``name``) -> interpreter representation, same shape (a rank-0
+    array stays rank-0: ``np.ascontiguousarray`` would make it (1,))."""
     arr = np.asarray(arr)
     if name in ("fp16", "fp32"):
         if arr.dtype == np.float16:  # torch converts half -> float much faster than numpy
-            return torch.from_numpy(np.ascontiguousarray(arr)).to(torch.float32)
-        t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+            return torch.from_numpy(np.asarray(arr, order="C")).to(torch.float32)
+        t = torch.from_numpy(np.asarray(arr, dtype=np.float32, order="C"))
         return coerce(t, name) if name == "fp16" else t
-    return torch.from_numpy(np.ascontiguousarray(arr.astype(numpy_dtype(name), copy=False))).to(
+    return torch.from_numpy(np.asarray(arr.astype(numpy_dtype(name), copy=False), order="C")).to(
         torch_dtype(name)
     )
 

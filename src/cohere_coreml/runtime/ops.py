@@ -535,6 +535,8 @@ def _tile(a):
 @op("concat")
 def _concat(a):
     values = a.ts("values")
+    if values[0].dim() == 0:  # rank-0 values concatenate to a vector (coremltools: np.stack)
+        return torch.stack(values)
     axis = _axis(a.v("axis"), values[0].dim())
     if a.v("interleave", False):
         stacked = torch.stack(values, dim=axis + 1)
@@ -750,8 +752,9 @@ def _scatter_core(data, axis, index, updates, mode):
 def _scatter(a):
     data, idx, updates = a.t("data"), a.t("indices"), a.t("updates")
     axis = _axis(a.v("axis", 0), data.dim())
-    idx = _norm_index(idx, data.shape[axis])
-    # updates: data.shape[:axis] + indices.shape + data.shape[axis+1:] (indices 1-D)
+    idx = _norm_index(idx, data.shape[axis]).reshape(-1)
+    # updates: data.shape[:axis] + indices.shape + data.shape[axis+1:] (indices rank-0 or 1-D)
+    updates = updates.reshape(list(data.shape[:axis]) + [idx.numel()] + list(data.shape[axis + 1:]))
     shape = [1] * updates.dim()
     shape[axis] = idx.numel()
     index = idx.reshape(shape).expand(updates.shape)
