@@ -1,26 +1,40 @@
-"""Test shim: coremltools' MLModel predicts through the project's MIL interpreter (Linux has no Core ML).
+"""Test emulation of Core ML for coremltools on Linux: the native layer coremltools calls on a Mac
+(`coremltools.libcoremlpython._MLModelProxy`) emulated in Python, its predictions run by the project's MIL
+interpreter in a child process (`cohere-coreml serve-runtime`, protocol in src/cohere_coreml/runtime/serve.py).
 
-tests/test_example.py copies this file, with a one-line `.pth` that imports it, into the
-site-packages of a venv that holds only numpy, soundfile and coremltools, and runs the bundle's
-example_inference.py there with `python -I`. The shim does nothing unless COHERE_COREML_SHIM_COMMAND
-names the interpreter command (a JSON list, e.g. [".venv/bin/python", "-m", "cohere_coreml.cli",
-"serve-runtime"]). Then it replaces only what Core ML itself provides on a Mac:
+coremltools' own Python code (`MLModel`, `CompiledMLModel`, `MLState`, `utils.compile_model`, their input
+checks and conversions) runs unchanged on top; only what Core ML itself provides is replaced, following
+what coremltools 9.0 calls (read in coremltools/models/model.py, _compiled_model.py and utils.py):
 
-* `MLModel._get_proxy_and_spec`: where coremltools makes its native Core ML proxy for a package,
-  the shim returns an `InterpreterProxy` that loads the same package function in the child
-  (`cohere-coreml serve-runtime`, protocol in src/cohere_coreml/runtime/serve.py). So
-  `MLModel.predict` still runs coremltools' own input checks and conversions, and only the
-  prediction is the interpreter's;
-* `MLModel.make_state`, which refuses to run off macOS: an `MLState` over a state in the child.
+* `_MLModelProxy(path, compute_units_name, function_name, optimization_hints, asset)`: loads a compiled
+  model (`.mlmodelc`); given an `.mlpackage`, Core ML compiles it first into a temporary `.mlmodelc`
+  (`get_compiled_model_path()`), as `MLModel(path.mlpackage)` does on every load;
+* `_MLModelProxy.compileModel(path) -> str`: a new temporary `<name>.mlmodelc` folder (a copy of the
+  package inside, plus `coreml-emulation.json`: the Swift emulation's layout, CoreMLEmulation.swift);
+* `predict(data, state)`, `newState()` (an object with `read_state` / `write_state`, what `MLState` wraps),
+  `maximum_supported_specification_version()`, `auto_set_specification_version(spec)`;
+* the platform: `_is_macos()` / `_macos_version()` in the coremltools modules that check them answer
+  macOS 15, so `make_state` and `CompiledMLModel` run.
 
-An error of the child (a wrong input name, shape or dtype, ...) is raised as `ShimError` naming it.
-Standard library and numpy only: the venv has nothing of cohere_coreml.
+`install(command)` applies all of it and returns an `Emulation` (counts of compiles and loads, the
+loads' compute units; `uninstall()` restores coremltools); `emulated(command)` is the same as a context
+manager. The backend's tests use it in-process; tests/test_example.py copies this file, with a one-line
+`.pth` that imports it, into a venv that holds only numpy, soundfile and coremltools, where it installs
+itself when COHERE_COREML_SHIM_COMMAND names the interpreter command (a JSON list). An error of the
+child (a wrong input name, shape or dtype, ...) is raised as `ShimError` naming it. Standard library and
+numpy only: the example's venv has nothing of cohere_coreml.
 """
 
 import atexit
+import contextlib
 import json
 import os
+import shutil
 import subprocess
+import sys
+import tempfile
+import types
+import uuid
 
 import numpy as np
 
@@ -108,47 +122,152 @@ class StateProxy:
                                  {name: value})
 
 
-class InterpreterProxy:
-    """What MLModel.__proxy__ is on a Mac (predict, newState), for one function of a package."""
-
-    def __init__(self, interpreter: Interpreter, path: str, function_name: str | None, compute_units: str):
-        self.interpreter = interpreter
-        response, _ = interpreter.request({"op": "load", "path": path, "function": function_name,
-                                           "compute_units": compute_units})
-        self.handle = response["model"]
-
-    def predict(self, data: dict, state: StateProxy | None = None) -> dict:
-        header = {"op": "predict", "model": self.handle, "state": None if state is None else state.handle}
-        return self.interpreter.request(header, data)[1]
-
-    def newState(self) -> StateProxy:  # noqa: N802 - the name of the native proxy's method
-        return StateProxy(self.interpreter, self.interpreter.request({"op": "make_state", "model": self.handle})[0]["state"])
+MARKER = "coreml-emulation.json"  # what makes a folder a compiled model here (the Swift emulation's name)
+SPECIFICATION_VERSION = 9  # Core ML 8 (macOS 15 / iOS 18): what the packages' deployment target needs
+MACOS_VERSION = (15, 0)
 
 
-def install(command: list[str]) -> None:
-    from coremltools.models import model as ct_model
+class Emulation:
+    """One installed emulation: the interpreter child (started on first load), temporary compiled models,
+    and what was done: `compiles` (packages compiled), `loads` (one dict per model load: path, function,
+    compute units)."""
 
-    interpreter = []  # started when the first package loads
+    def __init__(self, command: list[str]):
+        self.command = command
+        self.interpreter: Interpreter | None = None
+        self.temporary = tempfile.mkdtemp(prefix="coreml-emulation-")
+        self.compiles: list[str] = []
+        self.loads: list[dict] = []
+        self._undo: list[tuple[object, str, object]] = []
+        atexit.register(self.close)
 
-    original_proxy = ct_model.MLModel._get_proxy_and_spec
-    original_make_state = ct_model.MLModel.make_state
+    def child(self) -> Interpreter:
+        if self.interpreter is None:
+            self.interpreter = Interpreter(self.command)
+        return self.interpreter
 
-    def get_proxy_and_spec(self, filename, compute_units, skip_model_load=False, optimization_hints=None):
-        proxy, spec, error = original_proxy(self, filename, compute_units, skip_model_load=skip_model_load,
-                                            optimization_hints=optimization_hints)
-        if proxy is None and not skip_model_load and os.path.isdir(filename):
-            if not interpreter:
-                interpreter.append(Interpreter(command))
-            proxy = InterpreterProxy(interpreter[0], filename, self.function_name, compute_units.name.lower())
-        return proxy, spec, error
+    def compile(self, path: str) -> str:
+        """Core ML's compile: a new temporary `<name>.mlmodelc` folder for an `.mlpackage`."""
+        path = os.path.abspath(os.path.expanduser(path))
+        if not (path.rstrip("/").endswith(".mlpackage") and os.path.isfile(os.path.join(path, "Manifest.json"))):
+            raise RuntimeError(f"Error compiling model: {path} is not a model package (.mlpackage with Manifest.json)")
+        name = os.path.basename(path.rstrip("/"))[: -len(".mlpackage")]
+        compiled = os.path.join(self.temporary, uuid.uuid4().hex, name + ".mlmodelc")
+        shutil.copytree(path, os.path.join(compiled, "model.mlpackage"))
+        with open(os.path.join(compiled, MARKER), "w", encoding="utf-8") as f:
+            json.dump({"package": "model.mlpackage", "source": os.path.basename(path)}, f)
+        self.compiles.append(path)
+        return compiled
 
-    def make_state(self):
-        if isinstance(self.__proxy__, InterpreterProxy):
-            return ct_model.MLState(self.__proxy__.newState())
-        return original_make_state(self)
+    def close(self) -> None:
+        if self.interpreter is not None:
+            self.interpreter.close()
+            self.interpreter = None
+        shutil.rmtree(self.temporary, ignore_errors=True)  # Core ML's temporary models go with the process
 
-    ct_model.MLModel._get_proxy_and_spec = get_proxy_and_spec
-    ct_model.MLModel.make_state = make_state
+    def uninstall(self) -> None:
+        for owner, name, value in reversed(self._undo):
+            if value is _MISSING:
+                if isinstance(owner, dict):
+                    owner.pop(name, None)
+                else:
+                    delattr(owner, name)
+            elif isinstance(owner, dict):
+                owner[name] = value
+            else:
+                setattr(owner, name, value)
+        self._undo.clear()
+        self.close()
+
+    def _set(self, owner, name: str, value) -> None:
+        old = owner.get(name, _MISSING) if isinstance(owner, dict) else getattr(owner, name, _MISSING)
+        self._undo.append((owner, name, old))
+        if isinstance(owner, dict):
+            owner[name] = value
+        else:
+            setattr(owner, name, value)
+
+
+_MISSING = object()
+
+
+def proxy_class(emulation: Emulation) -> type:
+    """The `_MLModelProxy` of `emulation` (its methods as coremltools calls them)."""
+
+    class EmulatedMLModelProxy:
+        def __init__(self, path, compute_units, function_name, optimization_hints=None, asset=None):
+            if asset is not None:
+                raise RuntimeError("the Core ML emulation loads models from paths, not assets")
+            path = os.path.abspath(os.path.expanduser(path))
+            if path.rstrip("/").endswith(".mlpackage"):  # Core ML compiles a package on load
+                path = emulation.compile(path)
+            info = os.path.join(path, MARKER)
+            if not (path.rstrip("/").endswith(".mlmodelc") and os.path.isfile(info)):
+                raise RuntimeError(f"Error opening compiled model: {path} is not a compiled model (.mlmodelc)")
+            with open(info, encoding="utf-8") as f:
+                package = os.path.join(path, json.load(f)["package"])
+            self.compiled_path = path
+            units = str(compute_units).lower()
+            emulation.loads.append({"path": path, "function": function_name or None, "compute_units": units})
+            response, _ = emulation.child().request({"op": "load", "path": package, "function": function_name or None,
+                                                     "compute_units": units})
+            self.interpreter, self.handle = emulation.child(), response["model"]
+
+        @staticmethod
+        def compileModel(path):  # noqa: N802 - the native method's name
+            return emulation.compile(path)
+
+        @staticmethod
+        def maximum_supported_specification_version():
+            return SPECIFICATION_VERSION
+
+        @staticmethod
+        def auto_set_specification_version(spec):
+            return spec
+
+        def get_compiled_model_path(self):
+            return self.compiled_path
+
+        def predict(self, data: dict, state: StateProxy | None = None) -> dict:
+            header = {"op": "predict", "model": self.handle, "state": None if state is None else state.handle}
+            return self.interpreter.request(header, data)[1]
+
+        def newState(self) -> StateProxy:  # noqa: N802 - the native method's name
+            reply = self.interpreter.request({"op": "make_state", "model": self.handle})[0]
+            return StateProxy(self.interpreter, reply["state"])
+
+    return EmulatedMLModelProxy
+
+
+def install(command: list[str]) -> Emulation:
+    """Emulate Core ML under coremltools (see the module docstring); `Emulation.uninstall()` undoes it."""
+    import coremltools.models._compiled_model as ct_compiled
+    import coremltools.models.model as ct_model
+    import coremltools.models.utils as ct_utils
+
+    emulation = Emulation(command)
+    proxy = proxy_class(emulation)
+    native = types.ModuleType("coremltools.libcoremlpython")
+    native._MLModelProxy = proxy
+    native.EMULATION = True  # cohere_coreml.runtime.coreml_available() reads it
+    emulation._set(sys.modules, "coremltools.libcoremlpython", native)
+    for module in (ct_model, ct_compiled):
+        emulation._set(module, "_MLModelProxy", proxy)
+    for module in (ct_utils, ct_model, ct_compiled):
+        if hasattr(module, "_macos_version"):
+            emulation._set(module, "_macos_version", lambda: MACOS_VERSION)
+        if hasattr(module, "_is_macos"):
+            emulation._set(module, "_is_macos", lambda: True)
+    return emulation
+
+
+@contextlib.contextmanager
+def emulated(command: list[str]):
+    emulation = install(command)
+    try:
+        yield emulation
+    finally:
+        emulation.uninstall()
 
 
 if os.environ.get(ENV):

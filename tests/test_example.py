@@ -129,7 +129,8 @@ def test_example_is_package_data():
     assert "import cohere_coreml" not in packaged and "from cohere_coreml" not in packaged
     imports = {line.split()[1].split(".")[0] for line in packaged.splitlines()
                if line.startswith(("import ", "from "))}
-    assert imports == {"argparse", "json", "sys", "pathlib", "coremltools", "numpy", "soundfile"}
+    assert imports == {"argparse", "hashlib", "json", "shutil", "sys", "tempfile", "pathlib", "coremltools", "numpy",
+                       "soundfile"}
 
 
 def test_locked_requirements_pin_the_example_packages():
@@ -224,6 +225,28 @@ def test_example_transcribes_as_the_transcriber(example_python, finalized_bundle
         assert [w["token_ids"] for w in got["windows"]] == expected.token_ids, clip["file"]
         assert got["text"] == expected.text and expected.text, clip["file"]
         assert len(expected.token_ids[0]) > 3  # a transcript, not an immediate eos
+
+
+@pytest.mark.slow
+def test_example_compiles_each_package_once_into_its_cache(example_python, finalized_bundle, tmp_path):
+    """--compiled-cache: the first run compiles each package once (named by the manifest's checksums,
+    the Swift package's rule: the same names as cohere_coreml's CompiledCache), a second run loads them
+    (the same folders, not recompiled) and gives the same ids."""
+    from cohere_coreml.runtime.compiled_cache import COMPLETE_MARKER, CompiledCache
+
+    cache = tmp_path / "compiled"
+    clip = clips()[0]
+    first = run_example(example_python, finalized_bundle, clip["path"], clip["language"], "--compiled-cache", str(cache))
+    assert first.returncode == 0, first.stderr[-3000:]
+    names = {CompiledCache(cache).location(finalized_bundle / f"{c}.mlpackage").name
+             for c in ("frontend", "encoder", "decoder")}
+    assert {p.name for p in cache.iterdir()} == names  # nothing else left (no staging folder)
+    assert all((cache / n / COMPLETE_MARKER).is_file() for n in names)
+    inodes = {n: (cache / n).stat().st_ino for n in names}
+    second = run_example(example_python, finalized_bundle, clip["path"], clip["language"], "--compiled-cache", str(cache))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert {n: (cache / n).stat().st_ino for n in names} == inodes
+    assert json.loads(second.stdout)["windows"] == json.loads(first.stdout)["windows"]
 
 
 def test_example_chains_an_encoder_in_parts(example_python, trained_parts_bundle, tmp_path):

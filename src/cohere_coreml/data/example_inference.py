@@ -23,8 +23,11 @@ windows at its quietest points as the model's processor cuts it.
 """
 
 import argparse
+import hashlib
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import coremltools as ct
@@ -37,9 +40,15 @@ UNITS = {"all": ct.ComputeUnit.ALL, "cpu_only": ct.ComputeUnit.CPU_ONLY,
 
 
 class Bundle:
-    """manifest.json, vocab.json and the packages' functions (each loaded once, when first used)."""
+    """manifest.json, vocab.json and the packages' functions (each loaded once, when first used).
 
-    def __init__(self, folder: Path):
+    Each package is compiled once (`compile_model`: Core ML's compiler) and every function loaded from
+    that compiled model (`CompiledMLModel`); loading `MLModel(package, function_name=...)` instead would
+    compile the whole package again for each function (minutes at full size). The compiled models go to
+    a temporary folder, or with `cache` to that folder, named after the manifest's checksums of the
+    package's files (`<name>-<digest>.mlmodelc`, the Swift package's rule), so a later run loads them."""
+
+    def __init__(self, folder: Path, cache: Path | None = None):
         self.folder = folder
         if not (folder / "manifest.json").is_file():
             sys.exit(f"{folder} has no manifest.json: pass the bundle folder with --bundle")
@@ -50,12 +59,38 @@ class Bundle:
             sys.exit(f"{folder} has no frontend.mlpackage: re-export it with `cohere-coreml export`")
         self.vocab = json.loads((folder / self.manifest["files"]["vocab"]).read_text())  # {"id": piece}
         self.loaded = {}
+        self.compiled = {}
+        self._temporary = None if cache is not None else tempfile.TemporaryDirectory(prefix="cohere-compiled-")
+        self.cache = Path(cache) if cache is not None else Path(self._temporary.name)
 
-    def function(self, component: str, name: str, units: str = "all") -> ct.models.MLModel:
+    def compiled_model(self, component: str) -> Path:
+        """The compiled model of one package: from the cache, else compiled now."""
+        if component not in self.compiled:
+            package = self.folder / self.manifest["files"][component]
+            prefix = package.name + "/"
+            files = self.manifest.get("checksums", {}).get("files", {})
+            lines = sorted(f"{k}\t{v['sha256']}\t{v['size']}" for k, v in files.items() if k.startswith(prefix))
+            if not lines:  # no checksums to name the content by: compiled for this run only
+                self.compiled[component] = Path(ct.models.utils.compile_model(str(package)))
+                return self.compiled[component]
+            digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:24]
+            target = self.cache / f"{package.name[: -len('.mlpackage')]}-{digest}.mlmodelc"
+            if not (target / ".complete").is_file():  # staged, marked complete, renamed: never half-written
+                self.cache.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryDirectory(dir=self.cache) as staging:
+                    fresh = Path(staging) / target.name
+                    ct.models.utils.compile_model(str(package), str(fresh))
+                    (fresh / ".complete").write_bytes(b"")
+                    if target.exists():  # an incomplete leftover of an interrupted run
+                        shutil.rmtree(target)
+                    fresh.replace(target)
+            self.compiled[component] = target
+        return self.compiled[component]
+
+    def function(self, component: str, name: str, units: str = "all") -> ct.models.CompiledMLModel:
         if (component, name) not in self.loaded:
-            path = self.folder / self.manifest["files"][component]
-            self.loaded[component, name] = ct.models.MLModel(str(path), compute_units=UNITS[units],
-                                                             function_name=name)
+            self.loaded[component, name] = ct.models.CompiledMLModel(
+                str(self.compiled_model(component)), compute_units=UNITS[units], function_name=name)
         return self.loaded[component, name]
 
 
@@ -220,11 +255,14 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="stop a window after N tokens")
     p.add_argument("--json", action="store_true", help="print text and token ids per window as JSON")
     p.add_argument("--bundle", default=str(BUNDLE), help="bundle folder (default: this file's folder)")
+    p.add_argument("--compiled-cache", default=None,
+                   help="keep the compiled models in this folder, so later runs skip Core ML's compile "
+                   "(default: a temporary folder; never a folder inside an app bundle)")
     args = p.parse_args()
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         sys.exit(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
 
-    bundle = Bundle(Path(args.bundle))
+    bundle = Bundle(Path(args.bundle), cache=args.compiled_cache)
     m = bundle.manifest
     if args.language not in m["languages"]:
         sys.exit(f"language {args.language!r} is not in this bundle: {' '.join(sorted(m['languages']))}")

@@ -1,0 +1,160 @@
+"""The Core ML backend (runtime/coreml_backend.py, runtime/compiled_cache.py) run on Linux through the
+tests' emulation of coremltools' native layer (tests/coreml_interpreter_shim.py): each package compiled
+once per cache, every function loaded from the compiled model with the compute units asked for, the
+decoder's state shared across its functions, token ids equal to the interpreter backend's."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+
+from cohere_coreml.runtime import load_model
+from cohere_coreml.runtime.compiled_cache import COMPLETE_MARKER, CompiledCache, package_digest
+from cohere_coreml.runtime.package import read_package
+
+from ..coreml_interpreter_shim import emulated
+from ..fixture_data import HELDOUT_DIR
+
+SERVE = [sys.executable, "-m", "cohere_coreml.cli", "serve-runtime", "--num-threads", "1"]
+
+
+@pytest.fixture
+def emulation(tmp_path, monkeypatch):
+    monkeypatch.setenv("COHERE_COREML_CACHE", str(tmp_path / "cache"))  # never the user's Caches
+    with emulated(SERVE) as emu:
+        yield emu
+
+
+def packages(bundle) -> dict[str, list[str]]:
+    """Package path -> its function names, for every package of `bundle`."""
+    return {str(p): read_package(p).function_names for p in sorted(bundle.glob("*.mlpackage"))}
+
+
+def test_each_package_compiles_once_and_every_function_loads_from_it(emulation, trained_bundle, tmp_path):
+    cache = CompiledCache(tmp_path / "compiled")
+    funcs = packages(trained_bundle)
+    assert sum(len(f) for f in funcs.values()) > len(funcs)  # multifunction packages: what the cache is for
+    from cohere_coreml.runtime.coreml_backend import CoreMLModel
+
+    for path, names in funcs.items():
+        for name in names:
+            model = CoreMLModel(read_package(path, name), compute_units="cpu_and_ne", cache=cache)
+            assert model.compiled_path == cache.location(path)
+    assert cache.compiles == len(emulation.compiles) == len(funcs)  # once per package, not per function
+    assert len(emulation.loads) == sum(len(f) for f in funcs.values())
+    assert {load["compute_units"] for load in emulation.loads} == {"cpu_and_ne"}
+    assert {load["path"] for load in emulation.loads} == {str(cache.location(p)) for p in funcs}
+    # a later process (a new cache object on the same folder) compiles nothing
+    again = CompiledCache(tmp_path / "compiled")
+    for path, names in funcs.items():
+        CoreMLModel(read_package(path, names[0]), cache=again)
+    assert again.compiles == 0 and again.hits == len(funcs) and len(emulation.compiles) == len(funcs)
+    assert {load["compute_units"] for load in emulation.loads[-len(funcs):]} == {"all"}
+
+
+def test_the_emulation_compiles_a_package_on_every_mlmodel_load(emulation, trained_bundle):
+    """The broken variant the cache replaces: coremltools' `MLModel(path.mlpackage, function_name=...)`
+    compiles the whole package again for each function (as Core ML does): the count the test above rejects."""
+    import coremltools as ct
+
+    decoder = trained_bundle / "decoder.mlpackage"
+    names = read_package(decoder).function_names
+    for name in names:
+        ct.models.MLModel(str(decoder), function_name=name)
+    assert len(emulation.compiles) == len(names) > 1
+
+
+def test_tokens_equal_the_interpreter_backend(emulation, trained_bundle):
+    """Held-out clips through the whole bundle on both backends (the decoder's one state per window shared
+    by its step and prefill functions): the same token ids."""
+    from cohere_coreml.transcribe import Transcriber
+
+    from ..fixture_data import heldout_utterances
+
+    coreml = Transcriber(trained_bundle, backend="coreml")
+    assert coreml.decoder.backend == "coreml"
+    mil = Transcriber(trained_bundle, backend="mil")
+    for u in heldout_utterances(3):
+        got, want = coreml.transcribe(u["path"], u["language"]), mil.transcribe(u["path"], u["language"])
+        assert got.token_ids == want.token_ids and got.text == want.text, u["file"]
+        assert len(want.token_ids[0]) > 3, u["file"]
+    loaded = {load["path"] for load in emulation.loads}  # the compiled models the functions came from
+    assert sorted(emulation.compiles) == sorted(set(emulation.compiles))  # each package compiled once
+    assert len(emulation.compiles) == len(loaded) >= 2 and len(emulation.loads) > len(loaded)
+
+
+@pytest.mark.slow
+def test_tokens_equal_the_interpreter_backend_on_every_heldout_clip(emulation, trained_bundle):
+    from cohere_coreml.transcribe import Transcriber
+
+    utterances = json.loads((HELDOUT_DIR / "manifest.json").read_text())["utterances"]
+    coreml, mil = Transcriber(trained_bundle, backend="coreml"), Transcriber(trained_bundle, backend="mil")
+    differing = [u["file"] for u in utterances
+                 if coreml.transcribe(HELDOUT_DIR / u["file"], u["language"]).token_ids
+                 != mil.transcribe(HELDOUT_DIR / u["file"], u["language"]).token_ids]
+    assert len(utterances) == 90 and differing == []
+
+
+def test_load_model_auto_picks_core_ml_under_the_emulation(emulation, trained_bundle):
+    model = load_model(trained_bundle / "frontend.mlpackage")
+    assert model.backend == "coreml"
+
+
+# --------------------------------------------------------------------------------------------
+# The cache's naming rule and installation (no emulation needed)
+# --------------------------------------------------------------------------------------------
+
+
+def test_names_follow_the_manifest_checksums_else_the_file_table(trained_bundle, tmp_path):
+    bundle = tmp_path / "bundle"
+    shutil.copytree(trained_bundle, bundle)
+    enc = bundle / "encoder.mlpackage"
+    files = {}
+    for root, _, names in os.walk(enc):
+        for n in names:
+            rel = f"encoder.mlpackage/{os.path.relpath(os.path.join(root, n), enc)}"
+            files[rel] = {"sha256": f"{len(files):064x}", "size": len(files)}
+    manifest = {"checksums": {"algorithm": "sha256", "files": files}}
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    cache = CompiledCache(tmp_path / "c")
+    name = cache.location(enc).name
+    assert name == f"encoder-{package_digest(enc)[:24]}.mlmodelc"
+    os.utime(enc / "Manifest.json", (1, 1))  # a touched file, same checksums: same name
+    assert cache.location(enc).name == name
+    files[next(iter(files))]["sha256"] = "f" * 64  # other content: another name
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    assert cache.location(enc).name != name
+    (bundle / "manifest.json").unlink()  # no manifest: the file table, which a touch changes
+    table = cache.location(enc).name
+    os.utime(enc / "Manifest.json", (2, 2))
+    assert cache.location(enc).name != table
+    assert cache.location(bundle / "decoder.mlpackage").name.startswith("decoder-")
+
+
+def test_a_failed_or_interrupted_compile_leaves_nothing_complete(trained_bundle, tmp_path):
+    cache = CompiledCache(tmp_path / "c")
+    pkg = trained_bundle / "frontend.mlpackage"
+
+    def failing(path):
+        raise RuntimeError("compiler error")
+
+    with pytest.raises(RuntimeError, match="compiler error"):
+        cache.compiled(pkg, failing)
+    assert not cache.location(pkg).exists() and cache.compiles == 0
+    leftover = cache.location(pkg)  # a killed process's half-moved folder, without the marker
+    leftover.mkdir(parents=True)
+    (leftover / "partial").write_text("x")
+
+    def compile_copy(path):
+        out = tmp_path / "tmp" / "frontend.mlmodelc"
+        shutil.copytree(path, out / "model.mlpackage")
+        return str(out)
+
+    got = cache.compiled(pkg, compile_copy)
+    assert got == leftover and (got / COMPLETE_MARKER).is_file() and not (got / "partial").exists()
+    assert cache.compiles == 1 and cache.compiled(pkg, failing) == got and cache.hits == 1
+    assert [p.name for p in cache.folder.iterdir()] == [got.name]  # no staging folder left behind
