@@ -46,9 +46,14 @@ DEMO_OUT ?= out/demo
 # identical tokens are the expected result; out-of-domain: clips in its languages (it was trained on
 # en/de/es only) in other voices and lengths, where small margins make near-ties (labelled, with margins)
 DEMO_IN_DOMAIN ?= tests/data/heldout/en_heldout_00000.flac tests/data/heldout/de_heldout_00000.flac tests/data/heldout/es_heldout_00000.flac
+DEMO_IN_DOMAIN_LANGUAGES ?= en,de,es
+# out-of-domain clips (files in tests/data/audio; also the Swift fixtures' demo clips) and their languages
 DEMO_CLIPS ?= en_medium.wav de_medium.wav es_medium.wav en_long_75s.flac
-DEMO_LANGUAGES ?= en,de,es,en,de,es,en
-DEMO_TAGS ?= in-domain,in-domain,in-domain,out-of-domain,out-of-domain,out-of-domain,out-of-domain
+DEMO_LANGUAGES ?= en,de,es,en
+comma := ,
+empty :=
+space := $(empty) $(empty)
+DEMO_TAGS = $(subst $(space),$(comma),$(strip $(foreach c,$(DEMO_IN_DOMAIN),in-domain) $(foreach c,$(DEMO_CLIPS),out-of-domain)))
 DEMO_MAX_NEW_TOKENS ?= 96
 
 demo: sync
@@ -58,7 +63,7 @@ demo: sync
 	$(RUN) cohere-coreml export --model "$$model" --out "$$out" --precision $(PRECISION); \
 	$(RUN) cohere-coreml verify --model "$$model" --bundle "$$out" --backend mil \
 		--max-new-tokens $(DEMO_MAX_NEW_TOKENS) --out "$$out/verify.json" \
-		--audio $(DEMO_IN_DOMAIN) $(addprefix tests/data/audio/,$(DEMO_CLIPS)) --languages $(DEMO_LANGUAGES) \
+		--audio $(DEMO_IN_DOMAIN) $(addprefix tests/data/audio/,$(DEMO_CLIPS)) --languages $(DEMO_IN_DOMAIN_LANGUAGES),$(DEMO_LANGUAGES) \
 		--tags $(DEMO_TAGS); \
 	$(RUN) cohere-coreml ane-check "$$out" --summary
 
