@@ -1,10 +1,18 @@
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from cohere_coreml.checkpoint import CheckpointError, describe, load_reference
+from cohere_coreml.checkpoint import (
+    CheckpointError,
+    describe,
+    describe_files,
+    load_reference,
+    resolve_checkpoint,
+    safetensors_shapes,
+)
 from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
 
 
@@ -135,6 +143,51 @@ def test_describe(tiny_reference):
     assert info["tokens"]["prompt_en"][0] == info["tokens"]["decoder_start"]
     assert info["front_end"]["mel_bins"] == info["encoder"]["mel_bins"] == 128
     assert info["parameters"] > info["encoder_parameters"] > 0
+
+
+@pytest.mark.parametrize("which", ["tiny", "trained"])
+def test_describe_files_is_describe_of_the_loaded_reference(which, tiny_checkpoint):
+    """`info` without torch: the checkpoint's files give what the loaded reference gives, parameter
+    counts included (the stored BatchNorm statistics are buffers, not parameters: counting every stored
+    tensor would be off by 4 layers x (2 x hidden + 1) on the trained model)."""
+    from .fixture_data import TRAINED_MODEL
+
+    folder = tiny_checkpoint if which == "tiny" else TRAINED_MODEL
+    from_files = describe_files(resolve_checkpoint(folder))
+    assert from_files == describe(*load_reference(folder))
+    stored = sum(math.prod(s) for s in safetensors_shapes(folder).values())
+    assert stored > from_files["parameters"] > from_files["encoder_parameters"] > 0
+
+
+def test_describe_files_leaves_defaults_to_the_reference(tmp_path, capsys):
+    """A value config.json or the processor config does not hold (transformers fills it in): no answer
+    from the files; `info` then prints what the loaded reference says."""
+    import shutil
+
+    from cohere_coreml.cli import main
+
+    from .fixture_data import TRAINED_MODEL
+
+    for name, drop in (("config.json", ("head_dim",)), ("processor_config.json", ("feature_extractor", "dither"))):
+        folder = tmp_path / name / "cohere-tiny-synth"
+        shutil.copytree(TRAINED_MODEL, folder)
+        data = json.loads((folder / name).read_text())
+        inner = data
+        for key in drop[:-1]:
+            inner = inner[key]
+        del inner[drop[-1]]
+        (folder / name).write_text(json.dumps(data))
+        assert describe_files(resolve_checkpoint(folder)) is None, name
+        capsys.readouterr()
+        assert main(["info", "--model", str(folder), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out) == describe(*load_reference(folder)), name
+    assert describe_files(resolve_checkpoint(TRAINED_MODEL)) is not None
+
+
+def test_unreadable_safetensors_header_is_a_checkpoint_error(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes((10**9).to_bytes(8, "little") + b"{not json")
+    with pytest.raises(CheckpointError, match="model.safetensors: not a readable safetensors file"):
+        safetensors_shapes(tmp_path)
 
 
 def test_local_folder_is_named_by_its_hub_id_or_its_name_never_its_path(tmp_path, tiny_checkpoint):

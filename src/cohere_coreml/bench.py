@@ -38,7 +38,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from . import __version__
@@ -77,6 +76,8 @@ def current_rss_mb() -> float:
 
 
 def machine() -> dict:
+    import torch  # heavy: a bench run needs it (the interpreter, the reference); `bench --help` does not
+
     info = {"platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads()}
@@ -526,6 +527,8 @@ def cmd_bench(args) -> int:
     if args.beams < 1:
         raise BenchError(f"--beams must be >= 1, got {args.beams}")
     if args.threads:
+        import torch  # heavy (see machine)
+
         torch.set_num_threads(args.threads)
     report = run_bench(args.bundle, args.pytorch, args.data, backend=args.backend, compute_units=args.compute_units,
                        max_new_tokens=args.max_new_tokens, beams=args.beams,

@@ -3,6 +3,9 @@
 `load_reference` is the one way the project reads a checkpoint (a Hugging Face Hub id, optionally at
 a revision, or a local folder): the `transformers` reference model `CohereAsrForConditionalGeneration`
 plus its `CohereAsrProcessor`, in eval mode, weights from safetensors only, never remote code.
+`cohere-coreml info` reads the same facts from the checkpoint's files (config.json, the safetensors
+headers, the processor and tokenizer files) without torch or transformers (`describe_files`), and
+loads the reference only when a file leaves a value to transformers' defaults.
 
 Small checkpoints for tests and the demo model are made by the dev package
 (`tools/cohere_coreml_dev/checkpoints.py`), not here.
@@ -12,8 +15,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
+import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +32,9 @@ MODEL_TYPE = "cohere_asr"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # Files a checkpoint needs; pickled weights (*.bin, *.pt) are never fetched nor loaded.
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.md"]
+# Tensors a checkpoint stores that are buffers of the model, not parameters: BatchNorm's running statistics
+_BUFFER_SUFFIXES = (".running_mean", ".running_var", ".num_batches_tracked")
+ENCODER_PREFIX = "model.encoder."  # the encoder's tensors, in the checkpoint as in the loaded model
 
 
 class CheckpointError(ValueError):
@@ -161,51 +170,138 @@ def load_reference(model: str | os.PathLike = DEFAULT_HUB_ID, revision: str | No
     return reference, processor
 
 
+def _summary(source: str | None, parameters: int, encoder_parameters: int, config: Mapping, encoder: Mapping,
+             front_end: Mapping, tokenizer) -> dict:
+    """What `cohere-coreml info` prints, from the config values (config.json's names; KeyError when one
+    is missing), the feature extractor's settings and a tokenizer (`len`, `convert_tokens_to_ids`)."""
+    return {
+        "source": source,
+        "parameters": parameters,
+        "encoder_parameters": encoder_parameters,
+        "encoder": {
+            "hidden_size": encoder["hidden_size"],
+            "layers": encoder["num_hidden_layers"],
+            "heads": encoder["num_attention_heads"],
+            "ffn": encoder["intermediate_size"],
+            "subsampling_factor": encoder["subsampling_factor"],
+            "mel_bins": encoder["num_mel_bins"],
+        },
+        "decoder": {
+            "hidden_size": config["hidden_size"],
+            "layers": config["num_hidden_layers"],
+            "heads": config["num_attention_heads"],
+            "kv_heads": config["num_key_value_heads"],
+            "head_dim": config["head_dim"],
+            "ffn": config["intermediate_size"],
+            "max_positions": config["max_position_embeddings"],
+            "vocab_size": config["vocab_size"],
+        },
+        "tokens": {
+            "eos": config["eos_token_id"],
+            "pad": config["pad_token_id"],
+            "decoder_start": config["decoder_start_token_id"],
+            "tokenizer_size": len(tokenizer),
+            "prompt_en": prompt_ids(tokenizer, "en") if "en" in LANGUAGES else None,
+        },
+        "front_end": {
+            "sampling_rate": front_end["sampling_rate"],
+            "n_fft": front_end["n_fft"],
+            "win_length": front_end["win_length"],
+            "hop_length": front_end["hop_length"],
+            "mel_bins": front_end["feature_size"],
+            "dither": front_end["dither"],
+        },
+    }
+
+
 def describe(model, processor) -> dict:
     """Shapes and ids of a loaded checkpoint (what `cohere-coreml info` prints)."""
     config = model.config
-    enc = config.encoder_config
-    n_params = sum(p.numel() for p in model.parameters())
-    n_encoder = sum(p.numel() for p in model.model.encoder.parameters())
-    fe = processor.feature_extractor
-    return {
-        "source": getattr(getattr(model, "source", None), "model_id", None),
-        "parameters": n_params,
-        "encoder_parameters": n_encoder,
-        "encoder": {
-            "hidden_size": enc.hidden_size,
-            "layers": enc.num_hidden_layers,
-            "heads": enc.num_attention_heads,
-            "ffn": enc.intermediate_size,
-            "subsampling_factor": enc.subsampling_factor,
-            "mel_bins": enc.num_mel_bins,
-        },
-        "decoder": {
-            "hidden_size": config.hidden_size,
-            "layers": config.num_hidden_layers,
-            "heads": config.num_attention_heads,
-            "kv_heads": config.num_key_value_heads,
-            "head_dim": config.head_dim,
-            "ffn": config.intermediate_size,
-            "max_positions": config.max_position_embeddings,
-            "vocab_size": config.vocab_size,
-        },
-        "tokens": {
-            "eos": config.eos_token_id,
-            "pad": config.pad_token_id,
-            "decoder_start": config.decoder_start_token_id,
-            "tokenizer_size": len(processor.tokenizer),
-            "prompt_en": prompt_ids(processor.tokenizer, "en") if "en" in LANGUAGES else None,
-        },
-        "front_end": {
-            "sampling_rate": fe.sampling_rate,
-            "n_fft": fe.n_fft,
-            "win_length": fe.win_length,
-            "hop_length": fe.hop_length,
-            "mel_bins": fe.feature_size,
-            "dither": fe.dither,
-        },
-    }
+    return _summary(
+        getattr(getattr(model, "source", None), "model_id", None),
+        sum(p.numel() for p in model.parameters()),
+        sum(p.numel() for p in model.model.encoder.parameters()),
+        config.to_dict(), config.encoder_config.to_dict(), processor.feature_extractor.to_dict(), processor.tokenizer,
+    )
+
+
+def safetensors_shapes(folder: str | os.PathLike) -> dict[str, list[int]]:
+    """name -> shape of every tensor in a checkpoint folder's *.safetensors files, from their headers
+    (nothing loaded). Raises CheckpointError for a file whose header cannot be read."""
+    shapes: dict[str, list[int]] = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with open(path, "rb") as fh:
+                size = struct.unpack("<Q", fh.read(8))[0]
+                header = json.loads(fh.read(min(size, path.stat().st_size - 8)))
+            shapes.update({k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+        except (OSError, struct.error, ValueError, TypeError, KeyError, AttributeError) as err:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({type(err).__name__}: {err})") from None
+    return shapes
+
+
+def feature_extractor_settings(folder: Path) -> dict | None:
+    """The feature extractor's saved settings, where transformers looks for them: processor_config.json's
+    "feature_extractor" (or "audio_processor"), else preprocessor_config.json; None when neither has them."""
+    for name, keys in (("processor_config.json", ("feature_extractor", "audio_processor")),
+                       ("preprocessor_config.json", None)):
+        try:
+            saved = json.loads((folder / name).read_text())
+        except (OSError, ValueError):
+            continue
+        settings = saved if keys is None else next((saved[k] for k in keys if isinstance(saved, dict) and k in saved),
+                                                   None)
+        if isinstance(settings, dict):
+            return settings
+    return None
+
+
+class TokenizerFile:
+    """A checkpoint's tokenizer.json through `tokenizers` (what transformers' fast tokenizer wraps): the
+    lookups `info` needs (`len`, `convert_tokens_to_ids`, the unknown token), without transformers."""
+
+    def __init__(self, folder: Path):
+        from tokenizers import Tokenizer  # the Rust tokenizer alone (no torch)
+
+        unk = json.loads((folder / "tokenizer_config.json").read_text()).get("unk_token")
+        self.unk_token = unk.get("content") if isinstance(unk, dict) else unk
+        if not isinstance(self.unk_token, str):
+            raise ValueError("tokenizer_config.json names no unk_token")
+        self._tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.unk_token_id = self._tokenizer.token_to_id(self.unk_token)
+
+    def __len__(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def convert_tokens_to_ids(self, token: str) -> int | None:
+        found = self._tokenizer.token_to_id(token)
+        return self.unk_token_id if found is None else found
+
+
+def describe_files(source: CheckpointSource) -> dict | None:
+    """`describe` of a checkpoint from its files alone, without torch or transformers: config.json, the
+    safetensors headers (parameters: every stored tensor but BatchNorm's running statistics), the
+    feature extractor's settings and tokenizer.json. None when a file or a value is missing (transformers
+    would fill it in from its own defaults: then only the loaded reference tells)."""
+    folder = source.local_dir
+    config = check_checkpoint_dir(folder)
+    front_end = feature_extractor_settings(folder)
+    if front_end is None or not isinstance(config.get("encoder_config"), dict):
+        logger.debug("%s: no feature extractor settings or encoder_config: loading the reference", folder)
+        return None
+    try:
+        tokenizer = TokenizerFile(folder)
+    except Exception as err:  # noqa: BLE001 - any unreadable tokenizer file: the reference path reports it
+        logger.debug("tokenizer files of %s not read directly (%s): loading the reference", folder, err)
+        return None
+    params = {k: math.prod(s) for k, s in safetensors_shapes(folder).items() if not k.endswith(_BUFFER_SUFFIXES)}
+    try:
+        return _summary(source.model_id, sum(params.values()),
+                        sum(n for k, n in params.items() if k.startswith(ENCODER_PREFIX)),
+                        config, config["encoder_config"], front_end, tokenizer)
+    except KeyError as err:
+        logger.debug("%s does not say %s: loading the reference", folder, err)
+        return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -214,8 +310,9 @@ def describe(model, processor) -> dict:
 
 
 def cmd_info(args) -> int:
-    model, processor = load_reference(args.model, revision=args.revision)
-    info = describe(model, processor)
+    info = describe_files(resolve_checkpoint(args.model, args.revision))
+    if info is None:  # a value left to transformers' defaults
+        info = describe(*load_reference(args.model, revision=args.revision))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0

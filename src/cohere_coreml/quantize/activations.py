@@ -40,7 +40,6 @@ from pathlib import Path
 from unittest import mock
 
 import numpy as np
-import torch
 
 from ..config import MEMORY_NAMES, PREFILL_FUNCTION, STEP_FUNCTION
 from ..decoder_runtime import DecoderRuntime
@@ -124,6 +123,8 @@ class RangeRecorder:
         self.seen_in_sample = set()
 
     def __call__(self, name: str, value) -> None:
+        import torch  # the interpreter's values (it has imported torch already); not needed to import this module
+
         if (self.names is not None and name not in self.names) or not isinstance(value, torch.Tensor) \
                 or value.dtype == torch.bool or value.numel() == 0:
             return

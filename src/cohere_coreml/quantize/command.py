@@ -33,7 +33,6 @@ from ..publish import finalize_bundle
 from .compress import compress_package
 from .gate import QuantizeGateError, component_gate, encoder_parts_gate, heldout_gate
 from .inventory import compressed_ops
-from .lowrank import build_lowrank_encoder
 from .measure import GateData, build_gate_data, clips_of
 from .mixed import Budget, attach_measured, count_parameters, mixed_recipe, plan
 from .recipes import (
@@ -281,6 +280,8 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
                 nonlocal lowrank_dir
                 if kind == "encoder" and preset in LOWRANK_ENERGY:  # re-exported from the rewritten checkpoint
                     if lowrank_dir is None:
+                        from .lowrank import build_lowrank_encoder  # imports torch (the checkpoint is rewritten)
+
                         lowrank_dir = temporary_dir(out.parent, "lowrank")
                         section.update(build_lowrank_encoder(src, path, recipes[kind], model, Path(calibration),
                                                              LOWRANK_ENERGY[preset], skip_verify=skip_verify,

@@ -21,7 +21,6 @@ from .errors import (
     RuntimeBackendError,
     UnsupportedOpError,
 )
-from .interpreter import MilModel, MilState, supported_op_types
 from .package import read_package
 
 BACKENDS = ("auto", "coreml", "mil")
@@ -54,7 +53,21 @@ def load_model(
     pkg = read_package(path, function_name)
     if backend == "coreml":
         return CoreMLModel(pkg, compute_units=compute_units)
+    from .interpreter import MilModel  # imports torch: loaded on first use, not with the package
+
     return MilModel(pkg, num_threads=num_threads)
+
+
+_INTERPRETER_NAMES = ("MilModel", "MilState", "supported_op_types")
+
+
+def __getattr__(name: str):
+    """The interpreter's names, imported on first access (it imports torch; the rest of the package does not)."""
+    if name in _INTERPRETER_NAMES:
+        from . import interpreter
+
+        return getattr(interpreter, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
