@@ -1,6 +1,10 @@
-"""Atomic installs of packages (cohere_coreml.files) on a small converted module."""
+"""Atomic installs of packages (cohere_coreml.files) on a small converted module; a folder's bytes as
+`du -sb` counts them."""
 
 from __future__ import annotations
+
+import os
+import subprocess
 
 import coremltools as ct
 import numpy as np
@@ -9,7 +13,7 @@ import torch
 
 from cohere_coreml.convert import ExportSettings, convert_module
 from cohere_coreml.errors import ExportSettingsError, ParityError
-from cohere_coreml.files import save_package_atomic, weight_file_bytes
+from cohere_coreml.files import save_package_atomic, tree_bytes, weight_file_bytes
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +60,26 @@ def test_save_atomic_skip_force_and_failed_verify(small_model, tmp_path):
 
     with pytest.raises(ExportSettingsError):
         save_package_atomic(mlmodel, tmp_path / "bad.bin")
+
+
+def test_tree_bytes_counts_as_du_sb(tmp_path):
+    """Files, nested folders (their own entries), a folder grown past one block by many entries, a
+    hard link (once), symbolic links (the link, not its target): the same figure as `du -sb`; the
+    sum of file sizes (what the mixed budget used to count) is not."""
+    root = tmp_path / "bundle"
+    (root / "a.mlpackage" / "Data" / "weights").mkdir(parents=True)
+    (root / "a.mlpackage" / "Data" / "weights" / "weight.bin").write_bytes(b"w" * 100_003)
+    (root / "manifest.json").write_text("{}")
+    (root / "empty").touch()
+    many = root / "many"
+    many.mkdir()
+    for i in range(300):
+        (many / f"file-with-a-long-name-{i:04d}.json").write_text(str(i))
+    os.link(root / "manifest.json", root / "hard-link.json")
+    os.symlink("a.mlpackage", root / "linked-folder")
+    os.symlink("manifest.json", root / "linked-file")
+    du = int(subprocess.run(["du", "-sb", str(root)], check=True, capture_output=True, text=True).stdout.split()[0])
+    assert os.stat(many).st_size > os.stat(root / "a.mlpackage").st_size  # the grown folder counts its size
+    assert tree_bytes(root) == du
+    assert sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) != du
+    assert tree_bytes(root / "manifest.json") == 2

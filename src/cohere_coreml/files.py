@@ -250,6 +250,22 @@ def package_size_bytes(path: str | Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def tree_bytes(path: str | Path) -> int:
+    """Bytes of a folder as `du -sb` counts them: the apparent size (st_size) of the folder itself and
+    of every file, directory and symbolic link under it (links not followed), each inode once (hard
+    links). Directories count their own entry (4096 bytes and up on ext4; other file systems differ)."""
+    root = os.fspath(path)
+    st = os.lstat(root)
+    seen, total = {(st.st_dev, st.st_ino)}, st.st_size
+    for top, dirs, files in os.walk(root):  # followlinks=False: a linked folder counts as its link
+        for name in (*dirs, *files):
+            st = os.lstat(os.path.join(top, name))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total
+
+
 def weight_file_bytes(path: str | Path) -> int:
     """Bytes of the package's weight blob(s) (`Data/com.apple.CoreML/weights/*`)."""
     weights = Path(path) / "Data" / "com.apple.CoreML" / "weights"

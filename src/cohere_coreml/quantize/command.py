@@ -4,7 +4,9 @@
     per component: compress (`compress`, with `sensitivity` / `--target-psnr` when asked) into a
     temporary package, gate it (`gate.component_gate`, through `cohere_coreml.gate.export_gated`) ->
     copy the rest of the bundle -> held-out gate (`gate.heldout_gate`) -> compression.json, manifest,
-    README / example (`publish.finalize_bundle`) -> rename into `--out`
+    README / example (`publish.finalize_bundle`) -> preset mixed: the finished bundle measured as
+    `du -sb` counts it (`files.tree_bytes`), over its budget: re-planned and built again, or refused
+    (`mixed.replan_overhead`) -> rename into `--out`
 
 The new bundle is built in a temporary folder next to `--out` and renamed only after every gate
 passed; a refused build leaves its figures beside the would-be bundle (`refusal_path`).
@@ -25,7 +27,7 @@ from typing import Any
 from .. import faults
 from ..bundle import MANIFEST_NAME, write_manifest
 from ..convert import ExportSettings, ParityError
-from ..files import TEMPORARY_NAME, sweep_stale_temporaries, temporary_dir, write_json_atomic
+from ..files import TEMPORARY_NAME, sweep_stale_temporaries, temporary_dir, tree_bytes, write_json_atomic
 from ..gate import HELDOUT_COMPONENT, GateReport, export_gated
 from ..integrity import COMPRESSION_FILE, check_bundle
 from ..memory import release_memory
@@ -34,7 +36,7 @@ from .compress import compress_package
 from .gate import QuantizeGateError, component_gate, encoder_parts_gate, heldout_gate
 from .inventory import compressed_ops
 from .measure import GateData, build_gate_data, clips_of
-from .mixed import Budget, attach_measured, count_parameters, mixed_recipe, plan
+from .mixed import Budget, analyse, assignment, attach_measured, count_parameters, mixed_recipe, plan, replan_overhead
 from .recipes import (
     COMPONENTS,
     DEFAULT_PRESET,
@@ -202,8 +204,9 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
     held-out folder (`--data`); `skip_verify`: no gate at all (`--skip-verify`).
     Low-rank presets (`lowrank`, `q8-lowrank`) rewrite and re-export the encoder of `model` (required),
     calibrated on `calibration` (a folder like `--data`; default: `eval_dir`).
-    `budget`: the byte budget of preset mixed (`mixed.Budget`), `proxy`: its sensitivity from the
-    weights alone.
+    `budget`: the byte budget of preset mixed (`mixed.Budget`): of the finished bundle as `du -sb`
+    counts it, refused (QuantizeError, nothing written) when no build meets it; `proxy`: its
+    sensitivity from the weights alone.
     """
     src, out = Path(src), Path(out)
     recipes = preset_recipes(preset)
@@ -265,80 +268,108 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
             clips = clips_of(eval_dir)
             logger.info("gate data: %d clips through the f16 bundle", len(clips))
             data = build_gate_data(src, clips)
-        mixed_section = None
-        if preset == "mixed":  # the encoder's widths for the budget (quantize.mixed)
+        analysis = None
+        if preset == "mixed":  # the encoder's tensors, bytes and sensitivities, measured once (quantize.mixed)
             sens_data = None if proxy else data.subset(SENSITIVITY_WINDOWS)
-            mixed_section = plan(src, budget, sens_data, proxy=proxy, scratch_parent=out.parent,
-                                 sensitivity_file=sensitivity_file)
-            recipes["encoder"] = mixed_recipe(mixed_section)
-        lowrank_dir = None  # the rewritten encoder's fp16 parts, exported once (low-rank presets)
-        for comp in comps:
-            section: dict[str, Any] = {}
-            kind = recipe_component(comp)
+            analysis = analyse(src, budget, sens_data, proxy=proxy, scratch_parent=out.parent,
+                               sensitivity_file=sensitivity_file)
+        builds: list[dict] = []  # mixed: the earlier builds, over the budget (compression.json records them)
 
-            def write(path: Path, comp=comp, kind=kind, section=section) -> None:
-                nonlocal lowrank_dir
-                if kind == "encoder" and preset in LOWRANK_ENERGY:  # re-exported from the rewritten checkpoint
-                    if lowrank_dir is None:
-                        from .lowrank import build_lowrank_encoder  # imports torch (the checkpoint is rewritten)
+        def build(mixed_section: dict | None) -> None:
+            """The whole bundle into `tmp`: packages gated, the rest copied, reports, finalized."""
+            lowrank_dir = None  # the rewritten encoder's fp16 parts, exported once (low-rank presets)
+            for comp in comps:
+                section: dict[str, Any] = {}
+                kind = recipe_component(comp)
 
-                        lowrank_dir = temporary_dir(out.parent, "lowrank")
-                        section.update(build_lowrank_encoder(src, path, recipes[kind], model, Path(calibration),
-                                                             LOWRANK_ENERGY[preset], skip_verify=skip_verify,
-                                                             keep_parts=lowrank_dir))
-                    else:
-                        section.update(compress_package(lowrank_dir / f"{comp}.mlpackage", path, recipes[kind]))
-                    return
-                section.update(build_component(kind, src / f"{comp}.mlpackage", path, recipes[kind], data,
-                                               with_sensitivity=with_sensitivity, target_psnr=target_psnr))
+                def write(path: Path, comp=comp, kind=kind, section=section) -> None:
+                    nonlocal lowrank_dir
+                    if kind == "encoder" and preset in LOWRANK_ENERGY:  # re-exported from the rewritten checkpoint
+                        if lowrank_dir is None:
+                            from .lowrank import build_lowrank_encoder  # imports torch (the checkpoint is rewritten)
 
-            def gate(path: Path, comp=comp, kind=kind) -> GateReport:
-                if kind == "encoder" and len(parts) > 1:  # the parts so far, chained (the last: the whole encoder)
-                    done = [tmp / f"{c}.mlpackage" for c in parts[: parts.index(comp)]]
-                    return encoder_parts_gate(comp, [*done, path], src, data, preset, gates)
-                return component_gate(kind, path, data, preset, gates)
+                            lowrank_dir = temporary_dir(out.parent, "lowrank")
+                            section.update(build_lowrank_encoder(src, path, recipes[kind], model, Path(calibration),
+                                                                 LOWRANK_ENERGY[preset], skip_verify=skip_verify,
+                                                                 keep_parts=lowrank_dir))
+                        else:
+                            section.update(compress_package(lowrank_dir / f"{comp}.mlpackage", path, recipes[kind]))
+                        return
+                    section.update(build_component(kind, src / f"{comp}.mlpackage", path, recipes[kind], data,
+                                                   with_sensitivity=with_sensitivity, target_psnr=target_psnr))
 
-            try:
-                gate_reports[comp] = export_gated(comp, settings, write, gate)
-            except BaseException:
-                if lowrank_dir is not None:
+                def gate(path: Path, comp=comp, kind=kind) -> GateReport:
+                    if kind == "encoder" and len(parts) > 1:  # the parts so far, chained (the last: the whole encoder)
+                        done = [tmp / f"{c}.mlpackage" for c in parts[: parts.index(comp)]]
+                        return encoder_parts_gate(comp, [*done, path], src, data, preset, gates)
+                    return component_gate(kind, path, data, preset, gates)
+
+                try:
+                    gate_reports[comp] = export_gated(comp, settings, write, gate)
+                except BaseException:
+                    if lowrank_dir is not None:
+                        shutil.rmtree(lowrank_dir, ignore_errors=True)
+                    raise
+                if lowrank_dir is not None and comp == parts[-1]:  # every part compressed from it
                     shutil.rmtree(lowrank_dir, ignore_errors=True)
-                raise
-            if lowrank_dir is not None and comp == parts[-1]:  # every part compressed from it
-                shutil.rmtree(lowrank_dir, ignore_errors=True)
-            report["components"][comp] = section
-            if mixed_section is not None and comp == "encoder":
-                section["mixed"] = attach_measured(mixed_section, section["compressed"])
-            release_memory()  # the gated package's interpreter copy, before the next component
-        report["compress_seconds"] = round(time.perf_counter() - t0, 1)
-        faults.point(f"copy/{out.name}", tmp)
-        copy_bundle_files(src, tmp)
-        write_bundle_manifest(src, tmp)  # provisional (the held-out gate loads the bundle)
-        if not skip_verify:
-            if eval_dir is not None:
-                held = heldout_gate(src, tmp, Path(eval_dir), gates, model=model,
-                                    limit_per_language=limit_per_language)
-                write_json_atomic(held.to_dict(), settings.report_path(HELDOUT_COMPONENT))
-                gate_reports[HELDOUT_COMPONENT] = held
-                if not held.passed:
-                    raise QuantizeGateError(f"the {preset} bundle failed its gate: {held.headline}", held.to_dict())
+                report["components"][comp] = section
+                if mixed_section is not None and comp == "encoder":
+                    section["mixed"] = attach_measured(mixed_section, section["compressed"])
+                release_memory()  # the gated package's interpreter copy, before the next component
+            report["compress_seconds"] = round(time.perf_counter() - t0, 1)
+            faults.point(f"copy/{out.name}", tmp)
+            copy_bundle_files(src, tmp)
+            write_bundle_manifest(src, tmp)  # provisional (the held-out gate loads the bundle)
+            if not skip_verify:
+                if eval_dir is not None:
+                    held = heldout_gate(src, tmp, Path(eval_dir), gates, model=model,
+                                        limit_per_language=limit_per_language)
+                    write_json_atomic(held.to_dict(), settings.report_path(HELDOUT_COMPONENT))
+                    gate_reports[HELDOUT_COMPONENT] = held
+                    if not held.passed:
+                        raise QuantizeGateError(f"the {preset} bundle failed its gate: {held.headline}", held.to_dict())
+                else:
+                    logger.warning("no evaluation folder: the held-out token/WER gate did not run")
+                report["gate"] = {name: r.to_dict() for name, r in gate_reports.items()}
+                report["gate"].update(failures=[], passed=True)
             else:
-                logger.warning("no evaluation folder: the held-out token/WER gate did not run")
-            report["gate"] = {name: r.to_dict() for name, r in gate_reports.items()}
-            report["gate"].update(failures=[], passed=True)
-        else:
-            logger.warning("quantization gate skipped (--skip-verify)")
-            report["gate"] = {"skipped": True}
-        report["total_bytes"] = {"before": bundle_bytes(src), "after": bundle_bytes(tmp)}
-        if mixed_section is not None:  # the byte predictor vs the bundle as written (gate reports included)
-            report["mixed"] = {"budget_bytes": mixed_section["budget_bytes"],
-                               "predicted_bundle_bytes": mixed_section["predicted_bundle_bytes"],
-                               # before the model card, example and checksums are added (finalize)
-                               "measured_bytes_before_card": report["total_bytes"]["after"],
-                               "bits_histogram": mixed_section["bits_histogram"]}
-        write_json_atomic(report, tmp / COMPRESSION_FILE)
-        write_bundle_manifest(src, tmp)
-        finalize_bundle(tmp)  # README.md, example_inference.py, then the manifest's checksums (last)
+                logger.warning("quantization gate skipped (--skip-verify)")
+                report["gate"] = {"skipped": True}
+            report["total_bytes"] = {"before": bundle_bytes(src), "after": bundle_bytes(tmp)}
+            if mixed_section is not None:  # the finished bundle is measured after finalize: earlier builds only
+                report["mixed"] = {"budget_bytes": mixed_section["budget_bytes"],
+                                   "bytes_counted": mixed_section["bytes_counted"],
+                                   "predicted_bundle_bytes": mixed_section["predicted_bundle_bytes"],
+                                   "earlier_builds": builds, "bits_histogram": mixed_section["bits_histogram"]}
+            write_json_atomic(report, tmp / COMPRESSION_FILE)
+            write_bundle_manifest(src, tmp)
+            finalize_bundle(tmp)  # README.md, example_inference.py, then the manifest's checksums (last)
+
+        # preset mixed: the budget bounds the finished bundle as `du -sb` counts it; a build over it is
+        # re-planned with the overhead it measured and built again (mixed.replan_overhead: bounded, or refused)
+        overhead = 0
+        while True:
+            mixed_section = None
+            if analysis is not None:
+                mixed_section = assignment(analysis, budget, overhead)
+                recipes["encoder"] = mixed_recipe(mixed_section)
+            build(mixed_section)
+            if mixed_section is None:
+                break
+            delivered = tree_bytes(tmp)
+            logger.info("mixed: the bundle is %s bytes as du -sb counts it (budget %s, predicted %s)", f"{delivered:,}",
+                        f"{mixed_section['budget_bytes']:,}", f"{mixed_section['predicted_bundle_bytes']:,}")
+            if delivered <= mixed_section["budget_bytes"]:
+                break
+            builds.append({"predicted_bundle_bytes": mixed_section["predicted_bundle_bytes"],
+                           "delivered_bytes": delivered, "overhead": overhead})
+            overhead = replan_overhead(analysis, budget, builds)  # raises when the budget cannot be met
+            logger.warning("mixed: %s bytes over the budget: re-planned with %s bytes of measured overhead, "
+                           "building again", f"{delivered - mixed_section['budget_bytes']:,}", f"{overhead:,}")
+            shutil.rmtree(tmp)
+            tmp.mkdir()
+            gate_reports.clear()
+            report["components"] = {}
         install_bundle(tmp, out)
         if not skip_verify:  # a gated build replaces an earlier refusal; an ungated one says nothing new
             refusal_path(out).unlink(missing_ok=True)
@@ -468,9 +499,15 @@ def add_quantize_arguments(p) -> None:
                    help="keep the most sensitive weights fp16 until each component's output PSNR vs f16 reaches "
                    "this (dB); implies --sensitivity")
     # preset mixed (quantize.mixed)
-    p.add_argument("--target-bytes", type=int, default=None, help="mixed: the bundle's byte budget")
+    p.add_argument("--target-bytes", type=int, default=None,
+                   help="mixed: the most bytes the finished --out folder may hold, as `du -sb` counts it: every file "
+                   "(packages, gate reports, compression.json, README.md, example_inference.py, manifest with its "
+                   "checksums) and every directory's own entry (4096 bytes each on ext4). A build over it is "
+                   "re-planned with what it measured and built again; a budget no build can meet is refused, naming "
+                   "the bytes delivered and the smallest achievable")
     p.add_argument("--target-bytes-per-param", type=float, default=None,
-                   help="mixed: the budget in bytes per model parameter (needs --model CHECKPOINT or --parameters)")
+                   help="mixed: the same budget as bytes per model parameter, floor(X * parameters) (needs --model "
+                   "CHECKPOINT or --parameters)")
     p.add_argument("--parameters", type=int, default=None, help="mixed: the model's parameter count")
     p.add_argument("--proxy", action="store_true",
                    help="mixed: sensitivity from the weights alone (relative quantization error), no interpreter")

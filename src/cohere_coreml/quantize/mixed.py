@@ -18,10 +18,13 @@ one fp16 scale per channel (2 bytes a row) where pal8 stores a 256-entry table p
 bytes a row), it is the q8 scheme whose gate figures are known, and k-means with 256 clusters on
 the 1.9 B-parameter encoder is the slowest option for the smallest gain.
 
-Bytes of the bundle = the fixed parts (front end, tokenizer and metadata files, each package's
-program text, the decoder at q8, the encoder's non-float and below-threshold constants, measured
-on the f16 bundle) + the encoder assignment's weight-file bytes. coremltools is imported inside
-`channel_axis` only (heavy import, see `recipes`).
+Bytes of the bundle = what `du -sb` counts of the finished folder (`files.tree_bytes`: every file
+and every directory's own entry) = the fixed parts (front end, tokenizer and metadata files, each
+package's program text and directories, the decoder at q8, the encoder's non-float and
+below-threshold constants, measured on the f16 bundle; the example, exact; the reports, estimated)
++ the encoder assignment's weight-file bytes. The build measures the finished bundle and re-plans
+with what the estimate missed (`replan_overhead`). coremltools is imported inside `channel_axis`
+only (heavy import, see `recipes`).
 """
 
 from __future__ import annotations
@@ -31,13 +34,15 @@ import logging
 import math
 import shutil
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..files import package_size_bytes, temporary_dir, write_json_atomic
+from ..files import temporary_dir, tree_bytes, write_json_atomic
+from ..integrity import COMPRESSION_FILE
+from ..publish import EXAMPLE, README, example_source
 from .compress import compress_package
 from .inventory import is_weight, load_function, package_functions
 from .measure import GateData
@@ -56,11 +61,20 @@ KMEANS_ITERATIONS = 25
 # Not exact (the rest is): each compressed tensor adds a constexpr op to the program text of every
 # function using it (measured on the default model: encoders +6,821 bytes for 50 ops (136 an op),
 # +6,905 for q4's 50; q8 decoder +3,377 for 18 ops in 2 functions), and the quantized bundle's own
-# reports (compression.json with one row per weight tensor, gate reports, model card: the mixed
-# bundle's files outside the packages +95,304 bytes over the f16 bundle's, 165 encoder tensors).
+# reports over the f16 bundle's (compression.json with rows per encoder and decoder weight tensor,
+# model card, gate reports, manifest rows; measured on the default export, 162 + 52 weight tensors:
+# +93,722 bytes ungated, +96,640 gated, + 1,092 for heldout.parity.json; estimated high on purpose:
+# a bundle over its budget is built a second time).
 PROGRAM_BYTES_PER_OP = 150
 REPORT_BYTES = 32 * 1024
-REPORT_BYTES_PER_TENSOR = 400
+REPORT_BYTES_PER_TENSOR = 350
+# Re-planning after a bundle came out over its budget: the measured excess plus this (the reports'
+# figures and program text differ a little between assignments), at most this many builds.
+REPLAN_MARGIN = 4096
+MAX_BUILDS = 3
+# The f16 bundle's files a quantized bundle does not copy and writes anew (the reports estimate
+# and the example cover them); its gate reports and manifest are replaced by ones of about the same size.
+REGENERATED = (README, EXAMPLE, COMPRESSION_FILE)
 
 
 def bits_scheme(bits: int) -> str | None:
@@ -345,10 +359,11 @@ def assign(opts: dict[str, dict[int, tuple]], budget: int) -> dict[str, int]:
 
 
 def other_bytes(bundle_dir: Path) -> int:
-    """Bytes of the f16 bundle outside the encoder and decoder packages (front end, tokenizer,
-    manifest, gate reports)."""
-    skip = {bundle_dir / "encoder.mlpackage", bundle_dir / "decoder.mlpackage"}
-    return sum(f.stat().st_size for f in bundle_dir.rglob("*") if f.is_file() and not any(s in f.parents for s in skip))
+    """Bytes of the f16 bundle, as `du -sb` counts them, outside the encoder and decoder packages and
+    the files a quantized bundle writes anew (`REGENERATED`): front end, tokenizer, manifest, gate
+    reports, ane_check.json, the folder's own entry."""
+    skip = [bundle_dir / "encoder.mlpackage", bundle_dir / "decoder.mlpackage", *(bundle_dir / n for n in REGENERATED)]
+    return tree_bytes(bundle_dir) - sum(tree_bytes(p) for p in skip if p.exists())
 
 
 def decoder_q8_file_bytes(package: Path) -> int:
@@ -401,17 +416,48 @@ class Budget:
         return int(math.floor(self.bytes_per_param * self.parameters))
 
 
-def plan(bundle_dir: Path, budget: Budget, data: GateData | None = None, *, proxy: bool = False,
-         scratch_parent: Path | None = None, sensitivity_file: Path | None = None) -> dict:
-    """The encoder assignment of an f16 bundle for a bundle budget, with its predicted bytes.
+@dataclass
+class Analysis:
+    """What the assignment needs of an f16 bundle, measured once (`analyse`): the encoder's weight
+    tensors and their copies in other functions, the fixed bytes, the sensitivities. `assignment`
+    plans a budget from it; a re-plan after a build came out over its budget measures nothing again."""
 
-    Sensitivity measured through the interpreter on `data` (the gate windows), or with `proxy`
-    the weights-only proxy (no interpreter: usable at full size); the packages compressed for it
-    go to a temporary folder in `scratch_parent` (default: beside the bundle). `sensitivity_file`:
-    the measured sensitivity is read from it when it exists (same encoder tensors), else written
-    to it. Returns the report section
-    (`compression.json`'s `mixed`): per tensor its width, predicted stored / file bytes and
-    sensitivity; the fixed parts; the predicted bundle bytes and PSNR."""
+    tensors: dict[str, Tensor]
+    tied: dict[str, list[Tensor]]
+    fixed: dict[str, int]
+    proxy: bool = False
+    sens: dict = field(default_factory=dict)
+    proxy_sens: dict | None = None
+
+    def range(self, overhead: int = 0) -> tuple[int, int]:
+        """(narrowest, fp16-encoder) bundle bytes, from the widths alone (no sensitivity), with
+        `overhead` bytes on top of the fixed parts."""
+        every = options(self.tensors, {n: {b: 0.0 for b in t.widths() if b != FP16} for n, t in self.tensors.items()},
+                        self.tied)
+        fixed = sum(self.fixed.values()) + overhead
+        return (fixed + sum(min(s for s, _ in o.values()) for o in every.values()),
+                fixed + sum(o[FP16][0] for o in every.values()))
+
+
+def check_range(analysis: Analysis, target: int) -> None:
+    """Refuse a budget outside the bundles the widths allow, naming both ends (before any measurement)."""
+    lo, hi = analysis.range()
+    if target < lo:
+        raise QuantizeError(f"budget {target:,} bytes is below the smallest mixed bundle ({lo:,} bytes as `du -sb` "
+                            "counts it: 2-bit palettes wherever coremltools allows them, int8 elsewhere, q8 decoder)")
+    if target > hi:
+        raise QuantizeError(f"budget {target:,} bytes is above the bundle with an fp16 encoder ({hi:,} bytes): "
+                            "use q8-hybrid or f16")
+
+
+def analyse(bundle_dir: Path, budget: Budget, data: GateData | None = None, *, proxy: bool = False,
+            scratch_parent: Path | None = None, sensitivity_file: Path | None = None) -> Analysis:
+    """The f16 bundle's tensors and fixed bytes, the budget's range checked (before anything is
+    measured), then the sensitivities: measured through the interpreter on `data` (the gate
+    windows), or with `proxy` the weights-only proxy (no interpreter: usable at full size); the
+    packages compressed for it go to a temporary folder in `scratch_parent` (default: beside the
+    bundle). `sensitivity_file`: the measured sensitivity is read from it when it exists (same
+    encoder tensors), else written to it."""
     bundle_dir = Path(bundle_dir)
     target = budget.bytes()
     enc_pkg, dec_pkg = bundle_dir / "encoder.mlpackage", bundle_dir / "decoder.mlpackage"
@@ -419,42 +465,47 @@ def plan(bundle_dir: Path, budget: Budget, data: GateData | None = None, *, prox
                                                     if "main" not in package_functions(enc_pkg) else "main"))
     tied, alone = tied_tensors(enc_pkg, values)
     copies = [c for cs in tied.values() for c in cs]
-    enc_fixed = package_size_bytes(enc_pkg) - sum(file_bytes(t, FP16) for t in [*tensors.values(), *copies])
+    enc_fixed = tree_bytes(enc_pkg) - sum(file_bytes(t, FP16) for t in [*tensors.values(), *copies])
     enc_fixed += sum(file_bytes(t, FP16) for t in tensors.values() if not t.compressible)
     enc_fixed += sum(file_bytes(c, FP16) for n, cs in tied.items() for c in cs if not tensors[n].compressible)
     dec_tensors, _ = encoder_tensors(load_function(dec_pkg, "main"))  # prefill shares main's weights
-    dec_fixed = package_size_bytes(dec_pkg) - sum(file_bytes(t, FP16) for t in dec_tensors.values())
+    dec_fixed = tree_bytes(dec_pkg) - sum(file_bytes(t, FP16) for t in dec_tensors.values())
     dec_fixed += decoder_q8_file_bytes(dec_pkg)
-    reports = REPORT_BYTES + REPORT_BYTES_PER_TENSOR * len(tensors)
-    fixed = {"other_files": other_bytes(bundle_dir), "reports_estimate": reports, "decoder_q8": dec_fixed,
-             "encoder_fixed": enc_fixed}
-    fixed_total = sum(fixed.values())
-    # the budget's range first (from the widths alone: no sensitivity needed)
-    every = options(tensors, {n: {b: 0.0 for b in t.widths() if b != FP16} for n, t in tensors.items()}, tied)
-    lo = fixed_total + sum(min(s for s, _ in o.values()) for o in every.values())
-    hi = fixed_total + sum(o[FP16][0] for o in every.values())
-    if target < lo:
-        raise QuantizeError(f"budget {target:,} bytes is below the smallest mixed bundle ({lo:,} bytes: 2-bit "
-                            "palettes wherever coremltools allows them, int8 elsewhere, q8 decoder)")
-    if target > hi:
-        raise QuantizeError(f"budget {target:,} bytes is above the bundle with an fp16 encoder ({hi:,} bytes): "
-                            "use q8-hybrid or f16")
+    reports = REPORT_BYTES + REPORT_BYTES_PER_TENSOR * (len(tensors) + len(dec_tensors))
+    fixed = {"other_files": other_bytes(bundle_dir), "example": len(example_source().encode()),
+             "reports_estimate": reports, "decoder_q8": dec_fixed, "encoder_fixed": enc_fixed}
+    analysis = Analysis(tensors, tied, fixed, proxy=proxy)
+    check_range(analysis, target)
     if proxy:
-        sens = proxy_sensitivity(tensors, values)
+        analysis.sens = proxy_sensitivity(tensors, values)
     elif sensitivity_file is not None and Path(sensitivity_file).is_file():
-        sens = load_sensitivity(Path(sensitivity_file), tensors)
+        analysis.sens = load_sensitivity(Path(sensitivity_file), tensors)
     else:
         if data is None:
             raise QuantizeError("the measured sensitivity needs gate data (or use the weights-only proxy)")
         scratch = temporary_dir(Path(scratch_parent or bundle_dir.parent), "mixed")
         try:
-            sens = measured_sensitivity(enc_pkg, data, scratch)
+            analysis.sens = measured_sensitivity(enc_pkg, data, scratch)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         if sensitivity_file is not None:
-            write_json_atomic({"source": str(enc_pkg), "tensors": sorted(tensors), **sens}, Path(sensitivity_file))
-    proxy_sens = proxy_sensitivity(tensors, values) if not proxy else None
-    del values
+            write_json_atomic({"source": str(enc_pkg), "tensors": sorted(tensors), **analysis.sens},
+                              Path(sensitivity_file))
+    if not proxy:  # how the full-size proxy would have done here
+        analysis.proxy_sens = proxy_sensitivity(tensors, values)
+    return analysis
+
+
+def assignment(analysis: Analysis, budget: Budget, overhead: int = 0) -> dict:
+    """The encoder assignment for a bundle budget, with its predicted bytes (as `du -sb` counts the
+    finished bundle); `overhead`: bytes a build measured beyond the estimate (`replan_overhead`).
+    Returns the report section (`compression.json`'s `mixed`): per tensor its width, predicted
+    stored / file bytes and sensitivity; the fixed parts; the predicted bundle bytes and PSNR."""
+    target = budget.bytes()
+    tensors, tied, sens, proxy = analysis.tensors, analysis.tied, analysis.sens, analysis.proxy
+    fixed = {**analysis.fixed, **({"measured_overhead": overhead} if overhead else {})}
+    fixed_total = sum(fixed.values())
+    lo, hi = analysis.range(overhead)
     opts = options(tensors, sens["per_weight"], tied)
     choice = assign(opts, target - fixed_total)
     total_noise = sum(opts[n][b][1] for n, b in choice.items())
@@ -473,6 +524,7 @@ def plan(bundle_dir: Path, budget: Budget, data: GateData | None = None, *, prox
     predicted_bundle = fixed_total + sum(opts[n][b][0] for n, b in choice.items())
     section = {
         "budget_bytes": target, "bytes_per_param_target": budget.bytes_per_param, "parameters": budget.parameters,
+        "bytes_counted": "du -sb of the finished bundle folder: every file and every directory's own entry",
         "sensitivity_source": "weights-only proxy (relative k-means / int8 weight error)" if proxy
         else "measured: encoder output PSNR vs f16 with only this weight at this width",
         "error_model": "sum over tensors of 10^(-PSNR/10) (output noise in units of peak^2)",
@@ -484,9 +536,9 @@ def plan(bundle_dir: Path, budget: Budget, data: GateData | None = None, *, prox
         "params_per_bits": dict(sorted(params.items(), key=lambda kv: int(kv[0]))),
         "tensors": rows,
     }
-    if proxy_sens is not None:  # how the full-size proxy would have done here
-        agreement = proxy_agreement(sens["per_weight"], proxy_sens["per_weight"])
-        proxy_choice = assign(options(tensors, proxy_sens["per_weight"], tied), target - fixed_total)
+    if analysis.proxy_sens is not None:  # how the full-size proxy would have done here
+        agreement = proxy_agreement(sens["per_weight"], analysis.proxy_sens["per_weight"])
+        proxy_choice = assign(options(tensors, analysis.proxy_sens["per_weight"], tied), target - fixed_total)
         agreement["proxy_assignment_predicted_psnr_db"] = predicted_psnr(
             sum(opts[n][b][1] for n, b in proxy_choice.items()))
         agreement["proxy_assignment_same_bits"] = sum(proxy_choice[n] == b for n, b in choice.items())
@@ -496,6 +548,31 @@ def plan(bundle_dir: Path, budget: Budget, data: GateData | None = None, *, prox
             sum(noise(v[b]) for v in sens["per_weight"].values() if b in v))} for b, s in sens["all"].items()}
     return section
 
+
+def plan(bundle_dir: Path, budget: Budget, data: GateData | None = None, *, proxy: bool = False,
+         scratch_parent: Path | None = None, sensitivity_file: Path | None = None) -> dict:
+    """`assignment(analyse(...))`: the encoder assignment of an f16 bundle for a bundle budget (`--dry-run`)."""
+    return assignment(analyse(bundle_dir, budget, data, proxy=proxy, scratch_parent=scratch_parent,
+                              sensitivity_file=sensitivity_file), budget)
+
+
+def replan_overhead(analysis: Analysis, budget: Budget, builds: list[dict]) -> int:
+    """The overhead to plan the next build with, after `builds` ({"predicted_bundle_bytes",
+    "delivered_bytes", "overhead"} each, the last one over the budget): the last overhead plus what
+    its prediction missed plus `REPLAN_MARGIN`. Raises QuantizeError naming the budget, the
+    delivered bytes and the smallest bundle achievable when no build can meet the budget (even the
+    narrowest widths with the measured overhead exceed it) or `MAX_BUILDS` did not."""
+    target, last = budget.bytes(), builds[-1]
+    overhead = last["overhead"] + last["delivered_bytes"] - last["predicted_bundle_bytes"] + REPLAN_MARGIN
+    smallest = analysis.range(overhead)[0]
+    said = (f"the mixed bundle built for it is {last['delivered_bytes']:,} bytes as `du -sb` counts it (predicted "
+            f"{last['predicted_bundle_bytes']:,}), the smallest achievable about {smallest:,} bytes (2-bit palettes "
+            "wherever coremltools allows them, int8 elsewhere, q8 decoder, with the overhead that build measured)")
+    if smallest > target:
+        raise QuantizeError(f"budget {target:,} bytes cannot be met: {said}")
+    if len(builds) >= MAX_BUILDS:
+        raise QuantizeError(f"budget {target:,} bytes not met in {len(builds)} builds: {said}")
+    return overhead
 
 def mixed_recipe(section: dict) -> Recipe:
     """The encoder `Recipe` of a plan: one scheme per tensor (fp16 tensors skipped), int8 fallback."""
