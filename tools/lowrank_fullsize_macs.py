@@ -6,7 +6,8 @@ attention matmuls (not modules) are added analytically per layer: Q K^T and A V 
 relative-position term Q R^T (T (2T-1) D). The relative-position projection of the positions is left out:
 the conversion folds it into constants. The low-rank encoder applies, per layer type, the rank fractions
 (rank / min(in, out)) measured on the default model (`compression.json` of a lowrank bundle); a rank that
-saves nothing leaves the tensor full (`lowrank.saves`).
+saves nothing leaves the tensor full (`lowrank.saves`). Also printed: the bytes of the calibration
+statistics for that config (`lowrank.statistics_bytes`: float64 covariances, groups, kept axes).
 
     uv run --frozen python tools/lowrank_fullsize_macs.py --compression out/lowrank/compression.json
 """
@@ -88,6 +89,7 @@ def main() -> int:
         "factorisable_weight_params_full": params_full,
         "encoder_params": {"full": encoder_params, "lowrank": encoder_params - saved_params,
                            "reduction": round(saved_params / encoder_params, 4)},
+        "calibration_statistics_bytes": lowrank.statistics_bytes(lowrank.features(m) for m in targets.values()),
     }, indent=1))
     return 0
 

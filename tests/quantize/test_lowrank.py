@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import shutil
 
 import numpy as np
@@ -54,6 +56,43 @@ def direct_outputs(encoder, windows, names):
     return {n: np.concatenate(r) for n, r in rows.items()}
 
 
+def all_statistics(groups):
+    """{name: OutputStatistics} of every group `collect_statistics` yields (small models only)."""
+    return {n: s for group in groups for n, s in group.items()}
+
+
+def reference_statistics(encoder, windows):
+    """The calibration before groups, by its arithmetic: every target at once, float64 sums of each window's
+    rows in order (mean), then of the centred outer products (covariance), each divided by n; all the
+    eigenvectors, by eigh (not through `principal_axes`)."""
+    modules = lowrank.targets(encoder)
+    per_window = {n: [] for n in modules}
+    handles = [m.register_forward_hook(lambda m, i, o, n=n: per_window[n].append(lowrank.output_rows(m, o).numpy()))
+               for n, m in modules.items()]
+    with torch.no_grad():
+        for x, mask in windows:
+            encoder(x, attention_mask=mask)
+    for h in handles:
+        h.remove()
+    stats = {}
+    for n, rows in per_window.items():
+        sums, count = np.zeros(rows[0].shape[1]), 0
+        for r in rows:
+            sums += r.sum(0)
+            count += r.shape[0]
+        mean = sums / count
+        outer = np.zeros((len(mean),) * 2)
+        for r in rows:
+            centred = r - mean
+            outer += centred.T @ centred
+        stats[n] = lowrank.OutputStatistics(count=count, mean=mean, cov=outer / count)
+    pcs = {n: np.linalg.eigh(s.cov) for n, s in stats.items()}
+    order = {n: np.argsort(values)[::-1] for n, (values, _) in pcs.items()}
+    return stats, lowrank.Analysis(stats=stats, eigenvalues={n: np.clip(v[order[n]], 0.0, None) for n, (v, _) in pcs.items()},
+                                   axes={n: vectors[:, order[n]] for n, (_, vectors) in pcs.items()},
+                                   max_rank={n: min(lowrank.features(m)) for n, m in modules.items()})
+
+
 def test_targets_are_the_block_linears_and_pointwise_convs_only(model):
     names = lowrank.targets(model[0].model.encoder)
     assert len(names) == 4 * 10  # 4 blocks: q, k, v, o, 2 ffn x 2 linears, 2 pointwise convs
@@ -68,7 +107,7 @@ def test_two_pass_statistics_match_numpy(model, windows):
     """Mean and covariance (divided by n) of every output, against np.mean / np.cov on the captured rows."""
     encoder = model[0].model.encoder
     names = ["layers.1.self_attn.q_proj", "layers.2.conv.pointwise_conv1", "layers.3.feed_forward2.linear1"]
-    stats = lowrank.collect_statistics(encoder, lambda: iter(windows), names)
+    stats = all_statistics(lowrank.collect_statistics(encoder, lambda: iter(windows), names))
     rows = direct_outputs(encoder, windows, names)
     for n in names:
         y = rows[n]
@@ -90,10 +129,122 @@ def test_rank_rule():
         lowrank.rank_for_energy(values, 0.0)
 
 
+def test_grouped_statistics_equal_the_one_group_ones_exactly(model, windows, caplog):
+    """A budget of two 144-wide covariances: per block ffn1.linear1 (576) | linear2 + q | k + v | o | pw1 (288) |
+    pw2 | ffn2.linear1 | linear2, 32 groups; every count, mean, covariance, eigenvalue and kept axis
+    bit-identical to one group and to the arithmetic before groups."""
+    encoder = model[0].model.encoder
+    modules = lowrank.targets(encoder)
+    budget = 2 * lowrank.covariance_bytes(144)
+    reference, before = reference_statistics(encoder, windows)
+    caplog.set_level(logging.INFO, logger=lowrank.__name__)
+    grouped = list(lowrank.collect_statistics(encoder, lambda: iter(windows), budget_bytes=budget))
+    groups = lowrank.statistic_groups({n: lowrank.features(m)[1] for n, m in modules.items()}, budget)
+    assert [list(g) for g in grouped] == groups and [n for g in groups for n in g] == list(modules)
+
+    def size(names):
+        return sum(lowrank.covariance_bytes(lowrank.features(modules[n])[1]) for n in names)
+
+    # within the budget (a wider target alone), and greedy: the next group's first target did not fit
+    assert all(size(g) <= budget or len(g) == 1 for g in groups)
+    assert all(size(g + h[:1]) > budget for g, h in zip(groups, groups[1:]))
+    assert len(groups) == 32 and groups[1] == ["layers.0.feed_forward1.linear2", "layers.0.self_attn.q_proj"]
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("calibration group")]
+    assert len(progress) == 32 and progress[1] == "calibration group 2/32: 2 targets, 0.0 GB of statistics"
+    one = lowrank.collect_statistics(encoder, lambda: iter(windows), budget_bytes=1 << 60)
+    one = next(one), next(one, None)
+    assert one[1] is None and list(one[0]) == list(modules)  # a single group
+    grouped = all_statistics(grouped)
+    for n in modules:
+        for s in (one[0][n], reference[n]):
+            assert grouped[n].count == s.count
+            np.testing.assert_array_equal(grouped[n].mean, s.mean)
+            np.testing.assert_array_equal(grouped[n].cov, s.cov)
+    analysis = lowrank.analyse(encoder, lambda: iter(windows), budget_bytes=budget)
+    assert list(analysis.axes) == list(modules) and not hasattr(analysis.stats[n], "cov")  # covariances not kept
+    for n, m in modules.items():
+        kept = lowrank.kept_rank(*lowrank.features(m), min(lowrank.features(m)))
+        assert analysis.stats[n].count == reference[n].count
+        np.testing.assert_array_equal(analysis.stats[n].mean, reference[n].mean)
+        np.testing.assert_array_equal(analysis.eigenvalues[n], before.eigenvalues[n])
+        np.testing.assert_array_equal(analysis.axes[n], before.axes[n][:, :kept])
+
+
+def test_kept_axes_are_the_largest_saving_rank():
+    """kept_rank = the largest r with r (in + out) < in out (at least 1, at most max_rank), by brute force."""
+    for in_f, out_f in [(144, 144), (144, 576), (576, 144), (144, 288), (1280, 5120), (5120, 1280), (1, 1),
+                        (2, 3), (7, 1000)]:
+        saving = [r for r in range(1, min(in_f, out_f) + 1) if lowrank.saves(r, in_f, out_f)]
+        assert lowrank.kept_rank(in_f, out_f, min(in_f, out_f)) == max(saving, default=1)
+    assert lowrank.kept_rank(144, 144, min(144, 144)) == 71 and lowrank.kept_rank(1280, 5120, 1280) == 1023
+    assert lowrank.kept_rank(144, 576, 100) == 100
+
+
+@pytest.fixture(scope="module")
+def grouped_analysis(model, windows):
+    """The default model's analysis in groups (a budget of three 144-wide covariances) and the reference
+    (before groups: one pass pair over every target, full axes)."""
+    encoder = model[0].model.encoder
+    budget = 3 * lowrank.covariance_bytes(144)
+    return lowrank.analyse(encoder, lambda: iter(windows), budget_bytes=budget), reference_statistics(encoder, windows)[1]
+
+
+def threshold_for_rank(analysis, name, rank):
+    """The energy threshold whose rank for `name` is `rank` (the energy kept at that rank)."""
+    return float(lowrank.energy_curve(analysis.eigenvalues[name])[rank - 1])
+
+
+def test_kept_axes_width_and_a_plan_past_them_is_refused(model, grouped_analysis):
+    encoder = model[0].model.encoder
+    analysis, _ = grouped_analysis
+    for n, m in lowrank.targets(encoder).items():
+        in_f, out_f = lowrank.features(m)
+        assert analysis.axes[n].shape == (out_f, max(r for r in range(1, in_f + 1) if lowrank.saves(r, in_f, out_f)))
+    name = "layers.0.self_attn.q_proj"  # 144 x 144: ranks up to 71 save
+    thresholds = {"attn_qk": threshold_for_rank(analysis, name, 71)}
+    plan = {p.name: p for p in lowrank.plan_ranks(encoder, analysis, thresholds)}[name]
+    assert plan.rank == 71
+    broken = lowrank.Analysis(stats=analysis.stats, eigenvalues=analysis.eigenvalues,
+                              axes={n: a[:, :-1] for n, a in analysis.axes.items()}, max_rank=analysis.max_rank)
+    with pytest.raises(QuantizeError, match="rank-71 plan needs 71 principal axes, the calibration kept 70"):
+        lowrank.plan_ranks(encoder, broken, thresholds)
+    with pytest.raises(QuantizeError, match="principal axes"):
+        lowrank.rewrite_encoder(copy.deepcopy(encoder), broken, [plan])
+
+
+@pytest.mark.parametrize("thresholds", [
+    {t: 0.9 for t in lowrank.LAYER_TYPES},
+    {"attn_qk": 0.95, "attn_vo": 0.98, "ffn": 0.98, "conv_pw": 0.99},
+    {"attn_qk": 0.999999, "ffn": 0.5, "conv_pw": 0.8},
+    "largest saving ranks",
+])
+def test_plans_and_rewrite_equal_the_ones_before_groups(model, windows, grouped_analysis, thresholds):
+    """Grouped statistics with truncated axes give the same plans and bit-identical rewritten encoders as
+    one pass pair over every target with the full axes."""
+    encoder = model[0].model.encoder
+    analysis, before = grouped_analysis
+    if thresholds == "largest saving ranks":  # each type's threshold hits the largest saving rank of its layer-0 tensor
+        names = {"attn_qk": "layers.0.self_attn.k_proj", "attn_vo": "layers.0.self_attn.v_proj",
+                 "ffn": "layers.0.feed_forward1.linear1", "conv_pw": "layers.0.conv.pointwise_conv2"}
+        thresholds = {t: threshold_for_rank(analysis, n, analysis.axes[n].shape[1]) for t, n in names.items()}
+        assert all(p.rank == analysis.axes[p.name].shape[1] for p in lowrank.plan_ranks(encoder, analysis, thresholds)
+                   if p.name in names.values())
+    plans = lowrank.plan_ranks(encoder, analysis, thresholds)
+    assert plans == lowrank.plan_ranks(encoder, before, thresholds) and any(p.rank for p in plans)
+    new, old = copy.deepcopy(encoder), copy.deepcopy(encoder)
+    assert lowrank.rewrite_encoder(new, analysis, plans) == lowrank.rewrite_encoder(old, before, plans) > 0
+    old_state = old.state_dict()
+    assert all(torch.equal(t, old_state[k]) for k, t in new.state_dict().items())
+    with torch.no_grad():
+        for x, mask in windows:
+            out = new(x, attention_mask=mask).last_hidden_state
+            assert torch.equal(out, old(x, attention_mask=mask).last_hidden_state)
+            assert not torch.equal(out, encoder(x, attention_mask=mask).last_hidden_state)
+
+
 def test_plan_leaves_full_what_saves_nothing(model, windows):
     encoder = model[0].model.encoder
-    analysis = lowrank.Analysis.of(lowrank.collect_statistics(encoder, lambda: iter(windows)),
-                                   {n: min(m.weight.shape[:2]) for n, m in lowrank.targets(encoder).items()})
+    analysis = lowrank.analyse(encoder, lambda: iter(windows))
     plans = lowrank.plan_ranks(encoder, analysis, {"attn_qk": 0.999999, "ffn": 0.5})
     by = {p.name: p for p in plans}
     qk = by["layers.0.self_attn.q_proj"]
@@ -152,8 +303,7 @@ def test_rewrite_replaces_modules_in_place_and_the_encoder_still_runs(windows):
     x, mask = windows[0]
     with torch.no_grad():
         before = encoder(x, attention_mask=mask).last_hidden_state
-    analysis = lowrank.Analysis.of(lowrank.collect_statistics(encoder, lambda: iter(windows)),
-                                   {n: min(m.weight.shape[:2]) for n, m in lowrank.targets(encoder).items()})
+    analysis = lowrank.analyse(encoder, lambda: iter(windows))
     params = lowrank.encoder_parameters(encoder)
     plans = lowrank.plan_ranks(encoder, analysis, {t: 0.9 for t in lowrank.LAYER_TYPES})
     n = lowrank.rewrite_encoder(encoder, analysis, plans)

@@ -7,10 +7,13 @@ The analysis steps apart from the apply steps:
                          (a kernel-1 Conv1d is a linear over channels). Depthwise convolutions, the
                          subsampling and the relative-position projection (folded into constants by the
                          conversion) stay as they are.
-    collect_statistics   two passes of the UNMODIFIED transformers encoder over calibration features:
-                         the mean of each target's output, then the covariance around it (float64 sums,
-                         memory constant in the number of clips)
-    principal_axes       PCA by eigendecomposition of each covariance (float64)
+    collect_statistics   passes of the UNMODIFIED transformers encoder over calibration features: one for
+                         the mean of every target's output, then one per group of targets for the
+                         covariance around it (float64 sums, memory constant in the number of clips; a
+                         group's (out, out) accumulators stay under `STATISTICS_BUDGET_BYTES`)
+    analyse              PCA by eigendecomposition of each covariance (float64) as soon as its group's pass
+                         ends, then the covariance is freed: kept are the eigenvalues and the leading
+                         `kept_rank` principal axes (the largest rank that saves anything: no plan uses more)
     plan_ranks           per tensor, the smallest rank keeping a layer type's energy threshold; a rank
                          that saves nothing (r * (in + out) >= in * out) leaves the tensor full
     rewrite_encoder      apply: each planned module replaced in place by two smaller ones,
@@ -21,6 +24,13 @@ The analysis steps apart from the apply steps:
                          settings as the f16 bundle), gated against the rewritten PyTorch model
 
 MACs are per encoder frame (one output row of each linear); bytes are fp16 weights + biases.
+
+Memory of the statistics (float64; `statistics_bytes`), released config (48 layers, d_model 1280, FFN 5120:
+480 targets): all (out, out) covariances are 27.05 GB. Before the groups, every accumulator was held at
+once and divided into a second copy (54.1 GB), then the covariances and every full eigenvector matrix were
+kept (54.1 GB). Now: one group's accumulators (<= 2 GiB) + one eigendecomposition's workspace (the
+covariance's copy, the vectors and LAPACK's 2 out^2: 0.84 GB at out 5120) + the kept axes of every target
+(sum of out x kept_rank: 7.44 GB), 10.4 GB at most, in 1 + 14 passes of the encoder.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import re
 import shutil
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -107,13 +117,29 @@ def output_rows(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+# The most float64 (out, out) covariance accumulators one calibration pass holds (`statistic_groups`).
+STATISTICS_BUDGET_BYTES = 2 * 2**30
+FLOAT64_BYTES = 8
+
+
 @dataclass
-class OutputStatistics:
-    """Per tensor: frames seen, mean (out,) and covariance (out, out) of its outputs (float64, divided by n)."""
+class OutputMean:
+    """Per tensor: frames seen and the mean (out,) of its outputs (float64)."""
 
     count: int
     mean: np.ndarray
+
+
+@dataclass
+class OutputStatistics(OutputMean):
+    """OutputMean and the covariance (out, out) of the outputs (float64, divided by n)."""
+
     cov: np.ndarray
+
+
+def features(module: nn.Module) -> tuple[int, int]:
+    """(in, out) of a Linear or kernel-1 Conv1d, from its weight's shape (no copy)."""
+    return int(np.prod(module.weight.shape[1:])), int(module.weight.shape[0])
 
 
 def calibration_clips(folder: str | Path) -> list[Path]:
@@ -136,49 +162,104 @@ def calibration_features(clips: Iterable[Path], front_end: FrontEndConfig) -> It
             yield features_batch([feats[:, :n_valid]])
 
 
-@torch.no_grad()
-def collect_statistics(encoder: nn.Module, windows: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]],
-                       names: Iterable[str] | None = None) -> dict[str, OutputStatistics]:
-    """Mean, then covariance, of every target's outputs over the calibration windows (two passes of the
-    unmodified encoder; `windows()` yields the same (features, mask) again for the second pass)."""
-    modules = targets(encoder)
-    names = list(names) if names is not None else list(modules)
-    sums = {n: np.zeros(modules[n].weight.shape[0]) for n in names}
-    outer = {n: np.zeros((modules[n].weight.shape[0],) * 2) for n in names}
-    counts = dict.fromkeys(names, 0)
-    means: dict[str, np.ndarray] = {}
+def covariance_bytes(out_features: int) -> int:
+    """Bytes of one target's float64 (out, out) covariance accumulator."""
+    return FLOAT64_BYTES * out_features * out_features
 
-    def hook(name):
-        def record(module, inputs, output):
-            rows = output_rows(module, output).numpy()  # (frames, out)
-            if name in means:  # pass 2: centred second moments
-                centred = rows - means[name]
-                outer[name] += centred.T @ centred
-            else:  # pass 1: sums
-                sums[name] += rows.sum(0)
-                counts[name] += rows.shape[0]
-        return record
 
-    handles = [modules[n].register_forward_hook(hook(n)) for n in names]
+def statistic_groups(out_features: Mapping[str, int], budget_bytes: int = STATISTICS_BUDGET_BYTES) -> list[list[str]]:
+    """The targets of {name: out features}, in order, cut into consecutive groups whose covariance accumulators
+    together stay within `budget_bytes` (a target over the budget on its own is a group of one)."""
+    groups: list[list[str]] = []
+    used = 0
+    for name, out_f in out_features.items():
+        size = covariance_bytes(out_f)
+        if not groups or used + size > budget_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += size
+    return groups
+
+
+def run_encoder(encoder: nn.Module, windows: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]],
+                hooks: Mapping[nn.Module, Callable[[np.ndarray], None]]) -> None:
+    """One pass of the encoder over `windows()`, each module's output rows (frames, out) float64 given to its hook."""
+    handles = [m.register_forward_hook(lambda module, inputs, output, record=record:
+                                       record(output_rows(module, output).numpy())) for m, record in hooks.items()]
     try:
-        for pass_ in (1, 2):
-            for x, mask in windows():
-                encoder(x, attention_mask=mask)
-            if pass_ == 1:
-                if not all(counts.values()):
-                    raise QuantizeError("the calibration audio gave no encoder frames")
-                means.update({n: sums[n] / counts[n] for n in names})
+        for x, mask in windows():
+            encoder(x, attention_mask=mask)
     finally:
         for h in handles:
             h.remove()
-    return {n: OutputStatistics(count=counts[n], mean=means[n], cov=outer[n] / counts[n]) for n in names}
 
 
-def principal_axes(cov: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(eigenvalues descending (out,), eigenvectors as columns (out, out)) of a covariance, float64."""
+@torch.no_grad()
+def output_means(encoder: nn.Module, modules: Mapping[str, nn.Module],
+                 windows: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]]) -> dict[str, OutputMean]:
+    """Pass 1: frames and mean of every module's outputs (float64 sums of the rows, window by window)."""
+    sums = {n: np.zeros(features(m)[1]) for n, m in modules.items()}
+    counts = dict.fromkeys(modules, 0)
+
+    def hook(name):
+        def record(rows):
+            sums[name] += rows.sum(0)
+            counts[name] += rows.shape[0]
+        return record
+
+    run_encoder(encoder, windows, {m: hook(n) for n, m in modules.items()})
+    if not all(counts.values()):
+        raise QuantizeError("the calibration audio gave no encoder frames")
+    return {n: OutputMean(count=counts[n], mean=sums[n] / counts[n]) for n in modules}
+
+
+@torch.no_grad()
+def output_covariances(encoder: nn.Module, modules: Mapping[str, nn.Module], means: Mapping[str, OutputMean],
+                       windows: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]]) -> dict[str, np.ndarray]:
+    """Pass 2 for one group: covariance (divided by n) of each module's outputs around its mean."""
+    outer = {n: np.zeros((features(m)[1],) * 2) for n, m in modules.items()}
+
+    def hook(name):
+        def record(rows):
+            centred = rows - means[name].mean
+            outer[name] += centred.T @ centred
+        return record
+
+    run_encoder(encoder, windows, {m: hook(n) for n, m in modules.items()})
+    for n, acc in outer.items():
+        acc /= means[n].count  # in place: no second copy of the group
+    return outer
+
+
+def collect_statistics(encoder: nn.Module, windows: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]],
+                       names: Iterable[str] | None = None, *,
+                       budget_bytes: int = STATISTICS_BUDGET_BYTES) -> Iterator[dict[str, OutputStatistics]]:
+    """Mean, then covariance, of every target's outputs over the calibration windows, yielded group by group
+    (`statistic_groups`): one pass of the unmodified encoder for every mean, then one per group for its
+    covariances (`windows()` yields the same (features, mask) on every pass). A target's float64 sums are
+    the same whatever the groups (its rows, in the same order); a group's covariances are freed once the
+    caller drops them (do so before asking for the next group, or two groups are held)."""
+    modules = targets(encoder)
+    names = list(names) if names is not None else list(modules)
+    unknown = [n for n in names if n not in modules]
+    if unknown:
+        raise QuantizeError(f"not low-rank targets of the encoder: {unknown}")
+    means = output_means(encoder, {n: modules[n] for n in names}, windows)
+    groups = statistic_groups({n: features(modules[n])[1] for n in names}, budget_bytes)
+    for i, group in enumerate(groups, 1):
+        logger.info("calibration group %d/%d: %d targets, %.1f GB of statistics", i, len(groups), len(group),
+                    sum(covariance_bytes(features(modules[n])[1]) for n in group) / 1e9)
+        covs = output_covariances(encoder, {n: modules[n] for n in group}, means, windows)
+        yield {n: OutputStatistics(count=means[n].count, mean=means[n].mean, cov=covs.pop(n)) for n in group}
+
+
+def principal_axes(cov: np.ndarray, columns: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(eigenvalues descending (out,), the leading `columns` eigenvectors (default all) as columns
+    (out, columns)) of a covariance, float64."""
     values, vectors = np.linalg.eigh(np.asarray(cov, dtype=np.float64))
     order = np.argsort(values)[::-1]
-    return np.clip(values[order], 0.0, None), vectors[:, order]
+    return np.clip(values[order], 0.0, None), vectors[:, order[:columns]]
 
 
 def energy_curve(eigenvalues: np.ndarray) -> np.ndarray:
@@ -198,6 +279,29 @@ def rank_for_energy(eigenvalues: np.ndarray, threshold: float) -> int:
 def saves(rank: int, in_features: int, out_features: int) -> bool:
     """Whether two linears of rank `rank` are smaller (and cheaper) than the full (out, in) one."""
     return rank * (in_features + out_features) < in_features * out_features
+
+
+def kept_rank(in_features: int, out_features: int, max_rank: int) -> int:
+    """How many principal axes the analysis keeps: the largest rank that `saves` anything (no plan uses a
+    larger one), at least 1, at most `max_rank`."""
+    largest = (in_features * out_features - 1) // (in_features + out_features)  # largest r: r (in + out) < in out
+    return max(1, min(largest, max_rank))
+
+
+def statistics_bytes(shapes: Iterable[tuple[int, int]], budget_bytes: int = STATISTICS_BUDGET_BYTES) -> dict:
+    """Float64 bytes of the calibration statistics of targets of (in, out) `shapes`: all covariances at once,
+    the largest group's accumulators, one eigendecomposition's workspace (the covariance's copy, the vectors,
+    LAPACK syevd's 2 out^2) and the kept axes (out x kept_rank each)."""
+    shapes = list(shapes)
+    covs = [covariance_bytes(out_f) for _, out_f in shapes]
+    groups = statistic_groups({str(i): out_f for i, (_, out_f) in enumerate(shapes)}, budget_bytes)
+    largest = max(sum(covs[int(n)] for n in g) for g in groups)
+    kept = sum(FLOAT64_BYTES * out_f * kept_rank(in_f, out_f, min(in_f, out_f)) for in_f, out_f in shapes)
+    return {"covariances_all": sum(covs), "groups": len(groups), "encoder_passes": 1 + len(groups),
+            "largest_group": largest, "eigh_workspace": 4 * max(covs), "kept_axes": kept,
+            # before groups: the accumulators and their divided copy; then the covariances and all full axes
+            "peak_before_groups": 2 * sum(covs),
+            "peak_at_most": largest + 4 * max(covs) + kept}
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,18 +349,29 @@ class TensorPlan:
 
 @dataclass
 class Analysis:
-    """What the calibration found: statistics, principal axes and the largest useful rank of every target."""
+    """What the calibration found: frames and mean (no covariance: each is freed once its axes are taken),
+    eigenvalues, the leading principal axes and the largest useful rank of every target."""
 
-    stats: dict[str, OutputStatistics]
-    eigenvalues: dict[str, np.ndarray]  # (out,) descending
-    axes: dict[str, np.ndarray]  # (out, out), columns
-    max_rank: dict[str, int]  # min(in, out): the output covariance has at most this rank
+    stats: dict[str, OutputMean] = field(default_factory=dict)
+    eigenvalues: dict[str, np.ndarray] = field(default_factory=dict)  # (out,) descending
+    axes: dict[str, np.ndarray] = field(default_factory=dict)  # (out, kept_rank), columns
+    max_rank: dict[str, int] = field(default_factory=dict)  # min(in, out): the output covariance has at most this rank
 
-    @classmethod
-    def of(cls, stats: Mapping[str, OutputStatistics], max_rank: Mapping[str, int]) -> Analysis:
-        pcs = {n: principal_axes(s.cov) for n, s in stats.items()}
-        return cls(stats=dict(stats), eigenvalues={n: p[0] for n, p in pcs.items()},
-                   axes={n: p[1] for n, p in pcs.items()}, max_rank={n: int(max_rank[n]) for n in stats})
+    def add(self, name: str, stats: OutputStatistics, in_features: int) -> None:
+        """One target's eigenvalues and kept axes from its statistics (the covariance is not kept)."""
+        out_features = len(stats.mean)
+        self.max_rank[name] = min(in_features, out_features)
+        self.stats[name] = OutputMean(count=stats.count, mean=stats.mean)
+        self.eigenvalues[name], self.axes[name] = principal_axes(
+            stats.cov, kept_rank(in_features, out_features, self.max_rank[name]))
+
+    def basis(self, name: str, rank: int) -> np.ndarray:
+        """The leading `rank` principal axes (out, rank) of a target; more than were kept is an error."""
+        kept = self.axes[name].shape[1]
+        if rank > kept:
+            raise QuantizeError(f"{name}: a rank-{rank} plan needs {rank} principal axes, the calibration kept "
+                                f"{kept} (the largest rank that saves anything, at most min(in, out))")
+        return self.axes[name][:, :rank]
 
     def spectrum(self, energies=(0.9, 0.95, 0.98, 0.99, 0.995, 0.999)) -> dict:
         """Per layer type: the rank each energy needs as a fraction of min(in, out), mean over its tensors."""
@@ -279,13 +394,14 @@ def plan_ranks(encoder: nn.Module, analysis: Analysis, thresholds: Mapping[str, 
         if name not in analysis.eigenvalues:
             continue
         kind = "conv1x1" if isinstance(module, nn.Conv1d) else "linear"
-        w, _ = weight_matrix(module)
-        out_f, in_f = w.shape
+        in_f, out_f = features(module)
         t = layer_type(name)
         threshold = float(thresholds.get(t, 1.0))
         values = analysis.eigenvalues[name]
         r = rank_for_energy(values, threshold)
         rank = r if threshold < 1.0 and saves(r, in_f, out_f) else None
+        if rank is not None:
+            analysis.basis(name, rank)  # raises when the calibration kept fewer axes
         kept = float(energy_curve(values)[(rank or out_f) - 1])
         plans.append(TensorPlan(name=name, layer_type=t, kind=kind, in_features=in_f, out_features=out_f,
                                 threshold=threshold, rank=rank, energy_kept=kept, rank_for_threshold=r))
@@ -332,7 +448,7 @@ def rewrite_encoder(encoder: nn.Module, analysis: Analysis, plans: Iterable[Tens
             continue
         module = modules[plan.name]
         w, b = weight_matrix(module)
-        down, up, up_bias = factorise(w, b, analysis.stats[plan.name].mean, analysis.axes[plan.name][:, :plan.rank])
+        down, up, up_bias = factorise(w, b, analysis.stats[plan.name].mean, analysis.basis(plan.name, plan.rank))
         parent_name, _, child = plan.name.rpartition(".")
         setattr(encoder.get_submodule(parent_name), child, LowRankLinear(module, down, up, up_bias))
         replaced += 1
@@ -358,7 +474,8 @@ def summary(plans: list[TensorPlan], params_before: int, params_after: int) -> d
         t["macs_per_frame_after"] += p.macs_after
     return {
         "method": "LiteASR: PCA (eigendecomposition, float64) of each output's covariance on the calibration audio, "
-                  "two passes (mean, then covariance) of the unmodified encoder; y ~ V_r V_r^T (W x + b - mu) + mu",
+                  "passes of the unmodified encoder (the means, then the covariances in groups of targets); "
+                  "y ~ V_r V_r^T (W x + b - mu) + mu",
         "units": {"macs": "multiply-adds per encoder frame (one output row)", "bytes": "fp16 weights + biases"},
         "encoder_parameters": {"before": params_before, "after": params_after,
                                "reduction": round(1 - params_after / params_before, 4)},
@@ -373,12 +490,24 @@ def summary(plans: list[TensorPlan], params_before: int, params_after: int) -> d
 # --------------------------------------------------------------------------------------------
 
 
-def calibrate(model, processor, clips: list[Path]) -> Analysis:
+def analyse(encoder: nn.Module, windows: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]],
+            names: Iterable[str] | None = None, *, budget_bytes: int = STATISTICS_BUDGET_BYTES) -> Analysis:
+    """`collect_statistics` group by group, each covariance reduced to its eigenvalues and kept axes and
+    freed before the next group's pass."""
+    modules = targets(encoder)
+    analysis = Analysis()
+    for group in collect_statistics(encoder, windows, names, budget_bytes=budget_bytes):
+        for name in list(group):
+            analysis.add(name, group.pop(name), features(modules[name])[0])
+    return analysis
+
+
+def calibrate(model, processor, clips: list[Path], budget_bytes: int = STATISTICS_BUDGET_BYTES) -> Analysis:
     """Statistics and principal axes of the unmodified model's encoder targets on `clips`."""
     front_end = FrontEndConfig.from_processor(processor, dither=0.0)
-    logger.info("calibration: %d clips, two passes of the encoder", len(clips))
-    stats = collect_statistics(model.model.encoder, lambda: calibration_features(clips, front_end))
-    return Analysis.of(stats, {n: min(weight_matrix(m)[0].shape) for n, m in targets(model.model.encoder).items()})
+    logger.info("calibration: %d clips, one pass of the encoder for the means, then one per group of targets",
+                len(clips))
+    return analyse(model.model.encoder, lambda: calibration_features(clips, front_end), budget_bytes=budget_bytes)
 
 
 def lowrank_model(model, processor, clips: list[Path], thresholds: Mapping[str, float]) -> dict:
