@@ -15,6 +15,7 @@ from cohere_coreml.config import EXTEND_FUNCTION, PREFILL_FUNCTION, STEP_FUNCTIO
 from cohere_coreml.decoder import StatefulDecoder, TorchDecoder, convert_decoder
 from cohere_coreml.decoder_gate import run_extend_teacher_forcing, teacher_forcing_case, teacher_forcing_report
 from cohere_coreml.decoder_runtime import DecoderRuntime, DecoderRuntimeError, FeedCall, extend_inputs, feed_plan
+from cohere_coreml.parity import argmax_flips
 from cohere_coreml.tokens import prompt_ids
 
 CAPACITY, MEMORY, K = 32, 64, 16  # K: a small extend length, so that slot P + K fits the test cache
@@ -123,9 +124,13 @@ def test_feed_uses_extend_and_gives_the_steps_decisions(trained_reference, exten
     a = with_extend.feed(with_extend.new_state(case.memory), prefix)
     b = steps_only.feed(steps_only.new_state(case.memory), prefix)
     assert (a.calls, a.tokens_fed) == (1, K) and (b.calls, b.tokens_fed) == (16, 16)
-    # a row after every token (the decisions a draft is verified with), as the steps give them
-    assert [int(np.argmax(r)) for r in a.after] == [int(np.argmax(r)) for r in b.after] == [
-        int(np.argmax(r)) for r in case.log_probs[:16]]
+    # a row after every token (the decisions a draft is verified with), as the steps give them; against
+    # the reference, by the gates' near-tie rule (row 1, a prompt row of this case, is a near-tie:
+    # 291 vs 417 are 0.0007 nats apart, and which way fp16 moves it depends on the CPU's kernels)
+    assert [int(np.argmax(r)) for r in a.after] == [int(np.argmax(r)) for r in b.after]
+    flips = argmax_flips(case.log_probs[:16], np.stack(a.after))
+    assert flips["decisive_flips"] == 0, flips["rows"]
+    assert flips["flips"] <= 2 and all(r["ref_margin_nats"] < 0.01 for r in flips["rows"]), flips["rows"]
     np.testing.assert_allclose(np.stack(a.after), np.stack(b.after), atol=0.05)
     # the bare prompt still goes through prefill (offline decoding unchanged)
     assert with_extend.plan(len(case.ids[:case.prompt_len])) == [FeedCall(PREFILL_FUNCTION, 0, 10, 10)]
