@@ -27,6 +27,8 @@ tools/make_swift_fixtures.py. Writes into one folder (default out/swift-fixtures
                              and the updates of `cohere-coreml transcribe --stream --no-pace --json --stats`
                              (0.1 s chunks, package front end, interpreter) for it, with its stats line
                              (the compute counters, stderr) and the counters without extend (--no-extend)
+    compiled_names.json      per package of bundle/, the name the Python Core ML backend's compiled-model
+                             cache gives it (`CompiledCache.location`): the Swift `CoreMLRuntime` must agree
     READY                    written last
 
 Each file is written to a temporary name and renamed. Transcripts made from the same packages (the
@@ -449,6 +451,15 @@ def streaming_cases(bundle: Path, out: Path, root: Path, threads: int) -> dict:
     return data
 
 
+def compiled_names(bundle: Path) -> dict[str, str]:
+    """Package file name -> its compiled model's name in the Python backend's cache (the naming rule both
+    languages share: runtime/compiled_cache.py, CoreMLRuntime.cachedLocation(for:))."""
+    from cohere_coreml.runtime.compiled_cache import CompiledCache
+
+    cache = CompiledCache(bundle.parent / "unused")
+    return {p.name: cache.location(p).name for p in sorted(bundle.glob("*.mlpackage"))}
+
+
 def make_fixtures(out: Path, root: Path, model: Path, demo_clips: list[tuple[str, str]], threads: int = 2) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "READY").unlink(missing_ok=True)
@@ -465,6 +476,7 @@ def make_fixtures(out: Path, root: Path, model: Path, demo_clips: list[tuple[str
         logger.info("package vs python front end: %d of %d windows with identical token ids", summary["identical"],
                     summary["windows"])
     _write_json(out / "front_ends.json", summary)
+    _write_json(out / "compiled_names.json", compiled_names(bundle))
     stream = streaming_cases(bundle, out, root, threads)
     logger.info("stream reference: %d updates over %d samples", len(stream["updates"]), stream["samples"])
     (out / "READY").write_text("ok\n")

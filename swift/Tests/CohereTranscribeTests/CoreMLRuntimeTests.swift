@@ -72,6 +72,18 @@ final class CoreMLRuntimeTests: XCTestCase {
 
     // MARK: compiled-model cache
 
+    /// The cache names Python's Core ML backend gives the bundle's packages (runtime/compiled_cache.py,
+    /// the same rule): the Swift runtime names each compiled model exactly so.
+    func testCacheNamesEqualThePythonBackends() throws {
+        let names = try XCTUnwrap(Fixtures.json("compiled_names.json") as? [String: String])
+        XCTAssertGreaterThanOrEqual(names.count, 3)
+        let runtime = try CoreMLRuntime(cacheDirectory: temporaryFolder("names"))
+        for (package, name) in names {
+            XCTAssertEqual(try runtime.cachedLocation(for: Fixtures.bundle.appendingPathComponent(package)).lastPathComponent,
+                           name, package)
+        }
+    }
+
     /// The cache name is a sha256 of the package's content, the same in every process: from the
     /// manifest's checksums, and it changes when a checksum does; without checksums, from the file table.
     func testCacheNamesAreStableContentDigests() throws {
