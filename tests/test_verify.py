@@ -269,7 +269,7 @@ def test_verdicts_the_near_tie_bound(trained_reference, trained_bundle):
         assert got["step_error_nats"] == pytest.approx(error, rel=1e-9)  # measured on the other top tokens
 
 
-def test_verdicts_a_length_difference(trained_bundle):
+def test_verdicts_a_length_difference():
     from cohere_coreml.verify import DIFFERS, judge_difference
 
     got = judge_difference(None, {}, [5, 6, 7], [5, 6], [1, 2, 5, 6], None, 2, "fp16")
