@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from .fixture_data import TRAINED_BUCKETS, TRAINED_MAX_NEW_TOKENS, TRAINED_MODEL, TRAINED_WINDOW_S
+from .shared_builds import built_once
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -30,7 +31,8 @@ def tiny_reference(tiny_checkpoint):
 
 
 # The committed trained model (fixture_data.TRAINED_MODEL): its transcripts depend on the audio and
-# on the prompt, so it is the fixture for end-to-end checks. Exported once per test run, as users run
+# on the prompt, so it is the fixture for end-to-end checks. Exported once per test run (`built_once`:
+# also when the run is split over workers), as users run
 # it (fp16, a length bucket, the prefill function), with a short window: the held-out clips are 1.6-4 s.
 @pytest.fixture(scope="session")
 def trained_reference():
@@ -52,12 +54,14 @@ def trained_bundle(trained_reference, tmp_path_factory) -> Path:
 
     torch.set_num_threads(1)
     model, processor = trained_reference
-    out = tmp_path_factory.mktemp("trained") / "bundle"
-    settings = ExportSettings(out_dir=out, precision="fp16", model_id="cohere-tiny-synth",
-                              window_seconds=TRAINED_WINDOW_S)
-    export_model(model, processor, settings, max_new_tokens=TRAINED_MAX_NEW_TOKENS, buckets=TRAINED_BUCKETS,
-                 prefill=True)
-    return out
+
+    def build(folder: Path) -> None:
+        settings = ExportSettings(out_dir=folder / "bundle", precision="fp16", model_id="cohere-tiny-synth",
+                                  window_seconds=TRAINED_WINDOW_S)
+        export_model(model, processor, settings, max_new_tokens=TRAINED_MAX_NEW_TOKENS, buckets=TRAINED_BUCKETS,
+                     prefill=True)
+
+    return built_once(tmp_path_factory, "trained", build) / "bundle"
 
 
 @pytest.fixture(scope="session")
@@ -73,9 +77,12 @@ def trained_parts_bundle(trained_reference, trained_bundle, tmp_path_factory) ->
 
     torch.set_num_threads(1)
     model, processor = trained_reference
-    out = copy_packages(trained_bundle, tmp_path_factory.mktemp("trained-parts") / "bundle", ("decoder", "frontend"))
-    settings = ExportSettings(out_dir=out, precision="fp16", model_id="cohere-tiny-synth",
-                              window_seconds=TRAINED_WINDOW_S)
-    export_model(model, processor, settings, max_new_tokens=TRAINED_MAX_NEW_TOKENS, buckets=TRAINED_BUCKETS,
-                 prefill=True, encoder_parts=2)
-    return out
+
+    def build(folder: Path) -> None:
+        out = copy_packages(trained_bundle, folder / "bundle", ("decoder", "frontend"))
+        settings = ExportSettings(out_dir=out, precision="fp16", model_id="cohere-tiny-synth",
+                                  window_seconds=TRAINED_WINDOW_S)
+        export_model(model, processor, settings, max_new_tokens=TRAINED_MAX_NEW_TOKENS, buckets=TRAINED_BUCKETS,
+                     prefill=True, encoder_parts=2)
+
+    return built_once(tmp_path_factory, "trained-parts", build) / "bundle"

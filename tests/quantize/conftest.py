@@ -16,6 +16,7 @@ import torch
 from cohere_coreml.quantize import quantize_bundle
 
 from ..fixture_data import HELDOUT_DIR, TRAINED_MODEL, heldout_utterances
+from ..shared_builds import built_once
 
 torch.set_num_threads(1)
 
@@ -38,6 +39,9 @@ def eval_dir(tmp_path_factory):
 
 @pytest.fixture(scope="package")
 def q8_bundle(f16_bundle, eval_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("qb") / "q8"
-    report = quantize_bundle(f16_bundle, out, "q8", model=str(TRAINED_MODEL), eval_dir=eval_dir)
-    return out, report
+    def build(folder):
+        report = quantize_bundle(f16_bundle, folder / "q8", "q8", model=str(TRAINED_MODEL), eval_dir=eval_dir)
+        (folder / "report.json").write_text(json.dumps(report))  # the workers that did not build it read this
+
+    folder = built_once(tmp_path_factory, "qb", build)
+    return folder / "q8", json.loads((folder / "report.json").read_text())

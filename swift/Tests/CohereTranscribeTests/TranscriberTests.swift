@@ -49,13 +49,17 @@ final class TranscriberTests: XCTestCase {
     }
 
     /// The encoder/decoder loop alone, given Python's features (audio.log_mel): every window equals the CLI
-    /// with the Python front end.
+    /// with the Python front end. The test bundle's decoder is the host-state variant (the default): each
+    /// window's state writes are checked as `checkStateWrites` says (the other variant, bundle-graph/, is
+    /// checked the same way by testBothDecoderStateVariantsGiveThePythonTokens).
     func testTokenIdsEqualPythonGivenPythonFeatures() async throws {
         let clips = try clips(frontEnd: "python")
         XCTAssertEqual(clips.count, 94)
         for (runtimeName, runtime) in try Fixtures.runtimes() {
             let transcriber = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: runtime)
             let manifest = transcriber.manifest
+            XCTAssertTrue(manifest.decoder.hostWritesState, "the test bundle is the default (host-state) export")
+            let writes = StateWriteCheck(manifest: manifest, runtimeName: runtimeName)
             var windows = 0
             for clip in clips {
                 let language = clip["language"] as! String
@@ -71,12 +75,44 @@ final class TranscriberTests: XCTestCase {
                     XCTAssertEqual(r.text, w["text"] as! String, name)
                     XCTAssertEqual(r.stopReason.rawValue, w["stop_reason"] as! String, name)
                     XCTAssertEqual(r.timings.encoderFunction, w["encoder_function"] as! String, name)
+                    writes.check(r, name)
                     texts.append(r.text)
                     windows += 1
                 }
                 XCTAssertEqual(Detokenizer.joinWindows(texts, language: language), clip["text"] as! String)
             }
             XCTAssertEqual(windows, 96, runtimeName)
+            writes.finish()
+        }
+    }
+
+    /// What a decoder state variant writes, checked window by window: a host-state window writes the memory
+    /// once and then exactly one K/V row per layer and fed token slot; a graph-state window writes nothing.
+    /// On the Linux Core ML emulation the host's writes must have gone through `MLState.withMultiArray(for:)`.
+    struct StateWriteCheck {
+        let host: Bool, rowBytes: Int, memoryBytes: Int, runtimeName: String
+        #if os(Linux)
+        let viewsBefore = CoreMLEmulation.statistics.stateViews
+        #endif
+
+        init(manifest: BundleManifest, runtimeName: String) {
+            host = manifest.decoder.hostWritesState
+            let c = manifest.decoder.cacheShape, m = manifest.decoder.memoryShape
+            rowBytes = 2 * c[0] * c[1] * c[3] * 2  // new_k + new_v: one fp16 row per layer and KV head
+            memoryBytes = 2 * m.reduce(1, *) * 2 + manifest.encoder.memoryLength * 2
+            self.runtimeName = runtimeName
+        }
+
+        func check(_ r: WindowResult, _ name: String) {
+            XCTAssertEqual(r.timings.decoderStateBytesWritten, host ? memoryBytes + rowBytes * r.timings.decoderTokensFed : 0, name)
+        }
+
+        func finish() {
+            #if os(Linux)
+            if runtimeName != "interpreter" {
+                XCTAssertEqual(CoreMLEmulation.statistics.stateViews > viewsBefore, host, runtimeName)
+            }
+            #endif
         }
     }
 
@@ -121,11 +157,11 @@ final class TranscriberTests: XCTestCase {
         }
     }
 
-    /// Both decoder state variants (the test bundle's and bundle-<other>/'s, same encoder): given Python's
-    /// features, every held-out window's tokens equal the Python CLI's through both runtimes (the interpreter,
-    /// and Core ML where the host writes the state through `MLState.withMultiArray(for:)`). A host-state
-    /// window writes the memory once and then exactly one K/V row per layer and fed token slot; a
-    /// graph-state window writes nothing.
+    /// Both decoder state variants give the Python CLI's tokens: the test bundle's (host state, the default:
+    /// testTokenIdsEqualPythonGivenPythonFeatures runs it on every clip with these checks) and the other one,
+    /// bundle-graph/ (same encoder), here: given Python's features, every held-out window's tokens equal the
+    /// Python CLI's through both runtimes (the interpreter, and Core ML), its state writes as `StateWriteCheck`
+    /// says.
     func testBothDecoderStateVariantsGiveThePythonTokens() async throws {
         let clips = try clips(frontEnd: "python").filter { ($0["wav"] as! String).contains("heldout") }
         XCTAssertEqual(clips.count, 90)
@@ -136,39 +172,29 @@ final class TranscriberTests: XCTestCase {
             variants[try BundleManifest.load(bundle: url).decoder.stateWrites ?? "graph"] = url
         }
         XCTAssertEqual(Set(variants.keys), ["host", "graph"], "run `make swift-fixtures`: it writes both variants")
-        for (state, url) in variants.sorted(by: { $0.key < $1.key }) {
-            for (runtimeName, runtime) in try Fixtures.runtimes() {
-                let transcriber = try await CohereTranscriber(bundle: url, runtime: runtime)
-                let manifest = transcriber.manifest
-                XCTAssertEqual(manifest.decoder.hostWritesState, state == "host")
-                let c = manifest.decoder.cacheShape, m = manifest.decoder.memoryShape
-                let rowBytes = 2 * c[0] * c[1] * c[3] * 2  // new_k + new_v: one fp16 row per layer and KV head
-                let memoryBytes = 2 * m.reduce(1, *) * 2 + manifest.encoder.memoryLength * 2
-                #if os(Linux)
-                let viewsBefore = CoreMLEmulation.statistics.stateViews
-                #endif
-                var windows = 0
-                for clip in clips {
-                    for w in clip["windows"] as! [[String: Any]] {
-                        let features = try Tensor(float32: try Fixtures.floats(w["features"] as! String),
-                                                  shape: [1, manifest.encoder.numMelBins, w["frames"] as! Int])
-                        let r = try await transcriber.transcribeWindow(
-                            features: features, validFrames: w["valid_frames"] as! Int,
-                            prompt: try manifest.prompt(language: clip["language"] as! String))
-                        let name = "\(state) \(runtimeName): \(clip["wav"]!) window \(w["index"]!)"
-                        XCTAssertEqual(r.tokenIds, w["token_ids"] as! [Int], name)
-                        XCTAssertEqual(r.timings.decoderStateBytesWritten,
-                                       state == "host" ? memoryBytes + rowBytes * r.timings.decoderTokensFed : 0, name)
-                        windows += 1
-                    }
+        XCTAssertEqual(variants["host"], Fixtures.bundle, "the test bundle is the host-state variant")
+        let url = try XCTUnwrap(variants["graph"])
+        for (runtimeName, runtime) in try Fixtures.runtimes() {
+            let transcriber = try await CohereTranscriber(bundle: url, runtime: runtime)
+            let manifest = transcriber.manifest
+            XCTAssertFalse(manifest.decoder.hostWritesState)
+            let writes = StateWriteCheck(manifest: manifest, runtimeName: runtimeName)
+            var windows = 0
+            for clip in clips {
+                for w in clip["windows"] as! [[String: Any]] {
+                    let features = try Tensor(float32: try Fixtures.floats(w["features"] as! String),
+                                              shape: [1, manifest.encoder.numMelBins, w["frames"] as! Int])
+                    let r = try await transcriber.transcribeWindow(
+                        features: features, validFrames: w["valid_frames"] as! Int,
+                        prompt: try manifest.prompt(language: clip["language"] as! String))
+                    let name = "graph \(runtimeName): \(clip["wav"]!) window \(w["index"]!)"
+                    XCTAssertEqual(r.tokenIds, w["token_ids"] as! [Int], name)
+                    writes.check(r, name)
+                    windows += 1
                 }
-                XCTAssertEqual(windows, 90)
-                #if os(Linux)
-                if runtimeName != "interpreter" {  // Core ML: the host's writes went through MLState.withMultiArray(for:)
-                    XCTAssertEqual(CoreMLEmulation.statistics.stateViews > viewsBefore, state == "host", runtimeName)
-                }
-                #endif
             }
+            XCTAssertEqual(windows, 90)
+            writes.finish()
         }
     }
 
