@@ -50,7 +50,7 @@ final class TranscriberTests: XCTestCase {
 
     /// The encoder/decoder loop alone, given Python's features (audio.log_mel): every window equals the CLI
     /// with the Python front end. The test bundle's decoder is the host-state variant (the default): each
-    /// window's state writes are checked as `checkStateWrites` says (the other variant, bundle-graph/, is
+    /// window's state writes are checked as `StateWriteCheck` says (the other variant, bundle-graph/, is
     /// checked the same way by testBothDecoderStateVariantsGiveThePythonTokens).
     func testTokenIdsEqualPythonGivenPythonFeatures() async throws {
         let clips = try clips(frontEnd: "python")
