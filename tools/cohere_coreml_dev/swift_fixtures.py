@@ -44,6 +44,8 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -66,14 +68,20 @@ class FixtureError(RuntimeError):
     """The Python side produced something the Swift tests cannot use."""
 
 
+def _tmp_name(path: Path) -> Path:
+    # one temporary name per writer: the fixture jobs run on two threads and two of them write the same
+    # feature files (the test bundle's and bundle-parts' Python front end give the same features)
+    return path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+
+
 def _write_json(path: Path, data) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = _tmp_name(path)
     tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False), encoding="utf-8")
     os.replace(tmp, path)
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = _tmp_name(path)
     tmp.write_bytes(data)
     os.replace(tmp, path)
 
@@ -460,24 +468,40 @@ def compiled_names(bundle: Path) -> dict[str, str]:
     return {p.name: cache.location(p).name for p in sorted(bundle.glob("*.mlpackage"))}
 
 
-def make_fixtures(out: Path, root: Path, model: Path, demo_clips: list[tuple[str, str]], threads: int = 2) -> Path:
+def make_fixtures(out: Path, root: Path, model: Path, demo_clips: list[tuple[str, str]], threads: int = 2,
+                  jobs: int = 2) -> Path:
+    """Everything above, READY last. After the test bundle, its variants and the references (each a
+    chain of child processes) run `jobs` at a time; the references' children keep `threads` torch
+    threads (the Swift tests' interpreter child has as many: near-tie tokens depend on the count), the
+    variant exports one (their packages do not depend on it)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "READY").unlink(missing_ok=True)
     bundle = export_bundle(out, model, threads)
-    export_other_decoder_bundle(out, bundle, model, threads)
-    parts_bundle = export_parts_bundle(out, bundle, model, threads)
     token_cases(bundle, out, root)
     cases = audio_cases(out, root, demo_clips)
-    package = transcripts(bundle, out, cases, "package", threads)
-    python = transcripts(bundle, out, cases, "python", threads)
-    transcripts(parts_bundle, out, cases, "python", threads, name="parts")
+
+    def parts_references() -> None:
+        parts_bundle = export_parts_bundle(out, bundle, model, 1)
+        transcripts(parts_bundle, out, cases, "python", threads, name="parts")
+
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="fixtures") as pool:
+        running = [pool.submit(export_other_decoder_bundle, out, bundle, model, 1),
+                   pool.submit(parts_references),
+                   pool.submit(transcripts, bundle, out, cases, "package", threads),
+                   pool.submit(transcripts, bundle, out, cases, "python", threads),
+                   pool.submit(streaming_cases, bundle, out, root, threads)]
+        try:
+            results = [job.result() for job in running]
+        except BaseException:
+            pool.shutdown(cancel_futures=True)  # the jobs not started are dropped; the running ones end first
+            raise
+    package, python, stream = results[2], results[3], results[4]
     summary = compare_front_ends(package, python)
     if summary is not None:
         logger.info("package vs python front end: %d of %d windows with identical token ids", summary["identical"],
                     summary["windows"])
     _write_json(out / "front_ends.json", summary)
     _write_json(out / "compiled_names.json", compiled_names(bundle))
-    stream = streaming_cases(bundle, out, root, threads)
     logger.info("stream reference: %d updates over %d samples", len(stream["updates"]), stream["samples"])
     (out / "READY").write_text("ok\n")
     return out

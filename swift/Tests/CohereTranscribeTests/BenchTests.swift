@@ -155,11 +155,7 @@ final class BenchTests: XCTestCase {
     func testCommandLine() throws {
         #if os(macOS) || os(Linux)
         let (dir, _) = try makeDataset()
-        let exe = Fixtures.repoRoot.appendingPathComponent(".build/debug/cohere-transcribe-swift")
-        guard FileManager.default.isExecutableFile(atPath: exe.path) else {
-            XCTFail("no \(exe.path): build it with `swift build --build-tests`")
-            return
-        }
+        let exe = try Fixtures.swiftCLI()
         func run(_ args: [String]) throws -> (Int32, Data, String) {
             let process = Process()
             process.executableURL = exe
@@ -231,11 +227,7 @@ final class BenchTests: XCTestCase {
     func testSweepRecordsCrashedChildrenAndTheTranscriberUsesTheChoice() async throws {
         #if os(macOS) || os(Linux)
         let (dir, picked) = try makeDataset()
-        let exe = Fixtures.repoRoot.appendingPathComponent(".build/debug/cohere-transcribe-swift")
-        guard FileManager.default.isExecutableFile(atPath: exe.path) else {
-            XCTFail("no \(exe.path): build it with `swift build --build-tests`")
-            return
-        }
+        let exe = try Fixtures.swiftCLI()
         let (sha, layout) = try bundleIdentity()
         let work = Fixtures.scratch.appendingPathComponent("sweep-\(UUID().uuidString)")
         let choiceURL = work.appendingPathComponent("device-choice.json")

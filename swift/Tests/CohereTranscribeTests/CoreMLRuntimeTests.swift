@@ -237,10 +237,7 @@ final class CoreMLRuntimeTests: XCTestCase {
     /// Python CLI, and a second launch loads every package from the cache without compiling.
     func testCLICoreMLRuntimeEqualsPythonAndLaterLaunchesUseTheCache() throws {
         #if os(macOS) || os(Linux)
-        let cli = Fixtures.repoRoot.appendingPathComponent(".build/debug/cohere-transcribe-swift")
-        guard FileManager.default.isExecutableFile(atPath: cli.path) else {
-            throw XCTSkip("build the CLI first (`swift build`; make swift-test does)")
-        }
+        let cli = try Fixtures.swiftCLI()
         let cache = temporaryFolder("cli-cache")
         let all = try clips()
         var launches: [String] = []

@@ -87,6 +87,35 @@ enum Fixtures {
     }
     #endif
 
+    #if os(macOS) || os(Linux)
+    /// The `cohere-transcribe-swift` executable of the build these tests belong to: the one beside the
+    /// test bundle (`.build/<triple>/debug` or `release`, whichever `swift test -c` ran), not a fixed
+    /// `.build/debug` that may be another build's; `$COHERE_SWIFT_CLI` overrides. Missing: a failure when
+    /// `COHERE_SWIFT_FIXTURES` is set (make swift-test), else a skip, as for the fixtures.
+    static func swiftCLI() throws -> URL {
+        let cli: URL
+        if let path = ProcessInfo.processInfo.environment["COHERE_SWIFT_CLI"] {
+            cli = URL(fileURLWithPath: path)
+        } else {
+            // macOS: the .xctest bundle sits in the products folder; Linux: the .xctest is the executable
+            #if os(macOS)
+            let products = Bundle(for: BuildProducts.self).bundleURL.deletingLastPathComponent()
+            #else
+            let products = URL(fileURLWithPath: CommandLine.arguments[0]).resolvingSymlinksInPath().deletingLastPathComponent()
+            #endif
+            cli = products.appendingPathComponent("cohere-transcribe-swift")
+        }
+        guard FileManager.default.isExecutableFile(atPath: cli.path) else {
+            let message = "no \(cli.path): build it with `swift build --build-tests` (make swift-test does)"
+            if ProcessInfo.processInfo.environment["COHERE_SWIFT_FIXTURES"] != nil { XCTFail(message) }
+            throw XCTSkip(message)
+        }
+        return cli
+    }
+
+    private final class BuildProducts {}
+    #endif
+
     static func floats(_ path: String) throws -> [Float] {
         let data = try Data(contentsOf: URL(fileURLWithPath: path))
         return data.withUnsafeBytes { Array($0.bindMemory(to: Float.self)) }
