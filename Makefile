@@ -87,7 +87,8 @@ test: sync lint
 	py=0; $(RUN) pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS) || py=$$?; \
 	echo "make test: pytest exit $$py; waiting for the Swift step"; \
 	sw=0; wait $$swift || sw=$$?; \
-	if [ $$sw -ne 0 ]; then cat $(SWIFT_LOG); else grep -E "SKIPPED|Build complete|Executed [0-9]+ tests" $(SWIFT_LOG) | tail -n 3; fi; \
+	if [ $$sw -ne 0 ]; then cat $(SWIFT_LOG); \
+	else grep -m 1 -E "SKIPPED|Build complete" $(SWIFT_LOG); grep -E "Executed [0-9]+ tests" $(SWIFT_LOG) | tail -n 1; fi; \
 	echo "make test: pytest exit $$py, Swift step exit $$sw"; \
 	[ $$py -eq 0 ] && [ $$sw -eq 0 ]
 
