@@ -75,6 +75,7 @@ demo: sync
 # PYTEST_WORKERS=0 runs it in one process. The Swift step (make swift-test) runs beside pytest, not
 # after it: much of it is one process at a time (fixture children, one interpreter child), so alone it
 # leaves a core idle; its output goes to out/swift-test.log, printed in full when it fails.
+# (`make -n test` runs both: GNU make executes a recipe line that holds $(MAKE) even under -n.)
 PYTEST_WORKERS ?= auto
 PYTEST_ARGS ?=
 SWIFT_LOG ?= out/swift-test.log
