@@ -25,7 +25,7 @@ PRECISION ?= fp16
 
 help:
 	@echo "make demo      main job on the built-in default checkpoint"
-	@echo "make test      run the test suite (ruff, Python, then the Swift package: make swift-test)"
+	@echo "make test      run the test suite (ruff, then pytest and beside it the Swift package: make swift-test)"
 	@echo "make test-fast the inner loop: ruff and the fast Python tests (under 2 minutes)"
 	@echo "make export    MODEL=<hub id|folder> OUT=<dir> PRECISION=fp16|fp32: export Core ML packages"
 	@echo "make verify    MODEL=<hub id|folder> OUT=<bundle dir> AUDIO='a.wav b.wav' LANGUAGES=en,de: parity report"
