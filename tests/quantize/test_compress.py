@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 from cohere_coreml import quantize as Q
 from cohere_coreml.bundle import package_io
+from cohere_coreml.files import save_converted
+from cohere_coreml.quantize import compress as C
 from cohere_coreml.quantize import measure
 from cohere_coreml.runtime import load_model
 
@@ -62,3 +67,56 @@ def test_palette_fallback_compresses_what_the_palettizer_skips(f16_bundle, tmp_p
     data = measure.build_gate_data(f16_bundle, measure.gate_clips(HELDOUT_DIR, per_language=1)[:1], max_new_tokens=4)
     out = measure.encoder_outputs(load_model(str(tmp_path / "q4.mlpackage"), backend="mil"), data)
     assert measure.encoder_psnr(data.encoder_ref, out) >= Q.GATES["q4"]["encoder_psnr_db"]
+
+
+def _public_coremltools(mlmodel, scheme, config):
+    """What `compress.run_coremltools` stands for: coremltools' public functions."""
+    import coremltools.optimize.coreml as cto
+
+    if scheme in ("int8", "int4"):
+        return cto.linear_quantize_weights(mlmodel, config)
+    return cto.palettize_weights(mlmodel, config)
+
+
+def _ops(path, fn):
+    return [(op.op_type, op.name) for op in Q.load_function(path, fn).operations
+            if op.op_type != "const" and not op.op_type.startswith("constexpr_")]
+
+
+def _weights(path):
+    from cohere_coreml.runtime.package import package_files
+
+    return (Path(package_files(path)[1]) / "weight.bin").read_bytes()
+
+
+@pytest.mark.parametrize("component", ["encoder", "decoder"])
+def test_compression_writes_the_weights_of_coremltools_public_functions(f16_bundle, tmp_path, monkeypatch, component):
+    """`run_coremltools` skips the conversion pipeline that coremltools' public functions run again:
+    the weight file is the same bytes as through `cto.linear_quantize_weights` / `cto.palettize_weights`
+    with every scheme (a mixed recipe of pal4, pal6, int4 and int8 tensors and the int8 fallback on the
+    encoder; q8's recipe on the stateful decoder), and the graph is the exported one, op for op (the
+    public functions' re-run renames ops and rewrites transposes)."""
+    src = f16_bundle / f"{component}.mlpackage"
+    weights = Q.weight_tensors(Q.load_function(src, "main"))
+    if component == "encoder":
+        names = sorted(n for n, i in weights.items() if len(i["shape"]) > 1 and np.prod(i["shape"]) > Q.WEIGHT_THRESHOLD)
+        schemes = ["pal4", "pal6"] + ["int4", "int8"] * len(names)  # (palettes are slow to fit: one tensor each)
+        recipe = Q.Recipe("mixed", per_tensor=tuple(zip(names, schemes)), fallback="int8")
+    else:
+        recipe = Q.PRESETS["q8"]["decoder"]
+    out = {}
+    for way in ("fast", "public"):
+        if way == "public":
+            monkeypatch.setattr(C, "run_coremltools", _public_coremltools)
+        model, _, fallen = C.compress_mlmodel(C.extract_function(src, "main"), recipe, weights)
+        save_converted(model, tmp_path / f"{way}.mlpackage")
+        done = C.compressed_tensors(Q.load_function(tmp_path / f"{way}.mlpackage", "main"))
+        out[way] = ({n: (c["op"], c["bytes"]) for n, c in done.items()}, fallen)
+    (fast, fast_fallen), (public, public_fallen) = out["fast"], out["public"]
+    ops = {"constexpr_blockwise_shift_scale"} | ({"constexpr_lut_to_dense"} if component == "encoder" else set())
+    assert {op for op, _ in fast.values()} == ops, fast
+    assert bool(fast_fallen) == (component == "encoder") and fast_fallen == public_fallen
+    assert fast == public
+    assert _weights(tmp_path / "fast.mlpackage") == _weights(tmp_path / "public.mlpackage")
+    assert _ops(tmp_path / "fast.mlpackage", "main") == _ops(src, "main")
+    assert _ops(tmp_path / "public.mlpackage", "main") != _ops(src, "main")  # what the fast path skips
