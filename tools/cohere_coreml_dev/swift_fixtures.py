@@ -491,11 +491,10 @@ def make_fixtures(out: Path, root: Path, model: Path, demo_clips: list[tuple[str
                    pool.submit(transcripts, bundle, out, cases, "python", threads),
                    pool.submit(streaming_cases, bundle, out, root, threads)]
         try:
-            results = [job.result() for job in running]
+            _, _, package, python, stream = [job.result() for job in running]
         except BaseException:
             pool.shutdown(cancel_futures=True)  # the jobs not started are dropped; the running ones end first
             raise
-    package, python, stream = results[2], results[3], results[4]
     summary = compare_front_ends(package, python)
     if summary is not None:
         logger.info("package vs python front end: %d of %d windows with identical token ids", summary["identical"],
