@@ -88,7 +88,9 @@ def test_outputs(folder, tmp_path):
               "dataset": {"name": str(path), "manifest_sha256": "f" * 64},
               "engines": [{"label": "ref", **section}, {"label": "f16", "bundle": {"size_mb": 5.0}, **section}]}
     md = format_markdown(report)
-    assert "| ref | - | 33.33 | 25.00 | 100.00 |" in md
+    # each rate with its 95 % bootstrap interval over the clips: en pools a right clip (3 words) and a
+    # silent one ("nothing" deleted): resampling gives 0 % (the right one twice) to 100 %
+    assert "| ref | - | 33.33 [33.33-33.33] | 25.00 [0.00-100.00] | 100.00 [100.00-100.00] |" in md
     paths = write_outputs(report, tmp_path / "out")
     assert json.loads(paths["json"].read_text())["engines"][1]["bundle"]["size_mb"] == 5.0
     assert paths["chart"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -215,7 +217,7 @@ def test_merge_engine_scores_a_device_run_like_the_others(folder, tmp_path):
     report = run_bench([], None, path, merge=[tmp_path / "device.json", tmp_path / "device2.json"])
     assert [e["kind"] for e in report["engines"]] == ["swift", "swift"]
     md = format_markdown(report)
-    assert "| swift coreml Mac14,2 (f16, fp16, cpu_and_ne) | 6.50 | 33.33 | 25.00 | 100.00 |" in md
+    assert "| swift coreml Mac14,2 (f16, fp16, cpu_and_ne) | 6.50 | 33.33 [33.33-33.33] | 25.00 [0.00-100.00] | 100.00 [100.00-100.00] |" in md
     assert "| 12.50 | 1.25 | 0.50 | 512 (phys_footprint) |" in md
     assert "encoder.main: ANE 90.00 % of cost, 1 ops elsewhere" in md
     paths = write_outputs(report, tmp_path / "out")

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cohere_coreml.datasets import DatasetError, load_dataset, load_folder
-from cohere_coreml.metrics import error_counts, normalise
+from cohere_coreml.metrics import error_counts, increase_interval, normalise, rate_interval, utterance_errors
 
 from .fixture_data import AUDIO_DIR
 
@@ -45,3 +45,48 @@ def test_hub_names_fail_fast(monkeypatch):
         load_dataset("librispeech_asr")
     with pytest.raises(DatasetError, match="no manifest"):
         load_dataset(str(AUDIO_DIR.parent))
+
+
+def _clips(n_right: int, n_wrong: int):
+    """n_right four-word clips transcribed right and n_wrong with one of four words substituted."""
+    refs = ["set a timer now"] * (n_right + n_wrong)
+    hyps = ["set a timer now"] * n_right + ["set a time now"] * n_wrong
+    return refs, hyps
+
+
+def test_utterance_errors_add_up_to_error_counts():
+    refs, hyps = ["a b c", "", "d e", "f"], ["a x c", "q", "", "f g"]
+    per = utterance_errors(refs, hyps, "de")
+    assert [i for i, _, _ in per["pairs"]] == [0, 2, 3]  # the empty reference is not scored
+    total = error_counts(refs, hyps, "de")
+    for key in ("substitutions", "deletions", "insertions", "hits"):
+        assert sum(c[key] for _, c, _ in per["pairs"]) == total[key]
+    assert [u for _, _, u in per["pairs"]] == [3, 2, 1]
+
+
+def test_rate_interval_brackets_the_rate_and_narrows_with_more_clips():
+    small = rate_interval(*_clips(15, 5), "en")  # 5 % WER over 20 clips
+    large = rate_interval(*_clips(150, 50), "en")  # the same rate over 200 clips
+    for low, high in (small, large):
+        assert low < 0.0625 < high
+    assert (large[1] - large[0]) < 0.5 * (small[1] - small[0])  # ~1/sqrt(10) as wide
+    assert rate_interval(*_clips(20, 0), "en") == [0.0, 0.0]  # no error in any resample
+    assert rate_interval(*_clips(15, 5), "en") == small  # seeded: the same figures on every run
+    nan = rate_interval([""], ["x"], "en")
+    assert nan[0] != nan[0]
+
+
+def test_increase_interval_is_paired_and_says_how_sure_a_verdict_is():
+    refs, base = _clips(200, 0)
+    same = increase_interval(refs, base, list(base), "en", bound=0.005)
+    assert same["interval"] == [0.0, 0.0] and same["within_bound"] == 1.0
+    # produced: 2 of 200 clips worse (+0.25 points, gate bound 0.5): within the bound, but not surely
+    worse = base[:198] + ["set a time now"] * 2
+    near = increase_interval(refs, base, worse, "en", bound=0.005)
+    assert near["interval"][0] >= 0.0 and near["interval"][1] > 0.005 > 0.0025
+    assert 0.5 < near["within_bound"] < 1.0
+    far = increase_interval(refs, base, base[:180] + ["set a time now"] * 20, "en", bound=0.005)
+    assert far["within_bound"] == 0.0 and far["interval"][0] > 0.005
+    # unpaired resampling of the two sides would give the identical pair a non-zero spread: paired gives none
+    noisy_base = base[:190] + ["set a time now"] * 10
+    assert increase_interval(refs, noisy_base, list(noisy_base), "en")["interval"] == [0.0, 0.0]

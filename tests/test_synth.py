@@ -141,3 +141,74 @@ def test_make_corpus_small(tmp_path):
         wav, sr = sf.read(str(tmp_path / u.file))
         assert sr == 16000 and abs(len(wav) / sr - u.seconds) < 0.01
         assert is_heldout(u.text, u.language)
+
+
+def test_varied_plan_is_deterministic_and_spans_its_ranges():
+    jobs = plan_corpus(["en", "de"], 400, split="train", seed=3, recipe="varied")
+    assert jobs == plan_corpus(["en", "de"], 400, split="train", seed=3, recipe="varied")
+    assert jobs != plan_corpus(["en", "de"], 400, split="train", seed=4, recipe="varied")
+    counts = [len(j["sentences"]) for j in jobs]
+    assert set(counts) == set(synth.VARIED_SENTENCES)  # 1-4 sentences per clip all occur
+    assert 0.45 < counts.count(1) / len(counts) < 0.65
+    for j in jobs:
+        assert j["text"] == " ".join(j["sentences"]) and len(j["pauses_s"]) == len(j["sentences"]) - 1
+        assert len(j["speeds"]) == len(j["sentences"])
+        assert all(synth.VARIED_PAUSE_S[0] <= p <= synth.VARIED_PAUSE_S[1] for p in j["pauses_s"])
+        assert 0.0 <= j["lead_s"] <= 2.0 and 0.0 <= j["trail_s"] <= 2.0
+        assert -30.0 <= j["level_dbfs"] <= 0.0 and 10.0 <= j["snr_db"] <= 40.0
+        assert j["variant"] not in synth.VARIED_HELDOUT_VARIANTS
+    edges = [max(j["lead_s"], j["trail_s"]) for j in jobs]
+    assert max(edges) > 1.5 and min(edges) < 0.1  # long and short silences both occur
+    levels = [j["level_dbfs"] for j in jobs]
+    assert min(levels) < -25 and max(levels) > -5
+    assert 0.15 < np.mean([j["digital_edges"] for j in jobs]) < 0.45
+
+
+def test_varied_heldout_plan_never_shares_a_sentence_or_voice_with_training():
+    train = plan_corpus(["es"], 2000, split="train", seed=0, recipe="varied")
+    held = plan_corpus(["es"], 200, split="heldout", seed=0, recipe="varied")
+    held_sentences = [s for j in held for s in j["sentences"]]
+    assert len(held_sentences) == len(set(held_sentences))  # each held-out sentence once
+    assert not set(held_sentences) & {s for j in train for s in j["sentences"]}
+    assert all(is_heldout(s, "es") for s in held_sentences)
+    assert {j["variant"] for j in held} <= set(synth.VARIED_HELDOUT_VARIANTS)
+    with pytest.raises(SynthError, match="recipe"):
+        plan_corpus(["es"], 2, split="train", seed=0, recipe="fancy")
+
+
+def test_varied_clip_places_each_sentence_at_its_segment():
+    rng = np.random.default_rng(0)
+    speech = [rng.uniform(-0.5, 0.5, n).astype(np.float32) for n in (8000, 3000, 5000)]
+    job = {"lead_s": 1.5, "trail_s": 0.25, "pauses_s": [0.5, 1.0], "level_dbfs": -20.0, "snr_db": 30.0,
+           "digital_edges": True, "seed": 1}
+    clip, segments = synth.varied_clip(speech, job)
+    lead, p1, p2, trail = 24000, 8000, 16000, 4000
+    assert segments == [[lead, lead + 8000], [lead + 8000 + p1, lead + 11000 + p1],
+                        [lead + 11000 + p1 + p2, lead + 16000 + p1 + p2]]
+    assert clip.size == lead + 16000 + p1 + p2 + trail
+    assert not clip[:lead].any() and not clip[segments[-1][1]:].any()  # digital zeros at the edges
+    peak_db = 20 * np.log10(np.abs(clip).max())
+    assert abs(peak_db - (-20.0)) < 1.0  # the level, within the noise's share
+    gain = clip[segments[1][0]:segments[1][1]] / speech[1]
+    assert np.median(gain) == pytest.approx(10 ** (-20 / 20) / 0.5, rel=0.05)  # the sentence, scaled, in place
+    pause = clip[segments[0][1]:segments[1][0]]
+    voiced_rms = np.sqrt(np.mean(np.concatenate([clip[a:b] for a, b in segments]) ** 2))
+    assert 25 < 20 * np.log10(voiced_rms / np.sqrt(np.mean(pause**2))) < 35  # noise at ~30 dB SNR
+    noisy, _ = synth.varied_clip(speech, {**job, "digital_edges": False})
+    assert noisy[:lead].std() > 0 and noisy[segments[-1][1]:].std() > 0
+
+
+@needs_espeak
+def test_make_varied_corpus_records_sentences_and_segments(tmp_path):
+    utts = synth.make_corpus(tmp_path, ["en"], 6, split="heldout", seed=0, recipe="varied")
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["recipe"] == "varied"
+    for u, row in zip(utts, manifest["utterances"]):
+        wav, sr = sf.read(str(tmp_path / u.file))
+        assert sr == 16000 and len(u.segments) == len(u.sentences) == len(row["segments"])
+        assert 0 <= u.segments[0][0] and u.segments[-1][1] <= len(wav)
+        for (a, b), (c, d) in zip(u.segments, u.segments[1:]):
+            assert b + int(0.3 * 16000) - 1 <= c  # pauses of at least 0.3 s between sentences
+        lead = wav[: u.segments[0][0]]
+        for a, b in u.segments:  # speech where the segments say (SNR >= 10 dB: RMS >= 3.2x the noise's)
+            assert lead.size < 1600 or np.sqrt(np.mean(wav[a:b] ** 2)) > 2 * np.sqrt(np.mean(lead**2))

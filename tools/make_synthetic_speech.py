@@ -15,7 +15,7 @@ import argparse
 import logging
 import sys
 
-from cohere_coreml_dev.synth import CORPUS_LANGUAGES, SynthError, make_corpus
+from cohere_coreml_dev.synth import CORPUS_LANGUAGES, RECIPES, SynthError, make_corpus
 
 
 def main(argv=None) -> int:
@@ -30,13 +30,16 @@ def main(argv=None) -> int:
                         help="share of the sentence space reserved for the held-out split")
     parser.add_argument("--format", choices=["flac", "wav"], default="flac")
     parser.add_argument("--workers", type=int, default=1, help="parallel espeak-ng processes")
+    parser.add_argument("--recipe", choices=list(RECIPES), default="commands",
+                        help="commands: one sentence per clip, short edges (the committed model's data); varied: "
+                             "1-4 sentences with pauses, 0-2 s edges, -30..0 dBFS, 10-40 dB SNR (see synth.py)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         utts = make_corpus(
             args.out, [l.strip() for l in args.languages.split(",") if l.strip()], args.per_language,
             split=args.split, seed=args.seed, heldout_percent=args.heldout_percent,
-            audio_format=args.format, workers=args.workers,
+            audio_format=args.format, workers=args.workers, recipe=args.recipe,
         )
     except SynthError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -37,6 +37,9 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=defaults.sentencepiece_vocab, help="SentencePiece pieces")
     parser.add_argument("--eval-every-minutes", type=float, default=defaults.eval_every_minutes)
     parser.add_argument("--feature-workers", type=int, default=defaults.feature_workers)
+    parser.add_argument("--recipe", choices=["commands", "varied"], default="commands",
+                        help="corpus recipe when the training corpus is synthesised (synth.RECIPES)")
+    parser.add_argument("--synth-workers", type=int, default=2, help="espeak-ng processes of that synthesis")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -47,7 +50,8 @@ def main(argv=None) -> int:
     languages = [l.strip() for l in args.languages.split(",") if l.strip()]
     try:
         if not (Path(args.train_dir) / "manifest.json").exists():
-            make_corpus(args.train_dir, languages, args.per_language, split="train", seed=args.seed)
+            make_corpus(args.train_dir, languages, args.per_language, split="train", seed=args.seed,
+                        recipe=args.recipe, workers=args.synth_workers)
         cfg = TrainConfig(
             train_dir=args.train_dir, heldout_dir=args.heldout_dir, out_dir=args.out, cache_dir=args.cache_dir,
             budget_minutes=args.budget_minutes, seed=args.seed, sentencepiece_vocab=args.vocab,

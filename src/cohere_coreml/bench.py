@@ -49,7 +49,7 @@ from .decoding import TOKEN_LIMITS, RepetitionGuard, StopReason, loop_in
 from .engines import PyTorchEngine
 from .files import write_json_atomic
 from .longform import check_audio
-from .metrics import error_counts, token_agreement
+from .metrics import error_counts, rate_interval, token_agreement
 from .transcribe import Transcriber
 
 logger = logging.getLogger(__name__)
@@ -201,8 +201,9 @@ def summarise(clips: list[dict], dataset_name: str) -> dict:
     languages = {}
     for lang in sorted({c["language"] for c in scored}):
         sel = [c for c in scored if c["language"] == lang]
-        languages[lang] = {"clips": len(sel), **error_counts([c["reference"] for c in sel],
-                                                             [c["hypothesis"] for c in sel], lang)}
+        refs, hyps = [c["reference"] for c in sel], [c["hypothesis"] for c in sel]
+        # rate_interval: the 95 % bootstrap interval of the rate over the clips (metrics.rate_interval)
+        languages[lang] = {"clips": len(sel), **error_counts(refs, hyps, lang), "rate_interval": rate_interval(refs, hyps, lang)}
     windows = [w for c in scored for w in c.get("windows", [])]
     audio_s = sum(c.get("audio_s", 0.0) for c in scored)
     processing_s = sum(c.get("processing_s", 0.0) for c in scored)
@@ -378,6 +379,14 @@ def percent(x) -> str:
     return "-" if x is None or x != x else f"{100 * x:.2f}"
 
 
+def rate_cell(language: dict) -> str:
+    """"1.50 [0.40-3.10]": the rate and its 95 % bootstrap interval over the clips (when there is one)."""
+    interval = language.get("rate_interval")
+    if not interval or any(x != x for x in interval):
+        return percent(language.get("rate"))
+    return f"{percent(language.get('rate'))} [{percent(interval[0])}-{percent(interval[1])}]"
+
+
 def format_agreement(a: dict | None) -> str:
     if not a:
         return "-"
@@ -407,7 +416,7 @@ def format_placement(placement, reason=None) -> str:
 
 def format_markdown(report: dict) -> str:
     langs = sorted({l for e in report["engines"] for l in e["languages"]})
-    head = ["engine", "size MB"] + [f"{l} {report['engines'][0]['languages'].get(l, {}).get('metric', 'wer').upper()} %"
+    head = ["engine", "size MB"] + [f"{l} {report['engines'][0]['languages'].get(l, {}).get('metric', 'wer').upper()} % [95 % CI]"
                                     for l in langs]
     head += ["S/D/I", "same as reference (clips, tokens)", "loops %", "trunc %", "RTFx", "tokens/s", "load s",
              "first run s", "peak RSS MB"]
@@ -416,7 +425,7 @@ def format_markdown(report: dict) -> str:
         size = e.get("bundle", {}).get("size_mb")
         sdi = [sum(v[k] for v in e["languages"].values()) for k in ("substitutions", "deletions", "insertions")]
         cells = [e["label"], f"{size:.2f}" if size else "-"]
-        cells += [percent(e["languages"].get(l, {}).get("rate")) for l in langs]
+        cells += [rate_cell(e["languages"].get(l, {})) for l in langs]
         cells += ["/".join(map(str, sdi)), format_agreement(e.get("agreement")), percent(e["loop_rate"]),
                   percent(e["truncation_rate"]), f"{e['rtfx']:.2f}",
                   f"{e['tokens_per_s']:.1f}", f"{e['load_s']:.1f}",

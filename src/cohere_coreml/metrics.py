@@ -8,6 +8,10 @@ Normalisers (applied to reference and hypothesis alike):
   character (Unicode category P*) replaced by a space, whitespace collapsed. Accents are kept.
 Character error rate (CER) instead of WER for ja, zh, ko (no word spaces): computed on the
 basic-normalised text with all whitespace removed.
+
+Confidence intervals (`rate_interval`, `increase_interval`): percentile bootstrap over utterances
+(resampled with replacement, the rate re-pooled as errors / reference units); an increase between
+two engines on the same utterances is resampled paired (the same draw for both sides).
 """
 
 from __future__ import annotations
@@ -44,32 +48,108 @@ def normalise(text: str, language: str | None) -> str:
     return out.replace(" ", "") if language in CER_LANGUAGES else out
 
 
+def utterance_errors(references: list[str], hypotheses: list[str], language: str | None) -> dict:
+    """`error_counts` per pair: {"metric", "normaliser", "pairs": [(index, counts dict, units)]} of the
+    scored pairs (normalised reference not empty; an empty hypothesis is all deletions)."""
+    import jiwer  # scoring only: importing the package must not load jiwer
+
+    if len(references) != len(hypotheses):
+        raise ValueError(f"{len(references)} references but {len(hypotheses)} hypotheses")
+    metric = "cer" if language in CER_LANGUAGES else "wer"
+    pairs = []
+    for i, (r, h) in enumerate(zip(references, hypotheses)):
+        ref, hyp = normalise(r, language), normalise(h, language)
+        if not ref:
+            continue
+        if not hyp:
+            units = len(ref) if metric == "cer" else len(ref.split())
+            counts = {"substitutions": 0, "deletions": units, "insertions": 0, "hits": 0}
+        else:
+            out = jiwer.process_characters(ref, hyp) if metric == "cer" else jiwer.process_words(ref, hyp)
+            counts = {key: int(getattr(out, key)) for key in ("substitutions", "deletions", "insertions", "hits")}
+        pairs.append((i, counts, counts["substitutions"] + counts["deletions"] + counts["hits"]))
+    return {"metric": metric, "normaliser": normaliser_name(language), "pairs": pairs}
+
+
 def error_counts(references: list[str], hypotheses: list[str], language: str | None) -> dict:
     """{"metric": "wer"|"cer", "rate", "substitutions", "deletions", "insertions", "hits", "units"}.
 
     Pairs whose normalised reference is empty are skipped (nothing to score against); an empty
     hypothesis counts as all deletions.
     """
-    import jiwer  # scoring only: importing the package must not load jiwer
-
-    if len(references) != len(hypotheses):
-        raise ValueError(f"{len(references)} references but {len(hypotheses)} hypotheses")
-    pairs = [(normalise(r, language), normalise(h, language)) for r, h in zip(references, hypotheses)]
-    pairs = [(r, h) for r, h in pairs if r]
-    metric = "cer" if language in CER_LANGUAGES else "wer"
-    counts = {"substitutions": 0, "deletions": 0, "insertions": 0, "hits": 0}
-    for ref, hyp in pairs:
-        if not hyp:
-            units = len(ref) if metric == "cer" else len(ref.split())
-            counts["deletions"] += units
-            continue
-        out = jiwer.process_characters(ref, hyp) if metric == "cer" else jiwer.process_words(ref, hyp)
-        for key in counts:
-            counts[key] += int(getattr(out, key))
+    per = utterance_errors(references, hypotheses, language)
+    counts = {key: sum(c[key] for _, c, _ in per["pairs"]) for key in ("substitutions", "deletions", "insertions", "hits")}
     units = counts["substitutions"] + counts["deletions"] + counts["hits"]
     errors = counts["substitutions"] + counts["deletions"] + counts["insertions"]
-    return {"metric": metric, "normaliser": normaliser_name(language), "rate": errors / units if units else float("nan"),
-            **counts, "units": units, "scored": len(pairs)}
+    return {"metric": per["metric"], "normaliser": per["normaliser"], "rate": errors / units if units else float("nan"),
+            **counts, "units": units, "scored": len(per["pairs"])}
+
+
+BOOTSTRAP_SAMPLES = 2000
+BOOTSTRAP_LEVEL = 0.95
+
+
+def _errors_units(per: dict):
+    import numpy as np
+
+    errors = np.array([c["substitutions"] + c["deletions"] + c["insertions"] for _, c, _ in per["pairs"]], dtype=np.int64)
+    units = np.array([u for _, _, u in per["pairs"]], dtype=np.int64)
+    return errors, units
+
+
+def _resampled_rates(errors, units, draws):
+    import numpy as np
+
+    total = units[draws].sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total > 0, errors[draws].sum(axis=1) / np.maximum(total, 1), np.nan)
+
+
+def _draws(n: int, samples: int, seed: int):
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, n, size=(samples, n))
+
+
+def _percentiles(values, level: float) -> list[float]:
+    import numpy as np
+
+    values = values[~np.isnan(values)]
+    if not values.size:
+        return [float("nan"), float("nan")]
+    tail = 100 * (1 - level) / 2
+    return [float(np.percentile(values, tail)), float(np.percentile(values, 100 - tail))]
+
+
+def rate_interval(references: list[str], hypotheses: list[str], language: str | None, *,
+                  samples: int = BOOTSTRAP_SAMPLES, level: float = BOOTSTRAP_LEVEL, seed: int = 0) -> list[float]:
+    """[low, high]: the `level` bootstrap interval of `error_counts(...)["rate"]` over utterances
+    (nan, nan without a scored pair)."""
+    errors, units = _errors_units(utterance_errors(references, hypotheses, language))
+    if not errors.size:
+        return [float("nan"), float("nan")]
+    return _percentiles(_resampled_rates(errors, units, _draws(errors.size, samples, seed)), level)
+
+
+def increase_interval(references: list[str], baseline: list[str], produced: list[str], language: str | None, *,
+                      bound: float | None = None, samples: int = BOOTSTRAP_SAMPLES, level: float = BOOTSTRAP_LEVEL,
+                      seed: int = 0) -> dict:
+    """How sure a rate increase (produced - baseline, same references) is: {"interval": [low, high]}, the
+    paired bootstrap's `level` interval, and with `bound` "within_bound": the share of resamples whose
+    increase is at most `bound` (how often the same verdict would come out on another draw of utterances)."""
+    import numpy as np
+
+    base = _errors_units(utterance_errors(references, baseline, language))
+    mine = _errors_units(utterance_errors(references, produced, language))
+    if not base[0].size:
+        return {"interval": [float("nan"), float("nan")], **({"within_bound": float("nan")} if bound is not None else {})}
+    draws = _draws(base[0].size, samples, seed)
+    increase = _resampled_rates(*mine, draws) - _resampled_rates(*base, draws)
+    out = {"interval": _percentiles(increase, level), "samples": samples, "level": level}
+    if bound is not None:
+        valid = increase[~np.isnan(increase)]
+        out["within_bound"] = float(np.mean(valid <= bound + 1e-12)) if valid.size else float("nan")
+    return out
 
 
 def token_agreement(baseline: list[list[int]], produced: list[list[int]]) -> dict:

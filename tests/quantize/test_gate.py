@@ -52,6 +52,32 @@ def test_heldout_gate_bounds_every_language():
     assert Q.compare_transcripts(base, empty)["languages"]["en"]["increase"] == pytest.approx(5 / 200)
 
 
+def test_heldout_gate_says_how_sure_its_verdict_is():
+    """The report gives each language's increase a paired-bootstrap interval and the share of resamples
+    within the gate's bound: a pass at the bound is a coin toss, a wide margin is not."""
+    refs = ["alpha beta gamma delta epsilon"] * 200  # 200 clips x 5 words
+    base = {"files": [f"a{i}.wav" for i in range(200)], "refs": refs, "languages": ["en"] * 200,
+            "ids": [[i] for i in range(200)], "texts": list(refs)}
+
+    def produced(wrong: int) -> dict:
+        return {**base, "texts": ["alfa beta gamma delta epsilon"] * wrong + refs[wrong:],
+                "ids": [[-1]] * wrong + base["ids"][wrong:]}
+
+    bound = Q.GATES["q8"]["max_wer_increase"]
+    at_bound = Q.heldout_report(base, produced(5), "pytorch", "heldout", Q.GATES["q8"])  # +0.5 points of 0.5
+    en = at_bound.details["languages"]["en"]
+    assert at_bound.passed and en["increase"] == pytest.approx(bound)
+    assert en["increase_interval"][0] < bound < en["increase_interval"][1]
+    assert 0.3 < en["within_bound"] < 0.8
+    assert "within the bound in" in at_bound.headline and "95 % interval" in at_bound.headline
+    low, high = en["rate_interval"]
+    assert low < en["rate"] < high
+    clear = Q.heldout_report(base, produced(1), "pytorch", "heldout", Q.GATES["q8"]).details["languages"]["en"]
+    assert clear["within_bound"] > 0.95 > en["within_bound"]
+    worse = Q.heldout_report(base, produced(20), "pytorch", "heldout", Q.GATES["q8"])
+    assert not worse.passed and worse.details["languages"]["en"]["within_bound"] == 0.0
+
+
 @pytest.mark.slow
 def test_heldout_runs_the_bench_engines_with_the_long_audio_split(f16_bundle, tmp_path):
     """The gate's transcripts are the engines' own (`Engine.transcribe` over `datasets.load_folder`):

@@ -338,6 +338,9 @@ GRAMMAR: dict[str, dict] = {
 }
 CORPUS_LANGUAGES = tuple(GRAMMAR)
 VARIANTS = ["m1", "m2", "m3", "m4", "m5", "m6", "m7", "f1", "f2", "f3", "f4", "f5", None]
+# recipe "varied": voice variants of held-out clips are never trained on (voices it never heard)
+VARIED_HELDOUT_VARIANTS = ["m8", "f5", "klatt3"]
+VARIED_TRAIN_VARIANTS = [v for v in VARIANTS if v not in VARIED_HELDOUT_VARIANTS]
 _NUMBER_RANGES = {"num": (2, 59), "hour": (2, 12), "min": (10, 59), "digit": (0, 9)}
 
 
@@ -411,6 +414,25 @@ class Utterance:
     speed: int
     pitch: int
     seconds: float
+    # recipe "varied" only: the sentences of the clip and where each is spoken ([start, end) samples)
+    sentences: list[str] | None = None
+    segments: list[list[int]] | None = None
+
+
+# Corpus recipes. "commands" (the committed model's and the 90-clip held-out set's): one sentence per
+# clip, 0.05-0.4 s of silence each side, peak 0.2-0.9, white noise at 15-40 dB SNR over the whole clip.
+# "varied" (issue 30): what real audio varies, per clip:
+RECIPES = ("commands", "varied")
+VARIED_SENTENCES = (1, 2, 3, 4)  # sentences per clip, joined with pauses
+VARIED_SENTENCE_WEIGHTS = (0.55, 0.25, 0.12, 0.08)
+VARIED_PAUSE_S = (0.3, 2.0)  # between sentences, uniform
+VARIED_EDGE_S = (0.0, 2.0)  # leading and trailing silence, uniform, on VARIED_LONG_EDGES of the clips
+VARIED_SHORT_EDGE_S = (0.0, 0.4)  # ... and this on the others
+VARIED_LONG_EDGES = 0.5
+VARIED_LEVEL_DBFS = (-30.0, 0.0)  # peak level of the speech, uniform in dB
+VARIED_SNR_DB = (10.0, 40.0)  # white noise, uniform in dB, relative to the speech's mean power
+VARIED_DIGITAL_EDGES = 0.3  # share of clips whose leading/trailing silence stays digital zeros (else noise)
+VARIED_SPEED_JITTER = 15  # each sentence's espeak-ng speed: the clip's +- this (words per minute)
 
 
 def _augment(wav: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -425,7 +447,39 @@ def _augment(wav: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return np.clip(wav + noise, -1.0, 1.0).astype(np.float32)
 
 
+def varied_clip(speech: list[np.ndarray], job: dict) -> tuple[np.ndarray, list[list[int]]]:
+    """Recipe "varied": the sentences' speech joined with the job's pauses, its edges, level and noise
+    (all drawn in `plan_corpus`, so a plan alone says where each sentence is); (clip, segments)."""
+    rate = SAMPLE_RATE
+    pieces = [np.zeros(int(round(job["lead_s"] * rate)), np.float32)]
+    segments, pos = [], pieces[0].size
+    for i, wav in enumerate(speech):
+        if i:
+            pieces.append(np.zeros(int(round(job["pauses_s"][i - 1] * rate)), np.float32))
+            pos += pieces[-1].size
+        segments.append([pos, pos + wav.size])
+        pieces.append(wav.astype(np.float32))
+        pos += wav.size
+    pieces.append(np.zeros(int(round(job["trail_s"] * rate)), np.float32))
+    clip = np.concatenate(pieces)
+    clip = _normalise_peak(clip, 10 ** (job["level_dbfs"] / 20))
+    voiced = np.concatenate([clip[a:b] for a, b in segments])
+    power = float(np.mean(voiced**2)) + 1e-12
+    rng = np.random.default_rng(job["seed"])
+    noise = rng.normal(0.0, np.sqrt(power / 10 ** (job["snr_db"] / 10)), clip.shape).astype(np.float32)
+    if job["digital_edges"]:  # noise from the first sentence's start to the last one's end only
+        noise[: segments[0][0]] = 0.0
+        noise[segments[-1][1]:] = 0.0
+    return np.clip(clip + noise, -1.0, 1.0).astype(np.float32), segments
+
+
 def _synth_job(job: dict) -> dict:
+    if job.get("recipe", "commands") == "varied":
+        speech = [speak(t, job["voice"], speed=v, pitch=job["pitch"], variant=job["variant"])
+                  for t, v in zip(job["sentences"], job["speeds"])]
+        wav, segments = varied_clip(speech, job)
+        sf.write(job["path"], wav, SAMPLE_RATE, format=job["format"], subtype="PCM_16")
+        return {"seconds": round(wav.shape[0] / SAMPLE_RATE, 3), "segments": segments}
     rng = np.random.default_rng(job["seed"])
     wav = speak(job["text"], job["voice"], speed=job["speed"], pitch=job["pitch"], variant=job["variant"])
     wav = _augment(wav, rng)
@@ -433,10 +487,27 @@ def _synth_job(job: dict) -> dict:
     return {"seconds": round(wav.shape[0] / SAMPLE_RATE, 3)}
 
 
+def _varied_fields(rng: np.random.Generator, speed: int) -> dict:
+    """The per-clip draws of recipe "varied" except its sentences (their count comes first)."""
+    long_edges = rng.random() < VARIED_LONG_EDGES
+    edge = VARIED_EDGE_S if long_edges else VARIED_SHORT_EDGE_S
+    return {"lead_s": round(float(rng.uniform(*edge)), 3), "trail_s": round(float(rng.uniform(*edge)), 3),
+            "level_dbfs": round(float(rng.uniform(*VARIED_LEVEL_DBFS)), 2),
+            "snr_db": round(float(rng.uniform(*VARIED_SNR_DB)), 2),
+            "digital_edges": bool(rng.random() < VARIED_DIGITAL_EDGES), "speed": speed}
+
+
 def plan_corpus(
-    languages: list[str], per_language: int, *, split: str, seed: int, heldout_percent: int = 6
+    languages: list[str], per_language: int, *, split: str, seed: int, heldout_percent: int = 6,
+    recipe: str = "commands", single: bool = False,
 ) -> list[dict]:
-    """Deterministic list of synthesis jobs (text, voice, variant, speed, pitch, seed)."""
+    """Deterministic list of synthesis jobs (text, voice, variant, speed, pitch, seed; recipe "varied":
+    also the clip's sentences, their speeds, the pauses, edges, level and noise)."""
+    if recipe not in RECIPES:
+        raise SynthError(f"recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
+    if recipe == "varied":
+        return _plan_varied(languages, per_language, split=split, seed=seed, heldout_percent=heldout_percent,
+                            single=single)
     jobs = []
     for language in languages:
         if language not in GRAMMAR:
@@ -463,6 +534,46 @@ def plan_corpus(
     return jobs
 
 
+def _plan_varied(languages: list[str], per_language: int, *, split: str, seed: int, heldout_percent: int,
+                 single: bool = False) -> list[dict]:
+    """Recipe "varied": per language, `per_language` clips of 1-4 sentences (VARIED_SENTENCE_WEIGHTS); a
+    held-out plan uses each sentence once (the sentences are unique within the split). `single`: one
+    sentence per clip and short edges (VARIED_SHORT_EDGE_S), the rest as drawn (the held-out set's base)."""
+    jobs = []
+    for language in languages:
+        if language not in GRAMMAR:
+            raise SynthError(f"no grammar for language {language!r}; available: {', '.join(GRAMMAR)}")
+        rng = np.random.default_rng([seed, zlib.crc32(language.encode()), 17 if split == "train" else 18])
+        counts = rng.choice(VARIED_SENTENCES, size=per_language, p=VARIED_SENTENCE_WEIGHTS)
+        if single:
+            counts = np.ones(per_language, dtype=np.int64)
+        texts = sample_sentences(language, int(counts.sum()), split=split, seed=seed + 1000,
+                                 heldout_percent=heldout_percent, unique=(split == "heldout"))
+        voices = GRAMMAR[language]["voices"]
+        variants = VARIED_TRAIN_VARIANTS if split == "train" else VARIED_HELDOUT_VARIANTS
+        start = 0
+        for i, k in enumerate(counts):
+            sentences = texts[start: start + int(k)]
+            start += int(k)
+            speed = int(rng.integers(120, 201))
+            job = {"id": f"{language}_{split}_varied_{i:05d}", "recipe": "varied", "language": language,
+                   "text": " ".join(sentences), "sentences": sentences,
+                   "voice": voices[int(rng.integers(len(voices)))],
+                   "variant": variants[int(rng.integers(len(variants)))],
+                   "pitch": int(rng.integers(30, 71)),
+                   "speeds": [int(np.clip(speed + rng.integers(-VARIED_SPEED_JITTER, VARIED_SPEED_JITTER + 1), 110, 210))
+                              for _ in sentences],
+                   "pauses_s": [round(float(rng.uniform(*VARIED_PAUSE_S)), 3) for _ in sentences[1:]],
+                   **_varied_fields(rng, speed), "seed": int(rng.integers(2**31))}
+            if single:
+                job["id"] = f"{language}_{split}_single_{i:05d}"
+                if job["lead_s"] > VARIED_SHORT_EDGE_S[1] or job["trail_s"] > VARIED_SHORT_EDGE_S[1]:
+                    job["lead_s"], job["trail_s"] = (round(x * VARIED_SHORT_EDGE_S[1] / VARIED_EDGE_S[1], 3)
+                                                     for x in (job["lead_s"], job["trail_s"]))
+            jobs.append(job)
+    return jobs
+
+
 def make_corpus(
     out_dir: str | Path,
     languages: list[str],
@@ -473,6 +584,8 @@ def make_corpus(
     heldout_percent: int = 6,
     audio_format: str = "flac",
     workers: int = 1,
+    recipe: str = "commands",
+    single: bool = False,
 ) -> list[Utterance]:
     """Synthesise a corpus into `out_dir` (audio files + `manifest.json`); returns the utterances."""
     from concurrent.futures import ProcessPoolExecutor
@@ -482,7 +595,8 @@ def make_corpus(
     find_espeak()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    jobs = plan_corpus(languages, per_language, split=split, seed=seed, heldout_percent=heldout_percent)
+    jobs = plan_corpus(languages, per_language, split=split, seed=seed, heldout_percent=heldout_percent, recipe=recipe,
+                       single=single)
     ext = {"flac": "flac", "wav": "wav"}.get(audio_format)
     if ext is None:
         raise SynthError(f"audio_format must be 'flac' or 'wav', got {audio_format!r}")
@@ -503,6 +617,8 @@ def make_corpus(
             speed=j["speed"],
             pitch=j["pitch"],
             seconds=r["seconds"],
+            sentences=j.get("sentences"),
+            segments=r.get("segments"),
         )
         for j, r in zip(jobs, results)
     ]
@@ -510,9 +626,10 @@ def make_corpus(
         "split": split,
         "seed": seed,
         "heldout_percent": heldout_percent,
+        "recipe": recipe,
         "sample_rate": SAMPLE_RATE,
         "languages": list(languages),
-        "utterances": [asdict(u) for u in utts],
+        "utterances": [{k: v for k, v in asdict(u).items() if v is not None} for u in utts],
     }
     tmp = out_dir / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")

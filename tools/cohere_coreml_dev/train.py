@@ -257,8 +257,9 @@ def train(cfg: TrainConfig) -> TrainResult:
         raise TrainingError(f"{train_dir}/manifest.json has no utterances")
     texts = [u["text"] for u in utts]
     langs = [u["language"] for u in utts]
-    heldout_texts = {u["text"] for u in read_manifest(cfg.heldout_dir)["utterances"]}
-    overlap = heldout_texts & set(texts)
+    # sentences: a clip of recipe "varied" holds several (synth.Utterance.sentences)
+    heldout_texts = {s for u in read_manifest(cfg.heldout_dir)["utterances"] for s in u.get("sentences") or [u["text"]]}
+    overlap = heldout_texts & {s for u in utts for s in u.get("sentences") or [u["text"]]}
     if overlap:
         raise TrainingError(f"{len(overlap)} held-out sentences occur in the training set, e.g. {sorted(overlap)[0]!r}")
 

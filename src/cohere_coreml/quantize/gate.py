@@ -24,7 +24,7 @@ from ..datasets import Dataset, load_folder
 from ..engines import Engine, PyTorchEngine
 from ..gate import HELDOUT_COMPONENT, GateReport
 from ..memory import release_memory
-from ..metrics import error_counts, token_agreement
+from ..metrics import BOOTSTRAP_SAMPLES, error_counts, increase_interval, rate_interval, token_agreement
 from ..runtime import load_model
 from ..transcribe import Transcriber
 from .measure import GateData, decoder_outputs, decoder_runtime, encoder_outputs, encoder_psnr, log_prob_error
@@ -139,12 +139,14 @@ def engine_transcripts(make_engine: Callable[[], Engine], dataset: Dataset,
             "ids": ids, "texts": texts}
 
 
-def compare_transcripts(baseline: dict, produced: dict) -> dict:
+def compare_transcripts(baseline: dict, produced: dict, bound: float | None = None) -> dict:
     """Token agreement, and per language the error rate (`metrics.error_counts`: WER, or CER for
     ja/zh/ko, the bench's measure) of both sides and its increase; `worst_increase` is the largest
     per-language increase (what the held-out gate bounds: an average over languages would hide one
     language made worse). `wer` / `wer_baseline`: the same error counts pooled over all languages
-    (errors / reference units)."""
+    (errors / reference units). Per language, how sure the increase is (`metrics.increase_interval`, a
+    paired bootstrap over the clips): its 95 % interval and, given the gate's `bound`, the share of
+    resamples within it."""
     languages = {}
     pooled = {"baseline": [0, 0], "produced": [0, 0]}  # [errors, units]
     for lang in sorted(set(baseline["languages"])):
@@ -155,8 +157,13 @@ def compare_transcripts(baseline: dict, produced: dict) -> dict:
         for side, counts in (("baseline", base), ("produced", mine)):
             pooled[side][0] += counts["substitutions"] + counts["deletions"] + counts["insertions"]
             pooled[side][1] += counts["units"]
+        sure = increase_interval(refs, [baseline["texts"][i] for i in pick], [produced["texts"][i] for i in pick], lang,
+                                 bound=bound)
         languages[lang] = {"clips": len(pick), "metric": base["metric"], "baseline": base["rate"],
                            "rate": mine["rate"], "increase": mine["rate"] - base["rate"],
+                           "increase_interval": sure["interval"],
+                           **({"within_bound": sure["within_bound"]} if bound is not None else {}),
+                           "rate_interval": rate_interval(refs, [produced["texts"][i] for i in pick], lang),
                            "identical_clips": sum(baseline["ids"][i] == produced["ids"][i] for i in pick)}
     wer_base, wer = (errors / units if units else float("nan") for errors, units in pooled.values())
     return {**token_agreement(baseline["ids"], produced["ids"]), "wer_baseline": wer_base, "wer": wer,
@@ -169,7 +176,7 @@ def heldout_report(baseline: dict, produced: dict, base_name: str, eval_set: str
     """The held-out gate's verdict on two `engine_transcripts` of the same clips: passed when every
     clip's greedy tokens are identical, or no language's error rate rose by more than
     `gates["max_wer_increase"]`."""
-    cmp = compare_transcripts(baseline, produced)
+    cmp = compare_transcripts(baseline, produced, bound=gates["max_wer_increase"])
     cmp["baseline"] = base_name
     cmp["eval_set"] = eval_set
     cmp["max_wer_increase"] = gates["max_wer_increase"]
@@ -181,7 +188,9 @@ def heldout_report(baseline: dict, produced: dict, base_name: str, eval_set: str
         headline=f"held-out: {cmp['identical_clips']}/{cmp['clips']} clips identical to {base_name}, "
         f"WER {100 * cmp['wer']:.2f} % vs {100 * cmp['wer_baseline']:.2f} %; worst language {worst}: "
         f"{w['metric'].upper()} {100 * w['rate']:.2f} % vs {100 * w['baseline']:.2f} % "
-        f"({100 * w['increase']:+.2f} points, max +{100 * gates['max_wer_increase']:.2f})",
+        f"({100 * w['increase']:+.2f} points, max +{100 * gates['max_wer_increase']:.2f}; 95 % interval "
+        f"{100 * w['increase_interval'][0]:+.2f}..{100 * w['increase_interval'][1]:+.2f}, within the bound in "
+        f"{100 * w['within_bound']:.0f} % of {BOOTSTRAP_SAMPLES} resamples of the clips)",
         details=cmp)
 
 

@@ -1,0 +1,136 @@
+"""The robustness held-out set (issue 30): single utterances, the same padded, the same joined.
+
+Three subsets, each a manifest folder (`datasets.load_folder`, `bench --data`, `eval_tiny.py --data`):
+
+    single/   held-out sentences, one per clip (synth recipe "varied" with `single`: voice variants
+              never trained on, level -30..0 dBFS, 10-40 dB SNR, 0-0.4 s edges); synthesised
+    padded/   each single clip with 0-2 s more silence before and after (PAD_S): digital zeros on half
+              the clips, on the others noise at the clip's own noise floor (the std of its leading edge)
+    multi/    the single clips of a language joined 2-4 at a time (MULTI_SIZES) with 0.3-2.0 s pauses
+              (PAUSE_S) of the same filler; text: the sentences joined by a space
+
+padded/ and multi/ are derived from single/ alone (`derive_padded`, `derive_multi`, seeded), so the three
+hold the same utterances and only single/ need be stored; every clip's manifest row names its sources
+and where each sentence is spoken (`segments`, [start, end) samples).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+
+from .synth import SAMPLE_RATE, make_corpus
+
+SUBSETS = ("single", "padded", "multi")
+PAD_S = (0.0, 2.0)
+PAUSE_S = (0.3, 2.0)
+MULTI_SIZES = (2, 3, 4)
+DIGITAL_SHARE = 0.5
+
+
+def make_single(out_dir: Path, languages: list[str], per_language: int, seed: int = 0, workers: int = 1) -> list:
+    """single/: the synthesised base subset."""
+    return make_corpus(out_dir, languages, per_language, split="heldout", seed=seed, recipe="varied", single=True,
+                       workers=workers)
+
+
+def _read(directory: Path) -> tuple[dict, list[dict]]:
+    manifest = json.loads((directory / "manifest.json").read_text())
+    return manifest, manifest["utterances"]
+
+
+def _write_clip(path: Path, wav: np.ndarray) -> float:
+    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
+    sf.write(str(tmp), np.clip(wav, -1.0, 1.0), SAMPLE_RATE, format="FLAC", subtype="PCM_16")
+    os.replace(tmp, path)
+    return round(wav.size / SAMPLE_RATE, 3)
+
+
+def _write_manifest(out_dir: Path, source: dict, subset: str, rows: list[dict], seed: int) -> None:
+    manifest = {**{k: v for k, v in source.items() if k != "utterances"}, "subset": subset, "derived_from": "single",
+                "derive_seed": seed, "utterances": rows}
+    tmp = out_dir / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
+    os.replace(tmp, out_dir / "manifest.json")
+
+
+def noise_floor(wav: np.ndarray, segments: list[list[int]]) -> float:
+    """The std of the clip before its first sentence (0.0 for digital zeros or no edge)."""
+    lead = wav[: segments[0][0]]
+    return float(np.std(lead)) if lead.size else 0.0
+
+
+def _filler(n: int, std: float, rng: np.random.Generator) -> np.ndarray:
+    return (rng.normal(0.0, std, n) if std > 0 else np.zeros(n)).astype(np.float32)
+
+
+def derive_padded(single_dir: Path, out_dir: Path, seed: int = 0) -> list[dict]:
+    """padded/: every single clip with uniform(PAD_S) seconds added before and after."""
+    source, utts = _read(single_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng([seed, 1])
+    rows = []
+    for u in utts:
+        wav, _ = sf.read(str(single_dir / u["file"]), dtype="float32")
+        lead, trail = (int(round(rng.uniform(*PAD_S) * SAMPLE_RATE)) for _ in range(2))
+        std = 0.0 if rng.random() < DIGITAL_SHARE else noise_floor(wav, u["segments"])
+        clip = np.concatenate([_filler(lead, std, rng), wav, _filler(trail, std, rng)])
+        name = u["file"].replace("_single_", "_padded_")
+        rows.append({**u, "file": name, "seconds": _write_clip(out_dir / name, clip), "sources": [u["file"]],
+                     "segments": [[a + lead, b + lead] for a, b in u["segments"]],
+                     "padding_s": [round(lead / SAMPLE_RATE, 3), round(trail / SAMPLE_RATE, 3)],
+                     "padding_samples": [lead, trail],
+                     "filler_std": round(std, 6)})
+    _write_manifest(out_dir, source, "padded", rows, seed)
+    return rows
+
+
+def derive_multi(single_dir: Path, out_dir: Path, seed: int = 0) -> list[dict]:
+    """multi/: per language, the single clips in a seeded order joined 2-4 at a time with pauses."""
+    source, utts = _read(single_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng([seed, 2])
+    rows = []
+    for language in sorted({u["language"] for u in utts}):
+        pool = [u for u in utts if u["language"] == language]
+        order = [pool[i] for i in rng.permutation(len(pool))]
+        index = 0
+        while order:
+            k = int(rng.choice(MULTI_SIZES))
+            group, order = order[:k], order[k:]
+            std = 0.0 if rng.random() < DIGITAL_SHARE else None
+            pieces, segments, pos = [], [], 0
+            for j, u in enumerate(group):
+                wav, _ = sf.read(str(single_dir / u["file"]), dtype="float32")
+                if j:
+                    floor = std if std is not None else noise_floor(wav, u["segments"])
+                    pieces.append(_filler(int(round(rng.uniform(*PAUSE_S) * SAMPLE_RATE)), floor, rng))
+                    pos += pieces[-1].size
+                segments += [[a + pos, b + pos] for a, b in u["segments"]]
+                pieces.append(wav)
+                pos += wav.size
+            name = f"{language}_heldout_multi_{index:05d}.flac"
+            index += 1
+            sentences = [s for u in group for s in u.get("sentences") or [u["text"]]]
+            rows.append({"file": name, "language": language, "text": " ".join(u["text"] for u in group),
+                         "voice": ",".join(u["voice"] for u in group), "speed": group[0]["speed"],
+                         "pitch": group[0]["pitch"], "seconds": _write_clip(out_dir / name, np.concatenate(pieces)),
+                         "sentences": sentences, "segments": segments, "sources": [u["file"] for u in group]})
+    _write_manifest(out_dir, source, "multi", rows, seed)
+    return rows
+
+
+def make_heldout_set(out_dir: Path, languages: list[str], per_language: int, seed: int = 0, workers: int = 1,
+                     single_dir: Path | None = None) -> dict[str, Path]:
+    """single/ (synthesised unless `single_dir` names an existing one), padded/, multi/ under out_dir."""
+    out_dir = Path(out_dir)
+    single = Path(single_dir) if single_dir else out_dir / "single"
+    if not (single / "manifest.json").is_file():
+        make_single(single, languages, per_language, seed=seed, workers=workers)
+    derive_padded(single, out_dir / "padded", seed=seed)
+    derive_multi(single, out_dir / "multi", seed=seed)
+    return {"single": single, "padded": out_dir / "padded", "multi": out_dir / "multi"}

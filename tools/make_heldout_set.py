@@ -1,0 +1,50 @@
+#!/usr/bin/env python
+"""Write the robustness held-out set: single utterances, the same padded, the same joined (issue 30).
+
+single/ is synthesised with espeak-ng (held-out sentences, voice variants never trained on, level
+-30..0 dBFS, 10-40 dB SNR); padded/ (0-2 s more silence each side) and multi/ (2-4 utterances with
+0.3-2.0 s pauses) are derived from it alone (see tools/cohere_coreml_dev/heldout.py).
+
+Example:
+  uv run python tools/make_heldout_set.py --out out/heldout-varied --per-language 200
+  uv run python tools/eval_tiny.py --data out/heldout-varied/padded
+"""
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(ROOT / "out" / "heldout-varied"), help="folder for single/, padded/, multi/")
+    parser.add_argument("--languages", default="en,de,es")
+    parser.add_argument("--per-language", type=int, default=200, help="single utterances per language")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=1, help="parallel espeak-ng processes")
+    parser.add_argument("--single", default=None, help="an existing single/ folder to derive from (no synthesis)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.per_language < 1:
+        parser.error(f"--per-language must be at least 1 (got {args.per_language})")
+
+    from cohere_coreml_dev.heldout import make_heldout_set
+    from cohere_coreml_dev.synth import SynthError
+
+    try:
+        paths = make_heldout_set(Path(args.out), [x.strip() for x in args.languages.split(",") if x.strip()],
+                                 args.per_language, seed=args.seed, workers=args.workers,
+                                 single_dir=Path(args.single) if args.single else None)
+    except SynthError as exc:
+        print(f"make_heldout_set: {exc}", file=sys.stderr)
+        return 1
+    for name, path in paths.items():
+        print(f"{name}\t{path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
