@@ -127,6 +127,20 @@ def utterance_figures(d, updates, sr: int, frame: int) -> list[dict]:
     return rows
 
 
+def final_equals_own_clip(d, run, own_text: dict[str, str]) -> dict[str, bool]:
+    """{utterance id: the one final covering it (and no other utterance) has the text of the offline
+    transcript of the utterance's own clip}: False when the utterance is split over finals, merged with
+    a neighbour into one, or transcribed differently."""
+    finals = [u for u in run["updates"] if u["type"] == "final"]
+    out = {}
+    for u in d["utterances"]:
+        covering = [f for f in finals if f["start"] < u["end"] and f["end"] > u["start"]]
+        alone = len(covering) == 1 and not any(
+            v is not u and covering[0]["start"] < v["end"] and covering[0]["end"] > v["start"] for v in d["utterances"])
+        out[u["id"]] = bool(alone and covering[0]["text"] == own_text[u["id"]])
+    return out
+
+
 def flicker(updates) -> dict:
     """Tokens shown then changed or dropped by the segment's next update; confirmed tokens the final changed."""
     by_segment: dict[int, list] = {}
@@ -244,6 +258,9 @@ def render_markdown(report: dict) -> str:
                  lambda d: f"{d['final_offline_mismatches']} / {d['segments']}")]
         for name, fn in rows:
             lines.append(f"| {name} | {fn(s)} | " + " | ".join(fn(per[lang]) for lang in langs) + " |")
+        if "finals_equal_own_clip" in report:
+            own = report["finals_equal_own_clip"]
+            lines.append(f"| finals = offline of the utterance's own clip / utterances | {own['equal']} / {own['utterances']} |")
         if "offline_per_utterance_wer" in report:
             w = report["offline_per_utterance_wer"]
             lines.append("| WER, offline, each held-out clip alone | | " + " | ".join(
@@ -322,16 +339,24 @@ def main(argv=None) -> int:
         report["runs"] = runs
         # offline, each held-out utterance alone (the clips the dictations are made of): the model's own WER
         clips = [c for d in dictations if d["utterances"] for c in d["utterances"]]
-        heldout = {c.id: c for c in load_folder(HELDOUT_DIR).clips}
+        heldout = {c.id: c for c in load_folder(Path(manifest.get("heldout_dir") or HELDOUT_DIR)).clips}
         by_language: dict[str, tuple[list, list]] = {}
+        own_text = {}
         for u in clips:
             clip = heldout[u["id"]]
             refs, hyps = by_language.setdefault(clip.language, ([], []))
             refs.append(clip.text)
-            hyps.append(t.transcribe(str(clip.audio), clip.language).text)
+            own_text[u["id"]] = t.transcribe(str(clip.audio), clip.language).text
+            hyps.append(own_text[u["id"]])
         report["offline_per_utterance_wer"] = {lang: error_counts(r, h, lang)["rate"] for lang, (r, h) in
                                                sorted(by_language.items())}
         logger.info("offline, utterance by utterance: %s", report["offline_per_utterance_wer"])
+        # per utterance: is its final the offline transcript of the utterance's own clip (not only of the
+        # segment's samples, which final_offline_mismatches compares)?
+        own = [final_equals_own_clip(d, run, own_text) for d, run in zip(dictations, runs) if d["utterances"]]
+        report["finals_equal_own_clip"] = {"utterances": sum(len(x) for x in own),
+                                           "equal": sum(sum(x.values()) for x in own)}
+        logger.info("finals equal to their utterance's own clip offline: %s", report["finals_equal_own_clip"])
         dictation_runs = [r for r in runs if "utterances" in r]
         report["summary"] = summarise(runs)
         report["summary_dictations"] = summarise(dictation_runs)

@@ -48,8 +48,15 @@ LEAD_RANGE = (0.05, 0.4)
 
 
 def speech_bounds(heldout_dir: Path = HELDOUT_DIR) -> dict[str, tuple[int, int]]:
-    """{file name: (lead, trail) samples} of every held-out clip, from its synthesis plan."""
+    """{file name: (lead, trail) samples} of every held-out clip: from its manifest's `segments` (the
+    robustness set, tools/make_heldout_set.py), else from its synthesis plan."""
     manifest = json.loads((heldout_dir / "manifest.json").read_text())
+    if all("segments" in u for u in manifest["utterances"]):
+        out = {}
+        for u in manifest["utterances"]:
+            n = sf.info(str(heldout_dir / u["file"])).frames
+            out[u["file"]] = (u["segments"][0][0], n - u["segments"][-1][1])
+        return out
     languages = manifest["languages"]
     counts = {lang: sum(u["language"] == lang for u in manifest["utterances"]) for lang in languages}
     if len(set(counts.values())) != 1:
@@ -77,20 +84,21 @@ def heldout_speech(heldout_dir: Path = HELDOUT_DIR) -> list[dict]:
         wav = load_audio(clip.audio, target_rate=SAMPLE_RATE)
         lead, trail = bounds[clip.audio.name]
         noise = np.concatenate([wav[:lead], wav[wav.size - trail:]])
-        out.append({"id": clip.id, "language": clip.language, "text": clip.text, "wav": wav, "lead": lead,
-                    "trail": trail, "speech": wav[lead: wav.size - trail], "noise_std": float(np.std(noise))})
+        out.append({"id": clip.id, "language": clip.language, "text": clip.text, "wav": wav, "wav_path": str(clip.audio),
+                    "lead": lead, "trail": trail, "speech": wav[lead: wav.size - trail],
+                    "noise_std": float(np.std(noise)) if noise.size else 0.0})
     return out
 
 
 def make_dictations(out_dir: Path, per_dictation: int = 15, min_pause: float = 0.3, max_pause: float = 2.0,
-                    seed: int = 0) -> list[dict]:
+                    seed: int = 0, heldout_dir: Path = HELDOUT_DIR) -> list[dict]:
     if not 10 <= per_dictation <= 20:
         raise SystemExit(f"--per-dictation must be 10-20 utterances, got {per_dictation}")
     if not 0 < min_pause <= max_pause:
         raise SystemExit(f"pauses must satisfy 0 < min <= max, got {min_pause}, {max_pause}")
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    clips = heldout_speech()
+    clips = heldout_speech(heldout_dir)
     entries = []
     for language in sorted({c["language"] for c in clips}):
         mine = [c for c in clips if c["language"] == language]
@@ -106,7 +114,8 @@ def make_dictations(out_dir: Path, per_dictation: int = 15, min_pause: float = 0
 
             pause(LEAD_PAUSE_S)
             for i, clip in enumerate(group):
-                utterances.append({"id": clip["id"], "text": clip["text"], "start": pos / SAMPLE_RATE,
+                utterances.append({"id": clip["id"], "file": Path(clip["wav_path"]).name, "text": clip["text"],
+                                   "start": pos / SAMPLE_RATE,
                                    "end": (pos + clip["speech"].size) / SAMPLE_RATE,
                                    "start_sample": pos, "end_sample": pos + clip["speech"].size})
                 pieces.append(clip["speech"])
@@ -126,7 +135,8 @@ def make_dictations(out_dir: Path, per_dictation: int = 15, min_pause: float = 0
     sf.write(out_dir / LONG_CLIP.name, long_wav, SAMPLE_RATE, format="FLAC", subtype="PCM_16")
     entries.append({"file": LONG_CLIP.name, "language": "en", "seconds": long_wav.size / SAMPLE_RATE,
                     "text": long_text, "utterances": None})
-    manifest = {"sample_rate": SAMPLE_RATE, "seed": seed, "pauses_s": [min_pause, max_pause], "dictations": entries}
+    manifest = {"sample_rate": SAMPLE_RATE, "seed": seed, "pauses_s": [min_pause, max_pause],
+                "heldout_dir": str(Path(heldout_dir).resolve()), "dictations": entries}
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
     return entries
 
@@ -138,9 +148,13 @@ def main(argv=None) -> int:
     parser.add_argument("--min-pause", type=float, default=0.3)
     parser.add_argument("--max-pause", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--heldout", default=str(HELDOUT_DIR),
+                        help="held-out folder whose utterances are joined (default: the 90-clip set; or a subset of "
+                             "tools/make_heldout_set.py, e.g. out/heldout-varied/single)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    entries = make_dictations(Path(args.out), args.per_dictation, args.min_pause, args.max_pause, args.seed)
+    entries = make_dictations(Path(args.out), args.per_dictation, args.min_pause, args.max_pause, args.seed,
+                              heldout_dir=Path(args.heldout))
     print(f"{len(entries)} dictations -> {args.out}/manifest.json")
     return 0
 
