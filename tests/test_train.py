@@ -47,3 +47,23 @@ def test_sentencepiece_tokenizer_covers_corpus_and_round_trips():
         assert not any(tok.convert_ids_to_tokens(i).startswith("<0x") for i in ids)  # pieces, not bytes
         assert tok.decode(ids) == text
     assert len(set(prompt_ids(tok, "en")) & set(prompt_ids(tok, "de"))) == 8  # only the language tokens differ
+
+
+def test_model_card_describes_the_recipe_and_the_robustness_subsets():
+    from cohere_coreml_dev import synth
+    from cohere_coreml_dev.evaluate import LanguageReport
+    from cohere_coreml_dev.train import data_description, robustness_rows
+
+    varied, commands = data_description("varied"), data_description("commands")
+    assert "1-4 sentences" in varied and "-30..0 dBFS" in varied and "10-40 dB SNR" in varied
+    assert all(v in varied for v in synth.VARIED_HELDOUT_VARIANTS)
+    assert "15-40 dB SNR" in commands and "sentences" not in commands
+
+    def report(lang, wer):
+        return LanguageReport(language=lang, clips=200, words=1000, wer=wer, median_margin=9.0, p10_margin=3.0,
+                              share_under_1nat=0.01)
+
+    rows = robustness_rows({"single": {"en": report("en", 0.02)}, "padded": {"en": report("en", 0.03)},
+                            "multi": {"en": report("en", 0.05)}}).splitlines()
+    assert rows == ["| single | en | 200 | 1000 | 2.00 % | - | 9.00 |", "| padded | en | 200 | 1000 | 3.00 % | 1.50x | 9.00 |",
+                    "| multi | en | 200 | 1000 | 5.00 % | 2.50x | 9.00 |"]

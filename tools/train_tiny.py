@@ -40,6 +40,8 @@ def main(argv=None) -> int:
     parser.add_argument("--recipe", choices=["commands", "varied"], default="commands",
                         help="corpus recipe when the training corpus is synthesised (synth.RECIPES)")
     parser.add_argument("--synth-workers", type=int, default=2, help="espeak-ng processes of that synthesis")
+    parser.add_argument("--robustness", default=None,
+                        help="a folder of tools/make_heldout_set.py (single/, padded/, multi/): evaluated too, in the card")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -89,10 +91,17 @@ def main(argv=None) -> int:
         "vocab_size": model.config.vocab_size,
         "train_clips": len(manifest["utterances"]),
         "train_hours": sum(u["seconds"] for u in manifest["utterances"]) / 3600,
+        "recipe": manifest.get("recipe", "commands"),
     }
+    robustness = None
+    if args.robustness:
+        from cohere_coreml_dev.heldout import SUBSETS
+
+        robustness = {name: evaluate_checkpoint(args.out, Path(args.robustness) / name) for name in SUBSETS}
+        summary["robustness_wer"] = {name: {k: r.wer for k, r in reps.items()} for name, reps in robustness.items()}
     summary["size_mb"] = folder_size_bytes(args.out) / 1e6  # before the card; the card adds ~3 kB
     command = "uv run python tools/train_tiny.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    write_model_card(args.out, cfg, result, reports, command, summary)
+    write_model_card(args.out, cfg, result, reports, command, summary, robustness)
     summary["size_mb"] = folder_size_bytes(args.out) / 1e6
     summary.update(
         train_minutes=result.train_seconds / 60, total_minutes=result.total_seconds / 60, steps=result.steps,

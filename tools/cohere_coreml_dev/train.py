@@ -408,9 +408,41 @@ def folder_size_bytes(path: str | Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
+def data_description(recipe: str) -> str:
+    """The model card's words for a corpus recipe (synth.RECIPES), from the recipe's own constants."""
+    from . import synth
+
+    if recipe == "varied":
+        weights = ", ".join(f"{k}: {100 * w:.0f} %" for k, w in zip(synth.VARIED_SENTENCES, synth.VARIED_SENTENCE_WEIGHTS))
+        return (f"1-{max(synth.VARIED_SENTENCES)} sentences per clip ({weights}) joined with "
+                f"{synth.VARIED_PAUSE_S[0]}-{synth.VARIED_PAUSE_S[1]} s pauses; leading and trailing silence "
+                f"{synth.VARIED_EDGE_S[0]:.0f}-{synth.VARIED_EDGE_S[1]:.0f} s on {100 * synth.VARIED_LONG_EDGES:.0f} % of the "
+                f"clips ({synth.VARIED_SHORT_EDGE_S[0]:.0f}-{synth.VARIED_SHORT_EDGE_S[1]} s on the others), digital zeros on "
+                f"{100 * synth.VARIED_DIGITAL_EDGES:.0f} % of them, noise on the rest; peak level "
+                f"{synth.VARIED_LEVEL_DBFS[0]:.0f}..{synth.VARIED_LEVEL_DBFS[1]:.0f} dBFS; white noise at "
+                f"{synth.VARIED_SNR_DB[0]:.0f}-{synth.VARIED_SNR_DB[1]:.0f} dB SNR; one voice per clip, speed 120-200 wpm "
+                f"(each sentence +-{synth.VARIED_SPEED_JITTER}), pitch 30-70; voice variants "
+                f"{', '.join(synth.VARIED_HELDOUT_VARIANTS)} kept for the held-out set (`--recipe varied`)")
+    return ("several voices and variants, speed 120-200 wpm, pitch 30-70, random gain and leading/trailing "
+            "silence, white noise at 15-40 dB SNR")
+
+
+def robustness_rows(robustness: dict) -> str:
+    """Markdown rows: per subset and language, WER and its ratio to the single-utterance subset."""
+    rows = []
+    single = robustness.get("single", {})
+    for subset, reports in robustness.items():
+        for lang, r in reports.items():
+            base = single.get(lang)
+            ratio = f"{r.wer / base.wer:.2f}x" if base is not None and base.wer > 0 and subset != "single" else "-"
+            rows.append(f"| {subset} | {lang} | {r.clips} | {r.words} | {100 * r.wer:.2f} % | {ratio} | {r.median_margin:.2f} |")
+    return "\n".join(rows)
+
+
 def write_model_card(out_dir: str | Path, cfg: TrainConfig, result: TrainResult, reports: dict, command: str,
-                     train_summary: dict) -> Path:
-    """README.md of the trained checkpoint: data, purpose, measured figures, reproduce command."""
+                     train_summary: dict, robustness: dict | None = None) -> Path:
+    """README.md of the trained checkpoint: data, purpose, measured figures, reproduce command;
+    `robustness`: {subset: reports} of the robustness held-out set (tools/make_heldout_set.py)."""
     out_dir = Path(out_dir)
     all_margins = train_summary.get("overall_margin", {})
     rows = "\n".join(
@@ -422,6 +454,15 @@ def write_model_card(out_dir: str | Path, cfg: TrainConfig, result: TrainResult,
         + ", ".join(f"{k} {100 * v:.1f} %" for k, v in h["wer"].items()) + " |"
         for h in result.history
     )
+    robustness_section = "" if not robustness else f"""Robustness held-out set (`tools/make_heldout_set.py`: held-out sentences, voice variants never
+trained on; padded: the same clips with 0-2 s more silence each side; multi: the same clips joined 2-4
+at a time):
+
+| subset | language | clips | words | WER | vs single | median margin |
+|---|---|---|---|---|---|---|
+{robustness_rows(robustness)}
+
+"""
     card = f"""---
 license: apache-2.0
 tags: [cohere_asr, test-model, synthetic-speech]
@@ -453,8 +494,7 @@ exported model can be judged by transcripts. It knows nothing about natural spee
 ## Data
 espeak-ng speech from a small generated grammar (11 templates per language; numbers, times, dates,
 commands), `tools/make_synthetic_speech.py`: {train_summary.get('train_clips')} training utterances
-({train_summary.get('train_hours', 0):.2f} h), several voices and variants, speed 120-200 wpm, pitch 30-70,
-random gain and leading/trailing silence, white noise at 15-40 dB SNR, seed {cfg.seed}.
+({train_summary.get('train_hours', 0):.2f} h), {data_description(train_summary.get('recipe', 'commands'))}, seed {cfg.seed}.
 Held-out set: `tests/data/heldout/` ({sum(r.clips for r in reports.values())} clips); every held-out sentence is a word combination
 that never occurs in training.
 
@@ -467,7 +507,7 @@ that never occurs in training.
 All languages: median top-1 vs top-2 log-prob margin per generated token {all_margins.get('median', float('nan')):.2f} nats,
 10th percentile {all_margins.get('p10', float('nan')):.2f}, {100 * all_margins.get('under_1nat', float('nan')):.1f} % of tokens under 1 nat.
 
-Training: {result.train_seconds / 60:.1f} min of training ({result.steps} steps, {result.epochs:.1f} epochs) within
+{robustness_section}Training: {result.train_seconds / 60:.1f} min of training ({result.steps} steps, {result.epochs:.1f} epochs) within
 {result.total_seconds / 60:.1f} min in total (tokenizer, features, saving), one CPU thread on a shared 2-core
 machine. Committed size: {train_summary.get('size_mb', 0):.2f} MB.
 
