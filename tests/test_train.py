@@ -65,5 +65,9 @@ def test_model_card_describes_the_recipe_and_the_robustness_subsets():
 
     rows = robustness_rows({"single": {"en": report("en", 0.02)}, "padded": {"en": report("en", 0.03)},
                             "multi": {"en": report("en", 0.05)}}).splitlines()
-    assert rows == ["| single | en | 200 | 1000 | 2.00 % | - | 9.00 |", "| padded | en | 200 | 1000 | 3.00 % | 1.50x | 9.00 |",
-                    "| multi | en | 200 | 1000 | 5.00 % | 2.50x | 9.00 |"]
+    assert rows == ["| single | en | 200 | 1000 | 2.00 % | - | - | 9.00 |",
+                    "| padded | en | 200 | 1000 | 3.00 % | - | 1.50x | 9.00 |",
+                    "| multi | en | 200 | 1000 | 5.00 % | - | 2.50x | 9.00 |"]
+    with_ci = report("en", 0.02)
+    with_ci.wer_interval = [0.011, 0.032]
+    assert robustness_rows({"single": {"en": with_ci}}) == "| single | en | 200 | 1000 | 2.00 % | 1.10-3.20 % | - | 9.00 |"

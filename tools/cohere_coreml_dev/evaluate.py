@@ -25,7 +25,7 @@ from cohere_coreml.audio import load_audio, log_mel
 from cohere_coreml.datasets import DatasetError, load_folder
 from cohere_coreml.engines import PyTorchEngine, features_batch
 from cohere_coreml.metrics import basic_normalise as normalise_text
-from cohere_coreml.metrics import error_counts
+from cohere_coreml.metrics import error_counts, rate_interval
 from cohere_coreml.tokens import decode_ids, eos_id, prompt_ids
 
 logger = logging.getLogger(__name__)
@@ -94,6 +94,7 @@ class LanguageReport:
     p10_margin: float
     share_under_1nat: float
     errors: list[tuple[str, str]] = field(default_factory=list)  # (reference, hypothesis) that differ
+    wer_interval: list[float] = field(default_factory=list)  # 95 % bootstrap interval (metrics.rate_interval)
 
 
 def summarise(refs: list[str], decoded: list[Decoded], languages: list[str]) -> dict[str, LanguageReport]:
@@ -109,6 +110,7 @@ def summarise(refs: list[str], decoded: list[Decoded], languages: list[str]) -> 
             clips=len(sel),
             words=sum(len(normalise_text(x).split()) for x in r),
             wer=error_counts(r, h, lang)["rate"],
+            wer_interval=rate_interval(r, h, lang),
             median_margin=float(np.median(margins)) if margins.size else float("nan"),
             p10_margin=float(np.percentile(margins, 10)) if margins.size else float("nan"),
             share_under_1nat=float(np.mean(margins < 1.0)) if margins.size else float("nan"),
@@ -159,10 +161,12 @@ def evaluate_checkpoint(
 
 
 def format_reports(reports: dict[str, LanguageReport]) -> str:
-    lines = [f"{'lang':5s} {'clips':>5s} {'words':>5s} {'WER %':>6s} {'median margin':>13s} {'p10 margin':>10s} {'<1 nat':>7s}"]
+    lines = [f"{'lang':5s} {'clips':>5s} {'words':>5s} {'WER %':>6s} {'95 % CI':>13s} {'median margin':>13s} "
+             f"{'p10 margin':>10s} {'<1 nat':>7s}"]
     for r in reports.values():
+        ci = f"{100 * r.wer_interval[0]:.2f}-{100 * r.wer_interval[1]:.2f}" if r.wer_interval else "-"
         lines.append(
-            f"{r.language:5s} {r.clips:5d} {r.words:5d} {100 * r.wer:6.2f} {r.median_margin:13.2f} "
+            f"{r.language:5s} {r.clips:5d} {r.words:5d} {100 * r.wer:6.2f} {ci:>13s} {r.median_margin:13.2f} "
             f"{r.p10_margin:10.2f} {100 * r.share_under_1nat:6.1f}%"
         )
     return "\n".join(lines)

@@ -435,7 +435,9 @@ def robustness_rows(robustness: dict) -> str:
         for lang, r in reports.items():
             base = single.get(lang)
             ratio = f"{r.wer / base.wer:.2f}x" if base is not None and base.wer > 0 and subset != "single" else "-"
-            rows.append(f"| {subset} | {lang} | {r.clips} | {r.words} | {100 * r.wer:.2f} % | {ratio} | {r.median_margin:.2f} |")
+            ci = f"{100 * r.wer_interval[0]:.2f}-{100 * r.wer_interval[1]:.2f} %" if r.wer_interval else "-"
+            rows.append(f"| {subset} | {lang} | {r.clips} | {r.words} | {100 * r.wer:.2f} % | {ci} | {ratio} | "
+                        f"{r.median_margin:.2f} |")
     return "\n".join(rows)
 
 
@@ -458,8 +460,8 @@ def write_model_card(out_dir: str | Path, cfg: TrainConfig, result: TrainResult,
 trained on; padded: the same clips with 0-2 s more silence each side; multi: the same clips joined 2-4
 at a time):
 
-| subset | language | clips | words | WER | vs single | median margin |
-|---|---|---|---|---|---|---|
+| subset | language | clips | words | WER | 95 % CI | vs single | median margin |
+|---|---|---|---|---|---|---|---|
 {robustness_rows(robustness)}
 
 """
