@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -115,3 +116,45 @@ def test_make_heldout_set_synthesises_single_clips_of_unheard_voices(tmp_path):
         wav, _ = sf.read(str(paths["single"] / u["file"]))
         assert u["segments"][0][0] <= 0.4 * RATE + 1 and wav.size - u["segments"][0][1] <= 0.4 * RATE + 1
     assert len(json.loads((paths["padded"] / "manifest.json").read_text())["utterances"]) == 5
+
+
+COMMITTED = Path(__file__).parent / "data" / "heldout-varied" / "single"
+
+
+def _training_sentences() -> set[str]:
+    """Every sentence of the training corpus of the default model's recipe (planned, not synthesised)."""
+    from cohere_coreml_dev import synth
+
+    jobs = synth.plan_corpus(["en", "de", "es"], 3000, split="train", seed=0, recipe="varied")
+    return {s for j in jobs for s in j["sentences"]}
+
+
+def test_the_committed_set_is_held_out_complete_and_200_per_language():
+    train = _training_sentences()
+    assert heldout.check_single(COMMITTED, train) == []
+    utts = json.loads((COMMITTED / "manifest.json").read_text())["utterances"]
+    assert {lang: sum(u["language"] == lang for u in utts) for lang in ("en", "de", "es")} == {"en": 200, "de": 200, "es": 200}
+    assert len(load_folder(COMMITTED).clips) == 600
+
+
+def test_the_held_out_check_names_each_planted_defect(tmp_path):
+    """Negative controls of the check above: a training sentence, a trained voice variant, a missing file,
+    a clip at the wrong rate and too few clips each come back named."""
+    copy = tmp_path / "single"
+    shutil.copytree(COMMITTED, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    utts = manifest["utterances"]
+    train = _training_sentences()
+    planted = sorted(s for s in train if s.startswith("Set"))[0]
+    utts[0]["sentences"] = [planted]
+    utts[1]["voice"] = utts[1]["voice"].split("+")[0] + "+m3"
+    (copy / utts[2]["file"]).unlink()
+    wav, _ = sf.read(str(copy / utts[3]["file"]), dtype="float32")
+    sf.write(str(copy / utts[3]["file"]), wav[::2], 8000, format="FLAC", subtype="PCM_16")
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    problems = heldout.check_single(copy, train, min_per_language=201)
+    assert f"{utts[0]['file']}: sentence {planted!r} occurs in training" in problems
+    assert f"{utts[1]['file']}: voice variant 'm3' is trained on" in problems
+    assert f"{utts[2]['file']}: missing" in problems
+    assert any(p.startswith(f"{utts[3]['file']}: 8000 Hz") for p in problems)
+    assert {p for p in problems if "fewer than" in p} == {f"{lang}: 200 clips, fewer than 201" for lang in ("de", "en", "es")}

@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--heldout", default=str(HELDOUT_DIR),
                         help="held-out folder whose utterances are joined (default: the 90-clip set; or a subset of "
-                             "tools/make_heldout_set.py, e.g. out/heldout-varied/single)")
+                             "tools/make_heldout_set.py, e.g. tests/data/heldout-varied/single)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     entries = make_dictations(Path(args.out), args.per_dictation, args.min_pause, args.max_pause, args.seed,

@@ -5,8 +5,9 @@ single/ is synthesised with espeak-ng (held-out sentences, voice variants never 
 -30..0 dBFS, 10-40 dB SNR); padded/ (0-2 s more silence each side) and multi/ (2-4 utterances with
 0.3-2.0 s pauses) are derived from it alone (see tools/cohere_coreml_dev/heldout.py).
 
-Example:
-  uv run python tools/make_heldout_set.py --out out/heldout-varied --per-language 200
+Example (the committed single/ is tests/data/heldout-varied/single; derive the other two from it):
+  uv run python tools/make_heldout_set.py --single tests/data/heldout-varied/single --out out/heldout-varied
+  uv run python tools/make_heldout_set.py --out out/heldout-varied --per-language 200   # all three, synthesised
   uv run python tools/eval_tiny.py --data out/heldout-varied/padded
 """
 

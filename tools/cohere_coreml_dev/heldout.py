@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from .synth import SAMPLE_RATE, make_corpus
+from .synth import SAMPLE_RATE, VARIED_HELDOUT_VARIANTS, make_corpus
 
 SUBSETS = ("single", "padded", "multi")
 PAD_S = (0.0, 2.0)
@@ -122,6 +122,42 @@ def derive_multi(single_dir: Path, out_dir: Path, seed: int = 0) -> list[dict]:
                          "sentences": sentences, "segments": segments, "sources": [u["file"] for u in group]})
     _write_manifest(out_dir, source, "multi", rows, seed)
     return rows
+
+
+def check_single(single_dir: Path, train_sentences: set[str], min_per_language: int = 200) -> list[str]:
+    """What is wrong with a single/ folder as a held-out set (empty when nothing): fewer than
+    `min_per_language` clips of a language, a file missing or not 16 kHz mono of the manifest's length,
+    a segment outside its clip, a duplicate sentence, a voice variant the training recipe uses, or a
+    sentence of `train_sentences` (the training corpus's, e.g. from `synth.plan_corpus`)."""
+    single_dir = Path(single_dir)
+    _, utts = _read(single_dir)
+    problems = []
+    counts: dict[str, int] = {}
+    seen: set[tuple[str, str]] = set()
+    for u in utts:
+        counts[u["language"]] = counts.get(u["language"], 0) + 1
+        path = single_dir / u["file"]
+        if not path.is_file():
+            problems.append(f"{u['file']}: missing")
+            continue
+        info = sf.info(str(path))
+        if info.samplerate != SAMPLE_RATE or info.channels != 1 or abs(info.frames / SAMPLE_RATE - u["seconds"]) > 1e-3:
+            problems.append(f"{u['file']}: {info.samplerate} Hz, {info.channels} channel(s), {info.frames} samples "
+                            f"(manifest: {u['seconds']} s at {SAMPLE_RATE} Hz mono)")
+        if any(not 0 <= a < b <= info.frames for a, b in u["segments"]):
+            problems.append(f"{u['file']}: segment {u['segments']} outside its {info.frames} samples")
+        variant = u["voice"].split("+")[-1]
+        if variant not in VARIED_HELDOUT_VARIANTS:
+            problems.append(f"{u['file']}: voice variant {variant!r} is trained on")
+        for sentence in u.get("sentences") or [u["text"]]:
+            if (u["language"], sentence) in seen:
+                problems.append(f"{u['file']}: duplicate sentence {sentence!r}")
+            seen.add((u["language"], sentence))
+            if sentence in train_sentences:
+                problems.append(f"{u['file']}: sentence {sentence!r} occurs in training")
+    problems += [f"{lang}: {n} clips, fewer than {min_per_language}" for lang, n in sorted(counts.items())
+                 if n < min_per_language]
+    return problems
 
 
 def make_heldout_set(out_dir: Path, languages: list[str], per_language: int, seed: int = 0, workers: int = 1,
