@@ -71,3 +71,10 @@ def test_model_card_describes_the_recipe_and_the_robustness_subsets():
     with_ci = report("en", 0.02)
     with_ci.wer_interval = [0.011, 0.032]
     assert robustness_rows({"single": {"en": with_ci}}) == "| single | en | 200 | 1000 | 2.00 % | 1.10-3.20 % | - | 9.00 |"
+
+
+def test_train_refuses_zero_threads_before_reading_data():
+    from cohere_coreml_dev.train import TrainingError, train
+
+    with pytest.raises(TrainingError, match="threads must be >= 1, got 0"):
+        train(_cfg(threads=0))

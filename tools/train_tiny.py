@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=defaults.sentencepiece_vocab, help="SentencePiece pieces")
     parser.add_argument("--eval-every-minutes", type=float, default=defaults.eval_every_minutes)
     parser.add_argument("--feature-workers", type=int, default=defaults.feature_workers)
+    parser.add_argument("--threads", type=int, default=defaults.threads,
+                        help="torch threads of the training loop (2 on an idle 2-core machine)")
     parser.add_argument("--recipe", choices=["commands", "varied"], default="commands",
                         help="corpus recipe when the training corpus is synthesised (synth.RECIPES)")
     parser.add_argument("--synth-workers", type=int, default=2, help="espeak-ng processes of that synthesis")
@@ -58,6 +60,7 @@ def main(argv=None) -> int:
             train_dir=args.train_dir, heldout_dir=args.heldout_dir, out_dir=args.out, cache_dir=args.cache_dir,
             budget_minutes=args.budget_minutes, seed=args.seed, sentencepiece_vocab=args.vocab,
             eval_every_minutes=args.eval_every_minutes, feature_workers=args.feature_workers,
+            threads=args.threads,
         )
         result = train(cfg)
     except (SynthError, TrainingError) as exc:
