@@ -45,6 +45,8 @@ def main(argv=None) -> int:
     parser.add_argument("--robustness", default=None,
                         help="a folder of tools/make_heldout_set.py (single/, padded/, multi/): evaluated too, in the card")
     args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error(f"--threads must be at least 1 (got {args.threads})")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from cohere_coreml_dev.evaluate import evaluate_checkpoint, format_reports
