@@ -124,7 +124,7 @@ def derive_multi(single_dir: Path, out_dir: Path, seed: int = 0) -> list[dict]:
     return rows
 
 
-def check_single(single_dir: Path, train_sentences: set[str], min_per_language: int = 200) -> list[str]:
+def check_single(single_dir: Path, train_sentences: set[str] | frozenset[str], min_per_language: int = 200) -> list[str]:
     """What is wrong with a single/ folder as a held-out set (empty when nothing): fewer than
     `min_per_language` clips of a language, a file missing or not 16 kHz mono of the manifest's length,
     a segment outside its clip, a duplicate sentence, a voice variant the training recipe uses, or a

@@ -232,6 +232,8 @@ class TrainResult:
 
 def train(cfg: TrainConfig) -> TrainResult:
     """Run the whole recipe and save the checkpoint folder to `cfg.out_dir`."""
+    if cfg.threads < 1:
+        raise TrainingError(f"threads must be >= 1, got {cfg.threads}")
     import torch
     import torch.nn.functional as F
     from transformers import CohereAsrForConditionalGeneration
@@ -244,8 +246,6 @@ def train(cfg: TrainConfig) -> TrainResult:
     from .synth import read_manifest
 
     t_start = time.time()
-    if cfg.threads < 1:
-        raise TrainingError(f"threads must be >= 1, got {cfg.threads}")
     torch.set_num_threads(cfg.threads)
     try:
         torch.set_num_interop_threads(1)
