@@ -149,7 +149,8 @@ def test_varied_plan_is_deterministic_and_spans_its_ranges():
     assert jobs != plan_corpus(["en", "de"], 400, split="train", seed=4, recipe="varied")
     counts = [len(j["sentences"]) for j in jobs]
     assert set(counts) == set(synth.VARIED_SENTENCES)  # 1-4 sentences per clip all occur
-    assert 0.45 < counts.count(1) / len(counts) < 0.65
+    single_share = synth.VARIED_SENTENCE_WEIGHTS[0]
+    assert single_share - 0.1 < counts.count(1) / len(counts) < single_share + 0.1
     for j in jobs:
         assert j["text"] == " ".join(j["sentences"]) and len(j["pauses_s"]) == len(j["sentences"]) - 1
         assert len(j["speeds"]) == len(j["sentences"])
@@ -197,6 +198,37 @@ def test_varied_clip_places_each_sentence_at_its_segment():
     noisy, _ = synth.varied_clip(speech, {**job, "digital_edges": False})
     assert noisy[:lead].std() > 0 and noisy[segments[-1][1]:].std() > 0
 
+
+
+def test_mixed_varied_clip_gives_each_sentence_its_own_level_and_noise():
+    rng = np.random.default_rng(0)
+    speech = [rng.uniform(-0.5, 0.5, n).astype(np.float32) for n in (8000, 8000)]
+    mix = [{"voice": "en-us", "variant": "m1", "pitch": 50, "level_dbfs": -3.0, "snr_db": 35.0},
+           {"voice": "en-gb", "variant": "f2", "pitch": 40, "level_dbfs": -27.0, "snr_db": 12.0}]
+    job = {"lead_s": 0.5, "trail_s": 0.5, "pauses_s": [1.0], "level_dbfs": -20.0, "snr_db": 30.0,
+           "digital_edges": False, "seed": 1, "mix": mix}
+    clip, segments = synth.varied_clip(speech, job)
+    (a0, b0), (a1, b1) = segments
+    for (a, b), m, w in zip(segments, mix, speech):  # each sentence at its own level, not the clip's -20 dBFS
+        assert np.median(clip[a:b] / w) == pytest.approx(10 ** (m["level_dbfs"] / 20) / 0.5, rel=0.05)
+    rms = lambda x: np.sqrt(np.mean(x**2))  # noqa: E731
+    assert 30 < 20 * np.log10(rms(clip[a0:b0]) / rms(clip[:a0])) < 40  # lead: the first sentence's noise
+    assert 8 < 20 * np.log10(rms(clip[a1:b1]) / rms(clip[b0:a1])) < 16  # pause: the next sentence's noise
+    same, _ = synth.varied_clip(speech, {k: v for k, v in job.items() if k != "mix"})
+    assert np.median(same[a1:b1] / speech[1]) == pytest.approx(10 ** (-20 / 20) / 0.5, rel=0.05)  # one level
+
+
+def test_varied_training_plan_mixes_half_of_its_multi_sentence_clips():
+    jobs = plan_corpus(["en"], 400, split="train", seed=0, recipe="varied")
+    multi = [j for j in jobs if len(j["sentences"]) > 1]
+    mixed = [j for j in multi if "mix" in j]
+    assert 0.4 < len(mixed) / len(multi) < 0.6
+    assert not any("mix" in j for j in jobs if len(j["sentences"]) == 1)
+    assert all(len(j["mix"]) == len(j["sentences"]) for j in mixed)
+    assert any(len({(m["voice"], m["variant"]) for m in j["mix"]}) > 1 for j in mixed)
+    assert all(m["variant"] in synth.VARIED_TRAIN_VARIANTS for j in mixed for m in j["mix"])
+    heldout = plan_corpus(["en"], 60, split="heldout", seed=0, recipe="varied")
+    assert not any("mix" in j for j in heldout)  # held-out clips keep one recording each
 
 @needs_espeak
 def test_make_varied_corpus_records_sentences_and_segments(tmp_path):

@@ -56,6 +56,7 @@ def test_model_card_describes_the_recipe_and_the_robustness_subsets():
 
     varied, commands = data_description("varied"), data_description("commands")
     assert "1-4 sentences" in varied and "-30..0 dBFS" in varied and "10-40 dB SNR" in varied
+    assert "50 % of the clips of 2+ sentences" in varied  # the mixed-recording share
     assert all(v in varied for v in synth.VARIED_HELDOUT_VARIANTS)
     assert "15-40 dB SNR" in commands and "sentences" not in commands
 

@@ -32,7 +32,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="parallel espeak-ng processes")
     parser.add_argument("--recipe", choices=list(RECIPES), default="commands",
                         help="commands: one sentence per clip, short edges (the committed model's data); varied: "
-                             "1-4 sentences with pauses, 0-2 s edges, -30..0 dBFS, 10-40 dB SNR (see synth.py)")
+                             "1-4 sentences with pauses (half of the multi-sentence training clips mixing "
+                             "voices and levels), 0-2 s edges, -30..0 dBFS, 10-40 dB SNR (see synth.py)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -424,7 +424,7 @@ class Utterance:
 # "varied" (issue 30): what real audio varies, per clip:
 RECIPES = ("commands", "varied")
 VARIED_SENTENCES = (1, 2, 3, 4)  # sentences per clip, joined with pauses
-VARIED_SENTENCE_WEIGHTS = (0.55, 0.25, 0.12, 0.08)
+VARIED_SENTENCE_WEIGHTS = (0.45, 0.25, 0.17, 0.13)
 VARIED_PAUSE_S = (0.3, 2.0)  # between sentences, uniform
 VARIED_EDGE_S = (0.0, 2.0)  # leading and trailing silence, uniform, on VARIED_LONG_EDGES of the clips
 VARIED_SHORT_EDGE_S = (0.0, 0.4)  # ... and this on the others
@@ -433,6 +433,9 @@ VARIED_LEVEL_DBFS = (-30.0, 0.0)  # peak level of the speech, uniform in dB
 VARIED_SNR_DB = (10.0, 40.0)  # white noise, uniform in dB, relative to the speech's mean power
 VARIED_DIGITAL_EDGES = 0.3  # share of clips whose leading/trailing silence stays digital zeros (else noise)
 VARIED_SPEED_JITTER = 15  # each sentence's espeak-ng speed: the clip's +- this (words per minute)
+# share of the training clips of 2+ sentences whose sentences differ in voice, variant, pitch, level and
+# noise (each drawn per sentence): a clip joined from separate recordings, as the held-out multi/ clips are
+VARIED_MIXED_SHARE = 0.5
 
 
 def _augment(wav: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -449,8 +452,13 @@ def _augment(wav: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 def varied_clip(speech: list[np.ndarray], job: dict) -> tuple[np.ndarray, list[list[int]]]:
     """Recipe "varied": the sentences' speech joined with the job's pauses, its edges, level and noise
-    (all drawn in `plan_corpus`, so a plan alone says where each sentence is); (clip, segments)."""
+    (all drawn in `plan_corpus`, so a plan alone says where each sentence is); (clip, segments).
+    A "mixed" job (`mix`, one entry per sentence) brings each sentence to its own level with its own noise;
+    a pause has the noise of the sentence after it, the edges that of the sentence beside them."""
     rate = SAMPLE_RATE
+    mix = job.get("mix")
+    if mix:
+        speech = [_normalise_peak(w.astype(np.float32), 10 ** (m["level_dbfs"] / 20)) for w, m in zip(speech, mix)]
     pieces = [np.zeros(int(round(job["lead_s"] * rate)), np.float32)]
     segments, pos = [], pieces[0].size
     for i, wav in enumerate(speech):
@@ -462,11 +470,21 @@ def varied_clip(speech: list[np.ndarray], job: dict) -> tuple[np.ndarray, list[l
         pos += wav.size
     pieces.append(np.zeros(int(round(job["trail_s"] * rate)), np.float32))
     clip = np.concatenate(pieces)
-    clip = _normalise_peak(clip, 10 ** (job["level_dbfs"] / 20))
-    voiced = np.concatenate([clip[a:b] for a, b in segments])
-    power = float(np.mean(voiced**2)) + 1e-12
     rng = np.random.default_rng(job["seed"])
-    noise = rng.normal(0.0, np.sqrt(power / 10 ** (job["snr_db"] / 10)), clip.shape).astype(np.float32)
+    if mix:
+        std = np.empty(clip.shape, np.float32)
+        start = 0
+        for i, ((a, b), m) in enumerate(zip(segments, mix)):
+            power = float(np.mean(clip[a:b] ** 2)) + 1e-12
+            end = clip.size if i == len(segments) - 1 else b
+            std[start:end] = np.sqrt(power / 10 ** (m["snr_db"] / 10))
+            start = end
+        noise = (rng.normal(0.0, 1.0, clip.shape) * std).astype(np.float32)
+    else:
+        clip = _normalise_peak(clip, 10 ** (job["level_dbfs"] / 20))
+        voiced = np.concatenate([clip[a:b] for a, b in segments])
+        power = float(np.mean(voiced**2)) + 1e-12
+        noise = rng.normal(0.0, np.sqrt(power / 10 ** (job["snr_db"] / 10)), clip.shape).astype(np.float32)
     if job["digital_edges"]:  # noise from the first sentence's start to the last one's end only
         noise[: segments[0][0]] = 0.0
         noise[segments[-1][1]:] = 0.0
@@ -475,8 +493,10 @@ def varied_clip(speech: list[np.ndarray], job: dict) -> tuple[np.ndarray, list[l
 
 def _synth_job(job: dict) -> dict:
     if job.get("recipe", "commands") == "varied":
-        speech = [speak(t, job["voice"], speed=v, pitch=job["pitch"], variant=job["variant"])
-                  for t, v in zip(job["sentences"], job["speeds"])]
+        voices = job.get("mix") or [{"voice": job["voice"], "variant": job["variant"], "pitch": job["pitch"]}] * len(
+            job["sentences"])
+        speech = [speak(t, m["voice"], speed=v, pitch=m["pitch"], variant=m["variant"])
+                  for t, v, m in zip(job["sentences"], job["speeds"], voices)]
         wav, segments = varied_clip(speech, job)
         sf.write(job["path"], wav, SAMPLE_RATE, format=job["format"], subtype="PCM_16")
         return {"seconds": round(wav.shape[0] / SAMPLE_RATE, 3), "segments": segments}
@@ -544,6 +564,7 @@ def _plan_varied(languages: list[str], per_language: int, *, split: str, seed: i
         if language not in GRAMMAR:
             raise SynthError(f"no grammar for language {language!r}; available: {', '.join(GRAMMAR)}")
         rng = np.random.default_rng([seed, zlib.crc32(language.encode()), 17 if split == "train" else 18])
+        mix_rng = np.random.default_rng([seed, zlib.crc32(language.encode()), 19])  # training clips only
         counts = rng.choice(VARIED_SENTENCES, size=per_language, p=VARIED_SENTENCE_WEIGHTS)
         if single:
             counts = np.ones(per_language, dtype=np.int64)
@@ -565,6 +586,12 @@ def _plan_varied(languages: list[str], per_language: int, *, split: str, seed: i
                               for _ in sentences],
                    "pauses_s": [round(float(rng.uniform(*VARIED_PAUSE_S)), 3) for _ in sentences[1:]],
                    **_varied_fields(rng, speed), "seed": int(rng.integers(2**31))}
+            if split == "train" and len(sentences) > 1 and mix_rng.random() < VARIED_MIXED_SHARE:
+                job["mix"] = [{"voice": voices[int(mix_rng.integers(len(voices)))],
+                               "variant": variants[int(mix_rng.integers(len(variants)))],
+                               "pitch": int(mix_rng.integers(30, 71)),
+                               "level_dbfs": round(float(mix_rng.uniform(*VARIED_LEVEL_DBFS)), 2),
+                               "snr_db": round(float(mix_rng.uniform(*VARIED_SNR_DB)), 2)} for _ in sentences]
             if single:
                 job["id"] = f"{language}_{split}_single_{i:05d}"
                 if job["lead_s"] > VARIED_SHORT_EDGE_S[1] or job["trail_s"] > VARIED_SHORT_EDGE_S[1]:
@@ -613,7 +640,7 @@ def make_corpus(
             file=Path(j["path"]).name,
             language=j["language"],
             text=j["text"],
-            voice=j["voice"] + (f"+{j['variant']}" if j["variant"] else ""),
+            voice=",".join(m["voice"] + (f"+{m['variant']}" if m["variant"] else "") for m in j.get("mix") or [j]),
             speed=j["speed"],
             pitch=j["pitch"],
             seconds=r["seconds"],

@@ -424,7 +424,9 @@ def data_description(recipe: str) -> str:
                 f"clips ({synth.VARIED_SHORT_EDGE_S[0]:.0f}-{synth.VARIED_SHORT_EDGE_S[1]} s on the others), digital zeros on "
                 f"{100 * synth.VARIED_DIGITAL_EDGES:.0f} % of them, noise on the rest; peak level "
                 f"{synth.VARIED_LEVEL_DBFS[0]:.0f}..{synth.VARIED_LEVEL_DBFS[1]:.0f} dBFS; white noise at "
-                f"{synth.VARIED_SNR_DB[0]:.0f}-{synth.VARIED_SNR_DB[1]:.0f} dB SNR; one voice per clip, speed 120-200 wpm "
+                f"{synth.VARIED_SNR_DB[0]:.0f}-{synth.VARIED_SNR_DB[1]:.0f} dB SNR; one voice per clip except on "
+                f"{100 * synth.VARIED_MIXED_SHARE:.0f} % of the clips of 2+ sentences, whose sentences each have their own "
+                f"voice, variant, pitch, level and noise; speed 120-200 wpm "
                 f"(each sentence +-{synth.VARIED_SPEED_JITTER}), pitch 30-70; voice variants "
                 f"{', '.join(synth.VARIED_HELDOUT_VARIANTS)} kept for the held-out set (`--recipe varied`)")
     return ("several voices and variants, speed 120-200 wpm, pitch 30-70, random gain and leading/trailing "
