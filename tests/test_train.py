@@ -79,3 +79,55 @@ def test_train_refuses_zero_threads_before_reading_data():
 
     with pytest.raises(TrainingError, match="threads must be >= 1, got 0"):
         train(_cfg(threads=0))
+
+
+def test_train_refuses_negative_steps_before_reading_data():
+    from cohere_coreml_dev.train import TrainingError, train
+
+    with pytest.raises(TrainingError, match="steps must be >= 0"):
+        train(_cfg(steps=-1))
+
+
+def _noise_corpus(folder, n=24, seed=0):
+    """A training folder the trainer accepts without espeak-ng: noise clips labelled with grammar sentences."""
+    import json
+
+    import soundfile as sf
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    utts = []
+    for i, (lang, text) in enumerate(zip(["en", "de", "es"] * n, sample_sentences("en", n, split="train", seed=seed))):
+        name = f"{lang}_{i:03d}.flac"
+        sf.write(str(folder / name), (0.1 * rng.standard_normal(int(16000 * rng.uniform(0.5, 1.5)))).astype(np.float32),
+                 16000, subtype="PCM_16")
+        utts.append({"file": name, "language": lang, "text": text})
+    (folder / "manifest.json").write_text(json.dumps({"split": "train", "utterances": utts}))
+    return folder
+
+
+@pytest.mark.slow
+def test_a_step_count_repeats_a_run_from_its_seed(tmp_path):
+    """--steps: two runs of the same seed give the same weights (the schedule runs on steps, not time);
+    another seed gives others, so the comparison can fail."""
+    from safetensors.numpy import load_file
+
+    from cohere_coreml_dev.train import train
+
+    corpus = _noise_corpus(tmp_path / "train")
+    small = dict(encoder_hidden_size=32, encoder_num_hidden_layers=1, encoder_num_attention_heads=2,
+                 encoder_intermediate_size=64, encoder_subsampling_conv_channels=8, hidden_size=32,
+                 num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, sentencepiece_vocab=120,
+                 max_position_embeddings=128, eval_clips_per_language=1, feature_workers=1, steps=6, warmup_steps=2)
+
+    def run(name, seed):
+        cfg = TrainConfig(train_dir=str(corpus), heldout_dir="tests/data/heldout", out_dir=str(tmp_path / name),
+                          cache_dir=str(tmp_path / f"cache-{name}"), seed=seed, **small)
+        result = train(cfg)
+        assert result.steps == 6
+        return load_file(str(tmp_path / name / "model.safetensors"))
+
+    first, again, other = run("a", 0), run("b", 0), run("c", 1)
+    assert first.keys() == again.keys()
+    assert all(np.array_equal(first[k], again[k]) for k in first)
+    assert any(not np.array_equal(first[k], other[k]) for k in first)

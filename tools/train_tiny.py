@@ -2,7 +2,8 @@
 """Train the small synthetic-speech Cohere-architecture model (models/cohere-tiny-synth).
 
 Steps: synthesise the training corpus with espeak-ng if it is not there yet
-(`apt-get install espeak-ng`), train within a wall-clock budget on one CPU thread, save a Hugging
+(`apt-get install espeak-ng`), train within a wall-clock budget (or for exactly --steps steps, which
+repeats a run from its seed and thread count) on one CPU thread by default, save a Hugging
 Face folder (float16 safetensors + tokenizer + processor), evaluate it on the committed held-out
 set and write the model card with the measured figures.
 
@@ -32,7 +33,10 @@ def main(argv=None) -> int:
     parser.add_argument("--languages", default="en,de,es")
     parser.add_argument("--per-language", type=int, default=4000, help="training utterances per language")
     parser.add_argument("--budget-minutes", type=float, default=defaults.budget_minutes,
-                        help="wall-clock training budget (the LR schedule spans it)")
+                        help="wall-clock training budget (the LR schedule spans it); unused with --steps")
+    parser.add_argument("--steps", type=int, default=defaults.steps,
+                        help="train exactly this many steps, the LR schedule spanning them: repeatable from --seed "
+                             "with the same --threads and corpus (0: the wall-clock budget)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--vocab", type=int, default=defaults.sentencepiece_vocab, help="SentencePiece pieces")
     parser.add_argument("--eval-every-minutes", type=float, default=defaults.eval_every_minutes)
@@ -47,6 +51,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error(f"--threads must be at least 1 (got {args.threads})")
+    if args.steps < 0:
+        parser.error(f"--steps must be at least 0 (got {args.steps}; 0 uses the wall-clock budget)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from cohere_coreml_dev.evaluate import evaluate_checkpoint, format_reports
@@ -62,7 +68,7 @@ def main(argv=None) -> int:
             train_dir=args.train_dir, heldout_dir=args.heldout_dir, out_dir=args.out, cache_dir=args.cache_dir,
             budget_minutes=args.budget_minutes, seed=args.seed, sentencepiece_vocab=args.vocab,
             eval_every_minutes=args.eval_every_minutes, feature_workers=args.feature_workers,
-            threads=args.threads,
+            threads=args.threads, steps=args.steps,
         )
         result = train(cfg)
     except (SynthError, TrainingError) as exc:

@@ -1,11 +1,13 @@
-"""Train a small Cohere-architecture ASR model on synthetic speech (CPU, one thread by default, wall-clock budget).
+"""Train a small Cohere-architecture ASR model on synthetic speech (CPU, one thread by default, wall-clock budget
+or a fixed step count).
 
 The model is the exact `transformers` `CohereAsrForConditionalGeneration` with small widths; it is
 trained with the real decoder prompt format and the project's own front end, then saved as a
 Hugging Face folder that `cohere_coreml.checkpoint.load_reference` loads. Recipe (see
 `shared/reference/training-small-model.md`): Kaiming re-init of the conv subsampling, an auxiliary
 CTC loss on the encoder output (training only, not saved), AdamW with warmup and cosine decay over
-the wall-clock budget, length-sorted batches capped in feature frames, light SpecAugment.
+the wall-clock budget (or over `steps`, which makes a run repeatable from its seed and thread count),
+length-sorted batches capped in feature frames, light SpecAugment.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class TrainConfig:
     out_dir: str
     cache_dir: str = "/tmp/training/cache"
     budget_minutes: float = 45.0
+    # > 0: train exactly this many steps, the LR schedule spanning them (the budget is then not used): the
+    # same seed, threads and corpus give the same weights on the same machine type
+    steps: int = 0
     seed: int = 0
     # tokenizer
     sentencepiece_vocab: int = 384
@@ -234,6 +239,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     """Run the whole recipe and save the checkpoint folder to `cfg.out_dir`."""
     if cfg.threads < 1:
         raise TrainingError(f"threads must be >= 1, got {cfg.threads}")
+    if cfg.steps < 0:
+        raise TrainingError(f"steps must be >= 0 (0: the wall-clock budget), got {cfg.steps}")
     import torch
     import torch.nn.functional as F
     from transformers import CohereAsrForConditionalGeneration
@@ -321,9 +328,10 @@ def train(cfg: TrainConfig) -> TrainResult:
         batches = make_batches(lengths, cfg.max_batch_frames, rng)
         for batch in batches:
             elapsed = time.time() - t_train
-            if elapsed >= budget:
+            if (step >= cfg.steps) if cfg.steps else (elapsed >= budget):
                 done = True
                 break
+            progress = step / cfg.steps if cfg.steps else elapsed / budget  # the LR schedule's clock
             model.train()
             # inputs: (B, T, n_mels) features, (B, T) mask
             t_max = int(lengths[batch].max())
@@ -357,7 +365,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             loss = ce + cfg.ctc_weight * ctc
 
             for group in optimizer.param_groups:
-                group["lr"] = cfg.peak_lr * lr_factor(step, elapsed / budget, cfg)
+                group["lr"] = cfg.peak_lr * lr_factor(step, progress, cfg)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -412,6 +420,21 @@ def folder_size_bytes(path: str | Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
+def machine_description() -> str:
+    """The CPU the card's timings come from: model name (Linux /proc/cpuinfo, else `platform`) and core count."""
+    import platform
+
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name} ({os.cpu_count()} cores)"
+
+
 def data_description(recipe: str) -> str:
     """The model card's words for a corpus recipe (synth.RECIPES), from the recipe's own constants."""
     from . import synth
@@ -462,6 +485,9 @@ def write_model_card(out_dir: str | Path, cfg: TrainConfig, result: TrainResult,
         + ", ".join(f"{k} {100 * v:.1f} %" for k, v in h["wer"].items()) + " |"
         for h in result.history
     )
+    schedule = (f"{cfg.steps} steps (`--steps {cfg.steps}`: the same seed, thread count and corpus repeat these weights)"
+                if cfg.steps else f"the {cfg.budget_minutes:g}-min wall-clock budget (a rerun's step count depends on the "
+                f"machine; `--steps {result.steps}` repeats this run's length with a step-based schedule)")
     robustness_section = "" if not robustness else f"""Robustness held-out set (`tools/make_heldout_set.py`: held-out sentences, voice variants never
 trained on; padded: the same clips with 0-2 s more silence each side; multi: the same clips joined 2-4
 at a time):
@@ -516,8 +542,8 @@ All languages: median top-1 vs top-2 log-prob margin per generated token {all_ma
 10th percentile {all_margins.get('p10', float('nan')):.2f}, {100 * all_margins.get('under_1nat', float('nan')):.1f} % of tokens under 1 nat.
 
 {robustness_section}Training: {result.train_seconds / 60:.1f} min of training ({result.steps} steps, {result.epochs:.1f} epochs) within
-{result.total_seconds / 60:.1f} min in total (tokenizer, features, saving), {cfg.threads} CPU thread(s) on a 2-core
-machine. Committed size: {train_summary.get('size_mb', 0):.2f} MB.
+{result.total_seconds / 60:.1f} min in total (tokenizer, features, saving), {cfg.threads} CPU thread(s) on
+{machine_description()}; the learning-rate schedule spans {schedule}. Committed size: {train_summary.get('size_mb', 0):.2f} MB.
 
 WER on the first {cfg.eval_clips_per_language} held-out clips per language during training:
 
