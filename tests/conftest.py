@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,17 @@ from .shared_builds import built_once
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True)
+def autograd_left_as_found():
+    """A test (and the library code it calls) leaves autograd on: switching it off for the process
+    broke a later training test on the same worker (CI, stop 38). Fails the test that leaks it."""
+    yield
+    torch = sys.modules.get("torch")  # not imported here: most tests never load torch
+    if torch is not None and not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)  # so the next test on this worker starts clean
+        pytest.fail("autograd was left off (torch.set_grad_enabled(False) outside a context manager)")
 
 
 @pytest.fixture(scope="session")

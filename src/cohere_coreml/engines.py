@@ -157,10 +157,7 @@ class PyTorchEngine(Engine):
     kind = "pytorch"
 
     def __init__(self, model: str | os.PathLike, revision: str | None = None, margins: bool = False):
-        import torch  # torch and transformers only where the reference runs: they cost seconds to import
-
         t0 = time.perf_counter()
-        torch.set_grad_enabled(False)
         self.model, self.processor = load_reference(model, revision=revision)
         self.load_s = time.perf_counter() - t0
         self.tokenizer = self.processor.tokenizer
@@ -189,7 +186,8 @@ class PyTorchEngine(Engine):
         feats, n_valid = log_mel(waveform, self.front_end)
         x, mask = features_batch([feats[:, :n_valid]])  # (1, T, n_mels), (1, T)
         t1 = time.perf_counter()
-        enc = self.model.model.encoder(x, attention_mask=mask)
+        with torch.no_grad():  # generate() is no_grad itself; the caller's setting stays as it was
+            enc = self.model.model.encoder(x, attention_mask=mask)
         t2 = time.perf_counter()
 
         class _Guard(StoppingCriteria):  # greedy only: stop when the generated tail loops

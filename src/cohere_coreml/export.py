@@ -264,16 +264,17 @@ def export_checkpoint(model_ref: str, settings: ExportSettings, revision: str | 
     """
     import torch  # heavy (as encoder)
 
-    torch.set_grad_enabled(False)
-    model, processor = checkpoint.load_reference(model_ref, revision=revision)
-    if base_model is not None:  # the Hub id of a checkpoint given as a folder whose config names none
-        model.source = dataclasses.replace(model.source, model_id=checkpoint.check_hub_id(base_model), base_model=base_model)
-    source = model.source
-    settings = settings.replace(model_id=source.model_id, revision=source.revision or settings.revision)
-    staged = stage_export(model, processor, settings, **options)
-    del model
-    release_memory()
-    return staged.finish()
+    with torch.no_grad():  # no autograd graph; the caller's setting is back afterwards
+        model, processor = checkpoint.load_reference(model_ref, revision=revision)
+        if base_model is not None:  # the Hub id of a checkpoint given as a folder whose config names none
+            model.source = dataclasses.replace(model.source, model_id=checkpoint.check_hub_id(base_model),
+                                               base_model=base_model)
+        source = model.source
+        settings = settings.replace(model_id=source.model_id, revision=source.revision or settings.revision)
+        staged = stage_export(model, processor, settings, **options)
+        del model
+        release_memory()
+        return staged.finish()
 
 
 # --------------------------------------------------------------------------------------------

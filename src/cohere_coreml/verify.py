@@ -83,11 +83,21 @@ def verify_bundle(model, processor, bundle_dirs, audio: Sequence, language: str 
     """
     import torch  # heavy: verify imports without torch
 
+    with torch.no_grad():  # no autograd graph; the caller's setting is back afterwards
+        return _verify_bundle(model, processor, bundle_dirs, audio, language=language, punctuation=punctuation,
+                              backend=backend, max_new_tokens=max_new_tokens, languages=languages,
+                              progress=progress, tags=tags)
+
+
+def _verify_bundle(model, processor, bundle_dirs, audio: Sequence, language: str, punctuation: bool,
+                   backend: str, max_new_tokens: int | None, languages: Sequence[str] | None,
+                   progress: bool, tags: Sequence[str] | None) -> dict:
+    import torch  # heavy (as verify_bundle)
+
     from .decoder_gate import TeacherForcingCase, run_teacher_forcing, teacher_forcing_report  # loads torch (as above)
     from .reference import cross_memory  # loads torch (as above)
     from .transcribe import Transcriber  # loads torch via cohere_coreml.runtime (as above)
 
-    torch.set_grad_enabled(False)
     transcriber = Transcriber(bundle_dirs, backend=backend)
     bundle = transcriber.bundle
     tokenizer = processor.tokenizer

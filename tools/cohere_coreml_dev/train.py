@@ -353,16 +353,18 @@ def train(cfg: TrainConfig) -> TrainResult:
                 p = n_prompt[row]
                 target[row, p - 1 : len(s) - 1] = torch.tensor(s[p:])
 
-            enc = model.model.encoder(input_features=x, attention_mask=mask)
-            out = model(encoder_outputs=enc, decoder_input_ids=dec_in)
-            ce = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), target.reshape(-1), ignore_index=-100)
-            # auxiliary CTC on the encoder output (blank = pad)
-            log_probs = ctc_head(enc.last_hidden_state).log_softmax(-1).transpose(0, 1)  # (T', B, V)
-            in_lens = enc.attention_mask.sum(-1).long()
-            ctc_targets = torch.tensor([t for i in batch for t in token_ids[i]], dtype=torch.long)
-            tgt_lens = torch.tensor([len(token_ids[i]) for i in batch], dtype=torch.long)
-            ctc = F.ctc_loss(log_probs, ctc_targets, in_lens, tgt_lens, blank=pad, zero_infinity=True)
-            loss = ce + cfg.ctc_weight * ctc
+            with torch.enable_grad():  # whatever the calling thread set (an export or a verify turns it off)
+                enc = model.model.encoder(input_features=x, attention_mask=mask)
+                out = model(encoder_outputs=enc, decoder_input_ids=dec_in)
+                ce = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), target.reshape(-1),
+                                     ignore_index=-100)
+                # auxiliary CTC on the encoder output (blank = pad)
+                log_probs = ctc_head(enc.last_hidden_state).log_softmax(-1).transpose(0, 1)  # (T', B, V)
+                in_lens = enc.attention_mask.sum(-1).long()
+                ctc_targets = torch.tensor([t for i in batch for t in token_ids[i]], dtype=torch.long)
+                tgt_lens = torch.tensor([len(token_ids[i]) for i in batch], dtype=torch.long)
+                ctc = F.ctc_loss(log_probs, ctc_targets, in_lens, tgt_lens, blank=pad, zero_infinity=True)
+                loss = ce + cfg.ctc_weight * ctc
 
             for group in optimizer.param_groups:
                 group["lr"] = cfg.peak_lr * lr_factor(step, progress, cfg)
