@@ -15,7 +15,7 @@ import argparse
 import logging
 import sys
 
-from cohere_coreml_dev.synth import CORPUS_LANGUAGES, RECIPES, SynthError, make_corpus
+from cohere_coreml_dev.synth import CORPUS_LANGUAGES, RECIPES, VARIED_MIXED_SHARE, SynthError, make_corpus
 
 
 def main(argv=None) -> int:
@@ -32,8 +32,9 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="parallel espeak-ng processes")
     parser.add_argument("--recipe", choices=list(RECIPES), default="commands",
                         help="commands: one sentence per clip, short edges (the committed model's data); varied: "
-                             "1-4 sentences with pauses (half of the multi-sentence training clips mixing "
-                             "voices and levels), 0-2 s edges, -30..0 dBFS, 10-40 dB SNR (see synth.py)")
+                             f"1-4 sentences with pauses ({100 * VARIED_MIXED_SHARE:.0f} %% of the multi-sentence "
+                             "training clips mixing voices and levels), 0-2 s edges, -30..0 dBFS, 10-40 dB SNR "
+                             "(see synth.py)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
