@@ -17,8 +17,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(autouse=True)
 def autograd_left_as_found():
-    """A test (and the library code it calls) leaves autograd on: switching it off for the process
-    broke a later training test on the same worker (CI, stop 38). Fails the test that leaks it."""
+    """A test (and the library code it calls) leaves autograd on: a library call that switched it off for
+    the thread once broke a later training test on the same xdist worker. Fails the test that leaks it."""
     yield
     torch = sys.modules.get("torch")  # not imported here: most tests never load torch
     if torch is not None and not torch.is_grad_enabled():
