@@ -136,3 +136,48 @@ def test_a_step_count_repeats_a_run_from_its_seed(tmp_path):
     assert first.keys() == again.keys()
     assert all(np.array_equal(first[k], again[k]) for k in first)
     assert any(not np.array_equal(first[k], other[k]) for k in first)
+
+
+def _train_tiny():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "train_tiny.py"
+    spec = importlib.util.spec_from_file_location("train_tiny", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_tiny_layer_flags_reach_the_model_config(tmp_path, monkeypatch, capsys):
+    """--encoder-layers / --decoder-layers set the trained architecture (the card reports them); the
+    defaults stay TrainConfig's."""
+    import cohere_coreml_dev.train as train_module
+
+    seen = []
+
+    def fake_train(cfg):
+        seen.append(cfg.model_overrides())
+        raise train_module.TrainingError("stopped by the test")
+
+    monkeypatch.setattr(train_module, "train", fake_train)
+    corpus = tmp_path / "train"
+    corpus.mkdir()
+    (corpus / "manifest.json").write_text("{}")  # present: no synthesis
+    tool = _train_tiny()
+    base = ["--train-dir", str(corpus), "--out", str(tmp_path / "out")]
+    assert tool.main(base + ["--encoder-layers", "3", "--decoder-layers", "4"]) == 1
+    assert tool.main(base) == 1
+    assert "stopped by the test" in capsys.readouterr().err
+    defaults = _cfg()
+    assert (seen[0]["encoder_num_hidden_layers"], seen[0]["num_hidden_layers"]) == (3, 4)
+    assert (seen[1]["encoder_num_hidden_layers"], seen[1]["num_hidden_layers"]) == (
+        defaults.encoder_num_hidden_layers, defaults.num_hidden_layers)
+
+
+@pytest.mark.parametrize("flag", ["--encoder-layers", "--decoder-layers"])
+def test_train_tiny_refuses_zero_layers(flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _train_tiny().main([flag, "0"])
+    assert exc.value.code == 2
+    assert f"{flag} must be at least 1 (got 0)" in capsys.readouterr().err

@@ -39,6 +39,10 @@ def main(argv=None) -> int:
                              "with the same --threads and corpus (0: the wall-clock budget)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--vocab", type=int, default=defaults.sentencepiece_vocab, help="SentencePiece pieces")
+    parser.add_argument("--encoder-layers", type=int, default=defaults.encoder_num_hidden_layers,
+                        help="Conformer encoder layers (encoder_config.num_hidden_layers)")
+    parser.add_argument("--decoder-layers", type=int, default=defaults.num_hidden_layers,
+                        help="Transformer decoder layers (num_hidden_layers)")
     parser.add_argument("--eval-every-minutes", type=float, default=defaults.eval_every_minutes)
     parser.add_argument("--feature-workers", type=int, default=defaults.feature_workers)
     parser.add_argument("--threads", type=int, default=defaults.threads,
@@ -53,6 +57,9 @@ def main(argv=None) -> int:
         parser.error(f"--threads must be at least 1 (got {args.threads})")
     if args.steps < 0:
         parser.error(f"--steps must be at least 0 (got {args.steps}; 0 uses the wall-clock budget)")
+    for flag, value in (("--encoder-layers", args.encoder_layers), ("--decoder-layers", args.decoder_layers)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1 (got {value})")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from cohere_coreml_dev.evaluate import evaluate_checkpoint, format_reports
@@ -69,6 +76,7 @@ def main(argv=None) -> int:
             budget_minutes=args.budget_minutes, seed=args.seed, sentencepiece_vocab=args.vocab,
             eval_every_minutes=args.eval_every_minutes, feature_workers=args.feature_workers,
             threads=args.threads, steps=args.steps,
+            encoder_num_hidden_layers=args.encoder_layers, num_hidden_layers=args.decoder_layers,
         )
         result = train(cfg)
     except (SynthError, TrainingError) as exc:
