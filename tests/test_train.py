@@ -88,6 +88,14 @@ def test_train_refuses_negative_steps_before_reading_data():
         train(_cfg(steps=-1))
 
 
+@pytest.mark.parametrize("name", ["encoder_num_hidden_layers", "num_hidden_layers"])
+def test_train_refuses_zero_layers_before_reading_data(name):
+    from cohere_coreml_dev.train import TrainingError, train
+
+    with pytest.raises(TrainingError, match=f"{name} must be >= 1, got 0"):
+        train(_cfg(**{name: 0}))
+
+
 def _noise_corpus(folder, n=24, seed=0):
     """A training folder the trainer accepts without espeak-ng: noise clips labelled with grammar sentences."""
     import json

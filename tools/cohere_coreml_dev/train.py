@@ -241,6 +241,9 @@ def train(cfg: TrainConfig) -> TrainResult:
         raise TrainingError(f"threads must be >= 1, got {cfg.threads}")
     if cfg.steps < 0:
         raise TrainingError(f"steps must be >= 0 (0: the wall-clock budget), got {cfg.steps}")
+    for name in ("encoder_num_hidden_layers", "num_hidden_layers"):
+        if getattr(cfg, name) < 1:
+            raise TrainingError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     import torch
     import torch.nn.functional as F
     from transformers import CohereAsrForConditionalGeneration
