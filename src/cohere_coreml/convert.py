@@ -5,7 +5,7 @@ One place decides how a traced PyTorch module becomes an ML program:
 * `ExportSettings`: precision (fp16 | fp32), deployment target (macOS 15 / iOS 18 by default),
   window length, output folder, `force` and `skip_verify`, and the gate's PSNR floor (`MIN_PSNR_DB`);
 * `convert_module(...)`: `coremltools.convert` to an ML program with the settings' target and
-  precision, then metadata (source model id and revision, tool version and git hash, license,
+  precision (its pass pipelines validated once each: `validated_per_pipeline`), then metadata (source model id and revision, tool version and git hash, license,
   shapes, sample rate, window) in `user_defined_metadata`, and input/output descriptions in the
   spec.
 
@@ -18,11 +18,13 @@ per part, skip what exists, PSNR gate) and argmax whisperkittools (metadata in e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import json
 import logging
 import math
+import os
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -179,6 +181,51 @@ def _stringify(value: Any) -> str:
 # Conversion
 # --------------------------------------------------------------------------------------------
 
+# Set to 1: coremltools' own validation after every graph pass (to find which pass broke a program).
+VALIDATE_EACH_PASS_ENV = "COHERE_COREML_VALIDATE_EACH_PASS"
+
+
+@contextlib.contextmanager
+def validated_per_pipeline():
+    """Within: coremltools validates each pass pipeline's program once, after its last pass.
+
+    coremltools 9's `PassPipelineManager.apply_pipeline` runs `Program.validate()` (every op's
+    input/output links and every var's visibility, forced where `Block.validate` alone leaves it to
+    coremltools' DEBUG flag) before the pipeline and after each of its passes: about 110 whole-program
+    checks per conversion, 7 of the 24 s of an export of the default model here. Validation only reads
+    the program, so the packages are the same bytes either way (tests/test_convert.py); a pass that
+    leaves the program invalid still fails the conversion, at its pipeline's end, with coremltools'
+    error, and `COHERE_COREML_VALIDATE_EACH_PASS=1` restores the per-pass checks that name the pass.
+    Not thread-safe (it swaps a class attribute); the exporters convert one program at a time.
+    """
+    from coremltools.converters.mil.mil.passes.pass_pipeline import PassPipelineManager
+    from coremltools.converters.mil.mil.program import Program
+
+    apply_pipeline = PassPipelineManager.__dict__["apply_pipeline"]  # the staticmethod itself
+    if os.environ.get(VALIDATE_EACH_PASS_ENV) == "1" or getattr(apply_pipeline.__func__, "deferred", False):
+        yield  # asked for per-pass checks, or already deferred by an enclosing conversion
+        return
+    validate = Program.validate
+
+    def skipped(self, check_essential_scope=False):
+        return None
+
+    def apply_then_validate(prog, pass_pipeline):
+        Program.validate = skipped  # only within the pipeline: the converters' own checks stay
+        try:
+            apply_pipeline.__func__(prog, pass_pipeline)
+        finally:
+            Program.validate = validate
+        # as coremltools checks after its dead-code elimination pass: ops keep their essential scopes
+        prog.validate(check_essential_scope="common::dead_code_elimination" in pass_pipeline.passes)
+
+    apply_then_validate.deferred = True
+    PassPipelineManager.apply_pipeline = staticmethod(apply_then_validate)
+    try:
+        yield
+    finally:
+        PassPipelineManager.apply_pipeline = apply_pipeline
+
 
 def convert_module(
     traced,
@@ -216,17 +263,18 @@ def convert_module(
     if states:
         kwargs["states"] = list(states)
     try:
-        mlmodel = ct.convert(
-            traced,
-            convert_to="mlprogram",
-            inputs=list(inputs),
-            outputs=list(outputs),
-            minimum_deployment_target=settings.ct_target(),
-            compute_precision=compute_precision if compute_precision is not None else settings.ct_compute_precision(),
-            compute_units=ct.ComputeUnit.ALL,
-            skip_model_load=True,
-            **kwargs,
-        )
+        with validated_per_pipeline():
+            mlmodel = ct.convert(
+                traced,
+                convert_to="mlprogram",
+                inputs=list(inputs),
+                outputs=list(outputs),
+                minimum_deployment_target=settings.ct_target(),
+                compute_precision=compute_precision if compute_precision is not None else settings.ct_compute_precision(),
+                compute_units=ct.ComputeUnit.ALL,
+                skip_model_load=True,
+                **kwargs,
+            )
     except Exception as exc:  # coremltools raises many types; name the failing component
         raise ExportError(f"coremltools could not convert the {component}: {type(exc).__name__}: {exc}") from exc
 

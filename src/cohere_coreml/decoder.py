@@ -65,7 +65,7 @@ from .config import (
     PROMPT_LENGTH,
     STEP_FUNCTION,
 )
-from .convert import ExportSettings, convert_module, merge_functions
+from .convert import ExportSettings, convert_module, merge_functions, validated_per_pipeline
 from .decoder_gate import COMPONENT, prepare_gate
 from .decoder_runtime import extend_inputs, host_cache_mask, memory_frames
 from .files import save_converted, skip_installed
@@ -446,16 +446,17 @@ def build_step_mlmodel(model, capacity: int, memory_len: int, precision: str = "
         traced = trace_decoder_step(step)
         inputs, states, outputs = coreml_io(step.shapes)
     prec = {"fp16": ct.precision.FLOAT16, "fp32": ct.precision.FLOAT32}[precision]
-    mlmodel = ct.convert(
-        traced,
-        inputs=inputs,
-        states=states,
-        outputs=outputs,
-        convert_to="mlprogram",
-        minimum_deployment_target=ct.target.iOS18,
-        compute_precision=prec,
-        skip_model_load=True,
-    )
+    with validated_per_pipeline():
+        mlmodel = ct.convert(
+            traced,
+            inputs=inputs,
+            states=states,
+            outputs=outputs,
+            convert_to="mlprogram",
+            minimum_deployment_target=ct.target.iOS18,
+            compute_precision=prec,
+            skip_model_load=True,
+        )
     return mlmodel, step.shapes
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..convert import merge_functions
+from ..convert import merge_functions, validated_per_pipeline
 from ..files import package_size_bytes, save_converted, temporary_dir, weight_file_bytes
 from ..runtime.package import package_files, read_spec
 from . import activations
@@ -113,12 +113,13 @@ def run_coremltools(mlmodel, scheme: str, config):
         raise QuantizeError("coremltools compresses single-function models only (compress_package splits them)")
     graph_pass = PASS_REGISTRY[COMPRESSION_PASSES[scheme[:3]]]
     graph_pass.set_options([PassOption("config", config), PassOption("joint_compression", False)])
-    prog = _apply_graph_pass(mlmodel, graph_pass, return_pymil_prog=True)
-    spec = mlmodel.get_spec()
-    return mil_convert(prog, convert_to="mlprogram", convert_from="milinternal",
-                       specification_version=max(spec.specificationVersion, _SPECIFICATION_VERSION_IOS_16),
-                       compute_units=mlmodel.compute_unit, model_description=spec.description,
-                       skip_model_load=mlmodel.__proxy__ is None, pass_pipeline=PassPipeline.EMPTY)
+    with validated_per_pipeline():
+        prog = _apply_graph_pass(mlmodel, graph_pass, return_pymil_prog=True)
+        spec = mlmodel.get_spec()
+        return mil_convert(prog, convert_to="mlprogram", convert_from="milinternal",
+                           specification_version=max(spec.specificationVersion, _SPECIFICATION_VERSION_IOS_16),
+                           compute_units=mlmodel.compute_unit, model_description=spec.description,
+                           skip_model_load=mlmodel.__proxy__ is None, pass_pipeline=PassPipeline.EMPTY)
 
 
 def compress_per_tensor(mlmodel, recipe: Recipe, weights: dict[str, dict]):
