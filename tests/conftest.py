@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -13,6 +14,14 @@ from .shared_builds import built_once
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, coremltools, transformers: ~450 k objects) is frozen out of the
+    garbage collector: `coremltools.convert` ends in a full `gc.collect()`, 0.25 s each over those objects
+    and a test run converts hundreds of programs. Objects made later (models, programs) are collected as
+    before; nothing frozen was garbage (modules and their globals live as long as the process)."""
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
