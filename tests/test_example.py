@@ -42,6 +42,102 @@ SHIM_ENV = "COHERE_COREML_SHIM_COMMAND"
 VENV_CACHE = ROOT / "out" / "example-venv"
 EXAMPLE_PACKAGES = ("numpy", "soundfile", "coremltools")  # what the model card tells users to install
 SERVE = [sys.executable, "-m", "cohere_coreml.cli", "serve-runtime", "--num-threads", "1"]
+SERVE_ARGV = SERVE[SERVE.index("serve-runtime"):]  # what `cli.main` gets: the command's own arguments
+
+# The interpreter children: each example run starts its own `serve-runtime` child (the shim does, on its
+# first model load), which imports torch and coremltools afresh (~6 s CPU of its ~10). To keep a run cheap
+# the children are forked from one server that imported them once (as tests/test_faults.py's zygote):
+# the shim's command is SERVE_CLIENT, a stdlib-only process that hands its own stdin, stdout and stderr
+# (the shim's pipes, the example's stderr) to the server over a Unix socket (SCM_RIGHTS); the server
+# forks a child that runs `cli.main(SERVE_ARGV)` (what `cohere-coreml serve-runtime` runs) on those very
+# file descriptors and, when it ends, sends its exit status back, which the client exits with. Each run
+# still gets a fresh interpreter process of its own (no model or state is shared between runs).
+SERVE_ZYGOTE = r"""
+import ctypes, json, os, signal, socket, sys, traceback
+ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: ends with the test process, whatever happens
+import torch
+torch.set_num_threads(1)
+import coremltools, coremltools.proto, coremltools.converters.mil.frontend.milproto.load
+import coremltools.converters.mil.mil
+from cohere_coreml import cli
+from cohere_coreml.runtime import interpreter, package, serve
+import gc
+gc.collect()
+gc.freeze()  # the imported objects: no collection walks them (nor copies their pages) in a child
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind(sys.argv[1])
+server.listen(16)
+print("ready", flush=True)
+while True:
+    conn, _ = server.accept()
+    msg, fds, _, _ = socket.recv_fds(conn, 65536, 3)
+    if msg == b"quit":
+        break
+    if os.fork() == 0:
+        rc = 1
+        try:
+            server.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+                os.close(fd)
+            # as in a fresh process, sys.__stdout__ & co. keep the streams (serve-runtime rebinds sys.stdout)
+            sys.stdin = sys.__stdin__ = os.fdopen(0, "r")
+            sys.stdout = sys.__stdout__ = os.fdopen(1, "w")
+            sys.stderr = sys.__stderr__ = os.fdopen(2, "w", buffering=1)
+            rc = cli.main(json.loads(msg))
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            try:
+                conn.sendall(json.dumps({"status": rc}).encode())
+            finally:
+                os._exit(rc if isinstance(rc, int) else 1)
+    for fd in fds:
+        os.close(fd)
+    conn.close()
+"""
+SERVE_CLIENT = r"""
+import json, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+socket.send_fds(s, [sys.argv[2].encode()], [0, 1, 2])
+answer = b""
+while chunk := s.recv(4096):
+    answer += chunk
+sys.exit(json.loads(answer)["status"] if answer else 1)
+"""
+
+
+@pytest.fixture(scope="module")
+def serve_command(tmp_path_factory):
+    """The shim's command (a JSON list): a fresh `serve-runtime` child per run, forked (see SERVE_ZYGOTE)."""
+    import socket
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="serve-", dir="/tmp"))  # a socket path must be short
+    path = folder / "s"
+    log = tmp_path_factory.mktemp("serve") / "zygote.err"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", SERVE_ZYGOTE, str(path)], stdout=subprocess.PIPE, stderr=err,
+                                text=True, env=env)
+    if proc.stdout.readline().strip() != "ready":
+        raise RuntimeError(f"the serve-runtime zygote did not start: {log.read_text()[-2000:]}")
+    yield json.dumps([sys.executable, "-I", "-S", "-c", SERVE_CLIENT, str(path), json.dumps(SERVE_ARGV)])
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(path))
+        s.sendall(b"quit")
+    proc.wait(timeout=60)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def locked_requirements(lock: Path = ROOT / "uv.lock") -> list[str]:
@@ -111,9 +207,9 @@ def finalized_bundle(trained_bundle, tmp_path_factory) -> Path:
     return out
 
 
-def run_example(python: Path, bundle: Path, audio: Path, language: str, *args: str,
-                script: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, SHIM_ENV: json.dumps(SERVE)}
+def run_example(python: Path, bundle: Path, audio: Path, language: str, *args: str, script: Path | None = None,
+                serve: str = json.dumps(SERVE)) -> subprocess.CompletedProcess:
+    env = {**os.environ, SHIM_ENV: serve}
     return subprocess.run([str(python), "-I", str(script or bundle / EXAMPLE), str(audio), "--language", language,
                            "--bundle", str(bundle), "--json", *args],
                           env=env, capture_output=True, text=True, timeout=900, cwd=bundle)
@@ -215,13 +311,13 @@ def clips() -> list[dict]:
 
 
 @pytest.mark.slow
-def test_example_transcribes_as_the_transcriber(example_python, finalized_bundle):
+def test_example_transcribes_as_the_transcriber(example_python, serve_command, finalized_bundle):
     """Token ids and text per window equal `Transcriber` (front end = the bundle's package, prefill as
     the bundle has it) on the same clip and bundle: a clip in the 2 s bucket and one in the main window."""
     transcriber = Transcriber(finalized_bundle, backend="mil", front_end="package")
     for clip in clips():
         expected = transcriber.transcribe(clip["path"], clip["language"])
-        proc = run_example(example_python, finalized_bundle, clip["path"], clip["language"])
+        proc = run_example(example_python, finalized_bundle, clip["path"], clip["language"], serve=serve_command)
         assert proc.returncode == 0, proc.stderr[-3000:]
         got = json.loads(proc.stdout)
         assert [w["token_ids"] for w in got["windows"]] == expected.token_ids, clip["file"]
@@ -230,7 +326,7 @@ def test_example_transcribes_as_the_transcriber(example_python, finalized_bundle
 
 
 @pytest.mark.slow
-def test_example_compiles_each_package_once_into_its_cache(example_python, finalized_bundle, tmp_path):
+def test_example_compiles_each_package_once_into_its_cache(example_python, serve_command, finalized_bundle, tmp_path):
     """--compiled-cache: the first run compiles each package once (named by the manifest's checksums,
     the Swift package's rule: the same names as cohere_coreml's CompiledCache), a second run loads them
     (the same folders, not recompiled) and gives the same ids."""
@@ -238,20 +334,22 @@ def test_example_compiles_each_package_once_into_its_cache(example_python, final
 
     cache = tmp_path / "compiled"
     clip = clips()[0]
-    first = run_example(example_python, finalized_bundle, clip["path"], clip["language"], "--compiled-cache", str(cache))
+    first = run_example(example_python, finalized_bundle, clip["path"], clip["language"], "--compiled-cache", str(cache),
+                        serve=serve_command)
     assert first.returncode == 0, first.stderr[-3000:]
     names = {CompiledCache(cache).location(finalized_bundle / f"{c}.mlpackage").name
              for c in ("frontend", "encoder", "decoder")}
     assert {p.name for p in cache.iterdir()} == names  # nothing else left (no staging folder)
     assert all((cache / n / COMPLETE_MARKER).is_file() for n in names)
     inodes = {n: (cache / n).stat().st_ino for n in names}
-    second = run_example(example_python, finalized_bundle, clip["path"], clip["language"], "--compiled-cache", str(cache))
+    second = run_example(example_python, finalized_bundle, clip["path"], clip["language"], "--compiled-cache", str(cache),
+                         serve=serve_command)
     assert second.returncode == 0, second.stderr[-3000:]
     assert {n: (cache / n).stat().st_ino for n in names} == inodes
     assert json.loads(second.stdout)["windows"] == json.loads(first.stdout)["windows"]
 
 
-def test_example_chains_an_encoder_in_parts(example_python, trained_parts_bundle, tmp_path):
+def test_example_chains_an_encoder_in_parts(example_python, serve_command, trained_parts_bundle, tmp_path):
     """A bundle whose encoder is in 2 parts: the example chains them and gives the Transcriber's ids."""
     bundle = tmp_path / "bundle"
     shutil.copytree(trained_parts_bundle, bundle)
@@ -259,7 +357,7 @@ def test_example_chains_an_encoder_in_parts(example_python, trained_parts_bundle
     transcriber = Transcriber(bundle, backend="mil", front_end="package")
     for clip in clips():
         expected = transcriber.transcribe(clip["path"], clip["language"])
-        proc = run_example(example_python, bundle, clip["path"], clip["language"])
+        proc = run_example(example_python, bundle, clip["path"], clip["language"], serve=serve_command)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert [w["token_ids"] for w in json.loads(proc.stdout)["windows"]] == expected.token_ids, clip["file"]
 
@@ -273,7 +371,7 @@ class MirroredMelFrontEnd(FrontEndForCoreML):
 
 
 @pytest.mark.slow
-def test_example_uses_the_bundles_front_end(example_python, finalized_bundle, tmp_path):
+def test_example_uses_the_bundles_front_end(example_python, serve_command, finalized_bundle, tmp_path):
     """A bundle whose frontend.mlpackage computes other features (mel bands mirrored; the manifest
     untouched) gives other token ids: the example's features come from the package, not its own log-mel.
     (Milder changes, such as pre-emphasis 0 or another STFT window, leave the trained model's ids as
@@ -290,13 +388,13 @@ def test_example_uses_the_bundles_front_end(example_python, finalized_bundle, tm
     (broken / "manifest.json").write_text(manifest_text)  # installing a package invalidates it: put it back
     clip = clips()[1]
     expected = Transcriber(finalized_bundle, backend="mil", front_end="package").transcribe(clip["path"], clip["language"])
-    proc = run_example(example_python, broken, clip["path"], clip["language"])
+    proc = run_example(example_python, broken, clip["path"], clip["language"], serve=serve_command)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [w["token_ids"] for w in json.loads(proc.stdout)["windows"]] != expected.token_ids
 
 
 @pytest.mark.slow
-def test_example_errors_are_named(example_python, finalized_bundle, tmp_path):
+def test_example_errors_are_named(example_python, serve_command, finalized_bundle, tmp_path):
     """An example that feeds the front end a wrong input name fails naming it (coremltools' check, as on a
     Mac); one that feeds a wrong shape fails with the interpreter's error naming the input (the shim
     forwards it); bad arguments are one line on stderr, nothing on stdout."""
@@ -304,12 +402,14 @@ def test_example_errors_are_named(example_python, finalized_bundle, tmp_path):
     clip = clips()[0]
     wrong_name = tmp_path / "wrong_name.py"
     wrong_name.write_text(source.replace('"audio_length": np.array([n]', '"audio_len": np.array([n]'))
-    proc = run_example(example_python, finalized_bundle, clip["path"], clip["language"], script=wrong_name)
+    proc = run_example(example_python, finalized_bundle, clip["path"], clip["language"], script=wrong_name,
+                       serve=serve_command)
     assert proc.returncode != 0 and "audio_len" in proc.stderr and proc.stdout == "", proc.stderr[-3000:]
     wrong_shape = tmp_path / "wrong_shape.py"
     wrong_shape.write_text(source.replace('"audio_length": np.array([n], np.int32)',
                                           '"audio_length": np.array([[n]], np.int32)'))
-    proc = run_example(example_python, finalized_bundle, clip["path"], clip["language"], script=wrong_shape)
+    proc = run_example(example_python, finalized_bundle, clip["path"], clip["language"], script=wrong_shape,
+                       serve=serve_command)
     assert proc.returncode != 0 and "ShimError" in proc.stderr and "audio_length" in proc.stderr, proc.stderr[-3000:]
-    proc = run_example(example_python, finalized_bundle, clip["path"], "xx")
+    proc = run_example(example_python, finalized_bundle, clip["path"], "xx", serve=serve_command)
     assert proc.returncode == 1 and "language 'xx' is not in this bundle" in proc.stderr and proc.stdout == ""

@@ -7,7 +7,8 @@ raises OSError(ENOSPC) there. To keep a case cheap the children are forked from 
 that imported torch, coremltools and the package once (`_Zygote`); each child runs `cli.main(argv)`,
 what the `cohere-coreml` script runs, with the variable in its environment. Two tests run the real
 console script as a fresh subprocess instead (finalize killed, dry-run upload), and one fills a real
-size-limited tmpfs in a private mount namespace (`unshare -m`, root only; skipped otherwise).
+size-limited tmpfs in a private mount namespace (a zygote child that unshares its mounts, as `unshare -m`;
+root only; skipped otherwise).
 
 After every fault the folder must be the previous bundle, unchanged (every file's sha256, and `bundle
 check` passes), or hold nothing that looks complete: `bundle check` refuses it and, if `Bundle.load`
@@ -56,6 +57,9 @@ from transformers import AutoProcessor, AutoTokenizer, CohereAsrForConditionalGe
 from cohere_coreml import (bundle, checkpoint, cli, decoder, encoder, export, faults, frontend, publish, quantize,
                            reference, runtime, shapes)
 from cohere_coreml.runtime import package
+import gc
+gc.collect()
+gc.freeze()  # the imported objects: no collection in a child walks them (nor copies their pages)
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     req = json.loads(line)
@@ -73,7 +77,12 @@ for line in sys.stdin:
             sys.stderr = os.fdopen(2, "w", buffering=1)
             if req.get("setup"):
                 exec(req["setup"], {})
-            rc = cli.main(req["argv"])
+            if req.get("script"):  # a program of its own, as `python -c script *args` would run it
+                sys.argv = ["-c", *req["argv"]]
+                exec(req["script"], {"__name__": "__main__"})
+                rc = 0
+            else:
+                rc = cli.main(req["argv"])
         except SystemExit as e:
             rc = e.code if isinstance(e.code, int) else 1
         except BaseException:
@@ -107,14 +116,15 @@ class _Zygote:
         if not line:
             raise RuntimeError(f"the fault zygote did not start: {(folder / 'zygote.err').read_text()[-2000:]}")
 
-    def run(self, argv, fault: str | None = None, setup: str | None = None) -> Run:
+    def run(self, argv, fault: str | None = None, setup: str | None = None, script: str | None = None,
+            tracing: bool = True) -> Run:
         self.n += 1
         log, trace = self.folder / f"run{self.n}.log", self.folder / f"run{self.n}.trace"
-        env = {"COHERE_COREML_FAULT_TRACE": str(trace)}
+        env = {"COHERE_COREML_FAULT_TRACE": str(trace)} if tracing else {}
         if fault:
             env["COHERE_COREML_FAULT"] = fault
         self.proc.stdin.write(json.dumps({"argv": [str(a) for a in argv], "env": env, "log": str(log),
-                                          "setup": setup}) + "\n")
+                                          "setup": setup, "script": script}) + "\n")
         self.proc.stdin.flush()
         answer = json.loads(self.proc.stdout.readline())
         points = [line.split("\t")[0] for line in trace.read_text().splitlines()] if trace.exists() else []
@@ -614,7 +624,18 @@ json.dump(res, open(result, "w"))
 """
 
 
-def test_real_full_disk(work, tiny_checkpoint, clean_export):
+# The driver runs in a child of the zygote (its imports done once) that first enters a mount namespace
+# of its own, what `unshare -m --propagation private` gives a command: mounts made there are its own.
+PRIVATE_MOUNTS = r"""
+import ctypes, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
+    raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
+subprocess.run(["mount", "--make-rprivate", "/"], check=True)
+"""
+
+
+def test_real_full_disk(zygote, work, tiny_checkpoint, clean_export):
     """ENOSPC from a real file system: export into a 1.2 MB tmpfs (the packages do not fit), finalize a
     bundle on a disk with 2 KB left. Each fails with one line naming the problem, leaves nothing (export)
     or the bundle unchanged (finalize), and succeeds once there is space."""
@@ -625,11 +646,9 @@ def test_real_full_disk(work, tiny_checkpoint, clean_export):
         pytest.skip(f"unshare -m is not permitted here: {probe.stderr.decode().strip()}")
     mnt, result = work / "tmpfs", work / "enospc.json"
     mnt.mkdir()
-    proc = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", ENOSPC_DRIVER, str(mnt),
-                           str(tiny_checkpoint), str(clean_export[0]), str(result)],
-                          env={**os.environ, **CHILD_ENV}, capture_output=True, text=True, timeout=600,
-                          preexec_fn=lambda: os.nice(10))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = zygote.run([mnt, tiny_checkpoint, clean_export[0], result], setup=PRIVATE_MOUNTS, script=ENOSPC_DRIVER,
+                     tracing=False)
+    assert run.status == 0, run.log[-3000:]
     res = json.loads(result.read_text())
     assert res["export_rc"] == 2 and "No space left on device" in res["export_err"], res["export_err"][-2000:]
     assert "Traceback" not in res["export_err"]
