@@ -370,14 +370,15 @@ def test_cli_failing_gate_exits_nonzero_and_writes_no_package(tiny_checkpoint, t
     assert sorted(p.name for p in out.iterdir()) == ["encoder.parity-failed.json"]
 
 
-def test_length_buckets_share_weights_and_keep_the_contract(tiny_reference, tmp_path):
-    """Multifunction encoder: `main` = 3 s window, `window_2s` = 2 s bucket padded to main's memory."""
+def test_length_buckets_share_weights_and_keep_the_contract(parts_export, tmp_path):
+    """Multifunction encoder: `main` = 3 s window, `window_2s` = 2 s bucket padded to main's memory.
+    (The one-program export of `parts_export`: `convert_encoder_buckets`, fp32, 3 s window, [2.0], gated.)"""
     from cohere_coreml.files import weight_file_bytes
     from cohere_coreml.runtime import load_model
 
-    model, processor = tiny_reference
-    settings = ExportSettings(out_dir=tmp_path / "b", precision="fp32", window_seconds=3.0)
-    path = E.convert_encoder_buckets(model, settings, [2.0], processor)
+    model, processor, path, parts = parts_export
+    settings = parts.replace(out_dir=path.parent)
+    assert (settings.precision, settings.window_seconds, settings.skip_verify) == ("fp32", 3.0, False)
     report = json.loads(settings.report_path("encoder").read_text())
     assert report["passed"] and set(report["functions"]) == {"main", "window_2s"}
     assert report["buckets"]["window_2s"]["frames"] == 200 and report["buckets"]["main"]["frames"] == 300

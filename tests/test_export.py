@@ -313,8 +313,18 @@ def test_gates_run_after_the_model_and_programs_are_freed(tiny_checkpoint, tmp_p
     assert result.manifest.is_file()
 
 
+@pytest.fixture(scope="module")
+def one_layer_checkpoint(tmp_path_factory) -> Path:
+    """A tiny checkpoint with one encoder and one decoder layer: the same components, functions and
+    code paths as `tiny_checkpoint` (two of each), for tests whose claims do not depend on depth."""
+    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt1") / "tiny1", seed=0, encoder_num_hidden_layers=1,
+                                num_hidden_layers=1)
+
+
 @pytest.mark.slow
-def test_bucket_export_leaves_no_converted_copy_in_the_temp_folder(tiny_checkpoint, tmp_path, monkeypatch):
+def test_bucket_export_leaves_no_converted_copy_in_the_temp_folder(one_layer_checkpoint, tmp_path, monkeypatch):
     """coremltools writes every converted model to a temporary package and deletes it only at exit;
     the function loops (encoder buckets, decoder functions, front end) delete each copy once saved
     (`files.save_converted`): at full size each is 3.5 GB, and a 6-function export filled the disk."""
@@ -328,7 +338,7 @@ def test_bucket_export_leaves_no_converted_copy_in_the_temp_folder(tiny_checkpoi
     temp = tmp_path / "temp"
     temp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
-    model, processor = load_reference(tiny_checkpoint)
+    model, processor = load_reference(one_layer_checkpoint)
 
     def leftovers():
         return sorted(p.name for p in temp.iterdir() if p.name.endswith(".mlpackage"))

@@ -64,7 +64,6 @@ def merges(tiny_reference, tmp_path_factory):
         D.convert_decoder(model, settings, capacity=32, memory_len=64,
                           prompt=prompt_ids(processor.tokenizer, "en", True), prefill=True, state_writes="graph")
         q_cap = _capture(mp, C, root / "q")
-        C.compress_package(encoder, root / "int8.mlpackage", Q.Recipe("int8"))
         compressed = {}
         for scheme in COMPRESSIONS:
             C.compress_package(encoder, root / f"{scheme}.mlpackage", Q.Recipe(scheme))
@@ -221,6 +220,7 @@ def test_unknown_default_is_refused(merges, tmp_path):
 _MERGE_RSS = """
 import sys
 from pathlib import Path
+sys.modules["torch"] = None  # neither merge uses torch: its import (half the child's CPU) is left out
 import coremltools as ct
 from cohere_coreml import multifunction
 def status(key):
