@@ -267,15 +267,29 @@ def test_window_stops_at_eos(eos_setup):
     assert window.text == decode_ids(processor.tokenizer, ref[:-1])
 
 
-def test_prefill_function_gives_the_same_tokens(tmp_path):
+@pytest.fixture(scope="module")
+def prefill_bucket_setup(tmp_path_factory):
+    """A sensitised random tiny checkpoint (GQA) and its FP32 bundle with the prompt prefill function AND a
+    5 s encoder bucket (35 s + 5 s windows): the prefill test and the bucket test each check their own
+    part of it (the decoder's functions, the encoder's), one export instead of two."""
+    from cohere_coreml.convert import ExportSettings
+    from cohere_coreml.export import export_model
+
+    root = tmp_path_factory.mktemp("prefill_bucket")
+    model, processor = tiny_model(root / "ckpt", seed=4, sensitive=True, **GQA)
+    settings = ExportSettings(out_dir=root / "bundle", precision="fp32", model_id="tiny-test")
+    export_model(model, processor, settings, max_new_tokens=MAX_NEW, prefill=True, buckets=[5.0])
+    return model, processor, root / "bundle"
+
+
+def test_prefill_function_gives_the_same_tokens(prefill_bucket_setup):
     """A bundle with the prompt prefill function: 1 call instead of 10 for the prompt, same tokens."""
     from cohere_coreml.audio import load_audio
     from cohere_coreml.bundle import Bundle
     from cohere_coreml.runtime import read_package
     from cohere_coreml.transcribe import Transcriber
 
-    model, processor = tiny_model(tmp_path / "ckpt", seed=4, sensitive=True, **GQA)
-    bundle = export_bundle(model, processor, tmp_path / "bundle", prefill=True)
+    model, processor, bundle = prefill_bucket_setup
     assert set(read_package(bundle / "decoder.mlpackage").function_names) == {"main", "prefill"}  # host-state
     parity = json.loads((bundle / "decoder.parity.json").read_text())
     assert parity["passed"] and parity["prefill"]["passed"] and parity["prefill"]["argmax_agree"] >= 2
@@ -299,17 +313,13 @@ def test_prefill_function_gives_the_same_tokens(tmp_path):
     assert len(refs) == 3, "the fixture's tokens must depend on the clip"
 
 
-def test_length_bucketed_encoder(tmp_path):
+def test_length_bucketed_encoder(prefill_bucket_setup):
     """A multifunction encoder (35 s + 5 s windows): short clips use the 5 s function, same tokens."""
     from cohere_coreml.audio import load_audio
-    from cohere_coreml.convert import ExportSettings
-    from cohere_coreml.export import export_model
     from cohere_coreml.transcribe import Transcriber
 
-    model, processor = tiny_model(tmp_path / "ckpt", seed=6, sensitive=True, **GQA)
-    settings = ExportSettings(out_dir=tmp_path / "bundle", precision="fp32")
-    export_model(model, processor, settings, max_new_tokens=MAX_NEW, buckets=[5.0])
-    tr = Transcriber(tmp_path / "bundle", backend="mil")
+    model, processor, bundle = prefill_bucket_setup
+    tr = Transcriber(bundle, backend="mil")
     assert list(tr.encoder_buckets.items()) == [("window_5s", 500), ("main", 3500)]  # smallest first
     refs = set()
     for clip, lang, expected_fn in (("en_short.wav", "en", "window_5s"), ("es_medium.wav", "es", "window_5s"),
@@ -334,6 +344,27 @@ def trained(trained_reference, trained_bundle):
     return model, processor, Transcriber(trained_bundle, backend="mil")
 
 
+# Held-out file -> generate()'s ids (the processor's prompt with punctuation, TRAINED_MAX_NEW_TOKENS + 1), and
+# -> the session bundle's ids (the module's `trained` Transcriber): the tests below compare other variants with
+# the same two, which each clip then costs once per module, not once per test.
+_TRAINED_REFS: dict[str, list[int]] = {}
+_TRAINED_IDS: dict[str, list[int]] = {}
+
+
+def trained_ref(model, processor, u, wav) -> list[int]:
+    if u["file"] not in _TRAINED_REFS:
+        prompt = processor.get_decoder_prompt_ids(language=u["language"], punctuation=True)
+        _TRAINED_REFS[u["file"]] = reference_ids(model, processor, wav, prompt, TRAINED_MAX_NEW_TOKENS + 1)
+    return _TRAINED_REFS[u["file"]]
+
+
+def trained_ids(tr, u, wav) -> list[int]:
+    """The session bundle's ids (`tr`: the `trained` fixture's Transcriber)."""
+    if u["file"] not in _TRAINED_IDS:
+        _TRAINED_IDS[u["file"]] = tr.transcribe(wav, u["language"]).windows[0].token_ids
+    return _TRAINED_IDS[u["file"]]
+
+
 def test_trained_heldout_tokens_identical_to_generate(trained):
     """Held-out clips (3 per language) through the fp16 bundle with buckets and prefill, as users run
     it: ids identical to generate() with the processor's own prompt. Sensitivity first: the
@@ -349,9 +380,9 @@ def test_trained_heldout_tokens_identical_to_generate(trained):
     assert tr.prefill is not None and list(tr.encoder_buckets) == ["window_2s", "main"]
     functions, matched = set(), 0
     for u, wav in zip(utterances, waves):
-        prompt = processor.get_decoder_prompt_ids(language=u["language"], punctuation=True)
         window = tr.transcribe(wav, u["language"]).windows[0]
-        ref = reference_ids(model, processor, wav, prompt, TRAINED_MAX_NEW_TOKENS + 1)
+        _TRAINED_IDS[u["file"]] = window.token_ids
+        ref = trained_ref(model, processor, u, wav)
         assert window.token_ids == ref, u["file"]
         assert window.stop_reason == "eos" and window.timings["decoder_calls"] == len(ref)  # 1 prefill + fed
         functions.add(window.timings["encoder_function"])
@@ -395,10 +426,9 @@ def test_both_decoder_state_variants_give_generates_tokens(trained, trained_grap
     assert "bind_memory" not in read_package(host.bundle.paths["decoder"]).function_names
     for u in heldout_utterances(per_language=3):
         wav = load_audio(u["path"])
-        prompt = processor.get_decoder_prompt_ids(language=u["language"], punctuation=True)
-        ref = reference_ids(model, processor, wav, prompt, TRAINED_MAX_NEW_TOKENS + 1)
-        for tr in (host, graph):
-            assert tr.transcribe(wav, u["language"]).windows[0].token_ids == ref, (u["file"], tr.decoder.state_writes)
+        ref = trained_ref(model, processor, u, wav)
+        assert trained_ids(host, u, wav) == ref, (u["file"], host.decoder.state_writes)
+        assert graph.transcribe(wav, u["language"]).windows[0].token_ids == ref, (u["file"], graph.decoder.state_writes)
     wav = load_audio(heldout_utterances(per_language=1)[0]["path"])
     beams = [tr.transcribe(wav, "en", beams=3).windows[0].token_ids for tr in (host, graph)]
     assert beams[0] == beams[1]
@@ -418,10 +448,9 @@ def test_encoder_in_parts_gives_generates_tokens(trained, trained_parts_bundle):
     functions = set()
     for u in heldout_utterances(per_language=3):
         wav = load_audio(u["path"])
-        prompt = processor.get_decoder_prompt_ids(language=u["language"], punctuation=True)
-        ref = reference_ids(model, processor, wav, prompt, TRAINED_MAX_NEW_TOKENS + 1)
+        ref = trained_ref(model, processor, u, wav)
         window = parts.transcribe(wav, u["language"]).windows[0]
-        assert window.token_ids == ref == whole.transcribe(wav, u["language"]).windows[0].token_ids, u["file"]
+        assert window.token_ids == ref == trained_ids(whole, u, wav), u["file"]
         functions.add(window.timings["encoder_function"])
         feats, n, _ = parts.features(wav)
         a, b = parts.encode(feats, n), whole.encode(feats, n)
