@@ -12,7 +12,7 @@ import pytest
 from cohere_coreml import cli
 from cohere_coreml import quantize as Q
 from cohere_coreml.integrity import check_bundle
-from cohere_coreml.quantize import compress
+from cohere_coreml.quantize import command, compress
 from cohere_coreml.transcribe import Transcriber
 
 from ..fixture_data import HELDOUT_DIR
@@ -90,7 +90,8 @@ def test_reserved_output_folder_is_used_and_keeps_its_placeholder(f16_bundle, tm
 
 
 @pytest.mark.slow
-def test_broken_compression_fails_the_gate_and_leaves_nothing(f16_bundle, monkeypatch, tmp_path):
+def test_broken_compression_fails_the_gate_and_leaves_nothing(f16_bundle, f16_gate_data, shared_gate_data,
+                                                              monkeypatch, tmp_path):
     """A 1-bit palette destroys the decoder: the gate refuses it and no bundle is left behind."""
     import coremltools.optimize.coreml as cto  # heavy import, only this test needs it
 
@@ -121,6 +122,7 @@ def test_broken_compression_fails_the_gate_and_leaves_nothing(f16_bundle, monkey
     assert decoder["abs_error_nats"]["max"] > 0
     # an ungated build leaves the refusal (the gate's last word); a gated build that passes removes it
     monkeypatch.undo()
+    monkeypatch.setattr(command, "build_gate_data", f16_gate_data)  # the refused build's f16 references again
     Q.quantize_bundle(f16_bundle, out, "q8", eval_dir=None, skip_verify=True)
     assert out.is_dir() and Q.refusal_path(out).is_file()
     Q.quantize_bundle(f16_bundle, out, "q8", eval_dir=None, force=True)

@@ -333,7 +333,7 @@ def test_lowrank_without_model_is_a_clear_error(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["lowrank", "q8-lowrank"])
-def test_lowrank_preset_end_to_end(f16_bundle, eval_dir, tmp_path, preset):
+def test_lowrank_preset_end_to_end(f16_bundle, eval_dir, shared_gate_data, tmp_path, preset):
     """The trained bundle (4 s window + 2 s bucket): encoder re-exported from the rewritten checkpoint,
     conversion-gated, gated vs the f16 encoder and on the held-out clips vs PyTorch; figures in compression.json.
     Calibrated on the whole held-out folder (the gate's one clip per language is too little audio for a PCA)."""
