@@ -5,9 +5,9 @@ One place decides how a traced PyTorch module becomes an ML program:
 * `ExportSettings`: precision (fp16 | fp32), deployment target (macOS 15 / iOS 18 by default),
   window length, output folder, `force` and `skip_verify`, and the gate's PSNR floor (`MIN_PSNR_DB`);
 * `convert_module(...)`: `coremltools.convert` to an ML program with the settings' target and
-  precision (its pass pipelines validated once each: `validated_per_pipeline`), then metadata (source model id and revision, tool version and git hash, license,
-  shapes, sample rate, window) in `user_defined_metadata`, and input/output descriptions in the
-  spec.
+  precision (each pass pipeline validated once: `validated_per_pipeline`), then metadata (source
+  model id and revision, tool version and git hash, license, shapes, sample rate, window) in
+  `user_defined_metadata`, and input/output descriptions in the spec.
 
 Writing the package (atomic installs, temporaries) is `cohere_coreml.files`; the gate's arithmetic
 (PSNR, KL, per-output reports) is `cohere_coreml.parity`; the errors are `cohere_coreml.errors`.
@@ -194,9 +194,9 @@ def validated_per_pipeline():
     coremltools' DEBUG flag) before the pipeline and after each of its passes: about 110 whole-program
     checks per conversion (an export of the default model here: 25.8 s with them, 16.2 s without).
     Validation only reads the program, so the packages are the same bytes either way
-    (tests/test_convert.py); a pass that
-    leaves the program invalid still fails the conversion, at its pipeline's end, with coremltools'
-    error, and `COHERE_COREML_VALIDATE_EACH_PASS=1` restores the per-pass checks that name the pass.
+    (tests/test_convert.py); a pass that leaves the program invalid still fails the conversion, at
+    its pipeline's end, with coremltools' error, and `COHERE_COREML_VALIDATE_EACH_PASS=1` restores the
+    per-pass checks that name the pass.
     Not thread-safe (it swaps a class attribute); the exporters convert one program at a time.
     """
     from coremltools.converters.mil.mil.passes.pass_pipeline import PassPipelineManager
