@@ -95,6 +95,15 @@ def _env(threads: int) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
+def model_digest(model: Path) -> str:
+    """sha256 over the checkpoint folder's files, names and bytes (its model card aside): part of the test
+    bundle's stamp, so that the fixtures of a retrained model are not made from packages of the old one."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(model).iterdir() if p.is_file() and p.name != "README.md"):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def export_bundle(out: Path, model: Path, threads: int) -> Path:
     """The test bundle: exported once, then only missing components are added (the export skips the
     packages present) and the manifest is rewritten from the packages on disk."""
@@ -102,18 +111,20 @@ def export_bundle(out: Path, model: Path, threads: int) -> Path:
 
     bundle = out / "bundle"
     manifest = bundle / "manifest.json"
-    # the export arguments the packages were made with, beside the bundle (not a bundle file)
+    # the export arguments and the checkpoint the packages were made from, beside the bundle (not a bundle file)
     stamp = out / "bundle.export-args.json"
-    # packages of an older bundle format (e.g. format 1's decoder without bind_memory), or exported with
-    # other arguments (e.g. a decoder from before --extend: the export keeps packages present), are re-exported
+    want = {"args": list(EXPORT_ARGS), "model": model_digest(model)}
+    # packages of an older bundle format (e.g. format 1's decoder without bind_memory), exported with other
+    # arguments (e.g. a decoder from before --extend: the export keeps packages present) or from other
+    # weights (a retrained default model) are re-exported
     stale = manifest.is_file() and (json.loads(manifest.read_text()).get("format_version") != FORMAT_VERSION
-                                    or not stamp.is_file() or json.loads(stamp.read_text()) != list(EXPORT_ARGS))
+                                    or not stamp.is_file() or json.loads(stamp.read_text()) != want)
     cmd = _cli("export", "--model", str(model), "--out", str(bundle), *EXPORT_ARGS, *(["--force"] if stale else []))
-    logger.info("test bundle%s: %s", " (re-exported: other format or arguments)" if stale else "", " ".join(cmd))
+    logger.info("test bundle%s: %s", " (re-exported: other format, arguments or weights)" if stale else "", " ".join(cmd))
     subprocess.run(cmd, check=True, env=_env(threads), stdout=subprocess.DEVNULL)
     if not (bundle / "manifest.json").is_file():
         raise FixtureError(f"the export wrote no manifest in {bundle}")
-    stamp.write_text(json.dumps(list(EXPORT_ARGS)))
+    stamp.write_text(json.dumps(want))
     return bundle
 
 
