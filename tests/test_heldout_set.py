@@ -14,6 +14,7 @@ import soundfile as sf
 
 from cohere_coreml.datasets import load_folder
 from cohere_coreml_dev import heldout
+from cohere_coreml_dev.synth import SynthError
 
 RATE = 16000
 
@@ -124,13 +125,14 @@ COMMITTED = Path(__file__).parent / "data" / "heldout-varied" / "single"
 
 @functools.lru_cache(maxsize=1)
 def _training_sentences() -> frozenset[str]:
-    """Every sentence of the two training corpora (planned, not synthesised): the committed model's
-    (recipe "commands", 4000 per language) and the varied recipe's (3000 per language)."""
+    """Every sentence of the training corpora (planned, not synthesised): the earlier default model's (recipe
+    "commands", 4000 per language) and the varied recipe's at the committed model's size (6000 per language;
+    its sentences include those of the 3000-per-language candidates)."""
     from cohere_coreml_dev import synth
 
     languages = ["en", "de", "es"]
     jobs = (synth.plan_corpus(languages, 4000, split="train", seed=0, recipe="commands")
-            + synth.plan_corpus(languages, 3000, split="train", seed=0, recipe="varied"))
+            + synth.plan_corpus(languages, 6000, split="train", seed=0, recipe="varied"))
     return frozenset(s for j in jobs for s in j.get("sentences") or [j["text"]])
 
 
@@ -163,3 +165,20 @@ def test_the_held_out_check_names_each_planted_defect(tmp_path):
     assert f"{utts[2]['file']}: missing" in problems
     assert any(p.startswith(f"{utts[3]['file']}: 8000 Hz") for p in problems)
     assert {p for p in problems if "fewer than" in p} == {f"{lang}: 200 clips, fewer than 201" for lang in ("de", "en", "es")}
+
+
+def test_a_set_derived_from_another_single_folder_links_it(tmp_path):
+    """`--single X --out Y`: Y/single leads to X, so Y is the whole set the evaluations and
+    `train_tiny.py --robustness` read; a real folder in its place is refused, not mixed in."""
+    (tmp_path / "source").mkdir()
+    single = _single(tmp_path / "source")
+    paths = heldout.make_heldout_set(tmp_path / "set", ["es"], 1, seed=0, single_dir=single)
+    link = tmp_path / "set" / "single"
+    assert link.is_symlink() and link.resolve() == single.resolve() and paths["single"] == single
+    assert (link / "manifest.json").is_file() and (tmp_path / "set" / "multi" / "manifest.json").is_file()
+    heldout.make_heldout_set(tmp_path / "set", ["es"], 1, seed=0, single_dir=single)  # again: the link stays
+    assert link.resolve() == single.resolve()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "single").mkdir()
+    with pytest.raises(SynthError, match="is not a link"):
+        heldout.make_heldout_set(tmp_path / "other", ["es"], 1, seed=0, single_dir=single)

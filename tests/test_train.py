@@ -189,3 +189,17 @@ def test_train_tiny_refuses_zero_layers(flag, capsys):
         _train_tiny().main([flag, "0"])
     assert exc.value.code == 2
     assert f"{flag} must be at least 1 (got 0)" in capsys.readouterr().err
+
+
+def test_train_tiny_refuses_an_incomplete_robustness_set_before_training(tmp_path, capsys):
+    """A robustness folder without single/ (as `make_heldout_set.py --single X --out Y` left it before it
+    linked X there) is refused at the start, naming the subset, not after the training it would follow."""
+    for name in ("padded", "multi"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        _train_tiny().main(["--robustness", str(tmp_path), "--train-dir", str(tmp_path / "no-corpus")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--robustness" in err and "no single/manifest.json (" in err
+    assert not (tmp_path / "no-corpus").exists()  # nothing synthesised

@@ -60,6 +60,13 @@ def main(argv=None) -> int:
     for flag, value in (("--encoder-layers", args.encoder_layers), ("--decoder-layers", args.decoder_layers)):
         if value < 1:
             parser.error(f"{flag} must be at least 1 (got {value})")
+    if args.robustness:  # checked before hours of training, not after them
+        from cohere_coreml_dev.heldout import SUBSETS
+
+        missing = [name for name in SUBSETS if not (Path(args.robustness) / name / "manifest.json").is_file()]
+        if missing:
+            parser.error(f"--robustness {args.robustness}: no {', '.join(missing)}/manifest.json (make the set with "
+                         f"tools/make_heldout_set.py --out {args.robustness}, --single to derive it from a single/ folder)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from cohere_coreml_dev.evaluate import evaluate_checkpoint, format_reports

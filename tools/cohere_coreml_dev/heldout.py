@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from .synth import SAMPLE_RATE, VARIED_HELDOUT_VARIANTS, make_corpus
+from .synth import SAMPLE_RATE, VARIED_HELDOUT_VARIANTS, SynthError, make_corpus
 
 SUBSETS = ("single", "padded", "multi")
 PAD_S = (0.0, 2.0)
@@ -162,9 +162,18 @@ def check_single(single_dir: Path, train_sentences: set[str] | frozenset[str], m
 
 def make_heldout_set(out_dir: Path, languages: list[str], per_language: int, seed: int = 0, workers: int = 1,
                      single_dir: Path | None = None) -> dict[str, Path]:
-    """single/ (synthesised unless `single_dir` names an existing one), padded/, multi/ under out_dir."""
+    """single/ (synthesised unless `single_dir` names an existing one), padded/, multi/ under out_dir. With
+    `single_dir` elsewhere, out_dir/single is a link to it, so that out_dir holds the whole set (what
+    `train_tiny.py --robustness` and the evaluations read)."""
     out_dir = Path(out_dir)
     single = Path(single_dir) if single_dir else out_dir / "single"
+    link = out_dir / "single"
+    if single_dir and link.absolute() != single.absolute():
+        if link.exists() and not link.is_symlink():
+            raise SynthError(f"{link} exists and is not a link to {single}: remove it, or derive into another --out")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        link.unlink(missing_ok=True)
+        link.symlink_to(single.resolve(), target_is_directory=True)
     if not (single / "manifest.json").is_file():
         make_single(single, languages, per_language, seed=seed, workers=workers)
     derive_padded(single, out_dir / "padded", seed=seed)
