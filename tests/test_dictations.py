@@ -43,6 +43,33 @@ def test_dictations_of_a_segmented_heldout_folder_hold_each_utterance_at_its_tim
             assert np.abs(got - src[a:b]).max() < 2e-4
 
 
+def test_match_levels_brings_every_utterance_to_the_dictations_median_level(tmp_path):
+    dictations = _tool("make_dictations")
+    single = _single(tmp_path, per_language=10, digital_every=1)
+    rows = json.loads((single / "manifest.json").read_text())["utterances"]
+    for i, row in enumerate(rows):  # every other clip 20 dB quieter: the robustness set's level spread
+        if i % 2:
+            wav, rate = sf.read(str(single / row["file"]), dtype="float32")
+            sf.write(str(single / row["file"]), 0.1 * wav, rate, format="FLAC", subtype="PCM_16")
+
+    def speech_rms(out, **kw):
+        entries = [e for e in dictations.make_dictations(out, per_dictation=10, heldout_dir=single, **kw)
+                   if e["utterances"]]
+        levels = []
+        for e in entries:
+            wav, _ = sf.read(str(out / e["file"]), dtype="float32")
+            levels += [float(np.sqrt(np.mean(np.square(wav[u["start_sample"]:u["end_sample"]])))) for u in e["utterances"]]
+        return np.array(levels), entries
+
+    plain, _ = speech_rms(tmp_path / "plain")
+    matched, entries = speech_rms(tmp_path / "matched", match_levels=True)
+    assert plain.max() / plain.min() > 8  # as given: 20 dB apart
+    assert matched.max() / matched.min() < 1.05  # one level per dictation
+    gains = [u["gain_db"] for e in entries for u in e["utterances"]]
+    assert min(gains) < -5 and max(gains) > 5  # loud clips down, quiet clips up, to the median between them
+    assert json.loads((tmp_path / "matched" / "manifest.json").read_text())["match_levels"] is True
+
+
 def _final(start, end, text):
     return {"type": "final", "start": start, "end": end, "text": text}
 
@@ -63,3 +90,8 @@ def test_final_equals_own_clip_needs_one_final_per_utterance_with_its_own_clips_
     assert bench.final_equals_own_clip(d, split, own)["a"] is False
     missing = {"updates": good["updates"][:3]}
     assert bench.final_equals_own_clip(d, missing, own)["c"] is False
+    # what each failure is, for the report's "differing" rows
+    assert bench.own_clip_verdicts(d, wrong_text, own)["c"] == "text"
+    assert bench.own_clip_verdicts(d, merged, own) == {"a": "merged", "b": "merged", "c": "equal"}
+    assert bench.own_clip_verdicts(d, split, own)["a"] == "split"
+    assert bench.own_clip_verdicts(d, missing, own)["c"] == "missing"

@@ -33,6 +33,7 @@ import json
 import logging
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -127,18 +128,32 @@ def utterance_figures(d, updates, sr: int, frame: int) -> list[dict]:
     return rows
 
 
-def final_equals_own_clip(d, run, own_text: dict[str, str]) -> dict[str, bool]:
-    """{utterance id: the one final covering it (and no other utterance) has the text of the offline
-    transcript of the utterance's own clip}: False when the utterance is split over finals, merged with
-    a neighbour into one, or transcribed differently."""
+def own_clip_verdicts(d, run, own_text: dict[str, str]) -> dict[str, str]:
+    """{utterance id: verdict} of the final covering it against the offline transcript of the utterance's
+    own clip: "equal" (one final covers it and no other utterance, with that text), "text" (such a final
+    with other text), "merged" (its final covers a neighbour too), "split" (several finals cover it) or
+    "missing" (none does)."""
     finals = [u for u in run["updates"] if u["type"] == "final"]
     out = {}
     for u in d["utterances"]:
         covering = [f for f in finals if f["start"] < u["end"] and f["end"] > u["start"]]
-        alone = len(covering) == 1 and not any(
-            v is not u and covering[0]["start"] < v["end"] and covering[0]["end"] > v["start"] for v in d["utterances"])
-        out[u["id"]] = bool(alone and covering[0]["text"] == own_text[u["id"]])
+        if not covering:
+            out[u["id"]] = "missing"
+        elif len(covering) > 1:
+            out[u["id"]] = "split"
+        elif any(v is not u and covering[0]["start"] < v["end"] and covering[0]["end"] > v["start"]
+                 for v in d["utterances"]):
+            out[u["id"]] = "merged"
+        else:
+            out[u["id"]] = "equal" if covering[0]["text"] == own_text[u["id"]] else "text"
     return out
+
+
+def final_equals_own_clip(d, run, own_text: dict[str, str]) -> dict[str, bool]:
+    """{utterance id: the one final covering it (and no other utterance) has the text of the offline
+    transcript of the utterance's own clip}: False when the utterance is split over finals, merged with
+    a neighbour into one, or transcribed differently (`own_clip_verdicts` says which)."""
+    return {k: v == "equal" for k, v in own_clip_verdicts(d, run, own_text).items()}
 
 
 def flicker(updates) -> dict:
@@ -260,7 +275,9 @@ def render_markdown(report: dict) -> str:
             lines.append(f"| {name} | {fn(s)} | " + " | ".join(fn(per[lang]) for lang in langs) + " |")
         if "finals_equal_own_clip" in report:
             own = report["finals_equal_own_clip"]
-            lines.append(f"| finals = offline of the utterance's own clip / utterances | {own['equal']} / {own['utterances']} |")
+            other = ", ".join(f"{k} {v}" for k, v in own.get("verdicts", {}).items() if k != "equal")
+            lines.append(f"| finals = offline of the utterance's own clip / utterances | {own['equal']} / {own['utterances']}"
+                         + (f" (others: {other})" if other else "") + " |")
         if "offline_per_utterance_wer" in report:
             w = report["offline_per_utterance_wer"]
             lines.append("| WER, offline, each held-out clip alone | | " + " | ".join(
@@ -353,10 +370,17 @@ def main(argv=None) -> int:
         logger.info("offline, utterance by utterance: %s", report["offline_per_utterance_wer"])
         # per utterance: is its final the offline transcript of the utterance's own clip (not only of the
         # segment's samples, which final_offline_mismatches compares)?
-        own = [final_equals_own_clip(d, run, own_text) for d, run in zip(dictations, runs) if d["utterances"]]
-        report["finals_equal_own_clip"] = {"utterances": sum(len(x) for x in own),
-                                           "equal": sum(sum(x.values()) for x in own)}
-        logger.info("finals equal to their utterance's own clip offline: %s", report["finals_equal_own_clip"])
+        verdicts = [(d, run, own_clip_verdicts(d, run, own_text)) for d, run in zip(dictations, runs)
+                    if d["utterances"]]
+        counts = Counter(v for _, _, x in verdicts for v in x.values())
+        report["finals_equal_own_clip"] = {
+            "utterances": sum(counts.values()), "equal": counts["equal"], "verdicts": dict(sorted(counts.items())),
+            "differing": [{"id": u["id"], "dictation": d["file"], "verdict": x[u["id"]], "own_clip": own_text[u["id"]],
+                           "finals": [f["text"] for f in run["updates"] if f["type"] == "final"
+                                      and f["start"] < u["end"] and f["end"] > u["start"]]}
+                          for d, run, x in verdicts for u in d["utterances"] if x[u["id"]] != "equal"]}
+        logger.info("finals equal to their utterance's own clip offline: %d of %d (%s)", counts["equal"],
+                    sum(counts.values()), dict(sorted(counts.items())))
         dictation_runs = [r for r in runs if "utterances" in r]
         report["summary"] = summarise(runs)
         report["summary_dictations"] = summarise(dictation_runs)

@@ -11,6 +11,10 @@ of one language, in manifest order, with pauses of uniform(--min-pause, --max-pa
 white noise at the level of the group's noisiest clip (each clip's own noise measured on its lead and
 trail), added to pauses and speech alike, so the noise floor is as stationary as in one recording
 (a clip's own noise adds at most 3 dB to it) instead of jumping by the clips' 15-40 dB SNR spread.
+`--match-levels` first scales each utterance (its speech and the noise in it) to the group's median
+speech RMS: one speaker at one level, as in a real dictation. Needed when the held-out set varies the
+level on purpose (the robustness set: -30..0 dBFS, 10-40 dB SNR): without it a -30 dBFS utterance
+lies 20 dB or more under the background of a loud, noisy neighbour, far below its own clip's SNR.
 The 75 s clip (tests/data/audio/en_long_75s.flac) is listed too, with its reference text and no
 utterance times.
 
@@ -19,6 +23,8 @@ Writes <out>/<language>_dictation_<i>.flac and <out>/manifest.json:
 
 Example:
   uv run --frozen python tools/make_dictations.py --out out/dictations
+  uv run --frozen python tools/make_dictations.py --heldout tests/data/heldout-varied/single --match-levels \
+      --min-pause 0.8 --max-pause 1.6 --out out/dictations-varied
 """
 
 from __future__ import annotations
@@ -90,8 +96,18 @@ def heldout_speech(heldout_dir: Path = HELDOUT_DIR) -> list[dict]:
     return out
 
 
+def level_gains(group: list[dict]) -> list[float]:
+    """Per clip, the gain that brings its speech RMS to the group's median (`--match-levels`)."""
+    rms = [float(np.sqrt(np.mean(np.square(c["speech"], dtype=np.float64)))) for c in group]
+    if min(rms) <= 0.0:
+        silent = next(c["id"] for c, r in zip(group, rms) if r <= 0.0)
+        raise SystemExit(f"{silent}: its speech is digital silence, no level to match")
+    target = float(np.median(rms))
+    return [target / r for r in rms]
+
+
 def make_dictations(out_dir: Path, per_dictation: int = 15, min_pause: float = 0.3, max_pause: float = 2.0,
-                    seed: int = 0, heldout_dir: Path = HELDOUT_DIR) -> list[dict]:
+                    seed: int = 0, heldout_dir: Path = HELDOUT_DIR, match_levels: bool = False) -> list[dict]:
     if not 10 <= per_dictation <= 20:
         raise SystemExit(f"--per-dictation must be 10-20 utterances, got {per_dictation}")
     if not 0 < min_pause <= max_pause:
@@ -112,17 +128,22 @@ def make_dictations(out_dir: Path, per_dictation: int = 15, min_pause: float = 0
                 pieces.append(np.zeros(n, dtype=np.float32))
                 pos += n
 
+            gains = level_gains(group) if match_levels else [1.0] * len(group)
             pause(LEAD_PAUSE_S)
-            for i, clip in enumerate(group):
+            for i, (clip, gain) in enumerate(zip(group, gains)):
                 utterances.append({"id": clip["id"], "file": Path(clip["wav_path"]).name, "text": clip["text"],
                                    "start": pos / SAMPLE_RATE,
                                    "end": (pos + clip["speech"].size) / SAMPLE_RATE,
-                                   "start_sample": pos, "end_sample": pos + clip["speech"].size})
-                pieces.append(clip["speech"])
+                                   "start_sample": pos, "end_sample": pos + clip["speech"].size,
+                                   "gain_db": round(20 * float(np.log10(gain)), 3)})
+                pieces.append((clip["speech"] * gain).astype(np.float32))
                 pos += clip["speech"].size
                 pause(TRAIL_PAUSE_S if i == len(group) - 1 else float(rng.uniform(min_pause, max_pause)))
             wav = np.concatenate(pieces)
-            background = max(c["noise_std"] for c in group)
+            if np.abs(wav).max() > 1.0:
+                logger.warning("%s_dictation_%d: %d samples clipped after level matching", language, d,
+                               int(np.sum(np.abs(wav) > 1.0)))
+            background = max(c["noise_std"] * g for c, g in zip(group, gains))
             wav = np.clip(wav + rng.normal(0.0, background, wav.size).astype(np.float32), -1.0, 1.0)
             name = f"{language}_dictation_{d}.flac"
             sf.write(out_dir / name, wav, SAMPLE_RATE, format="FLAC", subtype="PCM_16")
@@ -135,7 +156,7 @@ def make_dictations(out_dir: Path, per_dictation: int = 15, min_pause: float = 0
     sf.write(out_dir / LONG_CLIP.name, long_wav, SAMPLE_RATE, format="FLAC", subtype="PCM_16")
     entries.append({"file": LONG_CLIP.name, "language": "en", "seconds": long_wav.size / SAMPLE_RATE,
                     "text": long_text, "utterances": None})
-    manifest = {"sample_rate": SAMPLE_RATE, "seed": seed, "pauses_s": [min_pause, max_pause],
+    manifest = {"sample_rate": SAMPLE_RATE, "seed": seed, "pauses_s": [min_pause, max_pause], "match_levels": match_levels,
                 "heldout_dir": str(Path(heldout_dir).resolve()), "dictations": entries}
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
     return entries
@@ -151,10 +172,13 @@ def main(argv=None) -> int:
     parser.add_argument("--heldout", default=str(HELDOUT_DIR),
                         help="held-out folder whose utterances are joined (default: the 90-clip set; or a subset of "
                              "tools/make_heldout_set.py, e.g. tests/data/heldout-varied/single)")
+    parser.add_argument("--match-levels", action="store_true",
+                        help="scale each utterance to the dictation's median speech level (one speaker, one level; "
+                             "for held-out sets that vary the level, as the robustness set does)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     entries = make_dictations(Path(args.out), args.per_dictation, args.min_pause, args.max_pause, args.seed,
-                              heldout_dir=Path(args.heldout))
+                              heldout_dir=Path(args.heldout), match_levels=args.match_levels)
     print(f"{len(entries)} dictations -> {args.out}/manifest.json")
     return 0
 
