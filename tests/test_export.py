@@ -174,6 +174,43 @@ def test_export_gated_writes_only_a_passing_package(tmp_path, passes):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["thing.parity-failed.json"]
 
 
+def test_a_package_of_another_checkpoint_is_exported_again(tmp_path, caplog):
+    """The skip rule of a resumed export holds for packages of the same checkpoint only: a retrained
+    model exported into the folder of its predecessor replaces its packages (else, e.g., `make demo`
+    verified new weights against an old out/demo)."""
+    from cohere_coreml.checkpoint import checkpoint_digest
+    from cohere_coreml.convert import ExportSettings
+    from cohere_coreml.gate import GateReport, export_gated
+
+    def gate(tmp: Path) -> GateReport:
+        seen.append(tmp)
+        return GateReport(component="thing", passed=True, headline="ok", details={})
+
+    seen = []
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"weights one")
+    (ckpt / "README.md").write_text("card")
+    first = checkpoint_digest(ckpt)
+    out = tmp_path / "out"
+    export_gated("thing", ExportSettings(out_dir=out, checkpoint_digest=first), _fake_writer, gate)
+    assert json.loads((out / "thing.parity.json").read_text())["checkpoint_digest"] == first
+    (ckpt / "README.md").write_text("another card")  # the card is not the checkpoint
+    assert checkpoint_digest(ckpt) == first
+    assert export_gated("thing", ExportSettings(out_dir=out, checkpoint_digest=first), _fake_writer, gate) is None
+    assert len(seen) == 1
+    (ckpt / "model.safetensors").write_bytes(b"weights two")  # retrained: same files, other bytes
+    second = checkpoint_digest(ckpt)
+    assert second != first
+    report = export_gated("thing", ExportSettings(out_dir=out, checkpoint_digest=second), _fake_writer, gate)
+    assert report is not None and len(seen) == 2 and f"checkpoint {first}" in caplog.text
+    assert json.loads((out / "thing.parity.json").read_text())["checkpoint_digest"] == second
+    # a report written before digests were recorded: unknown checkpoint, exported again
+    (out / "thing.parity.json").write_text(json.dumps({"component": "thing", "passed": True}))
+    assert export_gated("thing", ExportSettings(out_dir=out, checkpoint_digest=second), _fake_writer, gate) is not None
+    assert len(seen) == 3
+
+
 # --------------------------------------------------------------------------------------------
 # The manifest describes the packages on disk
 # --------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ Small checkpoints for tests and the demo model are made by the dev package
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -114,6 +115,20 @@ def _download(repo_id: str, revision: str | None) -> Path:
             "Download the checkpoint on a machine with access and pass its local folder instead, "
             "e.g. `--model /path/to/cohere-transcribe-03-2026`."
         ) from None
+
+
+def checkpoint_digest(folder: str | os.PathLike) -> str:
+    """sha256 over a checkpoint folder's files, names and bytes (its model card and other *.md aside),
+    streamed (a full-size checkpoint is ~4 GB): what tells an export's packages of one checkpoint from
+    another's in the same folder, a retrained one of the same shapes included."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(folder).iterdir() if p.is_file() and p.suffix != ".md"):
+        digest.update(path.name.encode() + b"\0")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 23), b""):
+                digest.update(block)
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
 
 
 def check_checkpoint_dir(path: Path) -> dict:

@@ -67,6 +67,8 @@ class ExportSettings:
         skip_verify: do not run the parity gate (for people who know why).
         min_psnr_db: override of the gate threshold (default from `MIN_PSNR_DB[precision]`).
         model_id / revision: recorded in the package metadata.
+        checkpoint_digest: `checkpoint.checkpoint_digest` of the checkpoint being exported (None: unknown),
+            recorded in each gate report; a package whose report names another checkpoint is not skipped.
     """
 
     out_dir: Path = Path("out")
@@ -79,6 +81,7 @@ class ExportSettings:
     model_id: str = "unknown"
     revision: str | None = None
     license: str = "Apache-2.0"
+    checkpoint_digest: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "out_dir", Path(self.out_dir))

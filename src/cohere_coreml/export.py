@@ -46,7 +46,7 @@ from .config import (
     GATE_LANGUAGE,
 )
 from .convert import MIN_PSNR_DB, ExportError, ExportSettings
-from .files import sweep_stale_temporaries
+from .files import stale_reason, sweep_stale_temporaries
 from .gate import StagedPackage
 from .integrity import invalidate_manifest
 from .memory import release_memory
@@ -117,7 +117,7 @@ def _stage_decoder(job: ExportJob) -> StagedPackage | None:
 
     shapes = job.plan.decoder
     path = job.settings.package_path("decoder")
-    if path.exists() and not job.settings.force and job.settings.report_path("decoder").is_file():  # to be skipped
+    if path.exists() and not job.settings.force and stale_reason(job.settings, "decoder") is None:  # to be skipped
         info = decoder_package_info(path)
         present = info["shapes"]
         if (present["capacity"], present["memory_len"]) != (shapes.capacity, shapes.memory_len):
@@ -270,7 +270,10 @@ def export_checkpoint(model_ref: str, settings: ExportSettings, revision: str | 
             model.source = dataclasses.replace(model.source, model_id=checkpoint.check_hub_id(base_model),
                                                base_model=base_model)
         source = model.source
-        settings = settings.replace(model_id=source.model_id, revision=source.revision or settings.revision)
+        logger.info("sha256 of %s's files (packages in %s from another checkpoint are exported again)",
+                    source.model_id, settings.out_dir)
+        settings = settings.replace(model_id=source.model_id, revision=source.revision or settings.revision,
+                                    checkpoint_digest=checkpoint.checkpoint_digest(source.local_dir))
         staged = stage_export(model, processor, settings, **options)
         del model
         release_memory()

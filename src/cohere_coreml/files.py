@@ -60,15 +60,38 @@ def skip_existing(path: Path, force: bool) -> bool:
     return False
 
 
-def skip_installed(settings, component: str) -> bool:  # settings: a `convert.ExportSettings`
-    """`skip_existing` for a gated component: skipped only when its package AND its gate report
-    (`<component>.parity.json`, written right after the package is installed) are in place. A package
-    without its report is what an export interrupted between the two leaves: it is exported again."""
+def stale_reason(settings, component: str) -> str | None:  # settings: a `convert.ExportSettings`
+    """Why a component's package present in `settings.out_dir` must be exported again, or None (present
+    and current, or absent): no gate report beside it (`<component>.parity.json` is written right after the
+    package is installed, so an export interrupted between the two leaves a package without one), or a
+    report that names another checkpoint or none (`settings.checkpoint_digest`, when known): e.g. an old
+    `out/demo` after the default model changed."""
     path, report = settings.package_path(component), settings.report_path(component)
-    if path.exists() and not settings.force and not report.is_file():
-        logger.warning("%s has no %s (an interrupted export?): exporting it again", path, report.name)
+    if not path.exists():
+        return None
+    if not report.is_file():
+        return f"it has no {report.name} (an interrupted export?)"
+    if settings.checkpoint_digest is None:
+        return None
+    try:
+        recorded = json.loads(report.read_text()).get("checkpoint_digest")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    if recorded == settings.checkpoint_digest:
+        return None
+    return (f"it was exported from {f'checkpoint {recorded}' if recorded else 'an unrecorded checkpoint'}, "
+            f"not from this one ({settings.checkpoint_digest})")
+
+
+def skip_installed(settings, component: str) -> bool:  # settings: a `convert.ExportSettings`
+    """`skip_existing` for a gated component: skipped only when its package AND its gate report are in
+    place and current (`stale_reason`); a stale package is exported again (not an error: the export
+    asked for this checkpoint's package in this folder)."""
+    reason = None if settings.force else stale_reason(settings, component)
+    if reason is not None:
+        logger.warning("%s: %s: exporting it again", settings.package_path(component), reason)
         return False
-    return skip_existing(path, settings.force)
+    return skip_existing(settings.package_path(component), settings.force)
 
 
 def write_package_atomic(

@@ -175,7 +175,10 @@ class StagedPackage:
                 for rest, _ in staged[i + 1 :]:
                     remove_package(rest)
                 raise
-        write_json_atomic(report.to_dict(), settings.report_path(component))
+        recorded = report.to_dict()
+        if settings.checkpoint_digest is not None:  # what `files.skip_installed` compares on the next export
+            recorded["checkpoint_digest"] = settings.checkpoint_digest
+        write_json_atomic(recorded, settings.report_path(component))
         settings.failed_report_path(component).unlink(missing_ok=True)
         return report
 

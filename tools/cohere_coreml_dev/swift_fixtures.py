@@ -96,12 +96,11 @@ def _env(threads: int) -> dict:
 
 
 def model_digest(model: Path) -> str:
-    """sha256 over the checkpoint folder's files, names and bytes (its model card aside): part of the test
-    bundle's stamp, so that the fixtures of a retrained model are not made from packages of the old one."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in Path(model).iterdir() if p.is_file() and p.name != "README.md"):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
+    """The checkpoint's digest (`checkpoint.checkpoint_digest`): part of the test bundle's stamp, so that
+    the fixtures of a retrained model are not made from packages of the old one."""
+    from cohere_coreml.checkpoint import checkpoint_digest
+
+    return checkpoint_digest(model)
 
 
 def export_bundle(out: Path, model: Path, threads: int) -> Path:
