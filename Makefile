@@ -44,6 +44,8 @@ sync: bootstrap
 
 # demo: export the built-in default checkpoint (encoder + front end + stateful decoder + manifest), then transcribe
 # the committed sample clips through the MIL interpreter and print texts and parity figures vs PyTorch.
+# The verify report goes beside the bundle (<bundle>.verify.json), not into it: the manifest checksums
+# every file of the bundle folder, so a report rewritten inside it broke the bundle on the next run.
 DEMO_OUT ?= out/demo
 # in-domain: the default model's own held-out speech (voices and commands it never trained on), where
 # identical tokens are the expected result; out-of-domain: clips in its languages (it was trained on
@@ -65,7 +67,7 @@ demo: sync
 	echo "== default checkpoint: $$model -> $$out"; \
 	$(RUN) cohere-coreml export --model "$$model" --out "$$out" --precision $(PRECISION); \
 	$(RUN) cohere-coreml verify --model "$$model" --bundle "$$out" --backend mil \
-		--max-new-tokens $(DEMO_MAX_NEW_TOKENS) --out "$$out/verify.json" \
+		--max-new-tokens $(DEMO_MAX_NEW_TOKENS) --out "$$out.verify.json" \
 		--audio $(DEMO_IN_DOMAIN) $(addprefix tests/data/audio/,$(DEMO_CLIPS)) --languages $(DEMO_IN_DOMAIN_LANGUAGES),$(DEMO_LANGUAGES) \
 		--tags $(DEMO_TAGS); \
 	$(RUN) cohere-coreml ane-check "$$out" --summary

@@ -704,7 +704,7 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
                             shapes.capacity, gate_prompt, control_prompt, settings.precision, settings.min_psnr_db,
                             backend, prefill, extend_len if extend else None, state_writes=state_writes)
 
-    return stage_gated(COMPONENT, settings, write, prepare), result
+    return stage_gated(COMPONENT, settings, write, prepare, installed=lambda: False), result  # checked above
 
 
 def save_multifunction(converters: dict, tmp: Path) -> None:

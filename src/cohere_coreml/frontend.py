@@ -447,4 +447,4 @@ def stage_frontend(config: FrontEndConfig, settings: ExportSettings, shapes_by_f
 
         return gate
 
-    return stage_gated(COMPONENT, settings, write, prepare)
+    return stage_gated(COMPONENT, settings, write, prepare, installed=lambda: False)  # checked above
