@@ -15,11 +15,14 @@ import argparse
 import copy
 import json
 import logging
+import sys
 import time
 
+from cohere_coreml.datasets import DatasetError
 from cohere_coreml.engines import PyTorchEngine
 from cohere_coreml.quantize import lowrank
 from cohere_coreml.quantize.gate import compare_transcripts, engine_transcripts, heldout_dataset
+from cohere_coreml.quantize.recipes import QuantizeError
 
 TYPES = tuple(lowrank.LAYER_TYPES)
 # one type at a time (the others full), then joint settings
@@ -45,11 +48,15 @@ def main() -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    dataset = heldout_dataset(args.data)
+    try:  # both folders checked before any model work
+        dataset = heldout_dataset(args.data)
+        clips = lowrank.calibration_clips(args.calibration or args.data)
+    except (QuantizeError, DatasetError) as err:
+        print(f"lowrank_sweep: error: {err}", file=sys.stderr)
+        return 2
     engine = PyTorchEngine(args.model)
     original = copy.deepcopy(engine.model.model.encoder)
     baseline = engine_transcripts(lambda: engine, dataset)
-    clips = lowrank.calibration_clips(args.calibration or args.data)
     t0 = time.perf_counter()
     analysis = lowrank.calibrate(engine.model, engine.processor, clips)
     print(json.dumps({"calibration_seconds": round(time.perf_counter() - t0, 1), "clips": len(clips),

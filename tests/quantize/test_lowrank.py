@@ -42,6 +42,20 @@ def windows():
     return out
 
 
+def test_a_calibration_folder_that_is_not_a_dataset_is_a_quantize_error(tmp_path):
+    """The folder is checked as `--data` is (`datasets.load_folder`); its error arrives as a QuantizeError
+    naming the folder (the CLI's clean error), not a DatasetError traceback from inside the library."""
+    folder = tmp_path / "calib"
+    folder.mkdir()
+    shutil.copy(HELDOUT_DIR / "en_heldout_00000.flac", folder / "a.flac")
+    (folder / "manifest.json").write_text(json.dumps({"clips": [{"file": "a.flac", "language": None, "text": ""}]}))
+    with pytest.raises(QuantizeError, match="calibration folder: .*manifest.json: entry 0 has no language"):
+        lowrank.calibration_clips(folder)
+    good = json.loads((HELDOUT_DIR / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**good, "utterances": [{**good["utterances"][0], "file": "a.flac"}]}))
+    assert lowrank.calibration_clips(folder) == [folder / "a.flac"]
+
+
 def direct_outputs(encoder, windows, names):
     """Each target's output rows over all windows, captured by plain hooks (the numpy reference)."""
     rows = {n: [] for n in names}

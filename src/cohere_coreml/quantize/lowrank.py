@@ -52,7 +52,7 @@ from ..audio import FrontEndConfig, load_audio, log_mel, split_long_audio
 from ..bundle import MANIFEST_NAME
 from ..checkpoint import load_reference
 from ..convert import ExportSettings
-from ..datasets import load_folder
+from ..datasets import DatasetError, load_folder
 from ..encoder import COMPONENT, gate_features, stage_encoder, stage_encoder_buckets
 from ..engines import features_batch
 from ..files import package_size_bytes, temporary_dir, weight_file_bytes
@@ -144,7 +144,10 @@ def features(module: nn.Module) -> tuple[int, int]:
 
 def calibration_clips(folder: str | Path) -> list[Path]:
     """The audio files of a calibration folder (the dataset format of `--data`: `datasets.load_folder`)."""
-    dataset = load_folder(folder)
+    try:
+        dataset = load_folder(folder)
+    except DatasetError as err:  # e.g. a clip without a language: tests/data/audio's silence clip
+        raise QuantizeError(f"calibration folder: {err}") from err
     bad = [f"{c.id}: {c.problem}" for c in dataset.clips if c.problem]
     if bad:
         raise QuantizeError(f"{folder}: calibration clips that cannot be read: " + "; ".join(bad))
