@@ -51,6 +51,21 @@ def test_log_mel_matches_extractor_on_test_clips(clip):
     assert_same_features(wav)
 
 
+@pytest.mark.parametrize("rate", [8000, 22050, 44100, 48000, 15999])
+@pytest.mark.parametrize("n", [1, 3, 7, 12345])
+def test_resample_is_librosas_soxr_hq_sample_for_sample(rate, n):
+    """`audio.resample` calls soxr itself (librosa's resample compiles numba code on its first call): the
+    output must stay librosa.resample(res_type="soxr_hq")'s, length (ceil(n x 16000 / rate)) included."""
+    import librosa
+
+    from cohere_coreml.audio import resample
+
+    wav = (0.1 * np.random.default_rng(rate + n).standard_normal(n)).astype(np.float32)
+    want = librosa.resample(wav, orig_sr=rate, target_sr=16000, res_type="soxr_hq").astype(np.float32)
+    got = resample(wav, rate, 16000)
+    assert got.dtype == np.float32 and got.shape == want.shape and np.array_equal(got, want)
+
+
 def test_test_clips_exist():
     speech = [c for c in CLIPS if c.get("purpose", "speech") == "speech"]
     assert len(speech) >= 10, "tests/data/audio must hold at least 10 speech clips (tools/make_test_audio.py)"
