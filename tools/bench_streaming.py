@@ -128,15 +128,19 @@ def utterance_figures(d, updates, sr: int, frame: int) -> list[dict]:
     return rows
 
 
+def covering_finals(run, u) -> list[dict]:
+    """The finals of a run whose [start, end) overlaps utterance `u`'s."""
+    return [f for f in run["updates"] if f["type"] == "final" and f["start"] < u["end"] and f["end"] > u["start"]]
+
+
 def own_clip_verdicts(d, run, own_text: dict[str, str]) -> dict[str, str]:
     """{utterance id: verdict} of the final covering it against the offline transcript of the utterance's
     own clip: "equal" (one final covers it and no other utterance, with that text), "text" (such a final
     with other text), "merged" (its final covers a neighbour too), "split" (several finals cover it) or
     "missing" (none does)."""
-    finals = [u for u in run["updates"] if u["type"] == "final"]
     out = {}
     for u in d["utterances"]:
-        covering = [f for f in finals if f["start"] < u["end"] and f["end"] > u["start"]]
+        covering = covering_finals(run, u)
         if not covering:
             out[u["id"]] = "missing"
         elif len(covering) > 1:
@@ -376,8 +380,7 @@ def main(argv=None) -> int:
         report["finals_equal_own_clip"] = {
             "utterances": sum(counts.values()), "equal": counts["equal"], "verdicts": dict(sorted(counts.items())),
             "differing": [{"id": u["id"], "dictation": d["file"], "verdict": x[u["id"]], "own_clip": own_text[u["id"]],
-                           "finals": [f["text"] for f in run["updates"] if f["type"] == "final"
-                                      and f["start"] < u["end"] and f["end"] > u["start"]]}
+                           "finals": [f["text"] for f in covering_finals(run, u)]}
                           for d, run, x in verdicts for u in d["utterances"] if x[u["id"]] != "equal"]}
         logger.info("finals equal to their utterance's own clip offline: %d of %d (%s)", counts["equal"],
                     sum(counts.values()), dict(sorted(counts.items())))

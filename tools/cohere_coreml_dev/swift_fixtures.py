@@ -105,7 +105,7 @@ def model_digest(model: Path) -> str:
 
 def export_bundle(out: Path, model: Path, threads: int) -> Path:
     """The test bundle: exported once, then only missing components are added (the export skips the
-    packages present) and the manifest is rewritten from the packages on disk."""
+    packages present that the same checkpoint made) and the manifest is rewritten from the packages on disk."""
     from cohere_coreml.bundle import FORMAT_VERSION
 
     bundle = out / "bundle"
