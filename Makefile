@@ -104,9 +104,10 @@ lint: sync
 
 # test-fast: the inner loop (under 2 minutes here): lint, then the tests not marked slow in the modules
 # that need no exported bundle (FAST_TESTS); `make test` runs everything
-FAST_TESTS ?= tests/test_metrics.py tests/test_tokens.py tests/test_shapes.py tests/test_parity.py tests/test_files.py \
-	tests/test_memory.py tests/test_checkpoint.py tests/test_audio.py tests/test_fuzz_manifest.py tests/quantize/test_recipes.py \
-	tests/test_swift_package.py tests/runtime/test_ops.py
+FAST_TESTS ?= tests/evaluation/test_metrics.py tests/model/test_tokens.py tests/model/test_shapes.py \
+	tests/export/test_parity.py tests/storage/test_files.py tests/export/test_memory.py tests/model/test_checkpoint.py \
+	tests/model/test_audio.py tests/bundle/test_fuzz_manifest.py tests/quantize/test_recipes.py \
+	tests/swift/test_swift_package.py tests/runtime/test_ops.py tests/test_layout.py
 test-fast: sync lint
 	$(RUN) pytest -q -m "not slow" $(FAST_TESTS)
 

@@ -46,7 +46,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_reference(tiny_checkpoint):
     """(model, processor) of `tiny_checkpoint`, loaded through `load_reference`."""
-    from cohere_coreml.checkpoint import load_reference
+    from cohere_coreml.model.checkpoint import load_reference
 
     return load_reference(tiny_checkpoint)
 
@@ -58,7 +58,7 @@ def tiny_reference(tiny_checkpoint):
 @pytest.fixture(scope="session")
 def trained_reference():
     """(model, processor) of models/cohere-tiny-synth, dither 0."""
-    from cohere_coreml.checkpoint import load_reference
+    from cohere_coreml.model.checkpoint import load_reference
 
     model, processor = load_reference(TRAINED_MODEL)
     processor.feature_extractor.dither = 0.0
@@ -70,8 +70,8 @@ def trained_bundle(trained_reference, tmp_path_factory) -> Path:
     """fp16 bundle of the trained model: 4 s encoder window + 2 s bucket, decoder with prefill."""
     import torch
 
-    from cohere_coreml.convert import ExportSettings
-    from cohere_coreml.export import export_model
+    from cohere_coreml.export.convert import ExportSettings
+    from cohere_coreml.export.pipeline import export_model
 
     torch.set_num_threads(1)
     model, processor = trained_reference
@@ -91,8 +91,8 @@ def trained_parts_bundle(trained_reference, trained_bundle, tmp_path_factory) ->
     are the session bundle's (copied, so the export skips them), the encoder exported in parts."""
     import torch
 
-    from cohere_coreml.convert import ExportSettings
-    from cohere_coreml.export import export_model
+    from cohere_coreml.export.convert import ExportSettings
+    from cohere_coreml.export.pipeline import export_model
 
     from .helpers import copy_packages
 

@@ -18,7 +18,7 @@ what coremltools 9.0 calls (read in coremltools/models/model.py, _compiled_model
 
 `install(command)` applies all of it and returns an `Emulation` (counts of compiles and loads, the
 loads' compute units; `uninstall()` restores coremltools); `emulated(command)` is the same as a context
-manager. The backend's tests use it in-process; tests/test_example.py copies this file, with a one-line
+manager. The backend's tests use it in-process; tests/publish/test_example.py copies this file, with a one-line
 `.pth` that imports it, into a venv that holds only numpy, soundfile and coremltools, where it installs
 itself when COHERE_COREML_SHIM_COMMAND names the interpreter command (a JSON list). An error of the
 child (a wrong input name, shape or dtype, ...) is raised as `ShimError` naming it. Standard library and

@@ -31,7 +31,7 @@ def tiny_model(path: Path, seed: int = 0, sensitive: bool = False, **overrides):
     `sensitive`: scale the cross-attention projections (`sensitize`) so the output depends on the
     audio; the checkpoint folder is rewritten with the scaled weights (CLI paths load it).
     """
-    from cohere_coreml.checkpoint import load_reference
+    from cohere_coreml.model.checkpoint import load_reference
     from cohere_coreml_dev.checkpoints import make_tiny_checkpoint, save_checkpoint
 
     ckpt = make_tiny_checkpoint(path, seed=seed, **overrides)
@@ -79,7 +79,7 @@ def reference_ids(model, processor, piece, prompt, max_new_tokens, zero_memory=F
 def assert_audio_sensitive(model, processor, clips, max_new_tokens=8, language="en"):
     """The fixture's greedy tokens depend on the audio: different for different clips, and
     different from a zero-memory run. `clips`: waveforms (16 kHz float32)."""
-    from cohere_coreml.tokens import prompt_ids
+    from cohere_coreml.model.tokens import prompt_ids
 
     prompt = prompt_ids(processor.tokenizer, language)
     outputs = [tuple(reference_ids(model, processor, w, prompt, max_new_tokens)) for w in clips]
@@ -91,7 +91,7 @@ def assert_audio_sensitive(model, processor, clips, max_new_tokens=8, language="
 
 def sensitivity_clips():
     """Three committed clips of different lengths and languages for `assert_audio_sensitive`."""
-    from cohere_coreml.audio import load_audio
+    from cohere_coreml.model.audio import load_audio
 
     return [load_audio(AUDIO_DIR / name) for name in ("en_short.wav", "de_medium.wav", "zh_medium.wav")]
 
@@ -101,7 +101,7 @@ def broken_encoder_trace(wrapper_cls, length: int = 150):
     of `EncoderForCoreML`: a deliberately broken export for gate tests."""
 
     def trace(model, shapes):
-        from cohere_coreml.encoder import example_inputs
+        from cohere_coreml.export.encoder import example_inputs
 
         wrapper = wrapper_cls(model, shapes).eval()
         example = example_inputs(shapes, length)

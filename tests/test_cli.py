@@ -92,7 +92,7 @@ def test_transcribe_bad_file_among_good_ones_stdout_holds_only_results(trained_b
     names the bad file, exit status 1; the same with --json (no entry for the bad file), run through the
     console script's `main` in this process (the real process above shows what reaches stdout and stderr and
     that main's status is the exit status; a second fresh process cost ~10 s CPU of imports)."""
-    from cohere_coreml.transcribe import Transcriber
+    from cohere_coreml.inference.transcribe import Transcriber
 
     from .fixture_data import heldout_utterances
 

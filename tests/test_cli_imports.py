@@ -67,7 +67,7 @@ def test_help_imports_no_heavy_package(command, monkeypatch):
 @pytest.fixture(scope="module")
 def reference_info():
     """`describe` of the committed trained model as loaded by transformers (what `info` printed before)."""
-    from cohere_coreml.checkpoint import describe, load_reference
+    from cohere_coreml.model.checkpoint import describe, load_reference
 
     return describe(*load_reference(TRAINED_MODEL))
 
@@ -108,7 +108,7 @@ def test_info_loads_the_reference_when_config_leaves_a_default(reference_info, t
 def small_bundle(tmp_path):
     """A bundle folder of plain files and a manifest with their checksums (all `bundle check` and
     `upload --dry-run` read)."""
-    from cohere_coreml.bundle import write_manifest
+    from cohere_coreml.bundle.manifest import write_manifest
 
     root = tmp_path / "f16"
     (root / "weights").mkdir(parents=True)

@@ -66,14 +66,14 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
 
-    from cohere_coreml.bundle import package_io
-    from cohere_coreml.checkpoint import load_reference
+    from cohere_coreml.bundle.packages import package_io
     from cohere_coreml.config import STEP_FUNCTION
-    from cohere_coreml.convert import ExportSettings
-    from cohere_coreml.decoder import convert_decoder
-    from cohere_coreml.decoder_gate import state_write_ops
-    from cohere_coreml.decoder_runtime import DecoderRuntime
-    from cohere_coreml.shapes import cache_capacity, encoder_shapes
+    from cohere_coreml.export.convert import ExportSettings
+    from cohere_coreml.export.decoder import convert_decoder
+    from cohere_coreml.export.decoder_gate import state_write_ops
+    from cohere_coreml.inference.decoder_runtime import DecoderRuntime
+    from cohere_coreml.model.checkpoint import load_reference
+    from cohere_coreml.model.shapes import cache_capacity, encoder_shapes
 
     torch.set_num_threads(1)
     model, _ = load_reference(args.model)

@@ -46,10 +46,11 @@ def main(argv=None) -> int:
     import torch
     from transformers import CohereAsrConfig, CohereAsrForConditionalGeneration
 
-    from cohere_coreml import encoder as E
-    from cohere_coreml.convert import ExportSettings
-    from cohere_coreml.files import weight_file_bytes
-    from cohere_coreml.shapes import bucket_function_name, encoder_shapes
+    from cohere_coreml.export import encoder as E
+    from cohere_coreml.export import encoder_packages as EP
+    from cohere_coreml.export.convert import ExportSettings
+    from cohere_coreml.model.shapes import bucket_function_name, encoder_shapes
+    from cohere_coreml.storage.files import weight_file_bytes
 
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
@@ -65,10 +66,10 @@ def main(argv=None) -> int:
         settings = ExportSettings(out_dir=out / f"L{layers}", precision=args.precision,
                                   window_seconds=args.window_seconds, force=True, skip_verify=True)
         t0 = time.perf_counter()
-        path = E.convert_encoder_buckets(model, settings, args.buckets)
+        path = EP.convert_encoder_buckets(model, settings, args.buckets)
         run = {"export_s": round(time.perf_counter() - t0, 1), "macs": macs_per_function(path),
                "weight_file_bytes": weight_file_bytes(path)}
-        single = E.convert_encoder(model, settings.replace(out_dir=out / f"L{layers}-single"))
+        single = EP.convert_encoder(model, settings.replace(out_dir=out / f"L{layers}-single"))
         run["single_weight_file_bytes"] = weight_file_bytes(single)
         if args.time_predict:
             from cohere_coreml.runtime import load_model

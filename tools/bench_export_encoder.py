@@ -45,10 +45,11 @@ def main(argv=None) -> int:
     import torch
     from transformers import CohereAsrConfig, CohereAsrForConditionalGeneration
 
-    from cohere_coreml import encoder as E
-    from cohere_coreml.convert import ExportSettings
-    from cohere_coreml.files import package_size_bytes, save_package_atomic, weight_file_bytes
-    from cohere_coreml.shapes import encoder_shapes
+    from cohere_coreml.export import encoder as E
+    from cohere_coreml.export import encoder_packages as EP
+    from cohere_coreml.export.convert import ExportSettings
+    from cohere_coreml.model.shapes import encoder_shapes
+    from cohere_coreml.storage.files import package_size_bytes, save_package_atomic, weight_file_bytes
 
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
                                   force=True, model_id="random-weights:CohereAsrConfig()")
         t1 = time.perf_counter()
         clips = E.gate_features(None, shapes)
-        path = E.convert_encoder(model, settings, None, clips=clips)  # raises ParityError if the gate fails
+        path = EP.convert_encoder(model, settings, None, clips=clips)  # raises ParityError if the gate fails
         figures["export_and_gate_s"] = round(time.perf_counter() - t1, 1)
         gate = json.loads(settings.report_path("encoder").read_text())
         figures["gate_passed"] = gate["passed"]

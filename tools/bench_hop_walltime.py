@@ -31,11 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
-from cohere_coreml.bundle import Bundle
+from cohere_coreml.bundle.load import Bundle
 from cohere_coreml.config import EXTEND_FUNCTION, EXTEND_LENGTH, PREFILL_FUNCTION, STEP_FUNCTION
-from cohere_coreml.decoder_runtime import DecoderRuntime, feed_plan
+from cohere_coreml.inference.decoder_runtime import DecoderRuntime, feed_plan
+from cohere_coreml.model.shapes import LengthMasks
 from cohere_coreml.runtime import load_model
-from cohere_coreml.shapes import LengthMasks
 
 logger = logging.getLogger("bench_hop_walltime")
 

@@ -39,7 +39,7 @@ IOS_LIMIT = 1 << 30  # ane_check.WEIGHT_LIMITS["ios"]
 
 def programs(bundle: Path) -> dict[str, int]:
     """{package: weight file bytes} of every program of a bundle."""
-    from cohere_coreml.files import weight_file_bytes
+    from cohere_coreml.storage.files import weight_file_bytes
 
     return {p.name: weight_file_bytes(p) for p in sorted(bundle.glob("*.mlpackage"))}
 

@@ -38,11 +38,18 @@ from pathlib import Path
 
 import numpy as np
 
-from cohere_coreml.audio import load_audio
-from cohere_coreml.datasets import load_folder
-from cohere_coreml.metrics import error_counts
-from cohere_coreml.streaming import SILENCE_DB, StreamConfig, common_prefix, frame_energies_db, frames_of, stream_array
-from cohere_coreml.transcribe import Transcriber
+from cohere_coreml.evaluation.datasets import load_folder
+from cohere_coreml.evaluation.metrics import error_counts
+from cohere_coreml.inference.streaming import (
+    SILENCE_DB,
+    StreamConfig,
+    common_prefix,
+    frame_energies_db,
+    frames_of,
+    stream_array,
+)
+from cohere_coreml.inference.transcribe import Transcriber
+from cohere_coreml.model.audio import load_audio
 
 logger = logging.getLogger("bench_streaming")
 

@@ -31,8 +31,8 @@ def main(argv=None) -> int:
     import torch
     from transformers import CohereAsrConfig, CohereAsrForConditionalGeneration
 
-    from cohere_coreml.decoder import build_step_mlmodel
-    from cohere_coreml.shapes import cache_capacity, memory_len
+    from cohere_coreml.export.decoder import build_step_mlmodel
+    from cohere_coreml.model.shapes import cache_capacity, memory_len
     from cohere_coreml_dev.macs import count_macs
 
     torch.set_num_threads(1)

@@ -35,10 +35,11 @@ def main(argv=None) -> int:
     import torch
     from transformers import CohereAsrConfig, CohereAsrForConditionalGeneration
 
-    from cohere_coreml.convert import ExportSettings
-    from cohere_coreml.decoder import DecoderExportError, convert_decoder
-    from cohere_coreml.decoder_runtime import DecoderRuntime
-    from cohere_coreml.shapes import cache_capacity, encoder_shapes
+    from cohere_coreml.export.convert import ExportSettings
+    from cohere_coreml.export.decoder import convert_decoder
+    from cohere_coreml.export.decoder_modules import DecoderExportError
+    from cohere_coreml.inference.decoder_runtime import DecoderRuntime
+    from cohere_coreml.model.shapes import cache_capacity, encoder_shapes
 
     torch.set_num_threads(1)
     config = CohereAsrConfig(encoder_config={"num_hidden_layers": 1}, decoder_start_token_id=13764)

@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from cohere_coreml.checkpoint import CheckpointError
+    from cohere_coreml.model.checkpoint import CheckpointError
     from cohere_coreml_dev.evaluate import EvaluationError, evaluate_checkpoint, format_reports
     from cohere_coreml_dev.synth import SynthError
 

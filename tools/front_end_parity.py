@@ -1,4 +1,4 @@
-"""Print how far `cohere_coreml.audio.log_mel` is from `CohereAsrFeatureExtractor` on audio files.
+"""Print how far `cohere_coreml.model.audio.log_mel` is from `CohereAsrFeatureExtractor` on audio files.
 
     uv run python tools/front_end_parity.py [AUDIO ...]      # default: every clip in tests/data/audio
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cohere_coreml.audio import FrontEndConfig, load_audio, log_mel, split_long_audio
+from cohere_coreml.model.audio import FrontEndConfig, load_audio, log_mel, split_long_audio
 
 
 def main(argv=None) -> int:

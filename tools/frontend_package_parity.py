@@ -23,12 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from cohere_coreml.audio import FrontEndConfig, load_audio, log_mel, mel_filters, split_long_audio
-from cohere_coreml.files import package_size_bytes
-from cohere_coreml.frontend import check_case, reference_outputs, window_input
-from cohere_coreml.parity import psnr
+from cohere_coreml.export.frontend import check_case, reference_outputs, window_input
+from cohere_coreml.export.parity import psnr
+from cohere_coreml.model.audio import FrontEndConfig, load_audio, log_mel, mel_filters, split_long_audio
+from cohere_coreml.model.shapes import frontend_shapes
 from cohere_coreml.runtime import load_model
-from cohere_coreml.shapes import frontend_shapes
+from cohere_coreml.storage.files import package_size_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ def near_silence_rows(model, config, shapes):
 
 
 def transcript_rows(bundle, limit=None):
-    from cohere_coreml.transcribe import Transcriber
+    from cohere_coreml.inference.transcribe import Transcriber
 
     heldout = ROOT / "tests/data/heldout"
     entries = json.loads((heldout / "manifest.json").read_text())["utterances"][:limit]

@@ -4,7 +4,7 @@
 Builds the clips by concatenating the committed held-out clips (0.5 s of silence between them),
 then transcribes each in a fresh process (`cohere-coreml transcribe --json`, or the PyTorch
 engine with --pytorch) and reads that process's peak RSS from the OS. Windows are read from the
-file one at a time (cohere_coreml.longform), so the 10-minute clip should cost about the same.
+file one at a time (cohere_coreml.inference.longform), so the 10-minute clip should cost about the same.
 
 Example:
   uv run python tools/longform_rss.py --bundle out/demo/cohere-tiny-synth-fp16 --backend mil
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 RUN_PYTORCH = """
 import json, sys
-from cohere_coreml.engines import PyTorchEngine
+from cohere_coreml.inference.engines import PyTorchEngine
 r = PyTorchEngine(sys.argv[1]).transcribe(sys.argv[2], "en")
 print(json.dumps(r.to_dict()))
 """
@@ -32,7 +32,7 @@ def build_clip(minutes: float, out: Path, data: Path) -> Path:
     import numpy as np
     import soundfile as sf
 
-    from cohere_coreml.audio import load_audio
+    from cohere_coreml.model.audio import load_audio
 
     if out.is_file():
         return out

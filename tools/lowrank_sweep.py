@@ -18,8 +18,8 @@ import logging
 import sys
 import time
 
-from cohere_coreml.datasets import DatasetError
-from cohere_coreml.engines import PyTorchEngine
+from cohere_coreml.evaluation.datasets import DatasetError
+from cohere_coreml.inference.engines import PyTorchEngine
 from cohere_coreml.quantize import lowrank
 from cohere_coreml.quantize.gate import compare_transcripts, engine_transcripts, heldout_dataset
 from cohere_coreml.quantize.recipes import QuantizeError

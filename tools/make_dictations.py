@@ -38,8 +38,8 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from cohere_coreml.audio import load_audio
-from cohere_coreml.datasets import load_folder
+from cohere_coreml.evaluation.datasets import load_folder
+from cohere_coreml.model.audio import load_audio
 from cohere_coreml_dev.synth import SAMPLE_RATE, plan_corpus
 
 logger = logging.getLogger("make_dictations")

@@ -3,7 +3,7 @@
     python tools/make_fuzz_manifests.py --manifest out/swift-fixtures/bundle/manifest.json \
         --out out/fuzz-manifests [--count 400 --seed 22]
 
-Same generator as tests/test_fuzz_manifest.py (cohere_coreml_dev.fuzz.corpus): 1-3 field mutations per
+Same generator as tests/bundle/test_fuzz_manifest.py (cohere_coreml_dev.fuzz.corpus): 1-3 field mutations per
 manifest, one in eight a corrupted JSON text (manifest-NNNN.json); and every field mutated by each value
 class of cohere_coreml_dev.fuzz.TARGETED (manifest-tNNNN.json). index.json names the source, seed and
 count, and records the Python loader's verdict of every file (`Bundle.load` beside the source bundle's

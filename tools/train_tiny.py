@@ -94,9 +94,9 @@ def main(argv=None) -> int:
     print(format_reports(reports))
     import numpy as np
 
-    from cohere_coreml.audio import FrontEndConfig
-    from cohere_coreml.checkpoint import load_reference
-    from cohere_coreml.tokens import BYTE_TOKENS, SPECIAL_TOKENS
+    from cohere_coreml.model.audio import FrontEndConfig
+    from cohere_coreml.model.checkpoint import load_reference
+    from cohere_coreml.model.tokens import BYTE_TOKENS, SPECIAL_TOKENS
     from cohere_coreml_dev.evaluate import greedy_decode, load_eval_set
     from cohere_coreml_dev.synth import read_manifest
 

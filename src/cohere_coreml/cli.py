@@ -4,15 +4,15 @@ Each sub-command lives next to the stage it drives and is registered here explic
 several commands share, such as --bundle, are defined once in cohere_coreml.cli_options):
 
     prepare-default   this module (the checkout's default checkpoint)
-    info, vocab       cohere_coreml.checkpoint
-    mel               cohere_coreml.audio
-    export            cohere_coreml.export
-    transcribe        cohere_coreml.transcribe
-    verify            cohere_coreml.verify
+    info, vocab       cohere_coreml.model.checkpoint
+    mel               cohere_coreml.model.audio
+    export            cohere_coreml.export.pipeline
+    transcribe        cohere_coreml.inference.transcribe
+    verify            cohere_coreml.evaluation.verify
     quantize          cohere_coreml.quantize
-    bundle, upload    cohere_coreml.publish
-    bench             cohere_coreml.bench
-    ane-check         cohere_coreml.ane_check
+    bundle, upload    cohere_coreml.publish.hub
+    bench             cohere_coreml.evaluation.bench
+    ane-check         cohere_coreml.bundle.ane_check
     serve-runtime     cohere_coreml.runtime.serve
 
 `cohere-coreml <command> --help` explains each.
@@ -28,8 +28,14 @@ import shutil
 import sys
 from pathlib import Path
 
-from . import __version__, ane_check, audio, bench, checkpoint, export, publish, quantize, transcribe, verify
+from . import __version__, quantize
+from .bundle import ane_check
 from .config import DEFAULT_HUB_ID
+from .evaluation import bench, verify
+from .export import pipeline as export
+from .inference import transcribe
+from .model import audio, checkpoint
+from .publish import hub as publish
 from .runtime import serve
 
 logger = logging.getLogger("cohere_coreml")

@@ -11,9 +11,9 @@ import pytest
 
 from cohere_coreml import cli
 from cohere_coreml import quantize as Q
-from cohere_coreml.integrity import check_bundle
+from cohere_coreml.inference.transcribe import Transcriber
 from cohere_coreml.quantize import command, compress
-from cohere_coreml.transcribe import Transcriber
+from cohere_coreml.storage.integrity import check_bundle
 
 from ..fixture_data import HELDOUT_DIR
 

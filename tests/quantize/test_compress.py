@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from cohere_coreml import quantize as Q
-from cohere_coreml.bundle import package_io
-from cohere_coreml.files import save_converted
+from cohere_coreml.bundle.packages import package_io
 from cohere_coreml.quantize import compress as C
 from cohere_coreml.quantize import measure
 from cohere_coreml.runtime import load_model
+from cohere_coreml.storage.files import save_converted
 
 from ..fixture_data import HELDOUT_DIR
 

@@ -10,10 +10,10 @@ import pytest
 import soundfile as sf
 
 from cohere_coreml import quantize as Q
-from cohere_coreml.datasets import load_folder
-from cohere_coreml.engines import PyTorchEngine
+from cohere_coreml.evaluation.datasets import load_folder
+from cohere_coreml.inference.engines import PyTorchEngine
+from cohere_coreml.inference.transcribe import Transcriber
 from cohere_coreml.quantize.gate import engine_transcripts
-from cohere_coreml.transcribe import Transcriber
 
 from ..fixture_data import HELDOUT_DIR, TRAINED_MODEL
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from cohere_coreml import cli
-from cohere_coreml.checkpoint import load_reference
+from cohere_coreml.model.checkpoint import load_reference
 from cohere_coreml.quantize import lowrank
 from cohere_coreml.quantize.command import quantize_bundle
 from cohere_coreml.quantize.recipes import GATES, LOWRANK_ENERGY, QuantizeError

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from cohere_coreml import cli
-from cohere_coreml.files import weight_file_bytes
 from cohere_coreml.quantize import mixed as M
 from cohere_coreml.quantize import quantize_bundle
 from cohere_coreml.quantize.command import check_budget
 from cohere_coreml.quantize.compress import compress_package
 from cohere_coreml.quantize.inventory import load_function
 from cohere_coreml.quantize.recipes import QuantizeError, Recipe
+from cohere_coreml.storage.files import weight_file_bytes
 
 from ..fixture_data import TRAINED_MODEL
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cohere_coreml import quantize as Q
-from cohere_coreml.parity import psnr
+from cohere_coreml.export.parity import psnr
 
 from ..fixture_data import HELDOUT_DIR
 

@@ -85,7 +85,7 @@ def test_the_emulation_compiles_a_package_on_every_mlmodel_load(emulation, train
 def test_tokens_equal_the_interpreter_backend(emulation, trained_bundle):
     """Held-out clips through the whole bundle on both backends (the decoder's one state per window shared
     by its step and prefill functions): the same token ids."""
-    from cohere_coreml.transcribe import Transcriber
+    from cohere_coreml.inference.transcribe import Transcriber
 
     from ..fixture_data import heldout_utterances
 
@@ -109,7 +109,7 @@ _COMPARED: dict[str, tuple[list, list]] = {}
 
 @pytest.mark.slow
 def test_tokens_equal_the_interpreter_backend_on_every_heldout_clip(emulation, trained_bundle):
-    from cohere_coreml.transcribe import Transcriber
+    from cohere_coreml.inference.transcribe import Transcriber
 
     utterances = json.loads((HELDOUT_DIR / "manifest.json").read_text())["utterances"]
     coreml, mil = Transcriber(trained_bundle, backend="coreml"), Transcriber(trained_bundle, backend="mil")

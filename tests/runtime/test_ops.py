@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from scipy import special as _special  # noqa: F401  (scipy ships with librosa)
 
-from cohere_coreml.parity import psnr
+from cohere_coreml.export.parity import psnr
 from cohere_coreml.runtime import load_model, supported_op_types
 
 from .helpers import max_rel_err

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from cohere_coreml.parity import psnr
+from cohere_coreml.export.parity import psnr
 from cohere_coreml.runtime import load_model
 
 from .helpers import convert_torch

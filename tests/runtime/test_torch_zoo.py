@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cohere_coreml.parity import psnr
+from cohere_coreml.export.parity import psnr
 from cohere_coreml.runtime import load_model
 
 from .helpers import convert_torch, max_rel_err

@@ -1,7 +1,7 @@
 """Small checkpoints in the released Hugging Face format, for tests and the demo model.
 
 `make_tiny_checkpoint` writes a complete folder with the exact Cohere Transcribe architecture at
-small widths, loadable by `cohere_coreml.checkpoint.load_reference`, so every stage can be tested
+small widths, loadable by `cohere_coreml.model.checkpoint.load_reference`, so every stage can be tested
 on checkpoints of any shape. Not part of the product package.
 """
 
@@ -12,8 +12,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from cohere_coreml.checkpoint import CheckpointError
 from cohere_coreml.config import round_up
+from cohere_coreml.model.checkpoint import CheckpointError
 
 # Decoder (top-level CohereAsrConfig) fields of the default tiny checkpoint.
 TINY_DECODER = dict(

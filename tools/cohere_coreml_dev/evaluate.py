@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cohere_coreml.audio import load_audio, log_mel
-from cohere_coreml.datasets import DatasetError, load_folder
-from cohere_coreml.engines import PyTorchEngine, features_batch
-from cohere_coreml.metrics import basic_normalise as normalise_text
-from cohere_coreml.metrics import error_counts, rate_interval
-from cohere_coreml.tokens import decode_ids, eos_id, prompt_ids
+from cohere_coreml.evaluation.datasets import DatasetError, load_folder
+from cohere_coreml.evaluation.metrics import basic_normalise as normalise_text
+from cohere_coreml.evaluation.metrics import error_counts, rate_interval
+from cohere_coreml.inference.engines import PyTorchEngine, features_batch
+from cohere_coreml.model.audio import load_audio, log_mel
+from cohere_coreml.model.tokens import decode_ids, eos_id, prompt_ids
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def evaluate_checkpoint(
     max_new_tokens: int | None = None,
 ) -> dict[str, LanguageReport]:
     """Evaluate a checkpoint on a manifest folder through the transcriber interface
-    (`cohere_coreml.engines.PyTorchEngine`, greedy, one clip at a time)."""
+    (`cohere_coreml.inference.engines.PyTorchEngine`, greedy, one clip at a time)."""
     try:
         dataset = load_folder(data_dir, limit_per_language)
     except DatasetError as err:

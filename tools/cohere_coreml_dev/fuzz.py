@@ -1,5 +1,5 @@
-"""Manifest mutations for the fuzz tests (tests/test_fuzz_manifest.py) and the Swift corpus
-(tools/make_fuzz_manifests.py -> swift/Tests/CohereTranscribeTests/ManifestFuzzTests.swift).
+"""Manifest mutations for the fuzz tests (tests/bundle/test_fuzz_manifest.py) and the Swift corpus
+(tools/make_fuzz_manifests.py -> swift/Tests/CohereTranscribeTests/Bundle/ManifestFuzzTests.swift).
 
 A mutation is (path, operator, value): `path` is a list of keys / indices into the manifest (every
 container and leaf of a real exported manifest is a candidate), `operator` one of OPERATORS. The
@@ -17,7 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from cohere_coreml.bundle import IO_DTYPES, Bundle, BundleError
+from cohere_coreml.bundle.format import IO_DTYPES, BundleError
+from cohere_coreml.bundle.load import Bundle
 
 # values that replace a field: wrong types, empty / odd strings, out-of-range and non-finite numbers
 ODD_VALUES: tuple[Any, ...] = (

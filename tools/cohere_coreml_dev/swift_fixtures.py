@@ -98,7 +98,7 @@ def _env(threads: int) -> dict:
 def model_digest(model: Path) -> str:
     """The checkpoint's digest (`checkpoint.checkpoint_digest`): part of the test bundle's stamp, so that
     the fixtures of a retrained model are not made from packages of the old one."""
-    from cohere_coreml.checkpoint import checkpoint_digest
+    from cohere_coreml.model.checkpoint import checkpoint_digest
 
     return checkpoint_digest(model)
 
@@ -106,7 +106,7 @@ def model_digest(model: Path) -> str:
 def export_bundle(out: Path, model: Path, threads: int) -> Path:
     """The test bundle: exported once, then only missing components are added (the export skips the
     packages present that the same checkpoint made) and the manifest is rewritten from the packages on disk."""
-    from cohere_coreml.bundle import FORMAT_VERSION
+    from cohere_coreml.bundle.format import FORMAT_VERSION
 
     bundle = out / "bundle"
     manifest = bundle / "manifest.json"
@@ -134,7 +134,7 @@ def export_variant_bundle(out: Path, bundle: Path, model: Path, threads: int, na
     args, the kept packages' checksums or the bundle format changed."""
     import shutil
 
-    from cohere_coreml.bundle import FORMAT_VERSION
+    from cohere_coreml.bundle.format import FORMAT_VERSION
 
     variant = out / name
     manifest = variant / "manifest.json"
@@ -206,7 +206,7 @@ def reference_key(bundle: Path) -> str:
 def token_cases(bundle: Path, out: Path, root: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
-    from cohere_coreml.tokens import LANGUAGES, decode_ids, export_vocab, join_windows, prompt_ids
+    from cohere_coreml.model.tokens import LANGUAGES, decode_ids, export_vocab, join_windows, prompt_ids
 
     from .checkpoints import make_tiny_checkpoint
 
@@ -245,7 +245,7 @@ def audio_cases(out: Path, root: Path, demo_clips: list[tuple[str, str]]) -> lis
     """WAV copies of the demo clips (the Makefile's DEMO_CLIPS) and the held-out set, format variants."""
     import soundfile as sf
 
-    from cohere_coreml.audio import FrontEndConfig, load_audio, split_points
+    from cohere_coreml.model.audio import FrontEndConfig, load_audio, split_points
 
     wav_dir = out / "wav"
     wav_dir.mkdir(parents=True, exist_ok=True)
@@ -322,8 +322,8 @@ def transcripts(bundle: Path, out: Path, cases: list[dict], front_end: str, thre
                 name: str | None = None) -> dict | None:
     """transcripts_<name or front_end>.json (skipped when made from the same bundle); None without a
     front-end package for front_end="package"."""
-    from cohere_coreml.audio import FrontEndConfig, load_audio, log_mel, pad_to_window
-    from cohere_coreml.shapes import choose_bucket
+    from cohere_coreml.model.audio import FrontEndConfig, load_audio, log_mel, pad_to_window
+    from cohere_coreml.model.shapes import choose_bucket
 
     manifest = json.loads((bundle / "manifest.json").read_text())
     path = out / f"transcripts_{name or front_end}.json"

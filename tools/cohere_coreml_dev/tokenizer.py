@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cohere_coreml.tokens import (
+from cohere_coreml.model.tokens import (
     BOS_TOKEN,
     BYTE_TOKENS,
     EOS_TOKEN,

@@ -3,7 +3,7 @@ or a fixed step count).
 
 The model is the exact `transformers` `CohereAsrForConditionalGeneration` with small widths; it is
 trained with the real decoder prompt format and the project's own front end, then saved as a
-Hugging Face folder that `cohere_coreml.checkpoint.load_reference` loads. Recipe (see
+Hugging Face folder that `cohere_coreml.model.checkpoint.load_reference` loads. Recipe (see
 `shared/reference/training-small-model.md`): Kaiming re-init of the conv subsampling, an auxiliary
 CTC loss on the encoder output (training only, not saved), AdamW with warmup and cosine decay over
 the wall-clock budget (or over `steps`, which makes a run repeatable from its seed and thread count),
@@ -138,7 +138,7 @@ def train_sentencepiece(texts: list[str], vocab_size: int, seed: int = 0) -> lis
 def _features_of(path: str) -> np.ndarray:
     import torch
 
-    from cohere_coreml.audio import FrontEndConfig, load_audio, log_mel
+    from cohere_coreml.model.audio import FrontEndConfig, load_audio, log_mel
 
     torch.set_num_threads(1)
     feats, n_valid = log_mel(load_audio(path), FrontEndConfig(dither=0.0))
@@ -248,8 +248,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     import torch.nn.functional as F
     from transformers import CohereAsrForConditionalGeneration
 
-    from cohere_coreml.audio import FrontEndConfig
-    from cohere_coreml.tokens import eos_id, prompt_ids
+    from cohere_coreml.model.audio import FrontEndConfig
+    from cohere_coreml.model.tokens import eos_id, prompt_ids
 
     from .checkpoints import build_config, init_subsampling, save_checkpoint
     from .evaluate import greedy_decode, load_eval_set, summarise

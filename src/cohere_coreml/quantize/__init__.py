@@ -17,6 +17,9 @@ One job per module, the analysis steps apart from the apply steps (as in ml-stab
     command      `quantize_bundle` (source check, bundle assembly, atomic install) and the CLI
 
 Only the names other modules, tools and tests use are re-exported here.
+
+May import: publish (the bundle's card), evaluation, export, inference, bundle, model, storage,
+runtime (and the top-level config and errors).
 """
 
 from .command import add_command, check_source, format_summary, quantize_bundle, refusal_path, source_preset

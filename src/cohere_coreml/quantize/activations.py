@@ -42,7 +42,7 @@ from unittest import mock
 import numpy as np
 
 from ..config import MEMORY_NAMES, PREFILL_FUNCTION, STEP_FUNCTION
-from ..decoder_runtime import DecoderRuntime
+from ..inference.decoder_runtime import DecoderRuntime
 from ..runtime import load_model
 from .inventory import load_function
 from .measure import GateData, bind_function, decoder_outputs, decoder_runtime

@@ -2,7 +2,7 @@
 
     check the source (a complete f16 bundle) -> the f16 references (`measure.build_gate_data`) ->
     per component: compress (`compress`, with `sensitivity` / `--target-psnr` when asked) into a
-    temporary package, gate it (`gate.component_gate`, through `cohere_coreml.gate.export_gated`) ->
+    temporary package, gate it (`gate.component_gate`, through `cohere_coreml.export.gate.export_gated`) ->
     copy the rest of the bundle -> held-out gate (`gate.heldout_gate`) -> compression.json, manifest,
     README / example (`publish.finalize_bundle`) -> preset mixed: the finished bundle measured as
     `du -sb` counts it (`files.tree_bytes`), over its budget: re-planned and built again, or refused
@@ -24,14 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import faults
-from ..bundle import MANIFEST_NAME, write_manifest
-from ..convert import ExportSettings, ParityError
-from ..files import TEMPORARY_NAME, sweep_stale_temporaries, temporary_dir, tree_bytes, write_json_atomic
-from ..gate import HELDOUT_COMPONENT, GateReport, export_gated
-from ..integrity import COMPRESSION_FILE, check_bundle
-from ..memory import release_memory
-from ..publish import finalize_bundle
+from ..bundle.manifest import MANIFEST_NAME, write_manifest
+from ..export.convert import ExportSettings, ParityError
+from ..export.gate import HELDOUT_COMPONENT, GateReport, export_gated
+from ..export.memory import release_memory
+from ..publish.hub import finalize_bundle
+from ..storage import faults
+from ..storage.files import TEMPORARY_NAME, sweep_stale_temporaries, temporary_dir, tree_bytes, write_json_atomic
+from ..storage.integrity import COMPRESSION_FILE, check_bundle
 from .compress import compress_package
 from .gate import QuantizeGateError, component_gate, encoder_parts_gate, heldout_gate
 from .inventory import compressed_ops

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from ..convert import merge_functions, validated_per_pipeline
-from ..files import package_size_bytes, save_converted, temporary_dir, weight_file_bytes
+from ..export.convert import merge_functions, validated_per_pipeline
 from ..runtime.package import package_files, read_spec
+from ..storage.files import package_size_bytes, save_converted, temporary_dir, weight_file_bytes
 from . import activations
 from .inventory import compressed_tensors, load_function, package_functions, tensor_report, weight_tensors
 from .recipes import WEIGHT_THRESHOLD, QuantizeError, Recipe, scheme_config

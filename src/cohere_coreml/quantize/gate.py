@@ -1,6 +1,6 @@
 """The gates of a quantized bundle: each package vs the f16 one, and the bundle on a held-out set.
 
-Both follow the export's one interface (`cohere_coreml.gate.GateReport`): `component_gate` is the
+Both follow the export's one interface (`cohere_coreml.export.gate.GateReport`): `component_gate` is the
 `gate` callback of `gate.export_gated` (`<component>.parity.json`), `heldout_gate` the report of the
 whole bundle (`heldout.parity.json`).
 
@@ -20,13 +20,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..datasets import Dataset, load_folder
-from ..engines import Engine, PyTorchEngine
-from ..gate import HELDOUT_COMPONENT, GateReport
-from ..memory import release_memory
-from ..metrics import BOOTSTRAP_SAMPLES, error_counts, increase_interval, rate_interval, token_agreement
+from ..evaluation.datasets import Dataset, load_folder
+from ..evaluation.metrics import BOOTSTRAP_SAMPLES, error_counts, increase_interval, rate_interval, token_agreement
+from ..export.gate import HELDOUT_COMPONENT, GateReport
+from ..export.memory import release_memory
+from ..inference.engines import Engine, PyTorchEngine
+from ..inference.transcribe import Transcriber
 from ..runtime import load_model
-from ..transcribe import Transcriber
 from .measure import GateData, decoder_outputs, decoder_runtime, encoder_outputs, encoder_psnr, log_prob_error
 from .recipes import QuantizeError, bundle_components
 

@@ -48,16 +48,17 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ..audio import FrontEndConfig, load_audio, log_mel, split_long_audio
-from ..bundle import MANIFEST_NAME
-from ..checkpoint import load_reference
-from ..convert import ExportSettings
-from ..datasets import DatasetError, load_folder
-from ..encoder import COMPONENT, gate_features, stage_encoder, stage_encoder_buckets
-from ..engines import features_batch
-from ..files import package_size_bytes, temporary_dir, weight_file_bytes
-from ..memory import release_memory
-from ..shapes import encoder_shapes
+from ..bundle.manifest import MANIFEST_NAME
+from ..evaluation.datasets import DatasetError, load_folder
+from ..export.convert import ExportSettings
+from ..export.encoder import COMPONENT, gate_features
+from ..export.encoder_packages import stage_encoder, stage_encoder_buckets
+from ..export.memory import release_memory
+from ..inference.engines import features_batch
+from ..model.audio import FrontEndConfig, load_audio, log_mel, split_long_audio
+from ..model.checkpoint import load_reference
+from ..model.shapes import encoder_shapes
+from ..storage.files import package_size_bytes, temporary_dir, weight_file_bytes
 from .compress import compress_package
 from .recipes import QuantizeError, Recipe
 

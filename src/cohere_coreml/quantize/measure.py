@@ -16,18 +16,18 @@ from pathlib import Path
 
 import numpy as np
 
-from ..audio import FrontEndConfig, load_audio, log_mel, pad_to_window
-from ..bundle import Bundle
+from ..bundle.load import Bundle
 from ..config import BIND_FUNCTION
-from ..datasets import load_folder
-from ..decoder_gate import TeacherForcingCase, run_teacher_forcing
-from ..decoder_runtime import DecoderRuntime
-from ..gate import default_gate_audio
-from ..memory import release_memory
-from ..parity import argmax_flips, kl_rows, psnr
+from ..evaluation.datasets import load_folder
+from ..export.decoder_gate import TeacherForcingCase, run_teacher_forcing
+from ..export.gate import default_gate_audio
+from ..export.memory import release_memory
+from ..export.parity import argmax_flips, kl_rows, psnr
+from ..inference.decoder_runtime import DecoderRuntime
+from ..inference.transcribe import Transcriber
+from ..model.audio import FrontEndConfig, load_audio, log_mel, pad_to_window
+from ..model.shapes import LengthMasks
 from ..runtime import load_model
-from ..shapes import LengthMasks
-from ..transcribe import Transcriber
 from .recipes import QuantizeError
 
 GATE_CLIPS_PER_LANGUAGE = 2

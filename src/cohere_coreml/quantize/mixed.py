@@ -40,9 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from ..files import temporary_dir, tree_bytes, write_json_atomic
-from ..integrity import COMPRESSION_FILE
-from ..publish import EXAMPLE, README, example_source
+from ..publish.card import EXAMPLE, README, example_source
+from ..storage.files import temporary_dir, tree_bytes, write_json_atomic
+from ..storage.integrity import COMPRESSION_FILE
 from .compress import compress_package
 from .inventory import is_weight, load_function, package_functions
 from .measure import GateData

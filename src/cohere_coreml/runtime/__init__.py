@@ -6,6 +6,8 @@
     st = m.make_state(); m.predict(inputs, state=st)
 
 See docs/runtime.md.
+
+May import: nothing of the package (its own errors only).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ after its content, then every function of it loaded from that compiled model.
     path = cache.compiled(package, compile)  # the cached .mlmodelc, compiled by `compile` only when missing
 
 The naming rule is the Swift package's (`CoreMLRuntime.cachedLocation(for:)` / `digest(of:)` in
-swift/Sources/CohereTranscribe/CoreMLRuntime.swift): `<cache>/<package name>-<digest[:24]>.mlmodelc`,
+swift/Sources/CohereTranscribe/Runtime/CoreMLRuntime.swift): `<cache>/<package name>-<digest[:24]>.mlmodelc`,
 where the digest is the hex sha256 of the sorted lines `"<package>/<file>\\t<sha256>\\t<size>"` of the
 bundle manifest's checksums (`manifest.json` beside the package), else of the package's file table
 `"<package>/<file>\\t<size>\\t<mtime>"` (this fallback names the same files the same way within one

@@ -1,0 +1,470 @@
+"""Stateful decoder: the `transformers` Cohere ASR decoder with a static KV cache and its cross
+memory kept in the state, as one multifunction Core ML package.
+
+Functions of `decoder.mlpackage`, all on ONE state layout (a state object made once serves every
+function of the package):
+
+    bind_memory  once per window
+        inputs : encoder_cross_k    (L, Hkv, Tp, Dh)  the encoder package's `cross_k`, unchanged
+                 encoder_cross_v    (L, Hkv, Tp, Dh)  its `cross_v`
+                 encoder_cross_mask (1, 1, 1, Tp)     its `cross_mask`: 0 valid frame, -1e4 padding
+        effect : state cross_k / cross_v / cross_mask = the inputs (fp16); self_k / self_v *= 0
+        output : memory_length int32 (1,)            valid (unmasked) frames just bound
+    main (the step)
+        inputs : input_ids int32 (1, 1), position int32 (1,)
+        effect : self_k / self_v written at slot `position`; cross memory read from the state
+        output : log_probs (1, V)                    log-softmax over the vocabulary
+    prefill (optional)
+        inputs : input_ids int32 (1, P)               the whole prompt, slots 0..P-1
+        output : log_probs (1, V)                    after the last prompt token
+    extend (optional)
+        inputs : input_ids int32 (1, K)               the real tokens, then padding (any id)
+                 position int32 (1,)                  slot of the first token (position + K <= C)
+        effect : self_k / self_v written at slots position .. position+K-1 (the padded tail's slots
+                 lie after the last real token: masked for it, overwritten before any later token sees them)
+        output : log_probs (1, K, V)                 row i: after the token at slot position+i (the
+                                                     caller reads the rows of its real tokens)
+    states : self_k, self_v fp16 (L, Hkv, C, Dh); cross_k, cross_v fp16 (L, Hkv, Tp, Dh);
+             cross_mask fp16 (1, 1, 1, Tp)
+
+The modules reuse the `transformers` submodules (embeddings, layer norms, q/k/v/o projections,
+MLP, final norm, `proj_out`) and `eager_attention_forward`; only the static-cache glue lives
+here. No function projects the encoder memory: cross K/V come precomputed from the encoder.
+`convert_decoder` writes the package through its teacher-forcing gate (`decoder_gate`).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import (
+    ANE_MULTIPLE,
+    BIND_FUNCTION,
+    BIND_INPUT_PREFIX,
+    BIND_OUTPUT,
+    CACHE_MASK_INPUT,
+    DECODER_STATE_DEFAULT,
+    DECODER_STATE_GRAPH,
+    DECODER_STATE_HOST,
+    DECODER_STATES,
+    EXTEND_FUNCTION,
+    EXTEND_LENGTH,
+    MEMORY_NAMES,
+    NEW_ROWS_OUTPUTS,
+    PREFILL_FUNCTION,
+    PROMPT_LENGTH,
+    STEP_FUNCTION,
+)
+from ..inference.decoder_runtime import extend_inputs, host_cache_mask, memory_frames
+from ..model.shapes import DecoderShapes, cache_capacity
+from ..storage.files import save_converted, skip_installed
+from .convert import ExportSettings, convert_module, merge_functions, validated_per_pipeline
+from .decoder_gate import COMPONENT, prepare_gate
+from .decoder_modules import (
+    STATE_DTYPE,
+    DecoderBind,
+    DecoderExportError,
+    DecoderExtend,
+    DecoderExtendHost,
+    DecoderPrefill,
+    DecoderPrefillHost,
+    DecoderStep,
+    DecoderStepHost,
+    RecomputingStep,
+    StatefulDecoder,
+)
+from .gate import StagedPackage, stage_gated
+
+logger = logging.getLogger(__name__)
+
+
+def _trace(module: StatefulDecoder, example: tuple):
+    module = module.eval()
+    with torch.no_grad():
+        traced = torch.jit.trace(module, example, check_trace=False)
+    module.reset()
+    return traced
+
+
+def trace_decoder_bind(bind: StatefulDecoder):
+    s = bind.shapes
+    return _trace(bind, (torch.zeros(s.memory_shape), torch.zeros(s.memory_shape),
+                         torch.zeros((1, 1, 1, s.memory_len))))
+
+
+def _host_mask_example(module: StatefulDecoder) -> tuple:
+    """The cache_mask example input of a host-state function ((), for a graph-state one)."""
+    if isinstance(module, (DecoderStepHost, DecoderExtendHost)):
+        return (torch.zeros((1, 1, 1, module.shapes.capacity), dtype=STATE_DTYPE),)
+    return ()
+
+
+def trace_decoder_step(step: StatefulDecoder):
+    return _trace(step, (torch.zeros((1, 1), dtype=torch.int32), torch.zeros((1,), dtype=torch.int32),
+                         *_host_mask_example(step)))
+
+
+def trace_decoder_prefill(prefill: DecoderPrefill):
+    return _trace(prefill, (torch.zeros((1, prefill.prompt_len), dtype=torch.int32),))
+
+
+def trace_decoder_extend(extend: DecoderExtend):
+    return _trace(extend, (torch.zeros((1, extend.extend_len), dtype=torch.int32), torch.zeros((1,), dtype=torch.int32),
+                           *_host_mask_example(extend)))
+
+
+def coreml_states(shapes: DecoderShapes, names=("self_k", "self_v", *MEMORY_NAMES)):
+    """The package's state declarations (fp16, static shapes), shared by every function."""
+    import coremltools as ct  # heavy: the PyTorch side (decoder_gate, tests) needs none
+
+    shape = {"self_k": shapes.cache_shape, "self_v": shapes.cache_shape, "cross_k": shapes.memory_shape,
+             "cross_v": shapes.memory_shape, "cross_mask": (1, 1, 1, shapes.memory_len)}
+    return [ct.StateType(wrapped_type=ct.TensorType(shape=shape[n], dtype=np.float16), name=n) for n in names]
+
+
+def coreml_io(shapes: DecoderShapes, function: str = STEP_FUNCTION, prompt_len: int | None = None,
+              extend_len: int = EXTEND_LENGTH, state_writes: str = DECODER_STATE_GRAPH):
+    """coremltools (inputs, states, outputs) declarations of one function of the package. `state_writes`
+    "host": the step and extend also take `cache_mask` (fp16 (1, 1, 1, C)) and every token function also
+    returns `new_k` / `new_v` (fp16 (L, Hkv, S, Dh)); there is no bind function."""
+    import coremltools as ct  # heavy: the PyTorch side (decoder_gate, tests) needs none
+
+    if state_writes == DECODER_STATE_HOST:
+        if function == BIND_FUNCTION:
+            raise ValueError("the host-state decoder has no bind function (the host writes the cross memory)")
+        inputs, states, outputs = coreml_io(shapes, function, prompt_len, extend_len)
+        if function != PREFILL_FUNCTION:
+            inputs.append(ct.TensorType(name=CACHE_MASK_INPUT, shape=(1, 1, 1, shapes.capacity), dtype=np.float16))
+        outputs += [ct.TensorType(name=NEW_ROWS_OUTPUTS[n], dtype=np.float16) for n in ("self_k", "self_v")]
+        return inputs, states, outputs
+    if state_writes != DECODER_STATE_GRAPH:
+        raise ValueError(f"state_writes must be one of {DECODER_STATES}, got {state_writes!r}")
+    if function == BIND_FUNCTION:
+        # no dtype: the program's precision, as the encoder's outputs (fp16 arrays in an fp16 bundle)
+        inputs = [ct.TensorType(name=BIND_INPUT_PREFIX + "cross_k", shape=shapes.memory_shape),
+                  ct.TensorType(name=BIND_INPUT_PREFIX + "cross_v", shape=shapes.memory_shape),
+                  ct.TensorType(name=BIND_INPUT_PREFIX + "cross_mask", shape=(1, 1, 1, shapes.memory_len))]
+        return inputs, coreml_states(shapes), [ct.TensorType(name=BIND_OUTPUT)]
+    if function == STEP_FUNCTION:
+        inputs = [ct.TensorType(name="input_ids", shape=(1, 1), dtype=np.int32),
+                  ct.TensorType(name="position", shape=(1,), dtype=np.int32)]
+    elif function == PREFILL_FUNCTION:
+        inputs = [ct.TensorType(name="input_ids", shape=(1, prompt_len), dtype=np.int32)]
+    elif function == EXTEND_FUNCTION:
+        inputs = [ct.TensorType(name="input_ids", shape=(1, extend_len), dtype=np.int32),
+                  ct.TensorType(name="position", shape=(1,), dtype=np.int32)]
+    else:
+        raise ValueError(f"unknown decoder function {function!r}")
+    return inputs, coreml_states(shapes), [ct.TensorType(name="log_probs")]
+
+
+def build_step_mlmodel(model, capacity: int, memory_len: int, precision: str = "fp16", recompute_cross_kv=False):
+    """Trace the decode step and convert it to an (in-memory) Core ML ML program (for inspection:
+    op counts, MACs). `recompute_cross_kv`: the comparison design (`RecomputingStep`)."""
+    import coremltools as ct  # heavy: the PyTorch side (decoder_gate, tests) needs none
+
+    if recompute_cross_kv:
+        step = RecomputingStep(model, capacity, memory_len)
+        s = step.shapes
+        traced = _trace(step, (torch.zeros((1, 1), dtype=torch.int32), torch.zeros((1,), dtype=torch.int32),
+                               torch.zeros((1, memory_len, s.hidden_size)), torch.zeros((1, 1, 1, memory_len))))
+        inputs = [ct.TensorType(name="input_ids", shape=(1, 1), dtype=np.int32),
+                  ct.TensorType(name="position", shape=(1,), dtype=np.int32),
+                  ct.TensorType(name="encoder_memory", shape=(1, memory_len, s.hidden_size)),
+                  ct.TensorType(name="cross_mask", shape=(1, 1, 1, memory_len))]
+        states, outputs = coreml_states(s, ("self_k", "self_v")), [ct.TensorType(name="log_probs")]
+    else:
+        step = DecoderStep(model, capacity, memory_len)
+        traced = trace_decoder_step(step)
+        inputs, states, outputs = coreml_io(step.shapes)
+    prec = {"fp16": ct.precision.FLOAT16, "fp32": ct.precision.FLOAT32}[precision]
+    with validated_per_pipeline():
+        mlmodel = ct.convert(
+            traced,
+            inputs=inputs,
+            states=states,
+            outputs=outputs,
+            convert_to="mlprogram",
+            minimum_deployment_target=ct.target.iOS18,
+            compute_precision=prec,
+            skip_model_load=True,
+        )
+    return mlmodel, step.shapes
+
+
+# --------------------------------------------------------------------------------------------
+# Export with a parity gate (the gate itself: `decoder_gate`)
+# --------------------------------------------------------------------------------------------
+
+DECODER_DESCRIPTIONS = {
+    "input_ids": "int32 (1, 1): the token at `position` (prompt token, then the previous prediction)",
+    "position": "int32 (1,): slot of this token in the self-attention cache, 0-based, < capacity",
+    "log_probs": "(1, V) log-softmax over the vocabulary for the token after `position`",
+    "self_k": "fp16 (L, Hkv, C, Dh) self-attention keys; cleared by bind_memory",
+    "self_v": "fp16 (L, Hkv, C, Dh) self-attention values; cleared by bind_memory",
+    "cross_k": "fp16 (L, Hkv, Tp, Dh) cross-attention keys of the window, written by bind_memory",
+    "cross_v": "fp16 (L, Hkv, Tp, Dh) cross-attention values of the window, written by bind_memory",
+    "cross_mask": "fp16 (1, 1, 1, Tp) additive cross mask of the window (0 valid, -1e4 padding), written by bind_memory",
+}
+EXTEND_DESCRIPTIONS = {
+    **DECODER_DESCRIPTIONS,
+    "input_ids": "int32 (1, K): tokens for slots position.., the real ones first, then padding",
+    "position": "int32 (1,): cache slot of the first token, position + K <= capacity",
+    "log_probs": "(1, K, V) log-softmax over the vocabulary after each of the K slots (rows of padding: unused)",
+}
+HOST_DESCRIPTIONS = {
+    **DECODER_DESCRIPTIONS,
+    CACHE_MASK_INPUT: "fp16 (1, 1, 1, C) additive, written by the host: 0 for the cache slots already filled "
+                      "(< position), -1e4 for the others",
+    "new_k": "fp16 (L, Hkv, S, Dh): the new tokens' self-attention keys; the host writes them into self_k at "
+             "slots position..position+S-1",
+    "new_v": "fp16 (L, Hkv, S, Dh): the new tokens' self-attention values, for self_v likewise",
+    "self_k": "fp16 (L, Hkv, C, Dh) self-attention keys, read only (the host writes each call's new_k)",
+    "self_v": "fp16 (L, Hkv, C, Dh) self-attention values, read only (the host writes each call's new_v)",
+    "cross_k": "fp16 (L, Hkv, Tp, Dh) cross-attention keys of the window, written by the host once per window",
+    "cross_v": "fp16 (L, Hkv, Tp, Dh) cross-attention values of the window, written by the host once per window",
+    "cross_mask": "fp16 (1, 1, 1, Tp) additive cross mask of the window (0 valid, -1e4 padding), written by the host",
+}
+HOST_EXTEND_DESCRIPTIONS = {k: v for k, v in HOST_DESCRIPTIONS.items() if k not in ("input_ids", "position", "log_probs")}
+BIND_DESCRIPTIONS = {
+    BIND_INPUT_PREFIX + "cross_k": "(L, Hkv, Tp, Dh) encoder.mlpackage's cross_k, unchanged",
+    BIND_INPUT_PREFIX + "cross_v": "(L, Hkv, Tp, Dh) encoder.mlpackage's cross_v, unchanged",
+    BIND_INPUT_PREFIX + "cross_mask": "(1, 1, 1, Tp) encoder.mlpackage's cross_mask, unchanged",
+    BIND_OUTPUT: "int32 (1,): valid (unmasked) frames of the memory just bound (== the encoder's encoder_length)",
+    **{k: v for k, v in DECODER_DESCRIPTIONS.items() if k not in ("input_ids", "position", "log_probs")},
+}
+
+
+class TorchDecoder:
+    """A PyTorch `StatefulDecoder` behind the `DecoderRuntime` interface (new_state / bind / step /
+    prefill / extend): the gate's negative controls run through it (`decoder_gate.negative_controls`), and
+    tests use it as the PyTorch twin of a package. Its state is the module itself (one sequence at a time).
+
+    `state_writes` as the package's: "graph" (the module writes its cache and memory, as the package's
+    functions do) or "host" (the module only reads its buffers and returns the new K/V rows; this twin
+    writes them, and the memory, as `DecoderRuntime` writes a host-state package's)."""
+
+    backend = "torch"
+
+    def __init__(self, module: StatefulDecoder, state_writes: str = DECODER_STATE_GRAPH):
+        if state_writes not in DECODER_STATES:
+            raise ValueError(f"state_writes must be one of {DECODER_STATES}, got {state_writes!r}")
+        self.module = module.eval()
+        self.state_writes = state_writes
+
+    @classmethod
+    def of(cls, model, capacity: int, memory_len: int, state_writes: str = DECODER_STATE_GRAPH) -> TorchDecoder:
+        """The twin of a package with `capacity` cache slots over `memory_len` encoder frames."""
+        return cls(StatefulDecoder(model, capacity, memory_len), state_writes)
+
+    @property
+    def host(self) -> bool:
+        return self.state_writes == DECODER_STATE_HOST
+
+    def new_state(self, memory: dict):
+        self.module.reset()
+        self.bind(self.module, memory)
+        return self.module
+
+    def bind(self, state, memory: dict) -> int:
+        args = [torch.from_numpy(np.asarray(memory[k], dtype=np.float32)) for k in MEMORY_NAMES]
+        with torch.no_grad():
+            if not self.host:
+                return int(state.bind_memory(*args)[0])
+            for name, value in zip(MEMORY_NAMES, args):  # the host's writes (DecoderRuntime.bind)
+                getattr(state, name)[:] = value.to(STATE_DTYPE)
+            state.self_k.zero_()
+            state.self_v.zero_()
+            return memory_frames(memory["cross_mask"])
+
+    def _run(self, state, ids, positions: torch.Tensor, all_rows: bool = False) -> np.ndarray:
+        """The module on `ids` at `positions`; in the host variant the twin writes the new rows after."""
+        ids = torch.tensor([[int(t) for t in ids]], dtype=torch.int32)
+        with torch.no_grad():
+            if not self.host:
+                return state.run_tokens(ids, positions, all_rows=all_rows).numpy()
+            start = int(positions[0])
+            mask = torch.from_numpy(host_cache_mask(start, state.shapes.capacity))
+            lp, new_k, new_v = state.run_tokens(ids, positions, all_rows=all_rows, cache_mask=mask)
+            n = ids.shape[1]
+            state.self_k[:, :, start : start + n] = new_k
+            state.self_v[:, :, start : start + n] = new_v
+            return lp.numpy()
+
+    def step(self, state, token: int, position: int) -> np.ndarray:
+        return self._run(state, [token], torch.tensor([int(position)], dtype=torch.int32)).reshape(-1)
+
+    def prefill(self, state, ids) -> np.ndarray:
+        return self._run(state, ids, torch.arange(len(ids), dtype=torch.int32)).reshape(-1)
+
+    def extend(self, state, ids, start: int, extend_len: int = EXTEND_LENGTH) -> np.ndarray:
+        """`extend` as the package computes it: `ids` padded to `extend_len` slots from `start`; the
+        (len(ids), V) log-probs after each of them."""
+        padded, position = extend_inputs(ids, start, extend_len, self.module.shapes.capacity)
+        positions = torch.from_numpy(position + np.arange(extend_len, dtype=np.int32))
+        rows = self._run(state, padded[0], positions, all_rows=True)[0]  # (K, V)
+        return rows[: len(ids)]
+
+
+def convert_decoder(model, settings: ExportSettings, capacity: int | None = None, memory_len: int | None = None,
+                    prompt: list[int] | None = None, backend: str = "mil", prefill: bool = False,
+                    control_prompt: list[int] | None = None, extend: bool = False,
+                    extend_len: int = EXTEND_LENGTH, state_writes: str = DECODER_STATE_DEFAULT) -> dict:
+    """Export `decoder.mlpackage` into `settings.out_dir` with a teacher-forcing parity gate.
+
+    Args:
+        model: `CohereAsrForConditionalGeneration` (eval, float32).
+        settings: `cohere_coreml.export.convert.ExportSettings` (precision, target, out_dir, force, ...).
+        capacity: cache slots C (`shapes.cache_capacity`; default for 256 new tokens).
+        memory_len: Tp, the padded encoder frames of the encoder package this decoder reads
+            (`shapes.export_plan` computes it from the window).
+        prompt: decoder prompt ids for the gate (default: 10 tokens from the config's start id).
+        backend: runtime backend running the gate ("mil" interpreter on Linux, "auto" elsewhere).
+        prefill: also add a `prefill` function (the whole prompt in one call, same states, weights
+            shared) and make the package multifunction; `main` stays the step function.
+        control_prompt: another prompt of the same length (other language / punctuation) for the
+            gate's "wrong prompt" negative control (default: `prompt` reversed).
+        extend: also add an `extend` function (`extend_len` tokens from a given slot in one call:
+            forced prefixes), same states, weights shared.
+        state_writes: "host" (the functions only read the state and return the new K/V rows, which the
+            host writes; no bind function) or "graph" (the functions write the cache, bind_memory the
+            memory). docs/decoder.md says which is the default and why.
+
+    Returns a dict: package path, shapes, parity report (`GateReport.to_dict()`, also written to
+    `decoder.parity.json`; None when skipped or unchecked), written (False: the package existed).
+    Raises `ParityError` (package not written) when the gate fails.
+    """
+    staged, result = stage_decoder(model, settings, capacity, memory_len, prompt, backend, prefill, control_prompt,
+                                   extend, extend_len, state_writes)
+    if staged is None:
+        return result
+    report = staged.finish()
+    result["written"] = True
+    result["parity"] = None if report.skipped else report.to_dict()
+    return result
+
+
+def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, memory_len: int | None = None,
+                  prompt: list[int] | None = None, backend: str = "mil", prefill: bool = False,
+                  control_prompt: list[int] | None = None, extend: bool = False,
+                  extend_len: int = EXTEND_LENGTH,
+                  state_writes: str = DECODER_STATE_DEFAULT) -> tuple[StagedPackage | None, dict]:
+    """`convert_decoder` up to the gate: the package at its temporary path (traced and converted
+    inside the writer, so no program object outlives it), the teacher-forcing reference and the
+    negative controls computed with PyTorch. Returns (staged package or None when skipped, the
+    result dict `convert_decoder` returns before gating); `finish()` gates and installs it."""
+    capacity = int(capacity) if capacity else cache_capacity()
+    if state_writes not in DECODER_STATES:
+        raise DecoderExportError(f"--decoder-state must be one of {', '.join(DECODER_STATES)}, got {state_writes!r}")
+    host = state_writes == DECODER_STATE_HOST
+    if memory_len is None:
+        raise DecoderExportError("give memory_len: the padded encoder frames of the encoder package")
+    if capacity % ANE_MULTIPLE:
+        logger.warning("capacity %d is not a multiple of %d (Neural Engine prefers multiples of 32)",
+                       capacity, ANE_MULTIPLE)
+    shapes = DecoderShapes.from_config(model.config, capacity, memory_len)
+    path = settings.package_path(COMPONENT)
+    if prompt is None:
+        start = model.config.decoder_start_token_id
+        gate_prompt = [int(start)] + [int(model.config.bos_token_id)] * (PROMPT_LENGTH - 1)
+    else:
+        gate_prompt = list(prompt)
+    if control_prompt is None:
+        control_prompt = gate_prompt[::-1]
+    if extend and not 1 <= extend_len <= capacity - len(gate_prompt):
+        # the gate extends from slot 0 and from slot P, and a forced prefix needs room after the prompt
+        raise DecoderExportError(f"extend length {extend_len} does not fit after a {len(gate_prompt)}-token prompt "
+                                 f"in a cache of {capacity} slots")
+    result = {"path": str(path), "shapes": shapes.to_dict(), "parity": None, "written": False,
+              "functions": {"step": STEP_FUNCTION, "bind": None if host else BIND_FUNCTION,
+                            "prefill": PREFILL_FUNCTION if prefill else None},
+              "prefill_length": len(gate_prompt) if prefill else None, "state_writes": state_writes}
+    if extend:  # absent without it (as in the manifest)
+        result["functions"]["extend"] = EXTEND_FUNCTION
+        result["extend_length"] = int(extend_len)
+    if skip_installed(settings, COMPONENT):
+        return None, result
+    meta = {
+        "com.cohere_coreml.component": "decoder",
+        "com.cohere_coreml.decoder_shapes": shapes.to_dict(),
+        "com.cohere_coreml.cache_capacity": str(shapes.capacity),
+        "com.cohere_coreml.memory_len": str(shapes.memory_len),
+        "com.cohere_coreml.eos_token_id": str(model.config.eos_token_id),
+        "com.cohere_coreml.decoder_state": state_writes,
+    }
+
+    def convert(function: str):
+        """Trace and convert one function of the package (a single-function model named `main`)."""
+        if function == BIND_FUNCTION:
+            traced, descriptions = trace_decoder_bind(DecoderBind(model, capacity, memory_len)), BIND_DESCRIPTIONS
+            summary = "Cohere Transcribe decoder: bind one window's cross memory into the state"
+        elif function == PREFILL_FUNCTION:
+            traced = trace_decoder_prefill((DecoderPrefillHost if host else DecoderPrefill)(
+                model, capacity, memory_len, prompt_len=len(gate_prompt)))
+            descriptions = HOST_DESCRIPTIONS if host else DECODER_DESCRIPTIONS
+            summary = "Cohere Transcribe decoder prompt prefill (stateful KV cache, bound cross memory)"
+        elif function == EXTEND_FUNCTION:
+            traced = trace_decoder_extend((DecoderExtendHost if host else DecoderExtend)(
+                model, capacity, memory_len, extend_len))
+            descriptions = {**EXTEND_DESCRIPTIONS, **HOST_EXTEND_DESCRIPTIONS} if host else EXTEND_DESCRIPTIONS
+            summary = ("Cohere Transcribe decoder extend: up to K tokens from a given slot in one call "
+                       "(stateful KV cache, bound cross memory)")
+        else:
+            logger.info("decoder: tracing (L=%d Hkv=%d C=%d Tp=%d Dh=%d V=%d)", shapes.num_layers,
+                        shapes.num_kv_heads, shapes.capacity, shapes.memory_len, shapes.head_dim, shapes.vocab_size)
+            traced = trace_decoder_step((DecoderStepHost if host else DecoderStep)(model, capacity, memory_len))
+            descriptions = HOST_DESCRIPTIONS if host else DECODER_DESCRIPTIONS
+            summary = "Cohere Transcribe decoder step (stateful KV cache + bound cross memory, log-softmax output)"
+        inputs, states, outputs = coreml_io(shapes, function, prompt_len=len(gate_prompt), extend_len=extend_len,
+                                            state_writes=state_writes)
+        if host:
+            summary = summary.replace("stateful KV cache", "reads its state, returns new K/V rows for the host")
+        return convert_module(traced, inputs, outputs, settings, states=states,
+                              metadata={**meta, "com.cohere_coreml.function": function},
+                              descriptions={k: v for k, v in descriptions.items()
+                                            if k in {t.name for t in (*inputs, *states, *outputs)}},
+                              short_description=summary)
+
+    functions = ([STEP_FUNCTION] + ([] if host else [BIND_FUNCTION]) + ([PREFILL_FUNCTION] if prefill else [])
+                 + ([EXTEND_FUNCTION] if extend else []))
+
+    def write(tmp: Path) -> None:
+        save_multifunction({fn: (lambda fn=fn: convert(fn)) for fn in functions}, tmp)
+
+    def prepare():  # the gate's PyTorch side (reference, negative controls), once the package is written
+        return prepare_gate(model, partial(TorchDecoder.of, model, state_writes=state_writes), shapes.memory_len,
+                            shapes.capacity, gate_prompt, control_prompt, settings.precision, settings.min_psnr_db,
+                            backend, prefill, extend_len if extend else None, state_writes=state_writes)
+
+    return stage_gated(COMPONENT, settings, write, prepare, installed=lambda: False), result  # checked above
+
+
+def save_multifunction(converters: dict, tmp: Path) -> None:
+    """Convert each function (name -> callable returning a single-function MLModel), then merge them
+    into one package at `tmp` (`convert.merge_functions`: identical weights stored once;
+    `main` is the default function). Each program is converted, saved and dropped in turn (only one
+    converted program in memory)."""
+    import coremltools as ct  # heavy: the PyTorch side (decoder_gate, tests) needs none
+
+    scratch = Path(tempfile.mkdtemp(prefix="decoder-mf-"))
+    try:
+        singles = {}
+        for fn, convert in converters.items():
+            singles[fn] = scratch / f"{fn}.mlpackage"
+            save_converted(convert(), singles[fn])
+        merged_model = merge_functions(singles, STEP_FUNCTION, scratch)
+        step_meta = ct.models.MLModel(str(singles[STEP_FUNCTION]), skip_model_load=True).user_defined_metadata
+        merged_model.user_defined_metadata.update(dict(step_meta))
+        merged_model.user_defined_metadata.pop("com.cohere_coreml.function", None)
+        merged_model.user_defined_metadata["com.cohere_coreml.functions"] = ", ".join(
+            f"{fn} (step)" if fn == STEP_FUNCTION else fn for fn in converters)
+        merged_model.save(str(tmp))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -1,0 +1,286 @@
+"""The PyTorch modules traced for each function of `decoder.mlpackage`: `StatefulDecoder` (the
+`transformers` Cohere ASR decoder layers with a static KV cache and the cross memory in the state;
+none of the layers re-implemented) and one wrapper per function (bind_memory, step, prefill, extend;
+the host-written-state variants). Tracing, conversion and the gate: `cohere_coreml.export.decoder`,
+whose docstring gives each function's inputs, outputs and effect.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from transformers.models.cohere_asr.modeling_cohere_asr import eager_attention_forward
+
+from ..config import EXTEND_LENGTH, FP16_MASK_VALUE
+from ..model.shapes import DecoderShapes
+
+MASK_VALUE = FP16_MASK_VALUE
+STATE_DTYPE = torch.float16  # Core ML states are fp16 only (even in an fp32 program)
+COMPUTE_DTYPE = torch.float32  # of the traced graph; the program's precision is the converter's
+
+
+class DecoderExportError(RuntimeError):
+    """Raised when the decoder cannot be exported or fails its parity gate."""
+
+
+def stable_log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """log-softmax over the last axis as x - max - log(sum(exp(x - max))).
+
+    Not `torch.log_softmax`: coremltools lowers that to log(softmax(x)), and in fp16 every
+    probability below ~6e-8 (log-prob < -16.6) underflows there and comes out as log(1e-45) =
+    -103.3 (measured on the trained small model: worst log-prob PSNR -9 dB). This form keeps
+    the small log-probs (beam search needs them).
+    """
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    return shifted - torch.log(torch.exp(shifted).sum(dim=-1, keepdim=True))
+
+
+class StatefulDecoder(nn.Module):
+    """`CohereAsrForConditionalGeneration`'s decoder over the package's state buffers.
+
+    The five registered fp16 buffers are the Core ML states (same names). Each function of the
+    package is a subclass whose `forward` calls one method here: `bind_memory` (DecoderBind),
+    `run_tokens` (DecoderStep, DecoderPrefill). The PyTorch twin (`TorchDecoder`) calls the same
+    methods, so a module's twin and its package compute the same thing.
+    """
+
+    def __init__(self, model, capacity: int, memory_len: int):
+        super().__init__()
+        self.shapes = DecoderShapes.from_config(model.config, capacity, memory_len)
+        self.decoder = model.model.decoder  # CohereAsrDecoder (embed_tokens, pos_emb, layers, norm, ...)
+        self.proj_out = model.proj_out  # LM head
+        s = self.shapes
+        self.register_buffer("self_k", torch.zeros(s.cache_shape, dtype=STATE_DTYPE))  # (L, Hkv, C, Dh)
+        self.register_buffer("self_v", torch.zeros(s.cache_shape, dtype=STATE_DTYPE))
+        self.register_buffer("cross_k", torch.zeros(s.memory_shape, dtype=STATE_DTYPE))  # (L, Hkv, Tp, Dh)
+        self.register_buffer("cross_v", torch.zeros(s.memory_shape, dtype=STATE_DTYPE))
+        self.register_buffer("cross_mask", torch.zeros((1, 1, 1, s.memory_len), dtype=STATE_DTYPE))  # (1, 1, 1, Tp)
+        # slot index row used to build the causal mask: (1, 1, 1, C)
+        self.register_buffer(
+            "slots", torch.arange(s.capacity, dtype=torch.int32).view(1, 1, 1, s.capacity), persistent=False
+        )
+
+    def reset(self) -> None:
+        for name in ("self_k", "self_v", "cross_k", "cross_v", "cross_mask"):
+            getattr(self, name).zero_()
+
+    def bind_memory(
+        self,
+        cross_k: torch.Tensor,  # (L, Hkv, Tp, Dh) the encoder's output
+        cross_v: torch.Tensor,  # (L, Hkv, Tp, Dh)
+        cross_mask: torch.Tensor,  # (1, 1, 1, Tp) additive
+    ) -> torch.Tensor:
+        """Write one window's cross memory into the state and clear the self-attention cache.
+
+        Whole-buffer writes are slice assignments over the full range (`buf[:] = x`): the tracer
+        keeps them as `slice_update` + `coreml_update_state` (`copy_` is refused by the converter,
+        index assignment dropped). The cache is cleared by `* 0`, not by writing a zeros tensor:
+        that would be a constant of the cache's size in the weight file (4.7 MB per buffer at full
+        size). Returns memory_length int32 (1,): the valid frames of the bound mask.
+        """
+        self.cross_k[:] = cross_k.to(STATE_DTYPE)
+        self.cross_v[:] = cross_v.to(STATE_DTYPE)
+        self.cross_mask[:] = cross_mask.to(STATE_DTYPE)
+        # every function of the package must use every state (coremltools refuses unused states)
+        self.self_k[:] = self.self_k * 0
+        self.self_v[:] = self.self_v * 0
+        return (cross_mask > 0.5 * MASK_VALUE).to(torch.int32).sum(dim=-1).view(1)  # (1,)
+
+    def _memory(self, i: int):
+        """Cross K/V of layer i from the state, head layout (1, Hkv, Tp, Dh), compute dtype."""
+        return self.cross_k[i : i + 1].to(COMPUTE_DTYPE), self.cross_v[i : i + 1].to(COMPUTE_DTYPE)
+
+    def run_tokens(
+        self,
+        input_ids: torch.Tensor,  # (1, S) int32
+        positions: torch.Tensor,  # (S,) int32, consecutive slots
+        memory=None,  # i -> (k, v) (1, Hkv, Tp, Dh); default: the bound memory in the state
+        cross_mask: torch.Tensor | None = None,  # (1, 1, 1, Tp) additive; default: the state's
+        all_rows: bool = False,
+        cache_mask: torch.Tensor | None = None,  # (1, 1, 1, C) additive: the host-state variant
+    ):
+        """Feed S consecutive tokens; returns the log-probs after the last one, (1, V), or with `all_rows`
+        after each of them, (1, S, V).
+
+        Without `cache_mask` (the "graph" variant) the new K/V rows are written into the state at
+        `positions` and the causal mask is built from `positions`. With `cache_mask` (the "host" variant)
+        the state is only read: the tokens attend over the cache slots `cache_mask` leaves open (0; the
+        others FP16_MASK_VALUE) plus their own K/V (causal among themselves, a constant mask), and
+        (log_probs, new_k, new_v) is returned, new rows (L, Hkv, S, Dh) fp16 for the host to write at
+        `positions`. The new rows are rounded to fp16 before the tokens attend to them, as the graph
+        variant's round trip through the fp16 cache does."""
+        s = self.shapes
+        dec = self.decoder
+        memory = memory or self._memory
+        if cross_mask is None:
+            cross_mask = self.cross_mask.to(COMPUTE_DTYPE)  # (1, 1, 1, Tp)
+        n = input_ids.shape[1]  # S (static under tracing)
+        p = positions[0]
+        host = cache_mask is not None
+
+        # token + learned absolute position, then layer norm (as CohereAsrDecoder.forward)
+        hidden = dec.embed_tokens(input_ids)  # (1, S, D)
+        hidden = dec.embedding_layernorm(hidden + dec.pos_emb(positions).unsqueeze(0))  # (1, S, D)
+        dtype = hidden.dtype
+
+        if host:
+            # the host's slots, then the new tokens' own: causal among themselves (a constant, no position)
+            causal = torch.triu(torch.full((n, n), MASK_VALUE, dtype=dtype), diagonal=1).view(1, 1, n, n)
+            self_mask = torch.cat([cache_mask.to(dtype).expand(1, 1, n, s.capacity), causal], dim=-1)  # (1, 1, S, C+S)
+            new_rows = {"self_k": [], "self_v": []}
+        else:
+            # causal mask over the static cache: slot j is visible to the token at position q iff j <= q
+            self_mask = torch.where(
+                self.slots <= positions.view(1, 1, n, 1),
+                torch.zeros((), dtype=dtype),
+                torch.full((), MASK_VALUE, dtype=dtype),
+            )  # (1, 1, S, C)
+
+        for i, layer in enumerate(dec.layers):
+            # --- self attention with the static cache ---
+            residual = hidden
+            x = layer.input_layernorm(hidden)
+            attn = layer.self_attn
+            q = attn.q_proj(x).view(1, n, s.num_heads, s.head_dim).transpose(1, 2)  # (1, H, S, Dh)
+            k = attn.k_proj(x).view(1, n, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (1, Hkv, S, Dh)
+            v = attn.v_proj(x).view(1, n, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (1, Hkv, S, Dh)
+            if host:  # read the cache, never write it: the new rows go out
+                k16, v16 = k.to(STATE_DTYPE), v.to(STATE_DTYPE)
+                new_rows["self_k"].append(k16)
+                new_rows["self_v"].append(v16)
+                keys = torch.cat([self.self_k[i : i + 1].to(dtype), k16.to(dtype)], dim=2)  # (1, Hkv, C+S, Dh)
+                values = torch.cat([self.self_v[i : i + 1].to(dtype), v16.to(dtype)], dim=2)
+            else:
+                # slice update with a tensor start (index assignment would be dropped by the tracer)
+                self.self_k[i : i + 1, :, p : p + n, :] = k.to(STATE_DTYPE)
+                self.self_v[i : i + 1, :, p : p + n, :] = v.to(STATE_DTYPE)
+                keys = self.self_k[i : i + 1].to(dtype)  # (1, Hkv, C, Dh)
+                values = self.self_v[i : i + 1].to(dtype)  # (1, Hkv, C, Dh)
+            out, _ = eager_attention_forward(attn, q, keys, values, self_mask, scaling=attn.scaling)
+            out = attn.o_proj(out.reshape(1, n, s.num_heads * s.head_dim))  # (1, S, D)
+            hidden = residual + out
+
+            # --- cross attention over the precomputed encoder memory ---
+            residual = hidden
+            x = layer.post_attention_layernorm(hidden)
+            attn = layer.encoder_attn
+            q = attn.q_proj(x).view(1, n, s.num_heads, s.head_dim).transpose(1, 2)  # (1, H, S, Dh)
+            ck, cv = memory(i)  # (1, Hkv, Tp, Dh)
+            out, _ = eager_attention_forward(attn, q, ck, cv, cross_mask, scaling=attn.scaling)
+            out = attn.o_proj(out.reshape(1, n, s.num_heads * s.head_dim))
+            hidden = residual + out
+
+            # --- MLP ---
+            residual = hidden
+            hidden = residual + layer.mlp(layer.final_layernorm(hidden))
+
+        if all_rows:
+            log_probs = stable_log_softmax(self.proj_out(dec.norm(hidden)))  # (1, S, V)
+        else:
+            hidden = dec.norm(hidden[:, -1:, :])  # (1, 1, D): only the last token's prediction is used
+            log_probs = stable_log_softmax(self.proj_out(hidden[:, 0, :]))  # (1, V)
+        if host:
+            return log_probs, torch.cat(new_rows["self_k"], dim=0), torch.cat(new_rows["self_v"], dim=0)  # (L, Hkv, S, Dh)
+        return log_probs
+
+
+class DecoderBind(StatefulDecoder):
+    """`bind_memory`: the encoder's cross memory into the state (once per window)."""
+
+    def forward(self, cross_k, cross_v, cross_mask):  # (L, Hkv, Tp, Dh) x2, (1, 1, 1, Tp) -> (1,) int32
+        return self.bind_memory(cross_k, cross_v, cross_mask)
+
+
+class DecoderStep(StatefulDecoder):
+    """`main`: one decode step over the state (self cache + bound cross memory)."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (1, 1) int32
+        position: torch.Tensor,  # (1,) int32
+    ) -> torch.Tensor:
+        return self.run_tokens(input_ids, position)  # (1, V)
+
+
+class DecoderPrefill(StatefulDecoder):
+    """`prefill`: the whole prompt in one call: writes cache slots 0..P-1, returns the log-probs
+    after the last prompt token. Same states as the step and bind functions."""
+
+    def __init__(self, model, capacity: int, memory_len: int, prompt_len: int):
+        super().__init__(model, capacity, memory_len)
+        if not 1 <= prompt_len <= capacity:
+            raise DecoderExportError(f"prompt length {prompt_len} does not fit a cache of {capacity} slots")
+        self.prompt_len = int(prompt_len)
+        self.register_buffer("prompt_positions", torch.arange(prompt_len, dtype=torch.int32), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (1, P) int32 -> (1, V)
+        return self.run_tokens(input_ids, self.prompt_positions)
+
+
+class DecoderExtend(StatefulDecoder):
+    """`extend`: K token slots from `position` in one call (the caller's real tokens first, then
+    padding): a forced prefix (the prompt and a streaming partial's confirmed tokens) and a draft to
+    verify (the previous hypothesis); the log-probs after every slot. Same states as the other functions."""
+
+    def __init__(self, model, capacity: int, memory_len: int, extend_len: int = EXTEND_LENGTH):
+        super().__init__(model, capacity, memory_len)
+        if not 1 <= extend_len <= capacity:
+            raise DecoderExportError(f"extend length {extend_len} does not fit a cache of {capacity} slots")
+        self.extend_len = int(extend_len)
+        self.register_buffer("offsets", torch.arange(extend_len, dtype=torch.int32), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (1, K) int32
+        position: torch.Tensor,  # (1,) int32: slot of the first token
+    ) -> torch.Tensor:
+        return self.run_tokens(input_ids, position + self.offsets, all_rows=True)  # (1, K, V)
+
+
+class DecoderStepHost(StatefulDecoder):
+    """`main` of the host-state variant: one decode step that only reads the state; returns the log-probs
+    and the token's K/V rows, which the host writes at slot `position`."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (1, 1) int32
+        position: torch.Tensor,  # (1,) int32: the position embedding's index (the graph's entry gather)
+        cache_mask: torch.Tensor,  # (1, 1, 1, C) fp16: 0 for the filled slots (< position), -1e4 else
+    ):  # -> log_probs (1, V), new_k, new_v (L, Hkv, 1, Dh) fp16
+        return self.run_tokens(input_ids, position, cache_mask=cache_mask)
+
+
+class DecoderPrefillHost(DecoderPrefill):
+    """`prefill` of the host-state variant: the prompt from slot 0 over an empty cache (a constant mask:
+    every cache slot closed); returns the log-probs after the last prompt token and the P new K/V rows."""
+
+    def __init__(self, model, capacity: int, memory_len: int, prompt_len: int):
+        super().__init__(model, capacity, memory_len, prompt_len)
+        self.register_buffer("empty_mask", torch.full((1, 1, 1, capacity), MASK_VALUE, dtype=STATE_DTYPE),
+                             persistent=False)
+
+    def forward(self, input_ids: torch.Tensor):  # (1, P) -> log_probs (1, V), new_k, new_v (L, Hkv, P, Dh)
+        return self.run_tokens(input_ids, self.prompt_positions, cache_mask=self.empty_mask)
+
+
+class DecoderExtendHost(DecoderExtend):
+    """`extend` of the host-state variant: K tokens from slot `position` over the cache slots `cache_mask`
+    leaves open; the log-probs after each and the K new K/V rows (the host writes slots position..+K-1)."""
+
+    def forward(self, input_ids: torch.Tensor, position: torch.Tensor, cache_mask: torch.Tensor):
+        return self.run_tokens(input_ids, position + self.offsets, all_rows=True, cache_mask=cache_mask)
+
+
+class RecomputingStep(StatefulDecoder):
+    """Only for the MAC-count comparison (tools/count_decoder_macs.py): the design published ports
+    use, where the step takes the encoder memory (1, T, Ddec) and recomputes every layer's cross
+    K/V from it at every step. Never exported as a product."""
+
+    def forward(self, input_ids, position, encoder_memory, cross_mask):
+        def memory(i):
+            attn = self.decoder.layers[i].encoder_attn
+            kv_shape = (1, encoder_memory.shape[1], -1, self.shapes.head_dim)
+            return (attn.k_proj(encoder_memory).view(kv_shape).transpose(1, 2),
+                    attn.v_proj(encoder_memory).view(kv_shape).transpose(1, 2))
+
+        return self.run_tokens(input_ids, position, memory=memory, cross_mask=cross_mask)

@@ -1,0 +1,381 @@
+"""`cohere-coreml export`: a checkpoint in, parity-gated Core ML packages and a bundle out.
+
+The pipeline, in order:
+
+    checkpoint.load_reference          the transformers model + processor
+    shapes.export_plan                 every static shape (window, memory length, cache, buckets)
+    stage_export                       for each requested component, its module converts it to a
+                                       temporary package and computes its gate's PyTorch references
+                                       (gate.stage_gated); then the model can be freed
+    StagedExport.finish                each package is gated (loaded through the runtime) and renamed
+                                       into place only when its gate passes (<component>.parity.json)
+    ane_check.write_report             ane_check.json: the static Neural Engine census of the packages (docs/ane.md)
+    bundle.write_bundle                last: manifest.json from the packages on disk + tokenizer
+
+The PyTorch model and the gates' copies of the packages are never in memory together
+(`export_checkpoint` frees the model between the two halves): the peak is the larger of the two.
+
+Components (`COMPONENTS`) know nothing of each other or of the bundle: each receives the
+`ExportJob` (model, processor, settings, plan, gate audio, options) and returns its staged package
+(`gate.StagedPackage`) or None (skipped: already present). Adding a component (like the front end, or a quantized variant)
+is one `Component` entry here plus its module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..bundle import ane_check
+from ..bundle.manifest import write_bundle
+from ..bundle.packages import decoder_package_info
+from ..config import (
+    CONTROL_LANGUAGE,
+    DECODER_STATE_DEFAULT,
+    DECODER_STATES,
+    DEFAULT_HUB_ID,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_OUT_DIR,
+    DEFAULT_WINDOW_SECONDS,
+    GATE_LANGUAGE,
+)
+from ..model import checkpoint
+from ..model.audio import FrontEndConfig
+from ..model.shapes import ExportPlan, export_plan
+from ..model.tokens import prompt_ids
+from ..storage.files import stale_reason, sweep_stale_temporaries
+from ..storage.integrity import invalidate_manifest
+from .convert import MIN_PSNR_DB, ExportError, ExportSettings
+from .gate import StagedPackage
+from .memory import release_memory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExportJob:
+    """Everything a component's export needs; shapes come from `plan`, never from another component."""
+
+    model: Any  # CohereAsrForConditionalGeneration (eval, float32)
+    processor: Any  # CohereAsrProcessor
+    settings: ExportSettings
+    plan: ExportPlan
+    prompt: list[int]  # decoder prompt of the gates (config.GATE_LANGUAGE, with punctuation)
+    control_prompt: list[int]  # another prompt (config.CONTROL_LANGUAGE, no punctuation): the decoder
+    # gate's "wrong prompt" negative control
+    gate_audio: Sequence[str | Path] | None = None  # speech for the gates (default: the packaged clips)
+    buckets: tuple[float, ...] = ()
+    prefill: bool = False
+    extend: bool = False  # the decoder's `extend` function (forced prefixes K tokens per call)
+    backend: str = "mil"  # runtime backend of stateful gates
+    decoder_state: str = DECODER_STATE_DEFAULT  # who writes the decoder state: "host" | "graph" (docs/decoder.md)
+    encoder_parts: int | str = "auto"  # programs of consecutive encoder layers: N, or "auto" (under `platform`'s limit)
+    platform: str = "ios"  # whose per-program weight limit "auto" keeps the parts under (docs/ane.md)
+
+
+@dataclass(frozen=True)
+class Component:
+    """One exported package: `<name>.mlpackage`, gated, with `<name>.parity.json`."""
+
+    name: str
+    # writes the package to its temporary path and computes the gate's PyTorch references;
+    # None when skipped (present). `StagedPackage.finish()` gates and installs it, model-free.
+    stage: Callable[[ExportJob], StagedPackage | None]
+
+
+def _stage_encoder(job: ExportJob) -> StagedPackage | None:
+    from . import encoder, encoder_packages  # load torch: this module imports without it
+
+    parts = {"parts": job.encoder_parts, "platform": job.platform}
+    if job.buckets:  # one multifunction package: `main` = full window, `window_<s>s` = shorter buckets
+        return encoder_packages.stage_encoder_buckets(job.model, job.settings, job.buckets, job.processor, job.gate_audio,
+                                             **parts)
+    clips = None
+    if not job.settings.skip_verify:
+        clips = encoder.gate_features(job.processor, job.plan.window, job.gate_audio)
+        if not clips:
+            logger.warning("no speech clips for the encoder gate: using synthetic features")
+    return encoder_packages.stage_encoder(job.model, job.settings, job.processor, clips=clips, **parts)
+
+
+def _stage_frontend(job: ExportJob) -> StagedPackage | None:
+    """frontend.mlpackage: samples -> the encoder's input_features, one function per encoder window."""
+    from . import frontend  # loads torch (as encoder)
+
+    config = FrontEndConfig.from_processor(job.processor, dither=0.0)
+    if config.n_mels != job.plan.window.n_mels:
+        raise ExportError(f"the front end has {config.n_mels} mel bins, the encoder expects {job.plan.window.n_mels}")
+    return frontend.stage_frontend(config, job.settings, job.plan.frontend, gate_audio=job.gate_audio)
+
+
+def _stage_decoder(job: ExportJob) -> StagedPackage | None:
+    from . import decoder  # loads transformers (seconds): the cli imports this module for every command
+
+    shapes = job.plan.decoder
+    path = job.settings.package_path("decoder")
+    if path.exists() and not job.settings.force and stale_reason(job.settings, "decoder") is None:  # to be skipped
+        info = decoder_package_info(path)
+        present = info["shapes"]
+        if (present["capacity"], present["memory_len"]) != (shapes.capacity, shapes.memory_len):
+            raise ExportError(f"{path} has cache {present['capacity']} / memory {present['memory_len']}, the export "
+                              f"asks for {shapes.capacity} / {shapes.memory_len}; use --force to re-export")
+        if info["state_writes"] != job.decoder_state:
+            raise ExportError(f"{path} is a {info['state_writes']}-state decoder, the export asks for "
+                              f"--decoder-state {job.decoder_state}; use --force to re-export")
+    staged, _ = decoder.stage_decoder(job.model, job.settings, capacity=shapes.capacity, memory_len=shapes.memory_len,
+                                      prompt=job.prompt, backend=job.backend, prefill=job.prefill,
+                                      control_prompt=job.control_prompt, extend=job.extend,
+                                      state_writes=job.decoder_state)
+    return staged
+
+
+# Export order: no component reads another (all take their shapes from the plan), but gating the
+# cheaper ones first fails fast. All are exported by default: every bundle carries the front end.
+COMPONENTS: dict[str, Component] = {
+    "encoder": Component("encoder", _stage_encoder),
+    "frontend": Component("frontend", _stage_frontend),
+    "decoder": Component("decoder", _stage_decoder),
+}
+
+
+@dataclass
+class ExportResult:
+    """Per component: the package path and whether it was written (False: present, skipped), its
+    gate report (the written `<component>.parity.json`, None when skipped); and the manifest."""
+
+    packages: dict[str, dict[str, Any]]
+    manifest: Path
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the bundle needs of the checkpoint once the packages are converted (no weights)."""
+
+    config: Any
+    generation_config: Any
+    source: Any
+
+    @classmethod
+    def of(cls, model) -> ModelInfo:
+        return cls(config=model.config, generation_config=getattr(model, "generation_config", None),
+                   source=getattr(model, "source", None))
+
+
+@dataclass
+class StagedExport:
+    """Every requested component converted and written to its temporary path, with its gate's
+    PyTorch references: nothing here holds the PyTorch model. `finish()` runs the gates (loading
+    each package), installs the packages that pass and writes the bundle."""
+
+    settings: ExportSettings
+    model_info: ModelInfo
+    processor: Any
+    staged: dict[str, StagedPackage | None]  # None: present, skipped
+
+    def finish(self) -> ExportResult:
+        packages: dict[str, dict[str, Any]] = {}
+        try:
+            for name in list(self.staged):
+                staged = self.staged.pop(name)
+                report = None if staged is None else staged.finish()
+                packages[name] = {
+                    "path": self.settings.package_path(name),
+                    "written": staged is not None,
+                    "report": None if report is None else json.loads(self.settings.report_path(name).read_text()),
+                }
+        finally:
+            self.discard()
+        # the static Neural Engine census of the installed packages, before the manifest so that its
+        # checksums list ane_check.json (a change of it removes the stale manifest first, as for any file)
+        out_dir = self.settings.out_dir
+        ane_check.write_report(out_dir, before_change=lambda: invalidate_manifest(out_dir))
+        return ExportResult(packages=packages, manifest=write_bundle(self.settings.out_dir, self.model_info,
+                                                                     self.processor))
+
+    def discard(self) -> None:
+        """Remove the packages not gated yet (after a refusal or an interruption)."""
+        for staged in self.staged.values():
+            if staged is not None:
+                staged.discard()
+        self.staged.clear()
+
+
+def stage_export(model, processor, settings: ExportSettings, components: Sequence[str] = tuple(COMPONENTS),
+                 gate_audio=None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, buckets=(), prefill: bool = False,
+                 backend: str = "mil", extend: bool = False,
+                 decoder_state: str = DECODER_STATE_DEFAULT, encoder_parts: int | str = "auto",
+                 platform: str = "ios") -> StagedExport:
+    """The PyTorch half of an export: convert every component and compute its gate's references.
+
+    After this returns the model is no longer needed (the caller may free it), so the gates'
+    interpreter copies of the packages never sit next to the PyTorch weights in memory.
+    """
+    unknown = sorted(set(components) - set(COMPONENTS))
+    if unknown:
+        raise ExportError(f"unknown component(s) {unknown}; choose from {tuple(COMPONENTS)}")
+    sweep_stale_temporaries(settings.out_dir)  # staging packages of an export that was killed
+    prompt = prompt_ids(processor.tokenizer, GATE_LANGUAGE)
+    control_prompt = prompt_ids(processor.tokenizer, CONTROL_LANGUAGE, punctuation=False)
+    plan = export_plan(model, processor, settings.window_seconds, max_new_tokens, prompt_len=len(prompt),
+                       bucket_seconds=buckets)
+    job = ExportJob(model=model, processor=processor, settings=settings, plan=plan, prompt=prompt,
+                    control_prompt=control_prompt,
+                    gate_audio=gate_audio, buckets=tuple(buckets), prefill=prefill, backend=backend,
+                    extend=extend, decoder_state=decoder_state, encoder_parts=encoder_parts, platform=platform)
+    result = StagedExport(settings=settings, model_info=ModelInfo.of(model), processor=processor, staged={})
+    try:
+        for name in (c for c in COMPONENTS if c in components):
+            result.staged[name] = COMPONENTS[name].stage(job)
+    except BaseException:
+        result.discard()
+        raise
+    return result
+
+
+def export_model(model, processor, settings: ExportSettings, components: Sequence[str] = tuple(COMPONENTS),
+                 gate_audio=None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, buckets=(), prefill: bool = False,
+                 backend: str = "mil", extend: bool = False,
+                 decoder_state: str = DECODER_STATE_DEFAULT, encoder_parts: int | str = "auto",
+                 platform: str = "ios") -> ExportResult:
+    """Export `components` of a loaded checkpoint into `settings.out_dir`, then write the bundle.
+
+    Each component is parity gated unless `settings.skip_verify`; a failing gate raises
+    `ParityError` and leaves that package (and the manifest) as they were. All components are
+    converted (and their references computed) before the first gate runs; the caller keeps
+    `model` alive here (`export_checkpoint` frees it before gating).
+    """
+    return stage_export(model, processor, settings, components, gate_audio=gate_audio,
+                        max_new_tokens=max_new_tokens, buckets=buckets, prefill=prefill, backend=backend,
+                        extend=extend, decoder_state=decoder_state, encoder_parts=encoder_parts,
+                        platform=platform).finish()
+
+
+def export_checkpoint(model_ref: str, settings: ExportSettings, revision: str | None = None,
+                      base_model: str | None = None, **options) -> ExportResult:
+    """Load a checkpoint (Hub id or folder) and export it; package metadata records its source.
+
+    Peak memory is the larger of (PyTorch model + conversion) and (gating one package), not their
+    sum: every component is converted and its references computed (`stage_export`), then the model
+    is freed, then the gates load the packages (`StagedExport.finish`).
+    """
+    import torch  # heavy (as encoder)
+
+    with torch.no_grad():  # no autograd graph; the caller's setting is back afterwards
+        model, processor = checkpoint.load_reference(model_ref, revision=revision)
+        if base_model is not None:  # the Hub id of a checkpoint given as a folder whose config names none
+            model.source = dataclasses.replace(model.source, model_id=checkpoint.check_hub_id(base_model),
+                                               base_model=base_model)
+        source = model.source
+        logger.info("sha256 of %s's files (packages in %s from another checkpoint are exported again)",
+                    source.model_id, settings.out_dir)
+        settings = settings.replace(model_id=source.model_id, revision=source.revision or settings.revision,
+                                    checkpoint_digest=checkpoint.checkpoint_digest(source.local_dir))
+        staged = stage_export(model, processor, settings, **options)
+        del model
+        release_memory()
+        return staged.finish()
+
+
+# --------------------------------------------------------------------------------------------
+# `cohere-coreml export` (also `make export`, exports/*.py)
+# --------------------------------------------------------------------------------------------
+
+
+def cmd_export(args) -> int:
+    settings = ExportSettings(out_dir=Path(args.out), precision=args.precision, deployment_target=args.deployment_target,
+                              window_seconds=args.window_seconds, force=args.force, skip_verify=args.skip_verify)
+    components = tuple(c.strip() for c in args.components.split(",") if c.strip())
+    result = export_checkpoint(args.model, settings, revision=args.revision, base_model=args.base_model,
+                               components=components,
+                               gate_audio=args.gate_audio, max_new_tokens=args.max_tokens,
+                               buckets=tuple(args.buckets or ()), prefill=args.prefill,
+                               extend=args.extend, decoder_state=args.decoder_state,
+                               encoder_parts=args.encoder_parts, platform=args.platform)
+    for name, package in result.packages.items():
+        print(f"{name}: {package['path'] if package['written'] else 'exists, skipped (use --force)'}")
+        report = package["report"]
+        if report is not None:
+            verdict = "PASS" if report["passed"] else ("SKIPPED" if report.get("skipped") else "FAIL")
+            print(f"  parity: {verdict}, {report['headline']}")
+            if report.get("parts"):  # an encoder in parts (--encoder-parts)
+                print("  parts: " + ", ".join(f"{p['package']} (layers {p['layers'][0]}-{p['layers'][1] - 1})"
+                                             for p in report["parts"]))
+    print(f"manifest: {result.manifest}")
+    return 0
+
+
+def _encoder_parts(value: str) -> int | str:
+    """--encoder-parts: 'auto' or a positive number of parts."""
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a positive number of parts, got {value!r}")
+    return int(value)
+
+
+def add_command(subparsers) -> None:
+    """Register `cohere-coreml export`."""
+    p = subparsers.add_parser(
+        "export",
+        help="export encoder.mlpackage, frontend.mlpackage, decoder.mlpackage and the bundle, parity-gated",
+        description="Convert a Cohere Transcribe checkpoint into Core ML packages. Each package is checked "
+        "through the project's runtime against PyTorch (the front end: against audio.log_mel) (parity gate); "
+        "a failing gate exits non-zero and "
+        "leaves no package behind. Figures are written next to the package as <component>.parity.json; "
+        "manifest.json, vocab.json and the tokenizer files are written last, describing the packages present.",
+    )
+    p.add_argument("--model", default=DEFAULT_HUB_ID, help="Hugging Face Hub id or local checkpoint folder "
+                   f"(default: {DEFAULT_HUB_ID})")
+    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
+    p.add_argument("--base-model", default=None, metavar="ORG/NAME",
+                   help="Hub id of the checkpoint, recorded in the manifest and the model card, when --model is a "
+                   "folder whose config.json names none (a local path is never recorded)")
+    p.add_argument("--out", default=str(DEFAULT_OUT_DIR / "export"), help="output folder (default: %(default)s)")
+    p.add_argument("--precision", choices=("fp16", "fp32"), default="fp16",
+                   help="program precision (fp16 ships; fp32 is reference-grade). Gate: >= "
+                   f"{MIN_PSNR_DB['fp16']:g} dB PSNR for fp16, >= {MIN_PSNR_DB['fp32']:g} dB for fp32")
+    p.add_argument("--window-seconds", type=float, default=DEFAULT_WINDOW_SECONDS,
+                   help="encoder audio window in seconds (default: %(default)s s -> 3500 mel frames at hop 160)")
+    p.add_argument("--deployment-target", default="macOS15", help="coremltools target name (macOS15/iOS18)")
+    p.add_argument("--components", default=",".join(COMPONENTS),
+                   help="comma-separated components to export (default: %(default)s)")
+    p.add_argument("--gate-audio", nargs="+", default=None,
+                   help="speech files for the encoder and front-end parity gates (default: the clips shipped "
+                   "with the package)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help="new tokens one window can decode; the decoder cache holds round_up(10 + N, 32) "
+                   "slots (default: %(default)s, the upstream limit)")
+    p.add_argument("--buckets", type=float, nargs="+", default=(),
+                   help="extra shorter encoder windows in seconds (e.g. --buckets 10 20): encoder.mlpackage "
+                   "and frontend.mlpackage get one function per window (encoder weights shared, encoder outputs "
+                   "padded to the full window)")
+    p.add_argument("--prefill", action="store_true",
+                   help="add a prompt prefill function to decoder.mlpackage (one call for the 10 prompt "
+                   "tokens; multifunction package sharing weights and state with the step)")
+    p.add_argument("--extend", action="store_true",
+                   help="add an extend function to decoder.mlpackage (up to 32 tokens from a given cache slot in "
+                   "one call: the forced prefix of a streaming partial; docs/decoder.md)")
+    p.add_argument("--decoder-state", choices=DECODER_STATES, default=DECODER_STATE_DEFAULT,
+                   help="who writes the decoder's state: 'host' (its functions only read the KV cache and the "
+                   "cross memory and return each call's new K/V rows, which the app writes; the Neural Engine "
+                   "compiler refused in-graph state writes at a runtime position in published ports) or 'graph' "
+                   "(the functions write the cache, a bind_memory function the memory). Default: %(default)s; "
+                   "docs/decoder.md")
+    p.add_argument("--encoder-parts", default="auto", type=_encoder_parts, metavar="auto|N",
+                   help="the encoder as N programs of consecutive layers (encoder.mlpackage, encoder_part2.mlpackage, "
+                   "...: the subsampling in the first, the memory projections in the last), chained through the "
+                   "hidden state; 'auto' (default): the fewest whose weights stay under --platform's per-program "
+                   "limit (docs/ane.md)")
+    p.add_argument("--platform", choices=("ios", "macos"), default="ios",
+                   help="target whose Neural Engine weight limit --encoder-parts auto keeps every program under: "
+                   "ios 1 GiB (default), macos 2 GiB")
+    p.add_argument("--force", action="store_true", help="overwrite packages that already exist")
+    p.add_argument("--skip-verify", action="store_true",
+                   help="do not run the parity gates (packages are written unchecked)")
+    p.set_defaults(func=cmd_export)

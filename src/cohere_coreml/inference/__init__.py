@@ -1,0 +1,14 @@
+"""Inference: transcribe with a bundle (or the PyTorch reference behind the same interface).
+
+Takes: a `Bundle` and audio (files, arrays, or live chunks).
+Gives: transcripts, per window and per file; streaming partials and finals.
+May import: bundle, model, storage, runtime (and the top-level config, errors and cli_options).
+
+    transcribe       `Transcriber`: audio -> windows -> encoder -> stateful decoder -> text (`transcribe`)
+    encoder_runtime  the encoder's functions (length buckets, parts) called with the host's length masks
+    decoder_runtime  the decoder's functions on one state (bind, step, prefill, extend; host state writes)
+    decoding         greedy and beam search, the repetition guard, stop reasons
+    engines          one transcriber interface: the PyTorch reference and a bundle
+    longform         files longer than a window: checked first, streamed in windows
+    streaming        live transcription: partial and final text while audio arrives
+"""

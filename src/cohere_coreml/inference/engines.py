@@ -1,0 +1,273 @@
+"""One transcriber interface, two implementations: the PyTorch reference and an exported bundle.
+
+    engine = PyTorchEngine("models/cohere-tiny-synth")          # transformers generate()
+    engine = transcribe.Transcriber("out/f16", backend="mil")    # a bundle: interpreter or Core ML
+    result = engine.transcribe("clip.flac", "en", beams=1, max_new_tokens=None, repetition_guard=None)
+
+`Engine` is the interface; `PyTorchEngine` (here) and `transcribe.Transcriber` implement it. Both split audio at the reference extractor's points (`longform.iter_windows`, streamed from the
+file), compute the same log-mel features (`audio.log_mel`), decode every window with the same
+prompt, and return a `TranscriptionResult` whose windows carry token ids, stop reason (`decoding.StopReason`),
+start/end times and stage timings (features, encoder, prompt, decode). `evaluate` and `bench`
+use only this interface; `transcribe_files` is the batch runner of `cohere-coreml transcribe`.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+from tqdm import tqdm
+
+from ..bundle.manifest import checkpoint_eos_ids
+from ..config import DEFAULT_MAX_NEW_TOKENS, LENGTH_PENALTY
+from ..model.audio import AudioError, FrontEndConfig, log_mel
+from ..model.checkpoint import load_reference
+from ..model.tokens import decode_ids, join_windows, prompt_ids
+from .decoding import StopReason
+from .longform import check_audio, iter_windows
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WindowResult:
+    index: int
+    start_s: float
+    duration_s: float
+    token_ids: list[int]  # generated ids (prompt excluded; the eos id included when reached)
+    text: str
+    truncated: bool  # True when the window stopped without eos
+    stop_reason: StopReason  # a str: "eos" | "max_new_tokens" | "capacity" | "repetition" in JSON
+    timings: dict = field(default_factory=dict)  # seconds, call counts, encoder function used
+    decoding: dict = field(default_factory=dict)  # beams, repetition found by the guard
+
+
+@dataclass
+class TranscriptionResult:
+    text: str
+    language: str
+    punctuation: bool
+    windows: list[WindowResult]
+    silent: bool = False  # digital silence (`longform.check_audio`): empty text, no window, no model call
+
+    @classmethod
+    def of_silence(cls, language: str, punctuation: bool = True) -> TranscriptionResult:
+        return cls(text="", language=language, punctuation=punctuation, windows=[], silent=True)
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        return [w.token_ids for w in self.windows]
+
+    @property
+    def truncated(self) -> bool:
+        return any(w.truncated for w in self.windows)
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "language": self.language,
+            "punctuation": self.punctuation,
+            "truncated": self.truncated,
+            "silent": self.silent,
+            "windows": [asdict(w) for w in self.windows],
+        }
+
+
+def features_batch(features: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad a list of (n_mels, t) features into torch (B, T, n_mels) + attention mask (B, T): the
+    `transformers` model's input."""
+    import torch  # the reference only (see PyTorchEngine.__init__)
+
+    n_mels = features[0].shape[0]
+    t_max = max(f.shape[1] for f in features)
+    x = torch.zeros(len(features), t_max, n_mels, dtype=torch.float32)
+    mask = torch.zeros(len(features), t_max, dtype=torch.long)
+    for i, f in enumerate(features):
+        x[i, : f.shape[1]] = torch.from_numpy(np.ascontiguousarray(f.T, dtype=np.float32))
+        mask[i, : f.shape[1]] = 1
+    return x, mask
+
+
+class Engine(abc.ABC):
+    """A transcriber. Attributes: kind ("pytorch" | "bundle"), name, load_s (construction time),
+    front_end (`audio.FrontEndConfig`), eos_ids."""
+
+    kind: str
+    name: str
+    load_s: float
+    front_end: object
+    eos_ids: set[int]
+
+    @abc.abstractmethod
+    def prompt(self, language: str, punctuation: bool = True) -> list[int]:
+        """The decoder prompt ids (raises for an unsupported language)."""
+
+    @abc.abstractmethod
+    def transcribe_window(self, waveform: np.ndarray, prompt: Sequence[int], *, index: int, start_s: float,
+                          max_new_tokens: int | None, beams: int, repetition_guard) -> WindowResult:
+        """Decode one window (at most one `split_points` piece)."""
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "name": self.name, "load_s": self.load_s}
+
+    def transcribe(self, audio, language: str = "en", punctuation: bool = True, *, max_new_tokens: int | None = None,
+                   beams: int = 1, repetition_guard=None, progress: bool = False) -> TranscriptionResult:
+        """Transcribe a file (streamed window by window) or a float32 mono array at the model rate.
+
+        The audio is checked first (`longform.check_audio`, the one place that decides silence):
+        digital silence gives an empty transcript marked `silent` with no model call; empty, NaN/inf
+        or unreadable audio raises `AudioError`.
+        """
+        prompt = self.prompt(language, punctuation)
+        if check_audio(audio, self.front_end).status == "silent":
+            logger.warning("%s is digitally silent: empty transcript, no model call",
+                           audio if isinstance(audio, (str, os.PathLike)) else "audio array")
+            return TranscriptionResult.of_silence(language, punctuation)
+        sr = self.front_end.sampling_rate
+        windows = []
+        pieces = iter_windows(audio, self.front_end)
+        if progress:
+            pieces = tqdm(pieces, desc="windows", unit="window", leave=False)
+        for i, (start, _end, piece) in enumerate(pieces):
+            windows.append(self.transcribe_window(piece, prompt, index=i, start_s=start / sr,
+                                                  max_new_tokens=max_new_tokens, beams=beams,
+                                                  repetition_guard=repetition_guard))
+        text = join_windows([w.text for w in windows], language)
+        return TranscriptionResult(text=text, language=language, punctuation=punctuation, windows=windows)
+
+
+class PyTorchEngine(Engine):
+    """The `transformers` reference: the checkpoint's encoder, then `generate()` (greedy or beams).
+
+    Features are the project's front end (equal to the reference extractor, docs/front-end.md), so
+    the two engines see the same input. The encoder runs on its own so that its time is measured;
+    `generate()` receives its output. With no `max_new_tokens`, a window stops after
+    config.DEFAULT_MAX_NEW_TOKENS (upstream's default).
+    """
+
+    kind = "pytorch"
+
+    def __init__(self, model: str | os.PathLike, revision: str | None = None, margins: bool = False):
+        t0 = time.perf_counter()
+        self.model, self.processor = load_reference(model, revision=revision)
+        self.load_s = time.perf_counter() - t0
+        self.tokenizer = self.processor.tokenizer
+        self.front_end = FrontEndConfig.from_processor(self.processor, dither=0.0)
+        self.eos_ids = set(checkpoint_eos_ids(self.model))
+        self.margins = margins  # keep top-1 minus top-2 log-prob per greedy token (evaluate)
+        self.name = str(model)
+
+    def prompt(self, language: str, punctuation: bool = True) -> list[int]:
+        return prompt_ids(self.tokenizer, language, punctuation)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "backend": "pytorch", "precision": str(self.model.dtype).replace("torch.", "")}
+
+    def transcribe_window(self, waveform, prompt, *, index, start_s, max_new_tokens, beams, repetition_guard):
+        import torch  # the reference only (see __init__)
+        from transformers import StoppingCriteria, StoppingCriteriaList  # the reference only (as torch)
+
+        if beams < 1:
+            raise ValueError(f"beams must be >= 1, got {beams}")
+        limit = int(max_new_tokens) if max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS
+        if limit < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {limit}")
+        prompt = [int(t) for t in prompt]
+        t0 = time.perf_counter()
+        feats, n_valid = log_mel(waveform, self.front_end)
+        x, mask = features_batch([feats[:, :n_valid]])  # (1, T, n_mels), (1, T)
+        t1 = time.perf_counter()
+        with torch.no_grad():  # generate() is no_grad itself; the caller's setting stays as it was
+            enc = self.model.model.encoder(x, attention_mask=mask)
+        t2 = time.perf_counter()
+
+        class _Guard(StoppingCriteria):  # greedy only: stop when the generated tail loops
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.tensor([repetition_guard.find(row[len(prompt):].tolist()) is not None
+                                     for row in input_ids], dtype=torch.bool)
+
+        stopping = StoppingCriteriaList([_Guard()]) if repetition_guard is not None and beams == 1 else None
+        want_margins = self.margins and beams == 1
+        gen = self.model.generate(encoder_outputs=enc, attention_mask=mask, decoder_input_ids=torch.tensor([prompt]),
+                                  max_new_tokens=limit, do_sample=False, num_beams=beams,
+                                  length_penalty=LENGTH_PENALTY, stopping_criteria=stopping,
+                                  output_logits=want_margins, return_dict_in_generate=True)
+        t3 = time.perf_counter()
+        ids = [int(t) for t in gen.sequences[0, len(prompt):]]
+        pad = int(self.model.generation_config.pad_token_id or -1)
+        end = next((i + 1 for i, t in enumerate(ids) if t in self.eos_ids), None)
+        ids = ids[:end] if end is not None else [t for t in ids if t != pad]
+        repetition = repetition_guard.find(ids) if repetition_guard is not None and end is None else None
+        if end is not None:
+            stop_reason = StopReason.EOS
+        elif repetition is not None:
+            ids, stop_reason = repetition_guard.trim(ids, repetition), StopReason.REPETITION
+        else:
+            stop_reason = StopReason.MAX_NEW_TOKENS
+        decoding: dict = {"beams": beams, "repetition": repetition}
+        if want_margins:
+            logp = torch.log_softmax(torch.stack(gen.logits, dim=1)[0].float(), dim=-1)  # (steps, V)
+            top2 = torch.topk(logp, 2, dim=-1).values
+            decoding["margins"] = (top2[:, 0] - top2[:, 1])[: len(ids)].tolist()
+        text = decode_ids(self.tokenizer, [t for t in ids if t not in self.eos_ids])
+        steps = max(len(ids), 1)
+        timings = {"features_s": t1 - t0, "encoder_s": t2 - t1, "encoder_function": "pytorch",
+                   "prompt_s": 0.0, "decode_s": t3 - t2,  # generate(): prompt and steps together
+                   "decoder_calls": steps, "ms_per_decoder_call": 1000.0 * (t3 - t2) / steps}
+        return WindowResult(index=index, start_s=start_s, duration_s=len(waveform) / self.front_end.sampling_rate,
+                            token_ids=ids, text=text, truncated=stop_reason.truncated, stop_reason=stop_reason,
+                            timings=timings, decoding=decoding)
+
+
+# --------------------------------------------------------------------------------------------------
+# Batch of files: check every file before any model loads; one bad file does not stop the others
+# --------------------------------------------------------------------------------------------------
+
+
+def transcribe_files(paths: Sequence[str | os.PathLike], make_engine, language: str, punctuation: bool = True,
+                     progress: bool = False, **options) -> tuple[list[dict], bool]:
+    """Check all files, load the engine (only if some file has speech), transcribe the good ones.
+
+    Returns (one dict per path in order, any_failed). Each dict has "audio" and "status":
+    "ok" (+ the result's fields), "silent" (text "", no model call) or "error" (+ "error").
+    `make_engine()` is called at most once, after every file has been read and checked. A failed
+    file is logged (error level, naming the file) here.
+    """
+    config = FrontEndConfig()  # checks only need the sample rate; every bundle and checkpoint here uses 16 kHz
+    entries: list[dict] = []
+    for path in paths:
+        try:
+            check = check_audio(path, config)
+            entries.append({"audio": str(path), "status": check.status, "seconds": check.seconds})
+        except AudioError as err:
+            entries.append({"audio": str(path), "status": "error", "error": str(err)})
+            logger.error("%s", err)
+    engine = None
+    for entry in entries:
+        if entry["status"] == "silent":
+            entry.update(TranscriptionResult.of_silence(language, punctuation).to_dict())
+            logger.warning("%s is digitally silent: empty transcript, no model call", entry["audio"])
+            continue
+        if entry["status"] != "ok":
+            continue
+        if engine is None:
+            engine = make_engine()
+        try:
+            result = engine.transcribe(entry["audio"], language, punctuation, progress=progress, **options)
+            entry.update(result.to_dict())
+        except (AudioError, ValueError, RuntimeError) as err:
+            if not type(err).__module__.startswith(__name__.split(".")[0]):  # the package's own errors
+                raise
+            entry.update(status="error", error=str(err))
+            logger.error("%s: %s", entry["audio"], err)
+    return entries, any(e["status"] == "error" for e in entries)
+

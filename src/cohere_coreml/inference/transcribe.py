@@ -1,0 +1,465 @@
+"""Transcription loop: audio -> windows -> encoder package -> stateful decoder package -> text.
+
+Per window (at most one `split_long_audio` piece, zero-padded to the encoder's window):
+
+    features (cohere_coreml.model.audio.log_mel + pad_to_window, or the bundle's frontend.mlpackage)
+      -> encoder.mlpackage : cross_k, cross_v, cross_mask, encoder_length
+      -> decoder bind_memory : a fresh decoder state holding that cross memory (once per window)
+      -> the language prompt (and any forced prefix): `decoder_runtime.feed_plan` (one prefill call,
+         extend calls of up to K tokens, or one step call per token)
+      -> greedy: argmax(log_probs), feed it back (input_ids + position only), until eos or the cache capacity
+
+A window that stops without eos (the cache is full, or `max_new_tokens` reached) is returned with
+`truncated=True` (`decoding.StopReason`): the tokens are the exact prefix greedy decoding would
+produce, never garbage. `Transcriber` is an `engines.Engine` (the interface `bench` and the CLI
+run); `Transcriber.decode` returns a `decoding.DecodeResult`.
+Window texts are joined as `CohereAsrProcessor.decode` joins chunks (no space for ja/zh).
+
+Everything the loop needs (prompt ids, eos, capacity, window) is read from the bundle's
+manifest; nothing comes from the Python-side checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..bundle.format import BundleError
+from ..bundle.load import Bundle
+from ..cli_options import HelpFormatter, add_bundle_arg, add_decoding_args
+from ..model.audio import AudioError, FrontEndConfig, check_waveform, log_mel, pad_to_window, valid_frames
+from ..model.shapes import ShapeError, choose_bucket, choose_frontend_function
+from ..model.tokens import check_language, decode_ids
+from ..runtime import load_model
+from . import streaming
+from .decoder_runtime import DecoderRuntime
+from .decoding import DecodeResult, RepetitionGuard, StopReason, beam_search
+from .encoder_runtime import EncoderRuntime
+from .engines import Engine, TranscriptionResult, WindowResult, transcribe_files
+
+logger = logging.getLogger(__name__)
+
+# Where a window's features come from: `audio.log_mel` ("python") or the bundle's frontend.mlpackage.
+FRONT_ENDS = ("python", "package")
+DEFAULT_FRONT_END = "python"
+
+
+class TranscriptionError(RuntimeError):
+    """The packages produced something the loop cannot use (missing outputs, bad shapes, NaN)."""
+
+
+def _serialized(method):
+    """Run a `Transcriber` method under the instance's lock (reentrant: transcribe -> transcribe_window)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        # setdefault (atomic) also covers instances built without __init__ (test doubles)
+        with self.__dict__.setdefault("_lock", threading.RLock()):
+            return method(self, *args, **kwargs)
+
+    return run
+
+
+class Transcriber(Engine):
+    """Greedy transcription with a bundle's encoder + decoder packages, through the runtime interface:
+    the bundle `engines.Engine` (Core ML on macOS, the MIL interpreter elsewhere).
+
+    Args:
+        bundle: bundle folder (or several folders searched in order) with manifest.json, or a `Bundle`.
+        backend: runtime backend: "auto" (Core ML on macOS, the MIL interpreter elsewhere),
+            "coreml" or "mil".
+        use_prefill: feed the prompt in one call when the decoder package has a prefill function.
+        use_extend: feed forced prefixes (a prompt other than prefill's, a streaming partial's confirmed
+            tokens) K tokens per call when the decoder package has an extend function.
+        front_end: "python" (`audio.log_mel`, the default) or "package" (the bundle's
+            frontend.mlpackage turns each window's samples into features).
+        compute_units: Core ML compute units of the encoder and decoder ("all", "cpu_only",
+            "cpu_and_gpu", "cpu_and_ne"); the front end runs on the units its manifest entry names.
+            Ignored by the interpreter.
+
+    Thread safety: one `Transcriber` may be shared by threads; its calls (`transcribe`,
+    `transcribe_window`, `encode`, `decode`) run one at a time under an internal lock (each window has its
+    own decoder state, but lazily loaded functions and a Core ML model's prediction queue are shared).
+    For parallel transcription use one `Transcriber` per thread.
+    """
+
+    kind = "bundle"
+
+    def __init__(self, bundle: str | os.PathLike | Sequence[str | os.PathLike] | Bundle, backend: str = "auto",
+                 use_prefill: bool = True, front_end: str = DEFAULT_FRONT_END, compute_units: str = "all",
+                 use_extend: bool = True):
+        # transformers is imported here, not at module level: it costs seconds, and the CLI imports
+        # this module for every command
+        from transformers import PreTrainedTokenizerFast  # heavy (see above)
+
+        if front_end not in FRONT_ENDS:
+            raise TranscriptionError(f"front_end must be one of {FRONT_ENDS}, got {front_end!r}")
+        self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle)
+        self.backend = backend
+        self.compute_units = compute_units
+        m = self.bundle.manifest
+        self.front_end = FrontEndConfig.from_dict({**m["audio"], "dither": 0.0})
+        try:
+            self.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(self.bundle.paths["tokenizer_dir"]))
+        except (OSError, ValueError) as err:
+            raise BundleError(f"cannot load the bundle's tokenizer: {err}") from err
+        t0 = time.perf_counter()
+        # length buckets (multifunction encoder): {function name: window frames}, smallest first
+        self.encoders = EncoderRuntime.from_bundle(self.bundle, backend=backend, compute_units=compute_units)
+        self.encoder = self.encoders.model("main")
+        self.encoder_buckets = self.encoders.buckets
+        # bind_memory + step (+ prefill) of decoder.mlpackage, one state per window
+        self.decoder = DecoderRuntime.load(self.bundle.paths["decoder"], backend=backend, compute_units=compute_units,
+                                           prefill=use_prefill, extend=use_extend)
+        self.prefill = self.decoder.prefill_model  # None without a (used) prefill function
+        self.prefill_length = self.decoder.prefill_length
+        self.front_end_kind = front_end
+        self._frontends: dict = {}  # front-end function name -> loaded model (loaded on first use)
+        has_frontend = "frontend" in self.bundle.paths and bool(m.get("frontend"))
+        self.frontend_functions = m["frontend"]["functions"] if has_frontend else None
+        if front_end == "package":
+            if not has_frontend:
+                raise BundleError("the bundle has no frontend.mlpackage (re-export it: `cohere-coreml export` writes it "
+                                  "by default) or use front_end='python'")
+            self._frontends["main"] = self._load_frontend("main")
+        self.load_s = time.perf_counter() - t0
+        self.capacity = self.bundle.capacity
+        self.window_frames = self.bundle.window_frames
+        self.eos_ids = self.bundle.eos_ids
+        self.name = ",".join(str(d) for d in self.bundle.dirs)
+        self._lock = threading.RLock()  # calls run one at a time (see the class docstring)
+
+    # -- the Engine interface -------------------------------------------------------------------
+    def prompt(self, language: str, punctuation: bool = True) -> list[int]:
+        """The bundle's prompt ids for `language` (raises `UnknownLanguageError`)."""
+        return self.bundle.prompt(language, punctuation)
+
+    def describe(self) -> dict:
+        m = self.bundle.manifest
+        backend = self.decoder.backend
+        return {**super().describe(), "backend": backend,
+                "compute_units": self.compute_units if backend == "coreml" else None,
+                "precision": m.get("precision"), "model_id": m.get("model_id"), "capacity": self.capacity,
+                "prefill": self.prefill is not None, "extend": self.decoder.extend_model is not None}
+
+    # -- one window -----------------------------------------------------------------------------
+    def _load_frontend(self, function_name: str):
+        """One function of frontend.mlpackage, on the compute units its manifest entry names."""
+        units = self.bundle.manifest["frontend"].get("compute_units", "cpu_and_gpu")
+        return load_model(str(self.bundle.paths["frontend"]), backend=self.backend, function_name=function_name,
+                          compute_units=units)
+
+    def package_features(self, waveform: np.ndarray) -> tuple[np.ndarray, int, str]:
+        """(features (1, M, F), valid frames, encoder function) of one clip from frontend.mlpackage.
+
+        The encoder function is chosen as with the Python front end (smallest window holding the valid
+        frames); the front-end function is the smallest whose window holds the samples and those
+        frames, its features cut to the encoder's F (frames beyond the valid ones are zero).
+        """
+        if not self.frontend_functions:
+            raise BundleError("the bundle has no frontend.mlpackage")
+        x = np.asarray(waveform, dtype=np.float32).reshape(-1)
+        check_waveform(x)
+        n_valid = valid_frames(x.shape[0], self.front_end)
+        if n_valid < 2:  # the same refusal as log_mel
+            raise AudioError(f"audio is too short: {x.shape[0]} samples give {max(n_valid, 0)} feature frame(s); "
+                             f"at least {2 * self.front_end.hop_length} samples are needed")
+        encoder_function = choose_bucket(self.encoder_buckets, n_valid)  # WindowTooLongError past every window
+        frames = self.encoder_buckets[encoder_function]
+        try:
+            fn = choose_frontend_function(self.frontend_functions, x.shape[0], min_frames=frames)
+        except ShapeError as err:
+            raise AudioError(str(err)) from err
+        if fn not in self._frontends:
+            self._frontends[fn] = self._load_frontend(fn)
+        samples = int(self.frontend_functions[fn]["samples"])
+        audio = np.zeros((1, samples), dtype=np.float32)
+        audio[0, : x.shape[0]] = x
+        out = self._frontends[fn].predict({"audio": audio, "audio_length": np.array([x.shape[0]], dtype=np.int32)})
+        feats = np.asarray(out["input_features"], dtype=np.float32)
+        got = int(np.asarray(out["feature_length"]).reshape(-1)[0])
+        if got != n_valid or feats.ndim != 3 or feats.shape[-1] < frames:
+            raise TranscriptionError(f"front-end package returned {got} valid frames of shape {feats.shape}; "
+                                     f"expected {n_valid} of (1, M, >= {frames})")
+        return feats[:, :, :frames], n_valid, encoder_function
+
+    @_serialized
+    def encode(self, features: np.ndarray, n_valid: int) -> dict[str, np.ndarray]:
+        """features (M, F) or (1, M, F) float32 window -> encoder outputs.
+
+        F selects the encoder function (the full window, or a length bucket of exactly that many frames).
+        """
+        return self.encoders.encode(features, n_valid)
+
+    @_serialized
+    def decode(self, encoder_out: dict[str, np.ndarray], prompt: Sequence[int], max_new_tokens: int | None = None,
+               return_log_probs: bool = False, beams: int = 1,
+               repetition_guard: RepetitionGuard | None = None, draft: Sequence[int] = ()) -> DecodeResult:
+        """Greedy (or, with `beams` > 1, beam search) decode of one window from its encoder outputs.
+
+        `repetition_guard` stops a looping window (StopReason.REPETITION, the loop kept once).
+        `draft` (greedy, with the decoder's extend function): tokens the decode is expected to emit (a
+        streaming partial's previous hypothesis after its confirmed tokens). They are fed with the
+        prompt by extend calls and verified, never forced: a drafted token is kept only where the
+        prediction before it is that token (so the tokens are greedy's); at the first prediction that
+        differs, the rest of the draft (after the replaced token) is fed again with it in one extend call
+        and verified the same way (once in a row: a re-draft refused at its first token ends the draft);
+        without draft left, one step per token (the Swift package's
+        `decode(cross:prompt:maxNewTokens:draft:)` does the same).
+        Returns a `decoding.DecodeResult`: token_ids, stop_reason, truncated, bind_s, prompt_s,
+        decode_s, steps, calls, repetition, and log_probs (one (V,) array per decoder call) when
+        `return_log_probs` (greedy only).
+        """
+        if beams < 1:
+            raise TranscriptionError(f"beams must be >= 1, got {beams}")
+        prompt = [int(t) for t in prompt]
+        if len(prompt) >= self.capacity:
+            raise TranscriptionError(f"prompt of {len(prompt)} tokens does not fit the cache ({self.capacity} slots)")
+        # every fed token takes one slot; the last prediction is emitted without being fed
+        limit = self.capacity - len(prompt) + 1
+        reason_at_limit = StopReason.CAPACITY
+        if max_new_tokens is not None:
+            if max_new_tokens < 1:
+                raise TranscriptionError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+            if max_new_tokens < limit:
+                limit, reason_at_limit = int(max_new_tokens), StopReason.MAX_NEW_TOKENS
+        t_bind = time.perf_counter()
+        state = self.decoder.new_state(encoder_out)  # bind_memory: the window's cross memory, once
+        all_log_probs = []
+
+        def step(token: int, position: int, beam_state=None) -> np.ndarray:
+            lp = self.decoder.step(state if beam_state is None else beam_state, token, position)
+            if return_log_probs:
+                all_log_probs.append(lp.astype(np.float32))
+            return lp
+
+        extend_len = self.decoder.extend_length
+        draft = [int(t) for t in draft][: max(0, limit - 1)] if beams == 1 and extend_len else []
+        if draft and return_log_probs:
+            raise TranscriptionError("return_log_probs gives one row per call: decode without a draft")
+        t0 = time.perf_counter()
+        fed = self.decoder.feed(state, prompt + draft)  # prefill, extend calls or steps (feed_plan)
+        calls, tokens_fed = fed.calls, fed.tokens_fed
+        pending = fed.after[len(prompt) - 1:]  # after the prompt's last token, then after each draft token
+        log_probs = pending[0]
+        if return_log_probs:
+            all_log_probs.extend(row.astype(np.float32) for row in fed.rows)
+        t1 = time.perf_counter()
+        generated: list[int] = []
+        position = len(prompt)
+        redrafted = False  # the current draft was fed after a refused token and none of it is verified yet
+        stop_reason = None
+        repetition = None
+        if beams > 1:
+            searched = beam_search(step, self.decoder, state, log_probs, position, limit, reason_at_limit,
+                                   self.eos_ids, beams, guard=repetition_guard)
+            generated, stop_reason, repetition = searched["token_ids"], searched["stop_reason"], searched["repetition"]
+            position, calls = searched["steps"], calls + searched["calls"]
+            tokens_fed += searched["calls"]
+        while beams == 1:
+            if not np.all(np.isfinite(log_probs)):
+                raise TranscriptionError(f"decoder produced non-finite log-probs at position {position - 1}")
+            token = int(np.argmax(log_probs))
+            generated.append(token)
+            if token in self.eos_ids:
+                stop_reason = StopReason.EOS
+                break
+            repetition = repetition_guard.find(generated) if repetition_guard is not None else None
+            if repetition is not None:
+                generated, stop_reason = repetition_guard.trim(generated, repetition), StopReason.REPETITION
+                break
+            if len(generated) >= limit:
+                stop_reason = reason_at_limit
+                break
+            if draft and token == draft[0]:  # drafted: already fed at `position`
+                draft, pending, redrafted = draft[1:], pending[1:], False
+                log_probs = pending[0]
+                position += 1
+                continue
+            # the draft after the replaced token, unless a re-draft was refused at once (then it is off track)
+            rest = draft[1:][: min(extend_len - 1, limit - len(generated) - 1)] if draft and not redrafted else []
+            if rest and position + extend_len <= self.capacity:
+                fed = self.decoder.feed(state, [token] + rest, start=position)  # one extend call
+                calls, tokens_fed = calls + fed.calls, tokens_fed + fed.tokens_fed
+                draft, pending, redrafted = rest, fed.after, True
+                log_probs = pending[0]
+                position += 1
+                continue
+            draft = []
+            log_probs = step(token, position)
+            position += 1
+            calls += 1
+            tokens_fed += 1
+        t2 = time.perf_counter()
+        return DecodeResult(token_ids=generated, stop_reason=StopReason(stop_reason), bind_s=t0 - t_bind,
+                            prompt_s=t1 - t0, decode_s=t2 - t1, steps=position, calls=calls, tokens_fed=tokens_fed,
+                            repetition=repetition,
+                            log_probs=all_log_probs if return_log_probs else None)
+
+    @_serialized
+    def features(self, waveform: np.ndarray) -> tuple[np.ndarray, int, str]:
+        """(features (1, M, F) padded to the smallest encoder window holding them, valid frames, that
+        window's encoder function) of one window's samples, by the transcriber's front end (Python or
+        the bundle's package). Raises `WindowTooLongError` past every window."""
+        if self.front_end_kind == "package":
+            return self.package_features(waveform)
+        feats, n_valid = log_mel(waveform, self.front_end)
+        encoder_function = choose_bucket(self.encoder_buckets, n_valid)
+        feats, n_valid = pad_to_window(feats, n_valid, frames=self.encoder_buckets[encoder_function])
+        return feats[None], n_valid, encoder_function
+
+    def transcribe_window(self, waveform: np.ndarray, prompt: Sequence[int], max_new_tokens: int | None = None,
+                          index: int = 0, start_s: float = 0.0, beams: int = 1,
+                          repetition_guard: RepetitionGuard | None = None) -> WindowResult:
+        """One window (at most one `split_long_audio` piece): features -> encoder -> decode -> text."""
+        t0 = time.perf_counter()
+        feats, n_valid, encoder_function = self.features(waveform)
+        t1 = time.perf_counter()
+        enc = self.encode(feats, n_valid)
+        t2 = time.perf_counter()
+        dec = self.decode(enc, prompt, max_new_tokens, beams=beams, repetition_guard=repetition_guard)
+        text = decode_ids(self.tokenizer, [t for t in dec.token_ids if t not in self.eos_ids])
+        timings = {
+            "features_s": t1 - t0,
+            "front_end": self.front_end_kind,
+            "encoder_s": t2 - t1,
+            "encoder_function": encoder_function,
+            "bind_s": dec.bind_s,
+            "prompt_s": dec.prompt_s,
+            "decode_s": dec.decode_s,
+            "decoder_calls": dec.calls,
+            "decoder_tokens_fed": dec.tokens_fed,
+            "ms_per_decoder_call": 1000.0 * (dec.prompt_s + dec.decode_s) / max(dec.calls, 1),
+        }
+        sr = self.front_end.sampling_rate
+        if dec.truncated:
+            logger.warning("window %d stopped without eos (%s) after %d tokens", index, dec.stop_reason,
+                           len(dec.token_ids))
+        return WindowResult(index=index, start_s=start_s, duration_s=len(waveform) / sr, token_ids=dec.token_ids,
+                            text=text, truncated=dec.truncated, stop_reason=dec.stop_reason, timings=timings,
+                            decoding={"beams": beams, "repetition": dec.repetition})
+
+    # -- whole clips ----------------------------------------------------------------------------
+    @_serialized
+    def transcribe(self, audio, language: str = "en", punctuation: bool = True, *,
+                   max_new_tokens: int | None = None, beams: int = 1, repetition_guard: RepetitionGuard | None = None,
+                   progress: bool = False) -> TranscriptionResult:
+        """Transcribe a file path (streamed window by window) or a float32 mono array at the bundle's
+        sample rate: `engines.Engine.transcribe` (shared with `cohere-coreml transcribe` and `bench`),
+        here under the instance's lock. Digital silence gives an empty transcript marked `silent` (no
+        model call); empty or NaN/inf audio raises `AudioError`."""
+        return super().transcribe(audio, language, punctuation, max_new_tokens=max_new_tokens, beams=beams,
+                                  repetition_guard=repetition_guard, progress=progress)
+
+    def stream(self, language: str = "en", punctuation: bool = True, config: streaming.StreamConfig | None = None,
+               max_new_tokens: int | None = None) -> streaming.StreamingSession:
+        """A live-transcription session: `feed(samples) -> [Update]`, then `finish()` (docs/streaming.md)."""
+        return streaming.StreamingSession(self, language, punctuation, config, max_new_tokens)
+
+
+# --------------------------------------------------------------------------------------------
+# `cohere-coreml transcribe` (registered by cli.py)
+# --------------------------------------------------------------------------------------------
+
+
+def cmd_transcribe(args) -> int:
+    """Every file is read and checked before the bundle loads; silent files give an empty transcript
+    (no model call); a bad file is reported on stderr (never on stdout) and the others are still
+    transcribed; the exit status is 1 when any file failed.
+
+    stdout holds results only: in text mode each transcript (after a `== FILE` line when several files
+    are given), with --json one object per transcribed file (an object for one input file, a list for
+    several; a failed file has no entry)."""
+    check_language(args.language)
+    if args.stream:
+        if args.beams != 1 or args.repetition_guard:
+            raise TranscriptionError("--stream decodes greedily: --beams and --repetition-guard do not apply")
+        return streaming.run_cli(args, lambda: Transcriber(args.bundle, backend=args.backend,
+                                                           use_prefill=not args.no_prefill,
+                                                           use_extend=not args.no_extend,
+                                                           front_end=args.front_end,
+                                                           compute_units=args.compute_units))
+    if args.beams < 1:
+        raise TranscriptionError(f"--beams must be >= 1, got {args.beams}")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise TranscriptionError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    entries, failed = transcribe_files(
+        args.audio,
+        lambda: Transcriber(args.bundle, backend=args.backend, use_prefill=not args.no_prefill,
+                            use_extend=not args.no_extend, front_end=args.front_end,
+                            compute_units=args.compute_units),
+        args.language, punctuation=not args.no_punctuation, progress=not args.json,
+        max_new_tokens=args.max_new_tokens, beams=args.beams,
+        repetition_guard=RepetitionGuard() if args.repetition_guard else None)
+    results = [e for e in entries if e["status"] != "error"]  # failures: logged on stderr by transcribe_files
+    if args.json:
+        if len(args.audio) > 1 or results:
+            print(json.dumps(results if len(args.audio) > 1 else results[0], indent=2, ensure_ascii=False))
+        return 1 if failed else 0
+    for entry in results:
+        if len(args.audio) > 1:
+            print(f"== {entry['audio']}")
+        if entry["status"] == "silent":
+            print("(silent)")
+            continue
+        print(entry["text"])
+        for w in entry["windows"]:
+            t = w["timings"]
+            flag = f"  STOPPED ({w['stop_reason']})" if w["truncated"] else ""
+            logger.info("window %d (%.1f-%.1f s): %d tokens, encoder %.2f s, decoder %d calls %.1f ms/call%s",
+                        w["index"], w["start_s"], w["start_s"] + w["duration_s"], len(w["token_ids"]),
+                        t["encoder_s"], t["decoder_calls"], t["ms_per_decoder_call"], flag)
+    if failed:
+        logger.error("%d of %d file(s) failed (named above)", len(entries) - len(results), len(entries))
+    return 1 if failed else 0
+
+
+def add_command(subparsers) -> None:
+    p = subparsers.add_parser(
+        "transcribe",
+        help="transcribe audio with an exported bundle (encoder + decoder packages)",
+        description="Transcription (greedy, or --beams N) with an export folder written by `cohere-coreml export` "
+        "(encoder.mlpackage, decoder.mlpackage, manifest.json, tokenizer). Audio longer than 30 s is "
+        "split into windows as the reference processor splits it, read from the file window by window. "
+        "Every file is checked before the bundle loads: a digitally silent file gives an empty transcript "
+        "(no model call), a bad file is named on stderr and the others are still transcribed (exit status 1). "
+        "stdout holds the transcripts only. Runs Core ML on macOS and the project's MIL interpreter elsewhere "
+        "(--backend).",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("audio", nargs="+", help="audio file(s) (wav, flac, ...); resampled to 16 kHz mono")
+    add_bundle_arg(p)
+    p.add_argument("--language", required=True, help="language code: ar de el en es fr it ja ko nl pl pt vi zh")
+    p.add_argument("--no-punctuation", action="store_true", help="prompt with <|nopnc|> (no punctuation/casing)")
+    p.add_argument("--backend", default="auto", choices=("auto", "coreml", "mil"),
+                   help="auto: Core ML when available, else the MIL interpreter (default: %(default)s)")
+    p.add_argument("--no-prefill", action="store_true",
+                   help="feed the prompt token by token even if the decoder package has a prefill function")
+    p.add_argument("--no-extend", action="store_true",
+                   help="feed forced prefixes token by token even if the decoder package has an extend function")
+    p.add_argument("--front-end", default=DEFAULT_FRONT_END, choices=FRONT_ENDS,
+                   help="python: features from cohere_coreml.model.audio.log_mel; package: from the bundle's "
+                   "frontend.mlpackage (default: %(default)s)")
+    add_decoding_args(p)
+    p.add_argument("--compute-units", default="all", choices=("all", "cpu_only", "cpu_and_gpu", "cpu_and_ne"),
+                   help="Core ML compute units (macOS; ignored by the interpreter) (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print JSON: text, token ids, timings, truncation per window "
+                   "(with --stream: one JSON line per update)")
+    p.add_argument("--stream", action="store_true",
+                   help="live transcription (docs/streaming.md): the file fed in 0.1 s chunks, partial and final "
+                   "updates while it arrives")
+    p.add_argument("--no-pace", action="store_true",
+                   help="with --stream: feed the file as fast as possible instead of at real time")
+    p.add_argument("--stats", action="store_true",
+                   help="with --stream: after each file, one JSON line of compute counters on stderr (encoder calls / "
+                   "frames, decoder calls / tokens fed, per audio second); stdout is unchanged")
+    p.add_argument("--hop", type=float, default=streaming.StreamConfig.hop_s,
+                   help="with --stream: seconds of new audio between partial decodes (default: %(default)s)")
+    p.set_defaults(func=cmd_transcribe)

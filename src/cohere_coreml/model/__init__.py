@@ -1,0 +1,13 @@
+"""The model: a Cohere Transcribe checkpoint and what the host computes around the network.
+
+Takes: a checkpoint folder or Hub id, audio files or samples.
+Gives: the `transformers` model and processor (the reference, never re-implemented), log-mel
+features, the exported programs' static shapes and length masks, decoder prompts and detokenised text.
+May import: storage, runtime (and the top-level config and errors).
+
+    checkpoint  load and describe a checkpoint (safetensors only, no remote code): `info`, `vocab`
+    reference   the PyTorch reference of the cross-attention memory (what the encoder package outputs)
+    audio       load audio; the features `CohereAsrFeatureExtractor` computes (`mel`)
+    shapes      windows, buckets, frames and the length masks, in one place
+    tokens      prompts, decoding of generated ids, vocab.json
+"""

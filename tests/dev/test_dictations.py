@@ -1,0 +1,97 @@
+"""Dictations from held-out utterances (tools/make_dictations.py) and the streaming bench's per-utterance
+comparison of a final with the offline transcript of the utterance's own clip (tools/bench_streaming.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+
+from .test_heldout_set import _single
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dictations_of_a_segmented_heldout_folder_hold_each_utterance_at_its_times(tmp_path):
+    dictations = _tool("make_dictations")
+    single = _single(tmp_path, per_language=10, digital_every=1)  # digital edges: the speech alone is exact
+    out = tmp_path / "dictations"
+    entries = [e for e in dictations.make_dictations(out, per_dictation=10, min_pause=0.8, max_pause=1.6,
+                                                     heldout_dir=single) if e["utterances"]]
+    assert len(entries) == 2 and json.loads((out / "manifest.json").read_text())["heldout_dir"] == str(single.resolve())
+    rows = {u["file"]: u for u in json.loads((single / "manifest.json").read_text())["utterances"]}
+    for e in entries:
+        wav, _ = sf.read(str(out / e["file"]), dtype="float32")
+        for u, v in zip(e["utterances"], e["utterances"][1:]):
+            assert 0.8 * 16000 - 1 <= v["start_sample"] - u["end_sample"] <= 1.6 * 16000 + 1
+        for u in e["utterances"]:
+            src, _ = sf.read(str(single / u["file"]), dtype="float32")
+            a, b = rows[u["file"]]["segments"][0]
+            got = wav[u["start_sample"]: u["end_sample"]]
+            assert got.size == b - a
+            # the clip's speech plus the dictation's one background noise (the loudest clip's floor: 0 here)
+            assert np.abs(got - src[a:b]).max() < 2e-4
+
+
+def test_match_levels_brings_every_utterance_to_the_dictations_median_level(tmp_path):
+    dictations = _tool("make_dictations")
+    single = _single(tmp_path, per_language=10, digital_every=1)
+    rows = json.loads((single / "manifest.json").read_text())["utterances"]
+    for i, row in enumerate(rows):  # every other clip 20 dB quieter: the robustness set's level spread
+        if i % 2:
+            wav, rate = sf.read(str(single / row["file"]), dtype="float32")
+            sf.write(str(single / row["file"]), 0.1 * wav, rate, format="FLAC", subtype="PCM_16")
+
+    def speech_rms(out, **kw):
+        entries = [e for e in dictations.make_dictations(out, per_dictation=10, heldout_dir=single, **kw)
+                   if e["utterances"]]
+        levels = []
+        for e in entries:
+            wav, _ = sf.read(str(out / e["file"]), dtype="float32")
+            levels += [float(np.sqrt(np.mean(np.square(wav[u["start_sample"]:u["end_sample"]])))) for u in e["utterances"]]
+        return np.array(levels), entries
+
+    plain, _ = speech_rms(tmp_path / "plain")
+    matched, entries = speech_rms(tmp_path / "matched", match_levels=True)
+    assert plain.max() / plain.min() > 8  # as given: 20 dB apart
+    assert matched.max() / matched.min() < 1.05  # one level per dictation
+    gains = [u["gain_db"] for e in entries for u in e["utterances"]]
+    assert min(gains) < -5 and max(gains) > 5  # loud clips down, quiet clips up, to the median between them
+    assert json.loads((tmp_path / "matched" / "manifest.json").read_text())["match_levels"] is True
+
+
+def _final(start, end, text):
+    return {"type": "final", "start": start, "end": end, "text": text}
+
+
+def test_final_equals_own_clip_needs_one_final_per_utterance_with_its_own_clips_text():
+    bench = _tool("bench_streaming")
+    d = {"utterances": [{"id": "a", "start": 1.0, "end": 2.0}, {"id": "b", "start": 3.0, "end": 4.0},
+                        {"id": "c", "start": 5.0, "end": 6.0}]}
+    own = {"a": "Call Emma.", "b": "Lights on.", "c": "Ten past two."}
+    good = {"updates": [{"type": "partial", "start": 0.9, "end": 1.5, "text": "Call"}, _final(0.9, 2.3, "Call Emma."),
+                        _final(2.9, 4.3, "Lights on."), _final(4.9, 6.3, "Ten past two.")]}
+    assert bench.final_equals_own_clip(d, good, own) == {"a": True, "b": True, "c": True}
+    wrong_text = {"updates": [*good["updates"][:3], _final(4.9, 6.3, "Ten past three.")]}
+    assert bench.final_equals_own_clip(d, wrong_text, own)["c"] is False
+    merged = {"updates": [_final(0.9, 4.3, "Call Emma. Lights on."), _final(4.9, 6.3, "Ten past two.")]}
+    assert bench.final_equals_own_clip(d, merged, own) == {"a": False, "b": False, "c": True}
+    split = {"updates": [_final(0.9, 1.5, "Call"), _final(1.5, 2.3, "Emma."), *good["updates"][2:]]}
+    assert bench.final_equals_own_clip(d, split, own)["a"] is False
+    missing = {"updates": good["updates"][:3]}
+    assert bench.final_equals_own_clip(d, missing, own)["c"] is False
+    # what each failure is, for the report's "differing" rows
+    assert bench.own_clip_verdicts(d, wrong_text, own)["c"] == "text"
+    assert bench.own_clip_verdicts(d, merged, own) == {"a": "merged", "b": "merged", "c": "equal"}
+    assert bench.own_clip_verdicts(d, split, own)["a"] == "split"
+    assert bench.own_clip_verdicts(d, missing, own)["c"] == "missing"

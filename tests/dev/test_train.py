@@ -1,0 +1,205 @@
+"""Training helpers: schedule, batching, tokenizer from SentencePiece pieces."""
+
+import numpy as np
+import pytest
+
+from cohere_coreml_dev.synth import sample_sentences
+from cohere_coreml_dev.train import TrainConfig, lr_factor, make_batches, train_sentencepiece
+
+
+def _cfg(**kw):
+    return TrainConfig(train_dir="", heldout_dir="", out_dir="", **kw)
+
+
+def test_lr_schedule_warmup_then_cosine():
+    cfg = _cfg(warmup_steps=100, warmup_fraction=0.5, final_lr_fraction=0.05)
+    assert lr_factor(0, 0.0, cfg) == pytest.approx(0.01)
+    assert lr_factor(49, 0.0, cfg) == pytest.approx(0.5)
+    assert lr_factor(10, 0.25, cfg) == pytest.approx(0.5)  # time-based warmup ends first
+    assert lr_factor(200, 0.5, cfg) == pytest.approx(0.05 + 0.95 * 0.5)
+    assert lr_factor(500, 1.0, cfg) == pytest.approx(0.05)
+    assert lr_factor(500, 2.0, cfg) == pytest.approx(0.05)
+
+
+def test_batches_cover_everything_once_within_frame_cap():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(50, 900, 500)
+    batches = make_batches(lengths, 4000, np.random.default_rng(1))
+    flat = np.concatenate(batches)
+    assert sorted(flat.tolist()) == list(range(500))
+    for b in batches:
+        assert len(b) * lengths[b].max() <= 4000 or len(b) == 1
+    # length-sorted: the spread inside a batch is far below the global spread
+    assert np.median([lengths[b].max() - lengths[b].min() for b in batches]) < 100
+
+
+def test_sentencepiece_tokenizer_covers_corpus_and_round_trips():
+    from cohere_coreml.model.tokens import prompt_ids
+    from cohere_coreml_dev.tokenizer import build_tokenizer
+
+    texts = sum((sample_sentences(l, 300, split="train", seed=0) for l in ("en", "de", "es")), [])
+    pieces = train_sentencepiece(texts, 200)
+    assert 100 < len(pieces) <= 200
+    tok = build_tokenizer(pieces)
+    for text in texts[::37]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.unk_token_id not in ids
+        assert not any(tok.convert_ids_to_tokens(i).startswith("<0x") for i in ids)  # pieces, not bytes
+        assert tok.decode(ids) == text
+    assert len(set(prompt_ids(tok, "en")) & set(prompt_ids(tok, "de"))) == 8  # only the language tokens differ
+
+
+def test_model_card_describes_the_recipe_and_the_robustness_subsets():
+    from cohere_coreml_dev import synth
+    from cohere_coreml_dev.evaluate import LanguageReport
+    from cohere_coreml_dev.train import data_description, robustness_rows
+
+    varied, commands = data_description("varied"), data_description("commands")
+    assert "1-4 sentences" in varied and "-30..0 dBFS" in varied and "10-40 dB SNR" in varied
+    assert "50 % of the clips of 2+ sentences" in varied  # the mixed-recording share
+    assert all(v in varied for v in synth.VARIED_HELDOUT_VARIANTS)
+    assert "15-40 dB SNR" in commands and "sentences" not in commands
+
+    def report(lang, wer):
+        return LanguageReport(language=lang, clips=200, words=1000, wer=wer, median_margin=9.0, p10_margin=3.0,
+                              share_under_1nat=0.01)
+
+    rows = robustness_rows({"single": {"en": report("en", 0.02)}, "padded": {"en": report("en", 0.03)},
+                            "multi": {"en": report("en", 0.05)}}).splitlines()
+    assert rows == ["| single | en | 200 | 1000 | 2.00 % | - | - | 9.00 |",
+                    "| padded | en | 200 | 1000 | 3.00 % | - | 1.50x | 9.00 |",
+                    "| multi | en | 200 | 1000 | 5.00 % | - | 2.50x | 9.00 |"]
+    with_ci = report("en", 0.02)
+    with_ci.wer_interval = [0.011, 0.032]
+    assert robustness_rows({"single": {"en": with_ci}}) == "| single | en | 200 | 1000 | 2.00 % | 1.10-3.20 % | - | 9.00 |"
+
+
+def test_train_refuses_zero_threads_before_reading_data():
+    from cohere_coreml_dev.train import TrainingError, train
+
+    with pytest.raises(TrainingError, match="threads must be >= 1, got 0"):
+        train(_cfg(threads=0))
+
+
+def test_train_refuses_negative_steps_before_reading_data():
+    from cohere_coreml_dev.train import TrainingError, train
+
+    with pytest.raises(TrainingError, match="steps must be >= 0"):
+        train(_cfg(steps=-1))
+
+
+@pytest.mark.parametrize("name", ["encoder_num_hidden_layers", "num_hidden_layers"])
+def test_train_refuses_zero_layers_before_reading_data(name):
+    from cohere_coreml_dev.train import TrainingError, train
+
+    with pytest.raises(TrainingError, match=f"{name} must be >= 1, got 0"):
+        train(_cfg(**{name: 0}))
+
+
+def _noise_corpus(folder, n=24, seed=0):
+    """A training folder the trainer accepts without espeak-ng: noise clips labelled with grammar sentences."""
+    import json
+
+    import soundfile as sf
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    utts = []
+    for i, (lang, text) in enumerate(zip(["en", "de", "es"] * n, sample_sentences("en", n, split="train", seed=seed))):
+        name = f"{lang}_{i:03d}.flac"
+        sf.write(str(folder / name), (0.1 * rng.standard_normal(int(16000 * rng.uniform(0.5, 1.5)))).astype(np.float32),
+                 16000, subtype="PCM_16")
+        utts.append({"file": name, "language": lang, "text": text})
+    (folder / "manifest.json").write_text(json.dumps({"split": "train", "utterances": utts}))
+    return folder
+
+
+@pytest.mark.slow
+def test_a_step_count_repeats_a_run_from_its_seed(tmp_path):
+    """--steps: two runs of the same seed give the same weights (the schedule runs on steps, not time);
+    another seed gives others, so the comparison can fail. The second run starts with autograd off, as
+    after an export in the same process: training turns it on for itself."""
+    import torch
+    from safetensors.numpy import load_file
+
+    from cohere_coreml_dev.train import train
+
+    corpus = _noise_corpus(tmp_path / "train")
+    small = dict(encoder_hidden_size=32, encoder_num_hidden_layers=1, encoder_num_attention_heads=2,
+                 encoder_intermediate_size=64, encoder_subsampling_conv_channels=8, hidden_size=32,
+                 num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, sentencepiece_vocab=120,
+                 max_position_embeddings=128, eval_clips_per_language=1, feature_workers=1, steps=6, warmup_steps=2)
+
+    def run(name, seed):
+        cfg = TrainConfig(train_dir=str(corpus), heldout_dir="tests/data/heldout", out_dir=str(tmp_path / name),
+                          cache_dir=str(tmp_path / f"cache-{name}"), seed=seed, **small)
+        result = train(cfg)
+        assert result.steps == 6
+        return load_file(str(tmp_path / name / "model.safetensors"))
+
+    first = run("a", 0)
+    with torch.no_grad():
+        again = run("b", 0)
+    other = run("c", 1)
+    assert first.keys() == again.keys()
+    assert all(np.array_equal(first[k], again[k]) for k in first)
+    assert any(not np.array_equal(first[k], other[k]) for k in first)
+
+
+def _train_tiny():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "train_tiny.py"
+    spec = importlib.util.spec_from_file_location("train_tiny", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_tiny_layer_flags_reach_the_model_config(tmp_path, monkeypatch, capsys):
+    """--encoder-layers / --decoder-layers set the trained architecture (the card reports them); the
+    defaults stay TrainConfig's."""
+    import cohere_coreml_dev.train as train_module
+
+    seen = []
+
+    def fake_train(cfg):
+        seen.append(cfg.model_overrides())
+        raise train_module.TrainingError("stopped by the test")
+
+    monkeypatch.setattr(train_module, "train", fake_train)
+    corpus = tmp_path / "train"
+    corpus.mkdir()
+    (corpus / "manifest.json").write_text("{}")  # present: no synthesis
+    tool = _train_tiny()
+    base = ["--train-dir", str(corpus), "--out", str(tmp_path / "out")]
+    assert tool.main(base + ["--encoder-layers", "3", "--decoder-layers", "4"]) == 1
+    assert tool.main(base) == 1
+    assert "stopped by the test" in capsys.readouterr().err
+    defaults = _cfg()
+    assert (seen[0]["encoder_num_hidden_layers"], seen[0]["num_hidden_layers"]) == (3, 4)
+    assert (seen[1]["encoder_num_hidden_layers"], seen[1]["num_hidden_layers"]) == (
+        defaults.encoder_num_hidden_layers, defaults.num_hidden_layers)
+
+
+@pytest.mark.parametrize("flag", ["--encoder-layers", "--decoder-layers"])
+def test_train_tiny_refuses_zero_layers(flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _train_tiny().main([flag, "0"])
+    assert exc.value.code == 2
+    assert f"{flag} must be at least 1 (got 0)" in capsys.readouterr().err
+
+
+def test_train_tiny_refuses_an_incomplete_robustness_set_before_training(tmp_path, capsys):
+    """A robustness folder without single/ (as `make_heldout_set.py --single X --out Y` left it before it
+    linked X there) is refused at the start, naming the subset, not after the training it would follow."""
+    for name in ("padded", "multi"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        _train_tiny().main(["--robustness", str(tmp_path), "--train-dir", str(tmp_path / "no-corpus")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--robustness" in err and "no single/manifest.json (" in err
+    assert not (tmp_path / "no-corpus").exists()  # nothing synthesised

@@ -1,0 +1,416 @@
+"""The shipped example_inference.py, run as a user runs it: `python -I` in a venv that holds only
+numpy, soundfile and coremltools (at uv.lock's versions), on the trained model's finalized bundle.
+
+There is no Core ML on Linux, so the venv also holds tests/coreml_interpreter_shim.py (loaded by a
+`.pth` file, active only when COHERE_COREML_SHIM_COMMAND is set): coremltools' MLModel predictions
+go to the project's MIL interpreter (`cohere-coreml serve-runtime`). The example's token ids must
+equal the project's own `Transcriber` on the same clips and bundle; a bundle whose front-end package
+computes other features must change them (the example uses the bundle's front end, not its own).
+
+The venv is built once per set of pins and cached under out/example-venv/ (a fresh machine builds
+it from the package registry with uv; no Hugging Face access is needed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cohere_coreml.export.convert import ExportSettings
+from cohere_coreml.export.frontend import FrontEndForCoreML, convert_frontend
+from cohere_coreml.inference.transcribe import Transcriber
+from cohere_coreml.model.audio import FrontEndConfig, load_audio, split_points
+from cohere_coreml.model.shapes import frontend_shapes
+from cohere_coreml.publish.card import EXAMPLE, example_source
+from cohere_coreml.publish.hub import finalize_bundle
+
+ROOT = Path(__file__).resolve().parents[2]
+AUDIO_DIR = ROOT / "tests" / "data" / "audio"
+HELDOUT_DIR = ROOT / "tests" / "data" / "heldout"
+SHIM = Path(__file__).resolve().parents[1] / "coreml_interpreter_shim.py"
+SHIM_ENV = "COHERE_COREML_SHIM_COMMAND"
+VENV_CACHE = ROOT / "out" / "example-venv"
+EXAMPLE_PACKAGES = ("numpy", "soundfile", "coremltools")  # what the model card tells users to install
+SERVE = [sys.executable, "-m", "cohere_coreml.cli", "serve-runtime", "--num-threads", "1"]
+SERVE_ARGV = SERVE[SERVE.index("serve-runtime"):]  # what `cli.main` gets: the command's own arguments
+
+# The interpreter children: each example run starts its own `serve-runtime` child (the shim does, on its
+# first model load), which imports torch and coremltools afresh (~6 s CPU of its ~10). To keep a run cheap
+# the children are forked from one server that imported them once (as tests/storage/test_faults.py's zygote):
+# the shim's command is SERVE_CLIENT, a stdlib-only process that hands its own stdin, stdout and stderr
+# (the shim's pipes, the example's stderr) to the server over a Unix socket (SCM_RIGHTS); the server
+# forks a child that runs `cli.main(SERVE_ARGV)` (what `cohere-coreml serve-runtime` runs) on those very
+# file descriptors and, when it ends, sends its exit status back, which the client exits with. Each run
+# still gets a fresh interpreter process of its own (no model or state is shared between runs).
+SERVE_ZYGOTE = r"""
+import ctypes, json, os, signal, socket, sys, traceback
+ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: ends with the test process, whatever happens
+import torch
+torch.set_num_threads(1)
+import coremltools, coremltools.proto, coremltools.converters.mil.frontend.milproto.load
+import coremltools.converters.mil.mil
+from cohere_coreml import cli
+from cohere_coreml.runtime import interpreter, package, serve
+import gc
+gc.collect()
+gc.freeze()  # the imported objects: no collection walks them (nor copies their pages) in a child
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind(sys.argv[1])
+server.listen(16)
+print("ready", flush=True)
+while True:
+    conn, _ = server.accept()
+    msg, fds, _, _ = socket.recv_fds(conn, 65536, 3)
+    if msg == b"quit":
+        break
+    if os.fork() == 0:
+        rc = 1
+        try:
+            server.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+                os.close(fd)
+            # as in a fresh process, sys.__stdout__ & co. keep the streams (serve-runtime rebinds sys.stdout)
+            sys.stdin = sys.__stdin__ = os.fdopen(0, "r")
+            sys.stdout = sys.__stdout__ = os.fdopen(1, "w")
+            sys.stderr = sys.__stderr__ = os.fdopen(2, "w", buffering=1)
+            rc = cli.main(json.loads(msg))
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            try:
+                conn.sendall(json.dumps({"status": rc}).encode())
+            finally:
+                os._exit(rc if isinstance(rc, int) else 1)
+    for fd in fds:
+        os.close(fd)
+    conn.close()
+"""
+SERVE_CLIENT = r"""
+import json, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+socket.send_fds(s, [sys.argv[2].encode()], [0, 1, 2])
+answer = b""
+while chunk := s.recv(4096):
+    answer += chunk
+sys.exit(json.loads(answer)["status"] if answer else 1)
+"""
+
+
+@pytest.fixture(scope="module")
+def serve_command(tmp_path_factory):
+    """The shim's command (a JSON list): a fresh `serve-runtime` child per run, forked (see SERVE_ZYGOTE)."""
+    import socket
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="serve-", dir="/tmp"))  # a socket path must be short
+    path = folder / "s"
+    log = tmp_path_factory.mktemp("serve") / "zygote.err"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", SERVE_ZYGOTE, str(path)], stdout=subprocess.PIPE, stderr=err,
+                                text=True, env=env)
+    if proc.stdout.readline().strip() != "ready":
+        raise RuntimeError(f"the serve-runtime zygote did not start: {log.read_text()[-2000:]}")
+    yield json.dumps([sys.executable, "-I", "-S", "-c", SERVE_CLIENT, str(path), json.dumps(SERVE_ARGV)])
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(path))
+        s.sendall(b"quit")
+    proc.wait(timeout=60)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def locked_requirements(lock: Path = ROOT / "uv.lock") -> list[str]:
+    """`name==version[; marker]` of EXAMPLE_PACKAGES and everything they need, as uv.lock pins them."""
+    packages: dict[str, list[dict]] = {}
+    for p in tomllib.loads(lock.read_text())["package"]:
+        packages.setdefault(p["name"], []).append(p)
+    pins, todo = {}, [(name, None) for name in EXAMPLE_PACKAGES]
+    while todo:
+        name, marker = todo.pop()
+        if name in pins:
+            continue
+        entries = packages.get(name, [])
+        if len(entries) != 1:
+            raise AssertionError(f"uv.lock holds {len(entries)} versions of {name}: cannot pin it for the example venv")
+        pins[name] = f"{name}=={entries[0]['version']}" + (f" ; {marker}" if marker else "")
+        todo += [(d["name"], d.get("marker")) for d in entries[0].get("dependencies", [])]
+    return sorted(pins.values())
+
+
+def uv_command() -> list[str]:
+    """uv as `make` finds it: $UV (set by `uv run`), `uv` on PATH, else `python3 -m uv`."""
+    if os.environ.get("UV"):
+        return [os.environ["UV"]]
+    if shutil.which("uv"):
+        return [shutil.which("uv")]
+    return [shutil.which("python3") or "python3", "-m", "uv"]
+
+
+def build_venv(requirements: list[str], cache: Path = VENV_CACHE) -> Path:
+    """The python of a venv holding exactly `requirements` and the shim; cached by the pins."""
+    python_tag = f"py{sys.version_info.major}.{sys.version_info.minor}"
+    key = hashlib.sha256("\n".join([python_tag, "bytecode", *requirements]).encode()).hexdigest()[:16]
+    venv = cache / f"{python_tag}-{key}"
+    done = venv / ".complete"
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "UV_PROJECT_ENVIRONMENT")}
+    if not done.is_file():
+        shutil.rmtree(venv, ignore_errors=True)
+        uv = uv_command()
+        subprocess.run([*uv, "venv", "--quiet", "--python", sys.executable, str(venv)], check=True, env=env)
+        req = venv / "requirements.txt"
+        req.write_text("\n".join(requirements) + "\n")
+        # --compile-bytecode: the example's processes import coremltools and torch in a fresh interpreter
+        # each; where PYTHONDONTWRITEBYTECODE is set nothing else compiles them (26 s per import, not 11)
+        subprocess.run([*uv, "pip", "install", "--quiet", "--compile-bytecode", "--python", str(venv / "bin" / "python"),
+                        "-r", str(req)], check=True, env=env)
+        done.write_text("\n".join(requirements) + "\n")
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    shutil.copyfile(SHIM, site / SHIM.name)  # every run: the shim of this checkout
+    (site / "coreml_interpreter_shim.pth").write_text("import coreml_interpreter_shim\n")
+    return python
+
+
+@pytest.fixture(scope="session")
+def example_python() -> Path:
+    return build_venv(locked_requirements())
+
+
+@pytest.fixture(scope="session")
+def finalized_bundle(trained_bundle, tmp_path_factory) -> Path:
+    """The trained model's bundle, finalized (model card, example_inference.py, checksums)."""
+    out = tmp_path_factory.mktemp("example") / "bundle"
+    shutil.copytree(trained_bundle, out)
+    finalize_bundle(out)
+    return out
+
+
+def run_example(python: Path, bundle: Path, audio: Path, language: str, *args: str, script: Path | None = None,
+                serve: str = json.dumps(SERVE)) -> subprocess.CompletedProcess:
+    env = {**os.environ, SHIM_ENV: serve}
+    return subprocess.run([str(python), "-I", str(script or bundle / EXAMPLE), str(audio), "--language", language,
+                           "--bundle", str(bundle), "--json", *args],
+                          env=env, capture_output=True, text=True, timeout=900, cwd=bundle)
+
+
+# --------------------------------------------------------------------------------------------
+# Fast: the file, its copy into bundles, its long-audio split
+# --------------------------------------------------------------------------------------------
+
+
+def test_example_is_package_data():
+    """The example is a file of the installed package (wheel package data), read by publish."""
+    packaged = resources.files("cohere_coreml").joinpath("data", EXAMPLE).read_text()
+    assert packaged == example_source()
+    assert "import cohere_coreml" not in packaged and "from cohere_coreml" not in packaged
+    imports = {line.split()[1].split(".")[0] for line in packaged.splitlines()
+               if line.startswith(("import ", "from "))}
+    assert imports == {"argparse", "hashlib", "json", "shutil", "sys", "tempfile", "pathlib", "coremltools", "numpy",
+                       "soundfile"}
+
+
+def test_locked_requirements_pin_the_example_packages():
+    """Every pin is exact and comes from uv.lock; coremltools' own dependencies are in, torch is not."""
+    reqs = locked_requirements()
+    names = {r.split("==")[0] for r in reqs}
+    assert set(EXAMPLE_PACKAGES) <= names and "protobuf" in names and "cffi" in names
+    assert not names & {"torch", "transformers", "cohere-transcribe-coreml"}
+    lock = {p["name"]: p["version"] for p in tomllib.loads((ROOT / "uv.lock").read_text())["package"]}
+    for r in reqs:
+        name, version = r.split(" ;")[0].split("==")
+        assert lock[name] == version
+
+
+def load_example_module():
+    """The example as a module (its functions only: main() is not run)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("example_inference", resources.files("cohere_coreml") / "data" / EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_splits_long_audio_as_the_reference():
+    """The example's numpy split = audio.split_points (the reference extractor's), on the 75 s clip and
+    on clips whose quietest window sits elsewhere; a split that ignores the energies is rejected."""
+    example = load_example_module()
+    config = FrontEndConfig()
+    settings = config.to_dict()
+    wave = load_audio(AUDIO_DIR / "en_long_75s.flac")
+    expected = split_points(wave, config)
+    assert len(expected) == 3 and example.split_points(wave, settings) == expected
+    rng = np.random.default_rng(0)
+    for seconds in (20.0, 31.0, 36.0, 70.0, 101.0):
+        x = rng.standard_normal(int(seconds * 16000)).astype(np.float32) * 0.1
+        for k in range(0, x.size, 16000 * 7):
+            x[k:k + 1600] *= 0.01  # quiet spots every 7 s
+        assert example.split_points(x, settings) == split_points(x, config), seconds
+    fixed = [(s, min(s + 560000, wave.size)) for s in range(0, wave.size, 560000)]
+    assert fixed != expected  # the control: cutting at 35 s would not pass
+
+
+def test_finalize_copies_the_example(finalized_bundle):
+    """`bundle finalize` (also run by `make export` and `quantize`) copies the package file, byte for
+    byte, and the manifest's checksums list it."""
+    manifest = json.loads((finalized_bundle / "manifest.json").read_text())
+    data = (finalized_bundle / EXAMPLE).read_bytes()
+    assert data == example_source().encode()
+    entry = manifest["checksums"]["files"][EXAMPLE]
+    assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+
+
+# --------------------------------------------------------------------------------------------
+# Slow: the example in its own venv, through the interpreter shim
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_example_venv_holds_only_the_example_packages(example_python):
+    probe = ("import importlib.util as u, json; print(json.dumps({n: u.find_spec(n) is not None for n in "
+             "('numpy', 'soundfile', 'coremltools', 'cohere_coreml', 'torch', 'transformers')}))")
+    proc = subprocess.run([str(example_python), "-I", "-c", probe], capture_output=True, text=True, check=True)
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "numpy": True, "soundfile": True, "coremltools": True, "cohere_coreml": False, "torch": False,
+        "transformers": False}
+
+
+def clips() -> list[dict]:
+    """Two held-out clips of the trained model (tests/data/heldout): the first that fits the 2 s
+    bucket, the first that needs the 4 s window."""
+    picked = {}
+    for u in json.loads((HELDOUT_DIR / "manifest.json").read_text())["utterances"]:
+        seconds = load_audio(HELDOUT_DIR / u["file"]).size / 16000
+        picked.setdefault("bucket" if seconds <= 2.0 else "main" if seconds <= 4.0 else "longer",
+                          dict(u, path=HELDOUT_DIR / u["file"]))
+        if "bucket" in picked and "main" in picked:
+            return [picked["bucket"], picked["main"]]
+    raise AssertionError(f"tests/data/heldout has no clip for each window: {sorted(picked)}")
+
+
+@pytest.mark.slow
+def test_example_transcribes_as_the_transcriber(example_python, serve_command, finalized_bundle):
+    """Token ids and text per window equal `Transcriber` (front end = the bundle's package, prefill as
+    the bundle has it) on the same clip and bundle: a clip in the 2 s bucket and one in the main window."""
+    transcriber = Transcriber(finalized_bundle, backend="mil", front_end="package")
+    for clip in clips():
+        expected = transcriber.transcribe(clip["path"], clip["language"])
+        proc = run_example(example_python, finalized_bundle, clip["path"], clip["language"], serve=serve_command)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got = json.loads(proc.stdout)
+        assert [w["token_ids"] for w in got["windows"]] == expected.token_ids, clip["file"]
+        assert got["text"] == expected.text and expected.text, clip["file"]
+        assert len(expected.token_ids[0]) > 3  # a transcript, not an immediate eos
+
+
+@pytest.mark.slow
+def test_example_compiles_each_package_once_into_its_cache(example_python, serve_command, finalized_bundle, tmp_path):
+    """--compiled-cache: the first run compiles each package once (named by the manifest's checksums,
+    the Swift package's rule: the same names as cohere_coreml's CompiledCache), a second run loads them
+    (the same folders, not recompiled) and gives the same ids."""
+    from cohere_coreml.runtime.compiled_cache import COMPLETE_MARKER, CompiledCache
+
+    cache = tmp_path / "compiled"
+    clip = clips()[0]
+    first = run_example(example_python, finalized_bundle, clip["path"], clip["language"], "--compiled-cache", str(cache),
+                        serve=serve_command)
+    assert first.returncode == 0, first.stderr[-3000:]
+    names = {CompiledCache(cache).location(finalized_bundle / f"{c}.mlpackage").name
+             for c in ("frontend", "encoder", "decoder")}
+    assert {p.name for p in cache.iterdir()} == names  # nothing else left (no staging folder)
+    assert all((cache / n / COMPLETE_MARKER).is_file() for n in names)
+    inodes = {n: (cache / n).stat().st_ino for n in names}
+    second = run_example(example_python, finalized_bundle, clip["path"], clip["language"], "--compiled-cache", str(cache),
+                         serve=serve_command)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert {n: (cache / n).stat().st_ino for n in names} == inodes
+    assert json.loads(second.stdout)["windows"] == json.loads(first.stdout)["windows"]
+
+
+def test_example_chains_an_encoder_in_parts(example_python, serve_command, trained_parts_bundle, tmp_path):
+    """A bundle whose encoder is in 2 parts: the example chains them and gives the Transcriber's ids."""
+    bundle = tmp_path / "bundle"
+    shutil.copytree(trained_parts_bundle, bundle)
+    finalize_bundle(bundle)
+    transcriber = Transcriber(bundle, backend="mil", front_end="package")
+    for clip in clips():
+        expected = transcriber.transcribe(clip["path"], clip["language"])
+        proc = run_example(example_python, bundle, clip["path"], clip["language"], serve=serve_command)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert [w["token_ids"] for w in json.loads(proc.stdout)["windows"]] == expected.token_ids, clip["file"]
+
+
+class MirroredMelFrontEnd(FrontEndForCoreML):
+    """A front end whose mel bands run from high to low frequencies (the filterbank's rows reversed)."""
+
+    def __init__(self, config, shapes):
+        super().__init__(config, shapes)
+        self.mel = torch.flip(self.mel, [0])  # (M, K)
+
+
+@pytest.mark.slow
+def test_example_uses_the_bundles_front_end(example_python, serve_command, finalized_bundle, tmp_path):
+    """A bundle whose frontend.mlpackage computes other features (mel bands mirrored; the manifest
+    untouched) gives other token ids: the example's features come from the package, not its own log-mel.
+    (Milder changes, such as pre-emphasis 0 or another STFT window, leave the trained model's ids as
+    they are, so they could not tell.)"""
+    broken = tmp_path / "bundle"
+    shutil.copytree(finalized_bundle, broken)
+    manifest_text = (broken / "manifest.json").read_text()
+    m = json.loads(manifest_text)
+    config = FrontEndConfig.from_dict(m["audio"])
+    shapes = {fn: frontend_shapes(config, f["window_seconds"]) for fn, f in m["frontend"]["functions"].items()}
+    settings = ExportSettings(out_dir=broken, force=True, skip_verify=True,
+                              window_seconds=m["frontend"]["functions"]["main"]["window_seconds"])
+    convert_frontend(config, settings, shapes, _module_cls=MirroredMelFrontEnd)
+    (broken / "manifest.json").write_text(manifest_text)  # installing a package invalidates it: put it back
+    clip = clips()[1]
+    expected = Transcriber(finalized_bundle, backend="mil", front_end="package").transcribe(clip["path"], clip["language"])
+    proc = run_example(example_python, broken, clip["path"], clip["language"], serve=serve_command)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [w["token_ids"] for w in json.loads(proc.stdout)["windows"]] != expected.token_ids
+
+
+@pytest.mark.slow
+def test_example_errors_are_named(example_python, serve_command, finalized_bundle, tmp_path):
+    """An example that feeds the front end a wrong input name fails naming it (coremltools' check, as on a
+    Mac); one that feeds a wrong shape fails with the interpreter's error naming the input (the shim
+    forwards it); bad arguments are one line on stderr, nothing on stdout."""
+    source = (finalized_bundle / EXAMPLE).read_text()
+    clip = clips()[0]
+    wrong_name = tmp_path / "wrong_name.py"
+    wrong_name.write_text(source.replace('"audio_length": np.array([n]', '"audio_len": np.array([n]'))
+    proc = run_example(example_python, finalized_bundle, clip["path"], clip["language"], script=wrong_name,
+                       serve=serve_command)
+    assert proc.returncode != 0 and "audio_len" in proc.stderr and proc.stdout == "", proc.stderr[-3000:]
+    wrong_shape = tmp_path / "wrong_shape.py"
+    wrong_shape.write_text(source.replace('"audio_length": np.array([n], np.int32)',
+                                          '"audio_length": np.array([[n]], np.int32)'))
+    proc = run_example(example_python, finalized_bundle, clip["path"], clip["language"], script=wrong_shape,
+                       serve=serve_command)
+    assert proc.returncode != 0 and "ShimError" in proc.stderr and "audio_length" in proc.stderr, proc.stderr[-3000:]
+    proc = run_example(example_python, finalized_bundle, clip["path"], "xx", serve=serve_command)
+    assert proc.returncode == 1 and "language 'xx' is not in this bundle" in proc.stderr and proc.stdout == ""
