@@ -18,6 +18,8 @@ One job per module, the analysis steps apart from the apply steps (as in ml-stab
 
 Only the names other modules, tools and tests use are re-exported here.
 
+Takes: an f16 bundle, a preset (or a byte budget), the checkpoint and a held-out set for the gates.
+Gives: a compressed bundle, installed only when its gates passed, with compression.json and a card.
 May import: publish (the bundle's card), evaluation, export, inference, bundle, model, storage,
 runtime (and the top-level config and errors).
 """

@@ -7,6 +7,8 @@
 
 See docs/runtime.md.
 
+Takes: a `.mlpackage` path (and a function name), input arrays, a state.
+Gives: output arrays and states, through one interface whichever backend runs them.
 May import: nothing of the package (its own errors only).
 """
 
