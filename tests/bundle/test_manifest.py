@@ -1,4 +1,4 @@
-"""The bundle module's own contract (`cohere_coreml.bundle.manifest`): `write_bundle` then `Bundle.load`
+"""The bundle's own contract (`cohere_coreml.bundle`: manifest, checks, load): `write_bundle` then `Bundle.load`
 round-trips every value the loop reads from the checkpoint and the packages, `Bundle.load` over
 several folders (first folder wins), the package readers, `checkpoint_eos_ids`, and refusals that
 name the field or file. (Field-by-field manifest fuzzing: test_fuzz_manifest.py; checksums and

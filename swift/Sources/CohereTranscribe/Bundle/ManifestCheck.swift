@@ -1,7 +1,7 @@
 import Foundation
 
-/// The value checks of a manifest, ported from the Python loader (`cohere_coreml.bundle.manifest`: `Bundle.load`'s
-/// header and file checks, `integrity.check_sizes`, `check_manifest`), in the same order, so that the
+/// The value checks of a manifest, ported from the Python loader (`cohere_coreml.bundle.load`: `Bundle.load`'s
+/// header and file checks, `integrity.check_sizes`, `checks.check_manifest`), in the same order, so that the
 /// first problem found (the field an error names) is the one Python names: every field the loop reads
 /// present, of its type and range, and consistent with the others and with the manifest's `io` blocks.
 /// Every failure is `BundleError.invalidField` naming the field by its dotted JSON path
