@@ -10,6 +10,10 @@ Measured:
   over the floor in pauses, the longest non-speech run inside an utterance, the shortest run between
   two utterances (the hangover must lie between the last two);
 * final == offline: every final's token ids against `Transcriber.transcribe` of that segment's samples;
+* final == own clip: per utterance, the final against the offline transcript of the held-out clip it was
+  made of, and, to tell why they differ, both against the offline transcript of the utterance cut from
+  the dictation with its own clip's edges (a final unlike that cut: the segmentation; that cut unlike
+  the own clip: the level and background noise the dictation gave it);
 * WER of the joined finals vs the references, next to the offline WER of the whole file;
 * per utterance: time to first partial after its speech start, lag from its speech end to its final
   (from the synthesis end, and from the acoustic end: its last frame 6 dB above the dictation's
@@ -160,6 +164,34 @@ def own_clip_verdicts(d, run, own_text: dict[str, str]) -> dict[str, str]:
     return out
 
 
+def in_place_clip(d, u) -> np.ndarray | None:
+    """Utterance `u`'s samples as they lie in dictation `d` (its level, the dictation's background noise),
+    with as much of the dictation before and after its speech as its own clip has edges (`clip_edges`,
+    tools/make_dictations.py): its own clip but for the audio the dictation changed. None for a manifest
+    without the edges (written before they were recorded)."""
+    edges = u.get("clip_edges")
+    if edges is None:
+        return None
+    return d["wav"][max(0, u["start_sample"] - edges[0]): min(d["wav"].size, u["end_sample"] + edges[1])]
+
+
+def own_clip_decomposition(verdicts, own_text: dict[str, str], in_place_text: dict[str, str]) -> dict:
+    """Where a final departs from its utterance's own clip: in the segmentation (the final is not the
+    offline transcript of the utterance cut in place, `in_place_clip`) or in the audio the dictation
+    changed (that cut is not transcribed as the own clip is). `verdicts`: [(dictation, run, own_clip_verdicts)]."""
+    counts = Counter()
+    for d, run, x in verdicts:
+        for u in d["utterances"]:
+            finals = covering_finals(run, u)
+            final_text = finals[0]["text"] if len(finals) == 1 else None
+            in_place = in_place_text[u["id"]]
+            counts["utterances"] += 1
+            counts["final_equals_in_place"] += x[u["id"]] in ("equal", "text") and final_text == in_place
+            counts["in_place_equals_own_clip"] += in_place == own_text[u["id"]]
+            counts["final_equals_own_clip"] += x[u["id"]] == "equal"
+    return dict(counts)
+
+
 def final_equals_own_clip(d, run, own_text: dict[str, str]) -> dict[str, bool]:
     """{utterance id: the one final covering it (and no other utterance) has the text of the offline
     transcript of the utterance's own clip}: False when the utterance is split over finals, merged with
@@ -289,6 +321,12 @@ def render_markdown(report: dict) -> str:
             other = ", ".join(f"{k} {v}" for k, v in own.get("verdicts", {}).items() if k != "equal")
             lines.append(f"| finals = offline of the utterance's own clip / utterances | {own['equal']} / {own['utterances']}"
                          + (f" (others: {other})" if other else "") + " |")
+        if "own_clip_decomposition" in report:
+            dec = report["own_clip_decomposition"]
+            lines.append(f"| ... the segmentation: finals = offline of the utterance cut in place with its own clip's "
+                         f"edges / utterances | {dec['final_equals_in_place']} / {dec['utterances']} |")
+            lines.append(f"| ... the dictation's audio (level, background noise): that cut = its own clip, offline / "
+                         f"utterances | {dec['in_place_equals_own_clip']} / {dec['utterances']} |")
         if "offline_per_utterance_wer" in report:
             w = report["offline_per_utterance_wer"]
             lines.append("| WER, offline, each held-out clip alone | | " + " | ".join(
@@ -391,6 +429,22 @@ def main(argv=None) -> int:
                           for d, run, x in verdicts for u in d["utterances"] if x[u["id"]] != "equal"]}
         logger.info("finals equal to their utterance's own clip offline: %d of %d (%s)", counts["equal"],
                     sum(counts.values()), dict(sorted(counts.items())))
+        # the same question split in two: the segmentation, and the audio the dictation changed
+        in_place_text = {}
+        for d, _, _ in verdicts:
+            for u in d["utterances"]:
+                samples = in_place_clip(d, u)
+                if samples is None:
+                    break
+                in_place_text[u["id"]] = t.transcribe(samples, d["language"]).text
+        if len(in_place_text) == len(own_text):
+            report["own_clip_decomposition"] = own_clip_decomposition(verdicts, own_text, in_place_text)
+            for row in report["finals_equal_own_clip"]["differing"]:
+                row["in_place"] = in_place_text[row["id"]]
+            logger.info("own clip, decomposed: %s", report["own_clip_decomposition"])
+        else:
+            logger.info("the dictations' manifest has no clip_edges (older tools/make_dictations.py): "
+                        "no in-place decomposition")
         dictation_runs = [r for r in runs if "utterances" in r]
         report["summary"] = summarise(runs)
         report["summary_dictations"] = summarise(dictation_runs)

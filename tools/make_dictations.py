@@ -19,7 +19,8 @@ The 75 s clip (tests/data/audio/en_long_75s.flac) is listed too, with its refere
 utterance times.
 
 Writes <out>/<language>_dictation_<i>.flac and <out>/manifest.json:
-  {"dictations": [{"file", "language", "seconds", "text", "utterances": [{"id", "text", "start", "end"}] | null}]}
+  {"dictations": [{"file", "language", "seconds", "text", "utterances": [{"id", "file", "text", "start", "end",
+   "start_sample", "end_sample", "gain_db", "clip_edges": [lead, trail] samples of its own clip}] | null}]}
 
 Example:
   uv run --frozen python tools/make_dictations.py --out out/dictations
@@ -135,7 +136,10 @@ def make_dictations(out_dir: Path, per_dictation: int = 15, min_pause: float = 0
                                    "start": pos / SAMPLE_RATE,
                                    "end": (pos + clip["speech"].size) / SAMPLE_RATE,
                                    "start_sample": pos, "end_sample": pos + clip["speech"].size,
-                                   "gain_db": round(20 * float(np.log10(gain)), 3)})
+                                   "gain_db": round(20 * float(np.log10(gain)), 3),
+                                   # its own clip's silence before and after the speech (samples): the bench
+                                   # cuts the utterance from the dictation with these edges to compare
+                                   "clip_edges": [int(clip["lead"]), int(clip["trail"])]})
                 pieces.append((clip["speech"] * gain).astype(np.float32))
                 pos += clip["speech"].size
                 pause(TRAIL_PAUSE_S if i == len(group) - 1 else float(rng.uniform(min_pause, max_pause)))

@@ -95,3 +95,42 @@ def test_final_equals_own_clip_needs_one_final_per_utterance_with_its_own_clips_
     assert bench.own_clip_verdicts(d, merged, own) == {"a": "merged", "b": "merged", "c": "equal"}
     assert bench.own_clip_verdicts(d, split, own)["a"] == "split"
     assert bench.own_clip_verdicts(d, missing, own)["c"] == "missing"
+
+
+def test_an_utterance_cut_in_place_with_its_clip_edges_is_its_own_clip(tmp_path):
+    dictations, bench = _tool("make_dictations"), _tool("bench_streaming")
+    single = _single(tmp_path, per_language=10, digital_every=1)  # digital edges, no background: exact
+    out = tmp_path / "dictations"
+    entries = [e for e in dictations.make_dictations(out, per_dictation=10, min_pause=0.8, max_pause=1.6,
+                                                     heldout_dir=single) if e["utterances"]]
+    rows = {u["file"]: u for u in json.loads((single / "manifest.json").read_text())["utterances"]}
+    uneven = 0
+    for e in entries:
+        d = dict(e, wav=sf.read(str(out / e["file"]), dtype="float32")[0])
+        for u in e["utterances"]:
+            src, _ = sf.read(str(single / u["file"]), dtype="float32")
+            a, b = rows[u["file"]]["segments"][0]
+            assert u["clip_edges"] == [a, src.size - b]
+            uneven += a != src.size - b
+            cut = bench.in_place_clip(d, u)
+            assert cut.size == src.size and np.abs(cut - src).max() < 2e-4
+    assert uneven  # lead and trail differ on some clips: swapping them would be caught
+    assert bench.in_place_clip(dict(entries[0], wav=np.zeros(10)), {"start_sample": 0, "end_sample": 5}) is None
+
+
+def test_own_clip_decomposition_tells_the_segmentation_from_the_dictations_audio():
+    bench = _tool("bench_streaming")
+    d = {"utterances": [{"id": "a", "start": 1.0, "end": 2.0}, {"id": "b", "start": 3.0, "end": 4.0},
+                        {"id": "c", "start": 5.0, "end": 6.0}]}
+    own = {"a": "Call Emma.", "b": "Lights on.", "c": "Ten past two."}
+    # a: all agree; b: the dictation's audio changed it (the cut reads as the final does); c: the
+    # segmentation changed it (the cut reads as its own clip, the final does not)
+    in_place = {"a": "Call Emma.", "b": "Lights of.", "c": "Ten past two."}
+    run = {"updates": [_final(0.9, 2.3, "Call Emma."), _final(2.9, 4.3, "Lights of."), _final(4.9, 6.3, "Ten past.")]}
+    verdicts = [(d, run, bench.own_clip_verdicts(d, run, own))]
+    assert bench.own_clip_decomposition(verdicts, own, in_place) == {
+        "utterances": 3, "final_equals_in_place": 2, "in_place_equals_own_clip": 2, "final_equals_own_clip": 1}
+    # a final merged over two utterances equals no single cut
+    merged = {"updates": [_final(0.9, 4.3, "Call Emma."), _final(4.9, 6.3, "Ten past two.")]}
+    got = bench.own_clip_decomposition([(d, merged, bench.own_clip_verdicts(d, merged, own))], own, in_place)
+    assert got["final_equals_in_place"] == 1 and got["final_equals_own_clip"] == 1

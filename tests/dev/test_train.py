@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from cohere_coreml_dev.synth import sample_sentences
-from cohere_coreml_dev.train import TrainConfig, lr_factor, make_batches, train_sentencepiece
+from cohere_coreml_dev.train import TrainConfig, lr_factor, make_batches, next_check, train_sentencepiece
 
 
 def _cfg(**kw):
@@ -19,6 +19,15 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_factor(200, 0.5, cfg) == pytest.approx(0.05 + 0.95 * 0.5)
     assert lr_factor(500, 1.0, cfg) == pytest.approx(0.05)
     assert lr_factor(500, 2.0, cfg) == pytest.approx(0.05)
+
+
+def test_periodic_check_after_a_pause_runs_once_then_keeps_its_interval():
+    every = 300.0
+    assert next_check(0.0, every) == 300.0
+    assert next_check(300.0, every) == 600.0
+    # stopped for 17 minutes: one check at 17.8 min, the next at 20 (not at 10, 15, 20, ... in a row)
+    assert next_check(17.8 * 60, every) == 1200.0
+    assert next_check(1200.5, every) == 1500.0
 
 
 def test_batches_cover_everything_once_within_frame_cap():

@@ -235,6 +235,12 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)
 
 
+def next_check(elapsed: float, every: float) -> float:
+    """When the periodic held-out check runs next: the first multiple of `every` after `elapsed` (seconds),
+    so a pause (a stopped process, a busy machine) gives one check, not one per interval it missed."""
+    return (elapsed // every + 1) * every
+
+
 def train(cfg: TrainConfig) -> TrainResult:
     """Run the whole recipe and save the checkpoint folder to `cfg.out_dir`."""
     if cfg.threads < 1:
@@ -385,7 +391,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                     optimizer.param_groups[0]["lr"], elapsed / step,
                 )
             if time.time() - t_train >= next_eval:
-                next_eval += cfg.eval_every_minutes * 60.0
+                next_eval = next_check(time.time() - t_train, cfg.eval_every_minutes * 60.0)
                 model.eval()
                 decoded = greedy_decode(model, tokenizer, ev_feats, ev_langs, max_new_tokens=cfg.eval_max_new_tokens)
                 reports = summarise(ev_texts, decoded, ev_langs)
