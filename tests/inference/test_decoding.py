@@ -227,3 +227,48 @@ def test_bad_beams():
 
     with pytest.raises(TranscriptionError, match="beams"):
         tr.decode(ENC, PROMPT, beams=0)
+
+
+class _PrefixModel:
+    """A decoder whose log-probs are a table of the generated prefix (kept in its state, so copies matter)."""
+
+    state_description = {"p": ((8,), np.float32)}
+
+    def make_state(self):
+        s = ToyState()
+        s.buffers = {"p": np.full((8,), -1.0, np.float32)}
+        return s
+
+
+def test_beam_candidates_per_beam_leave_room_for_eos_ones():
+    """Each beam offers 2 x beams candidates: with only `beams`, a beam whose top tokens include eos
+    offers too few live ones, and a better continuation of it is never explored. Here (beams 2, eos 0,
+    tokens a=1, b=2, c=3) the best hypothesis, a b eos, needs beam `a`'s third token b: beam `a`'s top two
+    are eos and a, beam `b`'s top two eos and c, and a+b (-0.8) outranks b+c (-1.1)."""
+    eos, a, b, c = 0, 1, 2, 3
+
+    def row(**lp):
+        out = np.full(4, -3.0)
+        for name, v in lp.items():
+            out[{"eos": eos, "a": a, "b": b, "c": c}[name]] = v
+        return out
+
+    table = {
+        (a,): row(eos=-0.5, a=-0.6, b=-0.7, c=-5.0),
+        (b,): row(eos=-0.55, c=-0.9),
+        (a, b): row(eos=-0.01, a=-5.0, b=-5.0, c=-5.0),
+        (a, a): row(eos=-2.0),
+    }
+
+    def step(token, position, state):
+        p = state.read_state("p").copy()
+        p[position] = token
+        state.write_state("p", p)
+        return table.get(tuple(int(t) for t in p if t >= 0), row())
+
+    model = _PrefixModel()
+    first = row(a=-0.1, b=-0.2, eos=-5.0, c=-9.0)
+    got = beam_search(step, model, model.make_state(), first, 0, 6, "max_new_tokens", [eos], beams=2,
+                      length_penalty=1.0)
+    assert got["token_ids"] == [a, b, eos]
+    assert got["normalised_score"] == pytest.approx((-0.1 - 0.7 - 0.01) / 3)
