@@ -304,10 +304,14 @@ def extend_transcriber(extend_bundle):
     return Transcriber(extend_bundle, backend="mil")
 
 
-def test_partials_feed_the_confirmed_prefix_by_extend(extend_transcriber, dictation, streamed):
+def test_partials_feed_the_confirmed_prefix_by_extend(extend_transcriber, dictation, streamed, monkeypatch):
     """With extend the updates are the same, the finals' calls and tokens too (offline's), and the partials
     cost fewer decoder calls than the fallback (the bundle without extend: one step per forced token and
-    per generated token; here 89 against 137)."""
+    per generated token). How many fewer depends on the model's partial hypotheses, not on this code: 161
+    against 209 with the default model (git 0283ac4), 89 against 137 with its first retraining (48 calls
+    saved both times; the generated tails grew by 72): docs/streaming.md has the ratios on the dictations.
+    So the test compares the mechanisms on this model instead of a ratio: the forced prefixes by extend
+    save calls, and the drafts save more."""
     t = extend_transcriber
     assert t.decoder.extend_length == 32
     updates, stats = stream_array(t, dictation, 1600, "en")
@@ -318,7 +322,14 @@ def test_partials_feed_the_confirmed_prefix_by_extend(extend_transcriber, dictat
                                                                       fallback.final_decoder_tokens)
     partial_calls = stats.decoder_calls - stats.final_decoder_calls
     fallback_calls = fallback.decoder_calls - fallback.final_decoder_calls
-    assert stats.partials == fallback.partials and partial_calls < 0.75 * fallback_calls
+    assert stats.partials == fallback.partials and partial_calls < fallback_calls
+    # each mechanism saves calls on its own: the same loop with the drafts dropped (forced prefixes by
+    # extend only) costs more than with them and less than the fallback
+    decode = t.decode
+    monkeypatch.setattr(t, "decode", lambda *args, **kw: decode(*args, **{**kw, "draft": ()}))
+    no_draft_updates, no_draft = stream_array(t, dictation, 1600, "en")
+    assert [u.to_dict() for u in no_draft_updates] == [u.to_dict() for u in updates]
+    assert partial_calls < no_draft.decoder_calls - no_draft.final_decoder_calls < fallback_calls
     assert stats.decoder_tokens > stats.decoder_calls  # an extend call is one call of 32 token slots
 
 
