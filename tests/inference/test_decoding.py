@@ -123,15 +123,15 @@ def test_one_beam_is_greedy_token_for_token(seed):
     tr = toy_transcriber(decoder)
     greedy = tr.decode(ENC, PROMPT)
     beam = run_beam(tr, 1)
-    assert beam["token_ids"] == greedy["token_ids"]
-    assert beam["stop_reason"] == greedy["stop_reason"]
-    assert beam["steps"] == greedy["steps"]
+    assert beam["token_ids"] == greedy.token_ids
+    assert beam["stop_reason"] == greedy.stop_reason
+    assert beam["steps"] == greedy.steps
     limited = tr.decode(ENC, PROMPT, max_new_tokens=3)
-    assert run_beam(tr, 1, max_new_tokens=3)["token_ids"] == limited["token_ids"]
+    assert run_beam(tr, 1, max_new_tokens=3)["token_ids"] == limited.token_ids
 
 
 def test_greedy_decisions_cover_both_endings():
-    reasons = {toy_transcriber(ToyDecoder(seed=s, eos_bias=b)).decode(ENC, PROMPT)["stop_reason"]
+    reasons = {toy_transcriber(ToyDecoder(seed=s, eos_bias=b)).decode(ENC, PROMPT).stop_reason
                for s in range(12) for b in (-1.0, 0.5, 1.5)}
     assert reasons == {"eos", "capacity"}
 
@@ -166,10 +166,10 @@ def test_beam_scores_match_stateless_recomputation_and_beat_greedy():
     for seed in range(10):
         decoder = ToyDecoder(seed=seed, eos_bias=1.0)
         tr = toy_transcriber(decoder)
-        greedy = tr.decode(ENC, PROMPT)["token_ids"]
+        greedy = tr.decode(ENC, PROMPT).token_ids
         out = tr.decode(ENC, PROMPT, beams=4)
         searched = run_beam(tr, 4)
-        assert out["token_ids"] == searched["token_ids"]
+        assert out.token_ids == searched["token_ids"]
         assert searched["score"] == pytest.approx(sequence_score(decoder, searched["token_ids"]), abs=1e-3)
         norm = lambda toks: sequence_score(decoder, toks) / len(toks)  # noqa: E731
         assert norm(searched["token_ids"]) >= norm(greedy) - 1e-6
@@ -201,13 +201,13 @@ def test_guard_stops_a_loop_and_reports_it():
     decoder = ToyDecoder(loop=[3, 4, 5])
     tr = toy_transcriber(decoder, capacity=64)
     free = tr.decode(ENC, PROMPT)
-    assert free["stop_reason"] == "capacity" and len(free["token_ids"]) == 55
+    assert free.stop_reason == "capacity" and len(free.token_ids) == 55
     guarded = tr.decode(ENC, PROMPT, repetition_guard=RepetitionGuard())
-    assert guarded["stop_reason"] == "repetition" and guarded["truncated"]
-    assert guarded["repetition"] == {"ngram": 3, "repeats": 4, "start": 0}
-    assert guarded["token_ids"] == [3, 4, 5]
+    assert guarded.stop_reason == "repetition" and guarded.truncated
+    assert guarded.repetition == {"ngram": 3, "repeats": 4, "start": 0}
+    assert guarded.token_ids == [3, 4, 5]
     beamed = tr.decode(ENC, PROMPT, beams=3, repetition_guard=RepetitionGuard())
-    assert beamed["stop_reason"] == "repetition" and beamed["token_ids"] == [3, 4, 5]
+    assert beamed.stop_reason == "repetition" and beamed.token_ids == [3, 4, 5]
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -216,9 +216,20 @@ def test_guard_changes_nothing_without_a_loop(seed):
     tr = toy_transcriber(decoder)
     plain = tr.decode(ENC, PROMPT)
     guarded = tr.decode(ENC, PROMPT, repetition_guard=RepetitionGuard())
-    assert RepetitionGuard().find(plain["token_ids"]) is None
-    assert guarded["token_ids"] == plain["token_ids"] and guarded["stop_reason"] == plain["stop_reason"]
-    assert guarded["repetition"] is None
+    assert RepetitionGuard().find(plain.token_ids) is None
+    assert guarded.token_ids == plain.token_ids and guarded.stop_reason == plain.stop_reason
+    assert guarded.repetition is None
+
+
+def test_dict_access_of_a_decode_result_still_works_and_warns():
+    """The dict `decode` returned before `DecodeResult`: kept for one release, with a warning."""
+    result = toy_transcriber(ToyDecoder(loop=[3, 4, 5]), capacity=64).decode(
+        ENC, PROMPT, repetition_guard=RepetitionGuard())
+    for key in ("token_ids", "stop_reason", "truncated", "repetition", "steps"):
+        with pytest.warns(DeprecationWarning, match=rf"DecodeResult\['{key}'\] is deprecated: use the attribute \.{key}"):
+            assert result[key] == getattr(result, key)
+    with pytest.warns(DeprecationWarning), pytest.raises(KeyError):
+        result["text"]
 
 
 def test_bad_beams():
