@@ -43,6 +43,9 @@ def main(argv=None) -> int:
                         help="Conformer encoder layers (encoder_config.num_hidden_layers)")
     parser.add_argument("--decoder-layers", type=int, default=defaults.num_hidden_layers,
                         help="Transformer decoder layers (num_hidden_layers)")
+    parser.add_argument("--shortest-first-epochs", type=int, default=defaults.shortest_first_epochs,
+                        help="run the first N epochs' batches shortest clips first instead of in random order "
+                             "(a curriculum; 0: random order throughout, as the committed model was trained)")
     parser.add_argument("--eval-every-minutes", type=float, default=defaults.eval_every_minutes)
     parser.add_argument("--feature-workers", type=int, default=defaults.feature_workers)
     parser.add_argument("--threads", type=int, default=defaults.threads,
@@ -55,6 +58,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error(f"--threads must be at least 1 (got {args.threads})")
+    if args.shortest_first_epochs < 0:
+        parser.error(f"--shortest-first-epochs must be at least 0 (got {args.shortest_first_epochs})")
     if args.steps < 0:
         parser.error(f"--steps must be at least 0 (got {args.steps}; 0 uses the wall-clock budget)")
     for flag, value in (("--encoder-layers", args.encoder_layers), ("--decoder-layers", args.decoder_layers)):
@@ -84,6 +89,7 @@ def main(argv=None) -> int:
             eval_every_minutes=args.eval_every_minutes, feature_workers=args.feature_workers,
             threads=args.threads, steps=args.steps,
             encoder_num_hidden_layers=args.encoder_layers, num_hidden_layers=args.decoder_layers,
+            shortest_first_epochs=args.shortest_first_epochs,
         )
         result = train(cfg)
     except (SynthError, TrainingError) as exc:

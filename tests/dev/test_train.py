@@ -42,6 +42,16 @@ def test_batches_cover_everything_once_within_frame_cap():
     assert np.median([lengths[b].max() - lengths[b].min() for b in batches]) < 100
 
 
+def test_shortest_first_batches_are_the_same_batches_in_length_order():
+    lengths = np.random.default_rng(0).integers(50, 900, 500)
+    shuffled = make_batches(lengths, 4000, np.random.default_rng(1))
+    ordered = make_batches(lengths, 4000, np.random.default_rng(1), shuffle=False)
+    longest = [int(lengths[b].max()) for b in ordered]
+    assert longest == sorted(longest)
+    assert [int(lengths[b].max()) for b in shuffled] != longest  # the default order is random
+    assert sorted(map(tuple, shuffled)) == sorted(map(tuple, ordered))
+
+
 def test_sentencepiece_tokenizer_covers_corpus_and_round_trips():
     from cohere_coreml.model.tokens import prompt_ids
     from cohere_coreml_dev.tokenizer import build_tokenizer
@@ -155,6 +165,30 @@ def test_a_step_count_repeats_a_run_from_its_seed(tmp_path):
     assert any(not np.array_equal(first[k], other[k]) for k in first)
 
 
+@pytest.mark.slow
+def test_the_first_epochs_run_shortest_first_when_asked(tmp_path, monkeypatch):
+    """shortest_first_epochs=2: the first two epochs' batches unshuffled, the later ones shuffled (the
+    noise corpus fits one batch, so each step is an epoch)."""
+    import cohere_coreml_dev.train as train_module
+
+    calls = []
+
+    def recording(lengths, max_frames, rng, shuffle=True):
+        calls.append(shuffle)
+        return make_batches(lengths, max_frames, rng, shuffle)
+
+    monkeypatch.setattr(train_module, "make_batches", recording)
+    corpus = _noise_corpus(tmp_path / "train", n=6)
+    cfg = TrainConfig(train_dir=str(corpus), heldout_dir="tests/data/heldout", out_dir=str(tmp_path / "out"),
+                      cache_dir=str(tmp_path / "cache"), encoder_hidden_size=32, encoder_num_hidden_layers=1,
+                      encoder_num_attention_heads=2, encoder_intermediate_size=64, encoder_subsampling_conv_channels=8,
+                      hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                      sentencepiece_vocab=120, max_position_embeddings=128, eval_clips_per_language=1,
+                      feature_workers=1, steps=4, warmup_steps=2, shortest_first_epochs=2)
+    assert train_module.train(cfg).steps == 4
+    assert calls[:4] == [False, False, True, True]
+
+
 def _train_tiny():
     import importlib.util
     from pathlib import Path
@@ -190,6 +224,29 @@ def test_train_tiny_layer_flags_reach_the_model_config(tmp_path, monkeypatch, ca
     assert (seen[0]["encoder_num_hidden_layers"], seen[0]["num_hidden_layers"]) == (3, 4)
     assert (seen[1]["encoder_num_hidden_layers"], seen[1]["num_hidden_layers"]) == (
         defaults.encoder_num_hidden_layers, defaults.num_hidden_layers)
+
+
+def test_train_tiny_shortest_first_flag_reaches_the_config(tmp_path, monkeypatch, capsys):
+    import cohere_coreml_dev.train as train_module
+
+    seen = []
+
+    def fake_train(cfg):
+        seen.append(cfg.shortest_first_epochs)
+        raise train_module.TrainingError("stopped by the test")
+
+    monkeypatch.setattr(train_module, "train", fake_train)
+    corpus = tmp_path / "train"
+    corpus.mkdir()
+    (corpus / "manifest.json").write_text("{}")
+    base = ["--train-dir", str(corpus), "--out", str(tmp_path / "out")]
+    tool = _train_tiny()
+    assert tool.main(base + ["--shortest-first-epochs", "1"]) == 1 and tool.main(base) == 1
+    assert seen == [1, 0]
+    with pytest.raises(SystemExit) as exc:
+        tool.main(base + ["--shortest-first-epochs", "-1"])
+    assert exc.value.code == 2
+    assert "--shortest-first-epochs must be at least 0 (got -1)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", ["--encoder-layers", "--decoder-layers"])

@@ -69,6 +69,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     max_batch_frames: int = 12000
     ctc_weight: float = 0.3
+    # the first epochs' batches shortest first instead of in random order (0: none, the committed model's)
+    shortest_first_epochs: int = 0
     encoder_dropout: float = 0.1
     freq_masks: int = 2
     freq_mask_width: int = 12
@@ -175,8 +177,10 @@ def cached_features(directory: Path, files: list[str], cache_dir: Path, workers:
 # ----------------------------------------------------------------------------------------------
 
 
-def make_batches(lengths: np.ndarray, max_frames: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """Length-sorted batches with (batch size x longest clip) <= max_frames, in random order."""
+def make_batches(lengths: np.ndarray, max_frames: int, rng: np.random.Generator,
+                 shuffle: bool = True) -> list[np.ndarray]:
+    """Length-sorted batches with (batch size x longest clip) <= max_frames, in random order (without
+    `shuffle`: shortest first, the SortaGrad curriculum of Amodei et al. 2016, "Deep Speech 2")."""
     order = np.argsort(lengths + rng.uniform(0, 1, lengths.shape), kind="stable")
     batches, current, longest = [], [], 0
     for i in order:
@@ -188,7 +192,8 @@ def make_batches(lengths: np.ndarray, max_frames: int, rng: np.random.Generator)
         longest = longest_new
     if current:
         batches.append(np.asarray(current))
-    rng.shuffle(batches)
+    if shuffle:
+        rng.shuffle(batches)
     return batches
 
 
@@ -334,7 +339,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     losses: list[float] = []
     done = False
     while not done:
-        batches = make_batches(lengths, cfg.max_batch_frames, rng)
+        batches = make_batches(lengths, cfg.max_batch_frames, rng, shuffle=epoch >= cfg.shortest_first_epochs)
         for batch in batches:
             elapsed = time.time() - t_train
             if (step >= cfg.steps) if cfg.steps else (elapsed >= budget):
