@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from cohere_coreml_dev.remeasure import RemeasureError, read_jobs, run_jobs, select, summary  # noqa: E402
+from cohere_coreml_dev.remeasure import RESULT_CODES, RemeasureError, read_jobs, run_jobs, select, summary  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,10 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     records = run_jobs(jobs, args.logs, cwd=ROOT, keep_going=args.keep_going)
     print(summary(records))
-    done = sum(j.runs for j in jobs)
-    failed = [r for r in records if r["returncode"] not in (0, 2)]
-    if failed or len(records) < done:
-        print(f"remeasure: {len(failed)} failed, {done - len(records)} not run; logs in {args.logs}", file=sys.stderr)
+    expected = sum(j.runs for j in jobs)
+    failed = [r for r in records if r["returncode"] not in RESULT_CODES]
+    if failed or len(records) < expected:
+        print(f"remeasure: {len(failed)} failed, {expected - len(records)} not run; logs in {args.logs}",
+              file=sys.stderr)
         return 1
     return 0
 
