@@ -133,6 +133,13 @@ def _noise_corpus(folder, n=24, seed=0):
     return folder
 
 
+# a model and trainer small enough to train a few steps in a test
+SMALL = dict(encoder_hidden_size=32, encoder_num_hidden_layers=1, encoder_num_attention_heads=2,
+             encoder_intermediate_size=64, encoder_subsampling_conv_channels=8, hidden_size=32,
+             num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, sentencepiece_vocab=120,
+             max_position_embeddings=128, eval_clips_per_language=1, feature_workers=1)
+
+
 @pytest.mark.slow
 def test_a_step_count_repeats_a_run_from_its_seed(tmp_path):
     """--steps: two runs of the same seed give the same weights (the schedule runs on steps, not time);
@@ -144,10 +151,7 @@ def test_a_step_count_repeats_a_run_from_its_seed(tmp_path):
     from cohere_coreml_dev.train import train
 
     corpus = _noise_corpus(tmp_path / "train")
-    small = dict(encoder_hidden_size=32, encoder_num_hidden_layers=1, encoder_num_attention_heads=2,
-                 encoder_intermediate_size=64, encoder_subsampling_conv_channels=8, hidden_size=32,
-                 num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, sentencepiece_vocab=120,
-                 max_position_embeddings=128, eval_clips_per_language=1, feature_workers=1, steps=6, warmup_steps=2)
+    small = dict(SMALL, steps=6, warmup_steps=2)
 
     def run(name, seed):
         cfg = TrainConfig(train_dir=str(corpus), heldout_dir="tests/data/heldout", out_dir=str(tmp_path / name),
@@ -180,11 +184,7 @@ def test_the_first_epochs_run_shortest_first_when_asked(tmp_path, monkeypatch):
     monkeypatch.setattr(train_module, "make_batches", recording)
     corpus = _noise_corpus(tmp_path / "train", n=6)
     cfg = TrainConfig(train_dir=str(corpus), heldout_dir="tests/data/heldout", out_dir=str(tmp_path / "out"),
-                      cache_dir=str(tmp_path / "cache"), encoder_hidden_size=32, encoder_num_hidden_layers=1,
-                      encoder_num_attention_heads=2, encoder_intermediate_size=64, encoder_subsampling_conv_channels=8,
-                      hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                      sentencepiece_vocab=120, max_position_embeddings=128, eval_clips_per_language=1,
-                      feature_workers=1, steps=4, warmup_steps=2, shortest_first_epochs=2)
+                      cache_dir=str(tmp_path / "cache"), steps=4, warmup_steps=2, shortest_first_epochs=2, **SMALL)
     assert train_module.train(cfg).steps == 4
     assert calls[:4] == [False, False, True, True]
 
