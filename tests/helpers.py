@@ -9,12 +9,24 @@ and check `assert_audio_sensitive` first.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .fixture_data import AUDIO_DIR
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def load_tool(name: str):
+    """The script tools/<name>.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 # grouped kv heads, encoder width != decoder width (the shape most tests use)
 GQA = dict(num_key_value_heads=2, encoder_hidden_size=48, encoder_num_attention_heads=4)

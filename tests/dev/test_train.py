@@ -190,14 +190,9 @@ def test_the_first_epochs_run_shortest_first_when_asked(tmp_path, monkeypatch):
 
 
 def _train_tiny():
-    import importlib.util
-    from pathlib import Path
+    from ..helpers import load_tool
 
-    path = Path(__file__).resolve().parents[2] / "tools" / "train_tiny.py"
-    spec = importlib.util.spec_from_file_location("train_tiny", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("train_tiny")
 
 
 def test_train_tiny_layer_flags_reach_the_model_config(tmp_path, monkeypatch, capsys):
