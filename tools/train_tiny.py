@@ -9,6 +9,12 @@ set and write the model card with the measured figures.
 
 Example (the committed model):
   uv run python tools/train_tiny.py --out models/cohere-tiny-synth --budget-minutes 40
+
+A training longer than one session: the run keeps its training state in the cache folder (at every
+periodic check, and at --stop-after); the same command with --resume continues it, from where it
+stopped or was killed, to the weights of one uninterrupted run (with --steps):
+  uv run python tools/train_tiny.py ... --steps 20000 --stop-after 8000
+  uv run python tools/train_tiny.py ... --steps 20000 --resume
 """
 
 import argparse
@@ -19,6 +25,20 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def reproduce_args(argv: list[str]) -> list[str]:
+    """The arguments that give the trained weights: without --stop-after / --resume (a run split over
+    sessions ends with one run's weights)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--stop-after":
+            skip = True
+        elif a != "--resume" and not a.startswith("--stop-after="):
+            out.append(a)
+    return out
 
 
 def main(argv=None) -> int:
@@ -46,6 +66,14 @@ def main(argv=None) -> int:
     parser.add_argument("--shortest-first-epochs", type=int, default=defaults.shortest_first_epochs,
                         help="run the first N epochs' batches shortest clips first instead of in random order "
                              "(a curriculum; 0: random order throughout, as the committed model was trained)")
+    parser.add_argument("--stop-after", type=int, default=0, metavar="N",
+                        help="with --steps: end this run after N steps of the schedule, the training state saved in "
+                             "the cache folder, no checkpoint written; the same command with --resume continues it "
+                             "(a training longer than one session)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the training state a run with the same options left (at --stop-after, or at "
+                             "its last periodic check if it was killed); with --steps, the weights end as one "
+                             "uninterrupted run's")
     parser.add_argument("--eval-every-minutes", type=float, default=defaults.eval_every_minutes)
     parser.add_argument("--feature-workers", type=int, default=defaults.feature_workers)
     parser.add_argument("--threads", type=int, default=defaults.threads,
@@ -62,6 +90,9 @@ def main(argv=None) -> int:
         parser.error(f"--shortest-first-epochs must be at least 0 (got {args.shortest_first_epochs})")
     if args.steps < 0:
         parser.error(f"--steps must be at least 0 (got {args.steps}; 0 uses the wall-clock budget)")
+    if args.stop_after and not 0 < args.stop_after < args.steps:
+        parser.error(f"--stop-after needs --steps and a value between 0 and it (got --stop-after {args.stop_after}, "
+                     f"--steps {args.steps})")
     for flag, value in (("--encoder-layers", args.encoder_layers), ("--decoder-layers", args.decoder_layers)):
         if value < 1:
             parser.error(f"{flag} must be at least 1 (got {value})")
@@ -89,12 +120,16 @@ def main(argv=None) -> int:
             eval_every_minutes=args.eval_every_minutes, feature_workers=args.feature_workers,
             threads=args.threads, steps=args.steps,
             encoder_num_hidden_layers=args.encoder_layers, num_hidden_layers=args.decoder_layers,
-            shortest_first_epochs=args.shortest_first_epochs,
+            shortest_first_epochs=args.shortest_first_epochs, stop_after=args.stop_after, resume=args.resume,
         )
         result = train(cfg)
     except (SynthError, TrainingError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if not result.finished:
+        print(f"stopped after {result.steps} of {cfg.steps} steps (session {result.sessions}); no checkpoint yet. "
+              f"The same command with --resume continues it (training state: {result.state_path})", file=sys.stderr)
+        return 0
 
     reports = evaluate_checkpoint(args.out, args.heldout_dir)
     print(format_reports(reports))
@@ -132,7 +167,7 @@ def main(argv=None) -> int:
         robustness = {name: evaluate_checkpoint(args.out, Path(args.robustness) / name) for name in SUBSETS}
         summary["robustness_wer"] = {name: {k: r.wer for k, r in reps.items()} for name, reps in robustness.items()}
     summary["size_mb"] = folder_size_bytes(args.out) / 1e6  # before the card; the card adds ~3 kB
-    command = "uv run python tools/train_tiny.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = "uv run python tools/train_tiny.py " + " ".join(shlex.quote(a) for a in reproduce_args(argv or sys.argv[1:]))
     write_model_card(args.out, cfg, result, reports, command, summary, robustness)
     summary["size_mb"] = folder_size_bytes(args.out) / 1e6
     summary.update(

@@ -1,5 +1,7 @@
 """Training helpers: schedule, batching, tokenizer from SentencePiece pieces."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -189,6 +191,121 @@ def test_the_first_epochs_run_shortest_first_when_asked(tmp_path, monkeypatch):
     assert calls[:4] == [False, False, True, True]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", [None, "optimizer", "dropout_rng"])
+def test_a_run_stopped_and_resumed_ends_with_the_uninterrupted_runs_weights(tmp_path, monkeypatch, broken):
+    """stop_after, then resume: the weights of one uninterrupted run. The state is saved mid-epoch (several
+    batches per epoch) and the run crosses an epoch after it; SpecAugment and dropout draw from their
+    generators. Broken resumptions (the optimizer's moments or the dropout generator not restored) end
+    elsewhere, so the comparison can fail."""
+    import torch
+    from safetensors.numpy import load_file
+
+    import cohere_coreml_dev.train as train_module
+
+    corpus = _noise_corpus(tmp_path / "train")
+    small = dict(SMALL, steps=8, warmup_steps=2, max_batch_frames=600)
+
+    def cfg(name, **kw):
+        return TrainConfig(train_dir=str(corpus), heldout_dir="tests/data/heldout", out_dir=str(tmp_path / name),
+                           cache_dir=str(tmp_path / "cache"), **small, **kw)
+
+    assert len(make_batches(np.full(24, 100), 600, np.random.default_rng(0))) == 4  # about 4-6 batches an epoch
+    straight = train_module.train(cfg("straight"))
+    assert straight.finished and straight.steps == 8 and straight.sessions == 1
+    first = train_module.train(cfg("split", stop_after=3))
+    assert not first.finished and first.steps == 3 and Path(first.state_path).is_file()
+    assert not (tmp_path / "split").exists()  # no checkpoint until the run ends
+    if broken == "optimizer":
+        monkeypatch.setattr(torch.optim.AdamW, "load_state_dict", lambda self, state: None)
+    elif broken == "dropout_rng":
+        monkeypatch.setattr(torch, "set_rng_state", lambda state: None)
+    second = train_module.train(cfg("split", resume=True))
+    assert second.finished and second.steps == 8 and second.sessions == 2
+    assert not Path(first.state_path).exists()  # the checkpoint is complete: nothing left to resume
+    a = load_file(str(tmp_path / "straight" / "model.safetensors"))
+    b = load_file(str(tmp_path / "split" / "model.safetensors"))
+    same = all(np.array_equal(a[k], b[k]) for k in a)
+    assert same is (broken is None)
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_a_periodic_check_resumes_from_it_to_the_same_weights(tmp_path, monkeypatch):
+    """A check every step (each saves the state); the run dies in the sixth check, so the state is step 5's,
+    saved after a check: the resumed run (checks still every step) ends with the weights of a run without
+    checks, so the checks neither perturb the training nor lose a step of it."""
+    from safetensors.numpy import load_file
+
+    import cohere_coreml_dev.evaluate as evaluate
+    from cohere_coreml_dev.train import train
+
+    corpus = _noise_corpus(tmp_path / "train")
+    small = dict(SMALL, steps=8, warmup_steps=2, max_batch_frames=600)
+
+    def cfg(name, **kw):
+        return TrainConfig(train_dir=str(corpus), heldout_dir="tests/data/heldout", out_dir=str(tmp_path / name),
+                           cache_dir=str(tmp_path / "cache"), **small, **kw)
+
+    assert train(cfg("straight")).finished
+    decode, calls = evaluate.greedy_decode, []
+
+    def dying(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("killed by the test")
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "greedy_decode", dying)
+    with pytest.raises(RuntimeError, match="killed by the test"):
+        train(cfg("killed", eval_every_minutes=1e-9))
+    monkeypatch.setattr(evaluate, "greedy_decode", decode)
+    resumed = train(cfg("killed", eval_every_minutes=1e-9, resume=True))
+    assert resumed.sessions == 2 and [h["step"] for h in resumed.history] == [1, 2, 3, 4, 5, 6, 7, 8]
+    a = load_file(str(tmp_path / "straight" / "model.safetensors"))
+    b = load_file(str(tmp_path / "killed" / "model.safetensors"))
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_a_resume_refuses_other_options_or_another_corpus(tmp_path):
+    import json
+
+    from cohere_coreml_dev.train import TrainingError, train
+
+    corpus = _noise_corpus(tmp_path / "train")
+    small = dict(SMALL, warmup_steps=2)
+
+    def cfg(train_dir=corpus, **kw):
+        return TrainConfig(train_dir=str(train_dir), heldout_dir="tests/data/heldout", out_dir=str(tmp_path / "out"),
+                           cache_dir=str(tmp_path / "cache"), **{**small, **kw})
+
+    assert not train(cfg(steps=6, stop_after=2)).finished
+    with pytest.raises(TrainingError, match=r"other options \(steps 6 there, 7 here\)"):
+        train(cfg(steps=7, resume=True))
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    manifest["utterances"] = manifest["utterances"][:-1]
+    other = tmp_path / "other"
+    other.mkdir()
+    for u in manifest["utterances"]:
+        (other / u["file"]).symlink_to(corpus / u["file"])
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TrainingError, match="is not the corpus it was trained on"):
+        train(cfg(train_dir=other, steps=6, resume=True))
+    with pytest.raises(TrainingError, match="stop_after 2 is not after the saved state's step 2"):
+        train(cfg(steps=6, stop_after=2, resume=True))
+    assert train(cfg(steps=6, resume=True, eval_every_minutes=1.0)).finished  # where and how often it checks may change
+
+
+def test_train_refuses_a_resume_without_state_and_a_stop_outside_the_steps_before_reading_data(tmp_path):
+    from cohere_coreml_dev.train import TrainingError, train
+
+    with pytest.raises(TrainingError, match="nothing to resume: no training state for"):
+        train(_cfg(resume=True, cache_dir=str(tmp_path)))
+    for steps, stop_after in ((0, 5), (5, 5), (5, -1)):
+        with pytest.raises(TrainingError, match=f"stop_after must be between 0 and steps .*got {stop_after}"):
+            train(_cfg(steps=steps, stop_after=stop_after))
+
+
 def _train_tiny():
     from ..helpers import load_tool
 
@@ -219,6 +336,41 @@ def test_train_tiny_layer_flags_reach_the_model_config(tmp_path, monkeypatch, ca
     assert (seen[0]["encoder_num_hidden_layers"], seen[0]["num_hidden_layers"]) == (3, 4)
     assert (seen[1]["encoder_num_hidden_layers"], seen[1]["num_hidden_layers"]) == (
         defaults.encoder_num_hidden_layers, defaults.num_hidden_layers)
+
+
+def test_train_tiny_card_command_leaves_out_the_session_flags():
+    """The card's reproduce command: a run split over sessions ends with one run's weights."""
+    tool = _train_tiny()
+    assert tool.reproduce_args(["--steps", "10", "--stop-after", "4", "--out", "m", "--resume", "--stop-after=5",
+                                "--seed", "1"]) == ["--steps", "10", "--out", "m", "--seed", "1"]
+
+
+def test_train_tiny_stopped_run_says_how_to_continue_and_writes_no_card(tmp_path, monkeypatch, capsys):
+    import cohere_coreml_dev.train as train_module
+
+    seen = []
+
+    def fake_train(cfg):
+        seen.append((cfg.stop_after, cfg.resume))
+        return train_module.TrainResult(cfg.out_dir, 4, 0.5, 1.0, 2.0, 10, finished=False, sessions=1,
+                                        state_path=str(tmp_path / "state.pt"))
+
+    monkeypatch.setattr(train_module, "train", fake_train)
+    monkeypatch.setattr(train_module, "write_model_card", lambda *a, **k: pytest.fail("a card for a stopped run"))
+    corpus = tmp_path / "train"
+    corpus.mkdir()
+    (corpus / "manifest.json").write_text("{}")
+    base = ["--train-dir", str(corpus), "--out", str(tmp_path / "out"), "--steps", "10", "--stop-after", "4"]
+    assert _train_tiny().main(base) == 0
+    assert _train_tiny().main(base + ["--resume"]) == 0
+    assert seen == [(4, False), (4, True)]
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "stopped after 4 of 10 steps" in captured.err and "with --resume continues it" in captured.err
+    with pytest.raises(SystemExit) as exc:
+        _train_tiny().main(["--stop-after", "4"])
+    assert exc.value.code == 2
+    assert "--stop-after needs --steps" in capsys.readouterr().err
 
 
 def test_train_tiny_shortest_first_flag_reaches_the_config(tmp_path, monkeypatch, capsys):

@@ -84,6 +84,12 @@ class TrainConfig:
     save_dtype: str = "float16"
     # torch intra-op threads of the training loop (1: the figures of a shared machine; 2 on an idle 2-core one)
     threads: int = 1
+    # > 0 (with `steps`): end this run after that many steps of the schedule, its training state saved
+    # (`train_state_path`) for a run with `resume` to continue: one training over several sessions
+    stop_after: int = 0
+    # continue from the training state a run with the same options saved (at `stop_after` or at a periodic
+    # check); with `steps`, the weights end as one uninterrupted run's
+    resume: bool = False
 
     def model_overrides(self) -> dict:
         keys = [
@@ -95,6 +101,24 @@ class TrainConfig:
         out = {k: getattr(self, k) for k in keys}
         out["num_key_value_heads"] = self.num_attention_heads
         return out
+
+
+# TrainConfig fields a resumed run may change: where things are (the corpus is checked by its manifest's
+# digest instead), how often it checks, when it stops
+RESUMABLE_CHANGES = ("train_dir", "out_dir", "cache_dir", "heldout_dir", "eval_every_minutes", "eval_clips_per_language",
+                     "eval_max_new_tokens", "feature_workers", "stop_after", "resume")
+
+
+def train_state_path(cfg: TrainConfig) -> Path:
+    """Where a run keeps its training state (in the cache folder, named after the output folder)."""
+    digest = hashlib.sha256(str(Path(cfg.out_dir).resolve()).encode()).hexdigest()[:12]
+    return Path(cfg.cache_dir) / f"train-state-{digest}.pt"
+
+
+def _resume_options(cfg: TrainConfig) -> dict:
+    from dataclasses import asdict
+
+    return json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k not in RESUMABLE_CHANGES}))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,6 +262,10 @@ class TrainResult:
     total_seconds: float
     parameters: int
     history: list[dict] = field(default_factory=list)
+    # False: stopped at `stop_after`, no checkpoint written; `state_path` holds the state to resume from
+    finished: bool = True
+    sessions: int = 1  # runs the training took (1 + resumptions)
+    state_path: str | None = None
 
 
 def next_check(elapsed: float, every: float) -> float:
@@ -252,6 +280,13 @@ def train(cfg: TrainConfig) -> TrainResult:
         raise TrainingError(f"threads must be >= 1, got {cfg.threads}")
     if cfg.steps < 0:
         raise TrainingError(f"steps must be >= 0 (0: the wall-clock budget), got {cfg.steps}")
+    if cfg.stop_after and not 0 < cfg.stop_after < cfg.steps:
+        raise TrainingError(f"stop_after must be between 0 and steps ({cfg.steps}; it needs a step count), "
+                            f"got {cfg.stop_after}")
+    state_path = train_state_path(cfg)
+    if cfg.resume and not state_path.is_file():
+        raise TrainingError(f"nothing to resume: no training state for {cfg.out_dir} ({state_path}); "
+                            "a run saves one at its checks and at stop_after")
     for name in ("encoder_num_hidden_layers", "num_hidden_layers"):
         if getattr(cfg, name) < 1:
             raise TrainingError(f"{name} must be >= 1, got {getattr(cfg, name)}")
@@ -332,15 +367,59 @@ def train(cfg: TrainConfig) -> TrainResult:
     gen = torch.Generator().manual_seed(cfg.seed + 1)
 
     budget = cfg.budget_minutes * 60.0
-    t_train = time.time()
-    next_eval = cfg.eval_every_minutes * 60.0
     history: list[dict] = []
-    step, epoch, seen = 0, 0, 0
+    step, epoch, seen, first_batch, sessions = 0, 0, 0, 0, 1
     losses: list[float] = []
-    done = False
+    before_train, before_total = 0.0, 0.0  # seconds of the earlier sessions (resume)
+    corpus = hashlib.sha256((train_dir / "manifest.json").read_bytes()).hexdigest()
+    if cfg.resume:
+        state = torch.load(state_path, weights_only=True)
+        saved, now = state["options"], _resume_options(cfg)
+        changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+        if changed:
+            raise TrainingError(f"cannot resume from {state_path}: its run had other options ("
+                                + ", ".join(f"{k} {saved.get(k)!r} there, {now.get(k)!r} here" for k in changed)
+                                + "); pass the same options, or drop --resume to start again")
+        if state["corpus"] != corpus:
+            raise TrainingError(f"cannot resume from {state_path}: {train_dir}/manifest.json is not the corpus it "
+                                "was trained on")
+        model.load_state_dict(state["model"])
+        ctc_head.load_state_dict(state["ctc_head"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, epoch, seen, first_batch = state["step"], state["epoch"], state["seen"], state["batch"]
+        rng.bit_generator.state = state["epoch_rng"]  # as the epoch began: the same batches, in the same order
+        gen.set_state(state["augment_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        losses, history = list(state["losses"]), list(state["history"])
+        before_train, before_total, sessions = state["train_seconds"], state["total_seconds"], state["sessions"] + 1
+        if cfg.stop_after and cfg.stop_after <= step:
+            raise TrainingError(f"stop_after {cfg.stop_after} is not after the saved state's step {step}")
+        logger.info("resumed from %s at step %d (epoch %d, batch %d; session %d)", state_path, step, epoch,
+                    first_batch, sessions)
+
+    def save_state(batch_index: int, epoch_rng: dict) -> None:
+        """Everything the rest of the run depends on, written whole (a temporary file, then renamed)."""
+        state = {"options": _resume_options(cfg), "corpus": corpus, "model": model.state_dict(),
+                 "ctc_head": ctc_head.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                 "epoch": epoch, "batch": batch_index, "seen": seen, "epoch_rng": epoch_rng,
+                 "augment_rng": gen.get_state(), "torch_rng": torch.get_rng_state(), "losses": losses[-50:],
+                 "history": history, "train_seconds": time.time() - t_train,
+                 "total_seconds": before_total + time.time() - t_start, "sessions": sessions}
+        state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = state_path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, state_path)
+
+    t_train = time.time() - before_train
+    next_eval = next_check(before_train, cfg.eval_every_minutes * 60.0)
+    logger.info("training state: %s (saved at each check%s; --resume continues from it)", state_path,
+                f" and at step {cfg.stop_after}" if cfg.stop_after else "")
+    done = stopped = False
     while not done:
+        epoch_rng = rng.bit_generator.state
         batches = make_batches(lengths, cfg.max_batch_frames, rng, shuffle=epoch >= cfg.shortest_first_epochs)
-        for batch in batches:
+        for index in range(first_batch, len(batches)):
+            batch = batches[index]
             elapsed = time.time() - t_train
             if (step >= cfg.steps) if cfg.steps else (elapsed >= budget):
                 done = True
@@ -410,8 +489,20 @@ def train(cfg: TrainConfig) -> TrainResult:
                 history.append(entry)
                 logger.info("eval: %s", json.dumps(entry))
                 torch.save(model.state_dict(), Path(cfg.cache_dir) / "last_state.pt")
-        epoch += 1
+                save_state(index + 1, epoch_rng)
+            if step == cfg.stop_after:
+                save_state(index + 1, epoch_rng)
+                done = stopped = True
+                break
+        first_batch = 0
+        if not done:
+            epoch += 1
     train_seconds = time.time() - t_train
+    if stopped:
+        logger.info("stopped after %d of %d steps (%.1f min training); the training state is in %s", step,
+                    cfg.steps, train_seconds / 60, state_path)
+        return TrainResult(cfg.out_dir, step, seen / len(utts), train_seconds, before_total + time.time() - t_start,
+                           n_params, history, finished=False, sessions=sessions, state_path=str(state_path))
 
     # save: exact architecture (no CTC head), dropout off, fp16 weights
     model.eval()
@@ -422,9 +513,10 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     fe = CohereAsrFeatureExtractor(feature_size=cfg.num_mel_bins)
     save_checkpoint(model, tokenizer, cfg.out_dir, feature_extractor=fe)
-    total = time.time() - t_start
+    state_path.unlink(missing_ok=True)  # the checkpoint is complete: nothing left to resume
+    total = before_total + time.time() - t_start
     logger.info("saved %s after %d steps (%.1f min training, %.1f min total)", cfg.out_dir, step, train_seconds / 60, total / 60)
-    return TrainResult(cfg.out_dir, step, seen / len(utts), train_seconds, total, n_params, history)
+    return TrainResult(cfg.out_dir, step, seen / len(utts), train_seconds, total, n_params, history, sessions=sessions)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -504,6 +596,8 @@ def write_model_card(out_dir: str | Path, cfg: TrainConfig, result: TrainResult,
     schedule = (f"{cfg.steps} steps (`--steps {cfg.steps}`: the same seed, thread count and corpus repeat these weights)"
                 if cfg.steps else f"the {cfg.budget_minutes:g}-min wall-clock budget (a rerun's step count depends on the "
                 f"machine; `--steps {result.steps}` repeats this run's length with a step-based schedule)")
+    sessions = ("" if result.sessions == 1 else
+                f"; in {result.sessions} sessions, `--stop-after` then `--resume`, which end with one run's weights")
     robustness_section = "" if not robustness else f"""Robustness held-out set (`tools/make_heldout_set.py`: held-out sentences, voice variants never
 trained on; padded: the same clips with 0-2 s more silence each side; multi: the same clips joined 2-4
 at a time):
@@ -558,7 +652,7 @@ All languages: median top-1 vs top-2 log-prob margin per generated token {all_ma
 10th percentile {all_margins.get('p10', float('nan')):.2f}, {100 * all_margins.get('under_1nat', float('nan')):.1f} % of tokens under 1 nat.
 
 {robustness_section}Training: {result.train_seconds / 60:.1f} min of training ({result.steps} steps, {result.epochs:.1f} epochs) within
-{result.total_seconds / 60:.1f} min in total (tokenizer, features, saving), {cfg.threads} CPU thread(s) on
+{result.total_seconds / 60:.1f} min in total (tokenizer, features, saving{sessions}), {cfg.threads} CPU thread(s) on
 {machine_description()}; the learning-rate schedule spans {schedule}. Committed size: {train_summary.get('size_mb', 0):.2f} MB.
 
 WER on the first {cfg.eval_clips_per_language} held-out clips per language during training:
