@@ -20,7 +20,7 @@ import math
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -116,8 +116,6 @@ def train_state_path(cfg: TrainConfig) -> Path:
 
 
 def _resume_options(cfg: TrainConfig) -> dict:
-    from dataclasses import asdict
-
     return json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k not in RESUMABLE_CHANGES}))
 
 

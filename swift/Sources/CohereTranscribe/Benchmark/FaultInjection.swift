@@ -1,4 +1,9 @@
 import Foundation
+#if canImport(Darwin)
+import Darwin
+#elseif canImport(Glibc)
+import Glibc
+#endif
 
 /// What a bench child does at its first prediction when $COHERE_BENCH_FAULT names its candidate: stand in for a
 /// Neural Engine compile failure that passes load and kills the process at the first prediction (coremltools issue
