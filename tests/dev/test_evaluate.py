@@ -1,6 +1,9 @@
 """Evaluation helpers: text normalisation, WER (`metrics`, through the dev summary), greedy decoding
 bookkeeping (the dev package's batched `greedy_decode`)."""
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -73,3 +76,62 @@ def test_greedy_decode_matches_manual_greedy(tmp_path):
                 manual.append(int(logp.argmax()))
         assert manual == d.ids
         np.testing.assert_allclose(gaps, d.margins, atol=1e-4)
+
+
+def _multi_rows():
+    return [{"file": "de_multi_0.flac", "language": "de", "sentences": ["Wähle zwei drei.", "Ruf Lena an."],
+             "sources": ["a.flac", "b.flac"]},
+            {"file": "de_multi_1.flac", "language": "de", "sentences": ["Mach das Licht an.", "Wähle vier.", "Ruf Tom an."],
+             "sources": ["c.flac", "d.flac", "e.flac"]}]
+
+
+def test_position_rows_compare_each_utterance_in_its_clip_with_its_own_clip():
+    """The second clip loses its middle sentence in the clip, not alone; the first clip's first sentence is
+    wrong alone, not in the clip: each lands on its utterance, position and clip size."""
+    from cohere_coreml_dev.evaluate import position_rows, position_summary
+
+    hyps = {"de_multi_0.flac": "Wähle zwei drei. Ruf Lena an.", "de_multi_1.flac": "Mach das Licht an. Ruf Tom an."}
+    alone = {"a.flac": "Wähle zwei vier.", "b.flac": "Ruf Lena an.", "c.flac": "Mach das Licht an.",
+             "d.flac": "Wähle vier.", "e.flac": "Ruf Tom an."}
+    rows = position_rows(_multi_rows(), hyps, alone)
+    assert [(r["source"], r["position"], r["utterances"], r["errors"], r["errors_alone"]) for r in rows] == [
+        ("a.flac", 0, 2, 0, 1), ("b.flac", 1, 2, 0, 0), ("c.flac", 0, 3, 0, 0), ("d.flac", 1, 3, 2, 0),
+        ("e.flac", 2, 3, 0, 0)]
+    summary = {(s["language"], s["by"]): s for s in position_summary(rows)}
+    assert summary[("all", "position 2")]["rate"] == pytest.approx(2 / 5)  # "ruf lena an" + "wähle vier"
+    assert summary[("de", "clip of 3")]["rate"] == pytest.approx(2 / 9)
+    assert summary[("de", "clip of 2")]["rate_alone"] == pytest.approx(1 / 6)
+    assert summary[("all", "position 1")]["utterances"] == 2
+
+
+def test_position_rows_refuse_a_clip_without_one_source_per_sentence():
+    from cohere_coreml_dev.evaluate import position_rows
+
+    rows = _multi_rows()
+    rows[1]["sources"] = rows[1]["sources"][:2]
+    hyps = {r["file"]: " ".join(r["sentences"]) for r in rows}
+    alone = {source: "" for r in rows for source in r["sources"]}
+    with pytest.raises(EvaluationError, match="de_multi_1.flac: 3 sentences for 2 sources"):
+        position_rows(rows, hyps, alone)
+
+
+def test_eval_tiny_by_position_on_the_robustness_set(tmp_path, capsys):
+    """--by-position on multi/ clips derived from the committed single/ clips: a table with every position
+    and clip size; a folder whose manifest names no source clips is refused with an error, no traceback."""
+    from cohere_coreml_dev.heldout import derive_multi
+
+    from ..helpers import load_tool
+
+    single = Path(__file__).resolve().parents[1] / "data" / "heldout-varied" / "single"
+    derive_multi(single, tmp_path / "multi", seed=0)
+    tool = load_tool("eval_tiny")
+    assert tool.main(["--data", str(tmp_path / "multi"), "--single-dir", str(single), "--by-position",
+                      "--limit-per-language", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    first = [r for r in out["utterances"] if r["position"] == 0]
+    assert len(first) == 3 and {r["language"] for r in first} == {"de", "en", "es"}
+    assert {s["by"] for s in out["summary"]} >= {"position 1", "position 2"}
+    assert all(0 <= s["rate"] <= 1 for s in out["summary"] if s["language"] == "all")
+    assert tool.main(["--data", str(single), "--by-position"]) == 1  # single/ is no multi-utterance set
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "source clip(s)" in err and "Traceback" not in err

@@ -7,7 +7,14 @@ import json
 import pytest
 
 from cohere_coreml.evaluation.datasets import DatasetError, load_dataset, load_folder
-from cohere_coreml.evaluation.metrics import error_counts, increase_interval, normalise, rate_interval, utterance_errors
+from cohere_coreml.evaluation.metrics import (
+    error_counts,
+    increase_interval,
+    normalise,
+    rate_interval,
+    sentence_errors,
+    utterance_errors,
+)
 
 from ..fixture_data import AUDIO_DIR
 
@@ -90,3 +97,41 @@ def test_increase_interval_is_paired_and_says_how_sure_a_verdict_is():
     # unpaired resampling of the two sides would give the identical pair a non-zero spread: paired gives none
     noisy_base = base[:190] + ["set a time now"] * 10
     assert increase_interval(refs, noisy_base, list(noisy_base), "en")["interval"] == [0.0, 0.0]
+
+
+def _errors(row):
+    return row["substitutions"] + row["deletions"] + row["insertions"]
+
+
+def test_sentence_errors_put_each_error_on_its_sentence():
+    """A transcript of three sentences that skips the second and adds a word inside the third: the second
+    sentence's words are deletions, the added word an insertion of the third; the sums are the clip's
+    WER counts (the attribution loses nothing)."""
+    sentences = ["Wähle zwei drei neun zwei.", "Wähle vier neun vier sieben.", "Ruf Lena um zehn Uhr an."]
+    hypothesis = "Wähle zwei drei neun zwei. Ruf Lena bitte um zehn Uhr an."
+    rows = sentence_errors(sentences, hypothesis, "de")
+    assert [r["units"] for r in rows] == [5, 5, 6]
+    assert [(r["deletions"], r["insertions"], r["substitutions"]) for r in rows] == [(0, 0, 0), (5, 0, 0), (0, 1, 0)]
+    whole = error_counts([" ".join(sentences)], [hypothesis], "de")
+    assert sum(_errors(r) for r in rows) == whole["substitutions"] + whole["deletions"] + whole["insertions"]
+    # one digit of the first sentence: only the first sentence pays
+    rows = sentence_errors(sentences, "Wähle zwei acht neun zwei. Wähle vier neun vier sieben. Ruf Lena um zehn Uhr an.", "de")
+    assert [_errors(r) for r in rows] == [1, 0, 0]
+    # insertions before the first reference word belong to the first sentence
+    rows = sentence_errors(sentences[:1], "Bitte. Wähle zwei drei neun zwei.", "de")
+    assert rows[0]["insertions"] == 1 and rows[0]["hits"] == 5
+    assert [r["deletions"] for r in sentence_errors(sentences, "", "de")] == [5, 5, 6]
+
+
+def test_sentence_errors_normalise_each_sentence_alone():
+    """The English normaliser joins number words across a sentence end ("at two. Three." -> "at 23"):
+    each sentence (of the references and of the hypothesis) is normalised alone, so a correct transcript
+    of two sentences that end and begin with numbers has no error and each sentence keeps its units."""
+    sentences = ["Call Emma at two.", "Three four five six is the code."]
+    assert normalise(" ".join(sentences), "en").split()[:4] == ["call", "emma", "at", "23456"]  # the joined text
+    rows = sentence_errors(sentences, " ".join(sentences), "en")
+    assert [_errors(r) for r in rows] == [0, 0] and [r["units"] for r in rows] == [4, 4]
+    rows = sentence_errors(sentences, "Call Emma at two. Three four five seven is the code.", "en")
+    assert [_errors(r) for r in rows] == [0, 1]
+    cer = sentence_errors(["今天天气很好。", "你好。"], "今天天很好。你好吗。", "zh")
+    assert [(r["units"], r["deletions"], r["insertions"]) for r in cer] == [(6, 1, 0), (2, 0, 1)]

@@ -23,7 +23,7 @@ import torch
 
 from cohere_coreml.evaluation.datasets import DatasetError, load_folder
 from cohere_coreml.evaluation.metrics import basic_normalise as normalise_text
-from cohere_coreml.evaluation.metrics import error_counts, rate_interval
+from cohere_coreml.evaluation.metrics import error_counts, rate_interval, sentence_errors
 from cohere_coreml.inference.engines import PyTorchEngine, features_batch
 from cohere_coreml.model.audio import load_audio, log_mel
 from cohere_coreml.model.tokens import decode_ids, eos_id, prompt_ids
@@ -151,13 +151,110 @@ def evaluate_checkpoint(
     if bad:
         raise EvaluationError(f"{data_dir}: " + "; ".join(bad))
     engine = PyTorchEngine(model_dir, margins=True)
-    decoded = []
-    for clip in dataset.clips:
-        result = engine.transcribe(clip.audio, clip.language, max_new_tokens=max_new_tokens)
-        ids = [t for w in result.windows for t in w.token_ids]
-        margins = [m for w in result.windows for m in w.decoding.get("margins", [])]
-        decoded.append(Decoded(result.text, ids, margins))
+    decoded = [_decode(engine, clip.audio, clip.language, max_new_tokens) for clip in dataset.clips]
     return summarise([c.text for c in dataset.clips], decoded, [c.language for c in dataset.clips])
+
+
+def _decode(engine, audio: Path, language: str, max_new_tokens: int | None = None) -> Decoded:
+    result = engine.transcribe(audio, language, max_new_tokens=max_new_tokens)
+    ids = [t for w in result.windows for t in w.token_ids]
+    margins = [m for w in result.windows for m in w.decoding.get("margins", [])]
+    return Decoded(result.text, ids, margins)
+
+
+# ---- multi-utterance clips: where the errors fall -------------------------------------------------------
+
+def _manifest_rows(directory: Path) -> tuple[dict, list[dict]]:
+    import json
+
+    path = Path(directory) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise EvaluationError(f"{path}: not readable as a manifest ({err})") from None
+    rows = manifest.get("utterances") if isinstance(manifest, dict) else None
+    if not isinstance(rows, list):
+        raise EvaluationError(f"{path}: no list of utterances")
+    return manifest, rows
+
+
+def position_rows(multi_rows: list[dict], hypotheses: dict[str, str], alone: dict[str, str]) -> list[dict]:
+    """One row per utterance of the multi-utterance clips (manifest rows with `sentences` and `sources`,
+    `heldout.derive_multi`): its errors in its clip's transcript (`metrics.sentence_errors`) and in its own
+    clip's (`alone`, keyed by source file), its position, its clip's utterance count.
+    `hypotheses` is keyed by the multi clip's file."""
+    rows = []
+    for clip in multi_rows:
+        sentences, sources = clip.get("sentences") or [], clip.get("sources") or []
+        if len(sentences) != len(sources) or not sources:
+            raise EvaluationError(f"{clip.get('file')}: {len(sentences)} sentences for {len(sources)} sources "
+                                  "(a multi-utterance clip names one source clip per sentence)")
+        language = clip["language"]
+        in_clip = sentence_errors(sentences, hypotheses[clip["file"]], language)
+        for position, (sentence, source, counts) in enumerate(zip(sentences, sources, in_clip)):
+            own = sentence_errors([sentence], alone[source], language)[0]
+            rows.append({"clip": clip["file"], "source": source, "language": language, "position": position,
+                         "utterances": len(sources), "units": counts["units"],
+                         "errors": counts["substitutions"] + counts["deletions"] + counts["insertions"],
+                         "errors_alone": own["substitutions"] + own["deletions"] + own["insertions"]})
+    return rows
+
+
+def position_summary(rows: list[dict]) -> list[dict]:
+    """Per language (and "all"), by position in the clip and by the clip's utterance count: utterances,
+    units, the error rate in the clips and the rate of the same utterances alone."""
+    out = []
+    for language in ["all", *sorted({r["language"] for r in rows})]:
+        mine = [r for r in rows if language in ("all", r["language"])]
+        for key, label in (("position", "position"), ("utterances", "clip of")):
+            for value in sorted({r[key] for r in mine}):
+                sel = [r for r in mine if r[key] == value]
+                units = sum(r["units"] for r in sel)
+                out.append({"language": language, "by": f"{label} {value + 1 if key == 'position' else value}",
+                            "utterances": len(sel), "units": units,
+                            "rate": sum(r["errors"] for r in sel) / units if units else float("nan"),
+                            "rate_alone": sum(r["errors_alone"] for r in sel) / units if units else float("nan")})
+    return out
+
+
+def position_breakdown(model_dir: str | Path, multi_dir: str | Path, single_dir: str | Path | None = None, *,
+                       limit_per_language: int | None = None) -> list[dict]:
+    """`position_rows` of a checkpoint's greedy transcripts (`PyTorchEngine`, as `evaluate_checkpoint`) of
+    the clips of `multi_dir` and of their source clips in `single_dir` (default: the `single` folder
+    beside `multi_dir`, where `make_heldout_set.py` puts it)."""
+    multi_dir = Path(multi_dir)
+    single_dir = Path(single_dir) if single_dir else multi_dir.parent / "single"
+    _, multi = _manifest_rows(multi_dir)
+    _, single = _manifest_rows(single_dir)
+    sources = {row.get("file"): row for row in single}
+    counts: dict[str, int] = {}
+    chosen = []
+    for clip in multi:
+        missing = [s for s in clip.get("sources") or [] if s not in sources]
+        if missing or not clip.get("sources"):
+            raise EvaluationError(f"{multi_dir / clip.get('file', '?')}: source clip(s) {', '.join(missing) or '(none named)'} "
+                                  f"not in {single_dir}/manifest.json")
+        counts[clip["language"]] = counts.get(clip["language"], 0) + 1
+        if limit_per_language is None or counts[clip["language"]] <= limit_per_language:
+            chosen.append(clip)
+    engine = PyTorchEngine(model_dir)
+    hypotheses, alone = {}, {}
+    for i, clip in enumerate(chosen):
+        hypotheses[clip["file"]] = _decode(engine, multi_dir / clip["file"], clip["language"]).text
+        for source in clip["sources"]:
+            alone[source] = _decode(engine, single_dir / source, clip["language"]).text
+        if (i + 1) % 20 == 0:
+            logger.info("position breakdown: %d / %d multi-utterance clips", i + 1, len(chosen))
+    return position_rows(chosen, hypotheses, alone)
+
+
+def format_positions(summary: list[dict]) -> str:
+    lines = [f"{'lang':5s} {'by':12s} {'utts':>5s} {'units':>6s} {'in clip %':>9s} {'alone %':>8s} {'ratio':>6s}"]
+    for s in summary:
+        ratio = s["rate"] / s["rate_alone"] if s["rate_alone"] else float("inf")
+        lines.append(f"{s['language']:5s} {s['by']:12s} {s['utterances']:5d} {s['units']:6d} {100 * s['rate']:9.2f} "
+                     f"{100 * s['rate_alone']:8.2f} {ratio:6.2f}")
+    return "\n".join(lines)
 
 
 def format_reports(reports: dict[str, LanguageReport]) -> str:

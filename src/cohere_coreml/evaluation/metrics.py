@@ -71,6 +71,52 @@ def utterance_errors(references: list[str], hypotheses: list[str], language: str
     return {"metric": metric, "normaliser": normaliser_name(language), "pairs": pairs}
 
 
+_SENTENCE_END = re.compile(r"(?<=[.!?。！？])\s+")
+
+
+def _units(text: str, language: str | None, metric: str) -> list[str]:
+    """Normalised units (words, or characters for CER) of `text`, each sentence normalised alone: the
+    English normaliser joins number words across a sentence end ("at two. Three." -> "at 23")."""
+    pieces = [normalise(p, language) for p in _SENTENCE_END.split(text.strip())]
+    return [u for p in pieces for u in (list(p) if metric == "cer" else p.split())]
+
+
+def sentence_errors(sentences: list[str], hypothesis: str, language: str | None) -> list[dict]:
+    """One hypothesis of a clip of several sentences, its errors attributed to the sentences:
+    [{"substitutions", "deletions", "insertions", "hits", "units"}] per sentence, in order.
+
+    The sentences' normalised units (each sentence normalised alone, as is each sentence of the
+    hypothesis; words, characters for ja/zh/ko) are aligned as one sequence to the hypothesis's (jiwer);
+    a substitution or deletion belongs to the sentence of its reference unit, an insertion to the
+    sentence of the reference unit before it (the first sentence when it comes first). A hypothesis that
+    skips a sentence costs that sentence its units as deletions. Where alignments of the same cost
+    differ (a sentence said twice, next to one of the same shape), jiwer's choice decides; the sums
+    are the clip's counts either way."""
+    import jiwer
+
+    metric = "cer" if language in CER_LANGUAGES else "wer"
+    refs = [_units(s, language, metric) for s in sentences]
+    owner = [i for i, r in enumerate(refs) for _ in r]
+    ref, hyp = [u for r in refs for u in r], _units(hypothesis, language, metric)
+    out = [{"substitutions": 0, "deletions": 0, "insertions": 0, "hits": 0, "units": len(r)} for r in refs]
+    if not ref:
+        return out
+    if not hyp:
+        for row in out:
+            row["deletions"] = row["units"]
+        return out
+    # jiwer joins on spaces: characters and words alike become one "word" each (no unit holds a space)
+    alignment = jiwer.process_words(" ".join(ref), " ".join(hyp)).alignments[0]
+    for chunk in alignment:
+        if chunk.type == "insert":
+            out[owner[max(chunk.ref_start_idx - 1, 0)]]["insertions"] += chunk.hyp_end_idx - chunk.hyp_start_idx
+            continue
+        key = {"equal": "hits", "substitute": "substitutions", "delete": "deletions"}[chunk.type]
+        for j in range(chunk.ref_start_idx, chunk.ref_end_idx):
+            out[owner[j]][key] += 1
+    return out
+
+
 def error_counts(references: list[str], hypotheses: list[str], language: str | None) -> dict:
     """{"metric": "wer"|"cer", "rate", "substitutions", "deletions", "insertions", "hits", "units"}.
 
