@@ -15,6 +15,12 @@ periodic check, and at --stop-after); the same command with --resume continues i
 stopped or was killed, to the weights of one uninterrupted run (with --steps):
   uv run python tools/train_tiny.py ... --steps 20000 --stop-after 8000
   uv run python tools/train_tiny.py ... --steps 20000 --resume
+
+Fine-tuning: --init-from starts from a checkpoint folder's tokenizer and weights (its sizes must be the
+model options') instead of a new tokenizer and random weights, on the corpus of --train-dir, usually
+with a lower --peak-lr:
+  uv run python tools/train_tiny.py --init-from models/cohere-tiny-synth --train-dir D --steps 2000 \
+      --peak-lr 5e-4 --out out/tiny-tuned
 """
 
 import argparse
@@ -39,6 +45,23 @@ def reproduce_args(argv: list[str]) -> list[str]:
         elif a != "--resume" and not a.startswith("--stop-after="):
             out.append(a)
     return out
+
+
+def corpus_options(parser, args) -> dict | None:
+    """recipe "varied"'s options from --sentence-weights / --snr-db (None when neither is given)."""
+    if args.sentence_weights is None and args.snr_db is None:
+        return None
+    if args.recipe != "varied":
+        parser.error("--sentence-weights and --snr-db are options of --recipe varied")
+    options = {}
+    for flag, key, value in (("--sentence-weights", "sentence_weights", args.sentence_weights),
+                             ("--snr-db", "snr_db", args.snr_db)):
+        if value is not None:
+            try:
+                options[key] = [float(x) for x in value.split(",")]
+            except ValueError:
+                parser.error(f"{flag} takes numbers separated by commas, got {value!r}")
+    return options
 
 
 def main(argv=None) -> int:
@@ -74,12 +97,22 @@ def main(argv=None) -> int:
                         help="continue the training state a run with the same options left (at --stop-after, or at "
                              "its last periodic check if it was killed); with --steps, the weights end as one "
                              "uninterrupted run's")
+    parser.add_argument("--init-from", default="", metavar="CHECKPOINT",
+                        help="start from this checkpoint folder's tokenizer and weights (fine-tuning) instead of a new "
+                             "tokenizer and random weights; its sizes must be the model options'")
+    parser.add_argument("--peak-lr", type=float, default=defaults.peak_lr,
+                        help="the learning rate after warm-up (lower for --init-from)")
     parser.add_argument("--eval-every-minutes", type=float, default=defaults.eval_every_minutes)
     parser.add_argument("--feature-workers", type=int, default=defaults.feature_workers)
     parser.add_argument("--threads", type=int, default=defaults.threads,
                         help="torch threads of the training loop (2 on an idle 2-core machine)")
     parser.add_argument("--recipe", choices=["commands", "varied"], default="commands",
                         help="corpus recipe when the training corpus is synthesised (synth.RECIPES)")
+    parser.add_argument("--sentence-weights", default=None, metavar="P1,P2,P3,P4",
+                        help="recipe varied: the probabilities of 1, 2, 3 and 4 sentences per clip (default "
+                             "0.45,0.25,0.17,0.13)")
+    parser.add_argument("--snr-db", default=None, metavar="LOW,HIGH",
+                        help="recipe varied: the range of the white noise's SNR in dB (default 10,40)")
     parser.add_argument("--synth-workers", type=int, default=2, help="espeak-ng processes of that synthesis")
     parser.add_argument("--robustness", default=None,
                         help="a folder of tools/make_heldout_set.py (single/, padded/, multi/): evaluated too, in the card")
@@ -88,6 +121,10 @@ def main(argv=None) -> int:
         parser.error(f"--threads must be at least 1 (got {args.threads})")
     if args.shortest_first_epochs < 0:
         parser.error(f"--shortest-first-epochs must be at least 0 (got {args.shortest_first_epochs})")
+    if not args.peak_lr > 0:
+        parser.error(f"--peak-lr must be above 0 (got {args.peak_lr})")
+    if args.init_from and not (Path(args.init_from) / "config.json").is_file():
+        parser.error(f"--init-from {args.init_from}: not a checkpoint folder (no config.json)")
     if args.steps < 0:
         parser.error(f"--steps must be at least 0 (got {args.steps}; 0 uses the wall-clock budget)")
     if args.stop_after and not 0 < args.stop_after < args.steps:
@@ -111,9 +148,19 @@ def main(argv=None) -> int:
 
     languages = [l.strip() for l in args.languages.split(",") if l.strip()]
     try:
+        options = corpus_options(parser, args)
         if not (Path(args.train_dir) / "manifest.json").exists():
             make_corpus(args.train_dir, languages, args.per_language, split="train", seed=args.seed,
-                        recipe=args.recipe, workers=args.synth_workers)
+                        recipe=args.recipe, workers=args.synth_workers, options=options)
+        elif options is not None:  # an existing corpus is used as it is: it must be the one asked for
+            from cohere_coreml_dev.synth import read_manifest, varied_options
+
+            manifest = read_manifest(args.train_dir)
+            have = manifest.get("recipe_options") or (varied_options() if manifest.get("recipe") == "varied" else None)
+            if manifest.get("recipe") != "varied" or have != varied_options(**options):
+                raise SynthError(f"{args.train_dir} holds a corpus of recipe {manifest.get('recipe', 'commands')!r} "
+                                 f"with {have}, not recipe 'varied' with {varied_options(**options)}: pass another "
+                                 "--train-dir to synthesise it")
         cfg = TrainConfig(
             train_dir=args.train_dir, heldout_dir=args.heldout_dir, out_dir=args.out, cache_dir=args.cache_dir,
             budget_minutes=args.budget_minutes, seed=args.seed, sentencepiece_vocab=args.vocab,
@@ -121,6 +168,7 @@ def main(argv=None) -> int:
             threads=args.threads, steps=args.steps,
             encoder_num_hidden_layers=args.encoder_layers, num_hidden_layers=args.decoder_layers,
             shortest_first_epochs=args.shortest_first_epochs, stop_after=args.stop_after, resume=args.resume,
+            init_from=args.init_from, peak_lr=args.peak_lr,
         )
         result = train(cfg)
     except (SynthError, TrainingError) as exc:
@@ -159,6 +207,7 @@ def main(argv=None) -> int:
         "train_clips": len(manifest["utterances"]),
         "train_hours": sum(u["seconds"] for u in manifest["utterances"]) / 3600,
         "recipe": manifest.get("recipe", "commands"),
+        "recipe_options": manifest.get("recipe_options"),
     }
     robustness = None
     if args.robustness:

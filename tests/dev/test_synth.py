@@ -165,6 +165,28 @@ def test_varied_plan_is_deterministic_and_spans_its_ranges():
     assert 0.15 < np.mean([j["digital_edges"] for j in jobs]) < 0.45
 
 
+def test_varied_options_move_the_sentence_counts_and_the_noise_and_nothing_else_by_default():
+    """The defaults spelled out give the default plan (the committed corpora stay what they were); other
+    weights give more long clips and the SNR range bounds every clip's and every mixed sentence's noise;
+    values that cannot be options are refused, naming them."""
+    base = plan_corpus(["en"], 600, split="train", seed=3, recipe="varied")
+    defaults = {"sentence_weights": list(synth.VARIED_SENTENCE_WEIGHTS), "snr_db": list(synth.VARIED_SNR_DB)}
+    assert plan_corpus(["en"], 600, split="train", seed=3, recipe="varied", options=defaults) == base
+    longer = plan_corpus(["en"], 600, split="train", seed=3, recipe="varied",
+                         options={"sentence_weights": [0.1, 0.1, 0.3, 0.5], "snr_db": [3, 12]})
+    counts = [len(j["sentences"]) for j in longer]
+    assert counts.count(4) / len(counts) > 0.4 > [len(j["sentences"]) for j in base].count(4) / len(base)
+    snrs = [j["snr_db"] for j in longer] + [m["snr_db"] for j in longer for m in j.get("mix") or []]
+    assert 3.0 <= min(snrs) and max(snrs) <= 12.0 and any(j.get("mix") for j in longer)
+    for bad, match in (({"sentence_weights": [0.5, 0.5]}, "4 probabilities"),
+                       ({"sentence_weights": [0.5, 0.5, 0.5, -0.5]}, "4 probabilities"),
+                       ({"snr_db": [20, 10]}, "low < high")):
+        with pytest.raises(SynthError, match=match):
+            plan_corpus(["en"], 4, split="train", seed=0, recipe="varied", options=bad)
+    with pytest.raises(SynthError, match="takes no options"):
+        plan_corpus(["en"], 4, split="train", seed=0, recipe="commands", options=defaults)
+
+
 def test_varied_heldout_plan_never_shares_a_sentence_or_voice_with_training():
     train = plan_corpus(["es"], 2000, split="train", seed=0, recipe="varied")
     held = plan_corpus(["es"], 200, split="heldout", seed=0, recipe="varied")

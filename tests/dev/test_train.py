@@ -1,5 +1,6 @@
 """Training helpers: schedule, batching, tokenizer from SentencePiece pieces."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +81,8 @@ def test_model_card_describes_the_recipe_and_the_robustness_subsets():
     assert "50 % of the clips of 2+ sentences" in varied  # the mixed-recording share
     assert all(v in varied for v in synth.VARIED_HELDOUT_VARIANTS)
     assert "15-40 dB SNR" in commands and "sentences" not in commands
+    tuned = data_description("varied", {"sentence_weights": [0.15, 0.2, 0.3, 0.35], "snr_db": [5, 40]})
+    assert "4: 35 %" in tuned and "5-40 dB SNR" in tuned and "4: 13 %" in varied
 
     def report(lang, wer):
         return LanguageReport(language=lang, clips=200, words=1000, wer=wer, median_margin=9.0, p10_margin=3.0,
@@ -93,6 +96,37 @@ def test_model_card_describes_the_recipe_and_the_robustness_subsets():
     with_ci = report("en", 0.02)
     with_ci.wer_interval = [0.011, 0.032]
     assert robustness_rows({"single": {"en": with_ci}}) == "| single | en | 200 | 1000 | 2.00 % | 1.10-3.20 % | - | 9.00 |"
+
+
+def test_a_fine_tuned_models_card_names_its_start_and_reproduces_both_runs(tmp_path):
+    """--init-from: the card says fine-tuned from the checkpoint (not "trained from scratch") and its
+    Reproduce section holds the starting checkpoint's commands, then this run's."""
+    from cohere_coreml_dev.evaluate import LanguageReport
+    from cohere_coreml_dev.train import TrainResult, write_model_card
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "README.md").write_text("# base\n\n## Reproduce\n```\nuv run python tools/train_tiny.py --steps 7600\n```\n")
+    reports = {"en": LanguageReport(language="en", clips=30, words=150, wer=0.0, median_margin=9.0, p10_margin=3.0,
+                                    share_under_1nat=0.0)}
+    result = TrainResult(out_dir=str(tmp_path / "out"), steps=2000, epochs=1.4, train_seconds=60.0, total_seconds=90.0,
+                         parameters=2_950_000)
+    (tmp_path / "out").mkdir()
+
+    def card(init_from):
+        cfg = TrainConfig(train_dir="d", heldout_dir="h", out_dir=str(tmp_path / "out"), steps=2000, init_from=init_from)
+        return write_model_card(tmp_path / "out", cfg, result, reports, "uv run python tools/train_tiny.py --init-from B",
+                                {"recipe": "varied"}).read_text()
+
+    tuned = card(str(base))
+    assert f"fine-tuned from `{base}`" in tuned and "widths) trained from scratch" not in tuned
+    assert ("```\nuv run python tools/train_tiny.py --steps 7600\nuv run python tools/train_tiny.py --init-from B\n```"
+            in tuned)
+    assert f"the ones before it are the starting checkpoint's (its card's), whose output folder is `{base}` here" in tuned
+    scratch = card("")
+    assert "widths) trained from scratch" in scratch and "--steps 7600" not in scratch
+    (base / "README.md").unlink()  # a start without a card: this run's command alone
+    assert "```\nuv run python tools/train_tiny.py --init-from B\n```" in card(str(base))
 
 
 def test_train_refuses_zero_threads_before_reading_data():
@@ -296,6 +330,53 @@ def test_a_resume_refuses_other_options_or_another_corpus(tmp_path):
     assert train(cfg(steps=6, resume=True, eval_every_minutes=1.0)).finished  # where and how often it checks may change
 
 
+@pytest.mark.slow
+def test_a_run_from_a_checkpoint_starts_from_its_weights_and_keeps_its_tokenizer(tmp_path):
+    """--init-from: a run on another corpus keeps the starting checkpoint's tokenizer (a run without it
+    trains a tokenizer of its own, so the comparison can fail) and starts from its weights: at a learning
+    rate too small to move an fp16 weight it ends with them, where the run from random weights does not."""
+    from safetensors.numpy import load_file
+
+    from cohere_coreml_dev.train import train
+
+    small = dict(SMALL, warmup_steps=2)
+    base_corpus, corpus = _noise_corpus(tmp_path / "base", seed=0), _noise_corpus(tmp_path / "train", seed=1)
+
+    def run(name, train_dir, **kw):
+        train(TrainConfig(train_dir=str(train_dir), heldout_dir="tests/data/heldout", out_dir=str(tmp_path / name),
+                          cache_dir=str(tmp_path / f"cache-{name}"), **{**small, **kw}))
+        return (load_file(str(tmp_path / name / "model.safetensors")),
+                json.loads((tmp_path / name / "tokenizer.json").read_text()))
+
+    base, base_tok = run("base", base_corpus, steps=4)
+    tuned, tuned_tok = run("tuned", corpus, steps=2, init_from=str(tmp_path / "base"), peak_lr=1e-12)
+    fresh, fresh_tok = run("fresh", corpus, steps=2, peak_lr=1e-12)
+    assert tuned_tok == base_tok and fresh_tok != base_tok
+    # the learned weights; batch norm's running statistics follow the batches whatever the learning rate
+    learned = [k for k in base if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
+    assert tuned.keys() == base.keys() and len(learned) > 20
+    assert [k for k in learned if not np.array_equal(tuned[k], base[k])] == []
+    assert [k for k in learned if fresh[k].shape == base[k].shape and not np.array_equal(fresh[k], base[k])]
+
+
+def test_a_run_from_a_checkpoint_refuses_another_architecture(tmp_path):
+    from cohere_coreml_dev.checkpoints import make_tiny_checkpoint
+    from cohere_coreml_dev.train import TrainingError, train
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "ckpt", seed=0)
+    corpus = _noise_corpus(tmp_path / "train")
+    cfg = TrainConfig(train_dir=str(corpus), heldout_dir="tests/data/heldout", out_dir=str(tmp_path / "out"),
+                      cache_dir=str(tmp_path / "cache"), steps=2, init_from=str(checkpoint), **SMALL)
+    with pytest.raises(TrainingError, match=r"its architecture is not the configured one \(encoder_hidden_size 32 "
+                                            r"here, \d+ there;.*num_hidden_layers 1 here"):
+        train(cfg)
+    with pytest.raises(TrainingError, match="init_from: "):
+        train(TrainConfig(**{**cfg.__dict__, "init_from": str(tmp_path / "train")}))  # a corpus, not a checkpoint
+    with pytest.raises(TrainingError, match="peak_lr must be > 0"):
+        train(_cfg(peak_lr=0.0))
+    assert not (tmp_path / "out").exists()
+
+
 def test_train_refuses_a_resume_without_state_and_a_stop_outside_the_steps_before_reading_data(tmp_path):
     from cohere_coreml_dev.train import TrainingError, train
 
@@ -416,3 +497,35 @@ def test_train_tiny_refuses_an_incomplete_robustness_set_before_training(tmp_pat
     err = capsys.readouterr().err
     assert "--robustness" in err and "no single/manifest.json (" in err
     assert not (tmp_path / "no-corpus").exists()  # nothing synthesised
+
+
+def test_train_tiny_corpus_options_reach_the_corpus_or_refuse_another(tmp_path, monkeypatch, capsys):
+    """--sentence-weights / --snr-db: passed to the synthesis of a missing corpus; an existing corpus of
+    other options is refused (exit 1, naming both) before any training; on recipe commands, or as words,
+    they are usage errors (exit 2)."""
+    import cohere_coreml_dev.synth as synth_module
+    import cohere_coreml_dev.train as train_module
+
+    seen = []
+
+    def fake_make_corpus(out_dir, languages, per_language, **kw):
+        seen.append(kw["options"])
+        raise synth_module.SynthError("stopped by the test")
+
+    monkeypatch.setattr(synth_module, "make_corpus", fake_make_corpus)
+    monkeypatch.setattr(train_module, "train", lambda cfg: pytest.fail("trained"))
+    tool = _train_tiny()
+    args = ["--recipe", "varied", "--sentence-weights", "0.1,0.2,0.3,0.4", "--snr-db", "5,40"]
+    assert tool.main([*args, "--train-dir", str(tmp_path / "new")]) == 1
+    assert seen == [{"sentence_weights": [0.1, 0.2, 0.3, 0.4], "snr_db": [5.0, 40.0]}]
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "manifest.json").write_text(json.dumps({"recipe": "varied", "utterances": []}))  # default options
+    capsys.readouterr()
+    assert tool.main([*args, "--train-dir", str(corpus)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "'snr_db': [10.0, 40.0]" in err and "'snr_db': [5.0, 40.0]" in err
+    for bad in (["--sentence-weights", "0.5,0.5,0,0"], ["--recipe", "varied", "--snr-db", "low,high"]):
+        with pytest.raises(SystemExit) as exc:
+            tool.main([*bad, "--train-dir", str(corpus)])
+        assert exc.value.code == 2

@@ -507,27 +507,44 @@ def _synth_job(job: dict) -> dict:
     return {"seconds": round(wav.shape[0] / SAMPLE_RATE, 3)}
 
 
-def _varied_fields(rng: np.random.Generator, speed: int) -> dict:
+def varied_options(sentence_weights=None, snr_db=None) -> dict:
+    """The adjustable draws of recipe "varied": {"sentence_weights": the probabilities of 1..4 sentences per
+    clip, "snr_db": [low, high]}, the module's defaults (VARIED_SENTENCE_WEIGHTS, VARIED_SNR_DB) where not
+    given. SynthError naming a value that cannot be one."""
+    weights = [float(w) for w in (VARIED_SENTENCE_WEIGHTS if sentence_weights is None else sentence_weights)]
+    snr = [float(x) for x in (VARIED_SNR_DB if snr_db is None else snr_db)]
+    if len(weights) != len(VARIED_SENTENCES) or min(weights) < 0 or abs(sum(weights) - 1.0) > 1e-6:
+        raise SynthError(f"sentence weights must be {len(VARIED_SENTENCES)} probabilities of 1..{max(VARIED_SENTENCES)} "
+                         f"sentences per clip summing to 1, got {weights}")
+    if len(snr) != 2 or not snr[0] < snr[1]:
+        raise SynthError(f"the SNR range must be two values in dB, low < high, got {snr}")
+    return {"sentence_weights": weights, "snr_db": snr}
+
+
+def _varied_fields(rng: np.random.Generator, speed: int, snr_db=VARIED_SNR_DB) -> dict:
     """The per-clip draws of recipe "varied" except its sentences (their count comes first)."""
     long_edges = rng.random() < VARIED_LONG_EDGES
     edge = VARIED_EDGE_S if long_edges else VARIED_SHORT_EDGE_S
     return {"lead_s": round(float(rng.uniform(*edge)), 3), "trail_s": round(float(rng.uniform(*edge)), 3),
             "level_dbfs": round(float(rng.uniform(*VARIED_LEVEL_DBFS)), 2),
-            "snr_db": round(float(rng.uniform(*VARIED_SNR_DB)), 2),
+            "snr_db": round(float(rng.uniform(*snr_db)), 2),
             "digital_edges": bool(rng.random() < VARIED_DIGITAL_EDGES), "speed": speed}
 
 
 def plan_corpus(
     languages: list[str], per_language: int, *, split: str, seed: int, heldout_percent: int = 6,
-    recipe: str = "commands", single: bool = False,
+    recipe: str = "commands", single: bool = False, options: dict | None = None,
 ) -> list[dict]:
     """Deterministic list of synthesis jobs (text, voice, variant, speed, pitch, seed; recipe "varied":
-    also the clip's sentences, their speeds, the pauses, edges, level and noise)."""
+    also the clip's sentences, their speeds, the pauses, edges, level and noise; `options`: its
+    `varied_options`, the defaults when None)."""
     if recipe not in RECIPES:
         raise SynthError(f"recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
+    if options is not None and recipe != "varied":
+        raise SynthError(f"recipe {recipe!r} takes no options (sentence weights and SNR range are recipe \"varied\"'s)")
     if recipe == "varied":
         return _plan_varied(languages, per_language, split=split, seed=seed, heldout_percent=heldout_percent,
-                            single=single)
+                            single=single, options=varied_options(**(options or {})))
     jobs = []
     for language in languages:
         if language not in GRAMMAR:
@@ -555,17 +572,19 @@ def plan_corpus(
 
 
 def _plan_varied(languages: list[str], per_language: int, *, split: str, seed: int, heldout_percent: int,
-                 single: bool = False) -> list[dict]:
-    """Recipe "varied": per language, `per_language` clips of 1-4 sentences (VARIED_SENTENCE_WEIGHTS); a
-    held-out plan uses each sentence once (the sentences are unique within the split). `single`: one
-    sentence per clip and short edges (VARIED_SHORT_EDGE_S), the rest as drawn (the held-out set's base)."""
+                 single: bool = False, options: dict | None = None) -> list[dict]:
+    """Recipe "varied": per language, `per_language` clips of 1-4 sentences (`options`' sentence weights,
+    `varied_options`); a held-out plan uses each sentence once (the sentences are unique within the split).
+    `single`: one sentence per clip and short edges (VARIED_SHORT_EDGE_S), the rest as drawn (the held-out
+    set's base)."""
+    options = options or varied_options()
     jobs = []
     for language in languages:
         if language not in GRAMMAR:
             raise SynthError(f"no grammar for language {language!r}; available: {', '.join(GRAMMAR)}")
         rng = np.random.default_rng([seed, zlib.crc32(language.encode()), 17 if split == "train" else 18])
         mix_rng = np.random.default_rng([seed, zlib.crc32(language.encode()), 19])  # training clips only
-        counts = rng.choice(VARIED_SENTENCES, size=per_language, p=VARIED_SENTENCE_WEIGHTS)
+        counts = rng.choice(VARIED_SENTENCES, size=per_language, p=options["sentence_weights"])
         if single:
             counts = np.ones(per_language, dtype=np.int64)
         texts = sample_sentences(language, int(counts.sum()), split=split, seed=seed + 1000,
@@ -585,13 +604,13 @@ def _plan_varied(languages: list[str], per_language: int, *, split: str, seed: i
                    "speeds": [int(np.clip(speed + rng.integers(-VARIED_SPEED_JITTER, VARIED_SPEED_JITTER + 1), 110, 210))
                               for _ in sentences],
                    "pauses_s": [round(float(rng.uniform(*VARIED_PAUSE_S)), 3) for _ in sentences[1:]],
-                   **_varied_fields(rng, speed), "seed": int(rng.integers(2**31))}
+                   **_varied_fields(rng, speed, options["snr_db"]), "seed": int(rng.integers(2**31))}
             if split == "train" and len(sentences) > 1 and mix_rng.random() < VARIED_MIXED_SHARE:
                 job["mix"] = [{"voice": voices[int(mix_rng.integers(len(voices)))],
                                "variant": variants[int(mix_rng.integers(len(variants)))],
                                "pitch": int(mix_rng.integers(30, 71)),
                                "level_dbfs": round(float(mix_rng.uniform(*VARIED_LEVEL_DBFS)), 2),
-                               "snr_db": round(float(mix_rng.uniform(*VARIED_SNR_DB)), 2)} for _ in sentences]
+                               "snr_db": round(float(mix_rng.uniform(*options["snr_db"])), 2)} for _ in sentences]
             if single:
                 job["id"] = f"{language}_{split}_single_{i:05d}"
                 if job["lead_s"] > VARIED_SHORT_EDGE_S[1] or job["trail_s"] > VARIED_SHORT_EDGE_S[1]:
@@ -613,8 +632,10 @@ def make_corpus(
     workers: int = 1,
     recipe: str = "commands",
     single: bool = False,
+    options: dict | None = None,
 ) -> list[Utterance]:
-    """Synthesise a corpus into `out_dir` (audio files + `manifest.json`); returns the utterances."""
+    """Synthesise a corpus into `out_dir` (audio files + `manifest.json`); returns the utterances.
+    `options`: recipe "varied"'s `varied_options` (recorded in the manifest as `recipe_options`)."""
     from concurrent.futures import ProcessPoolExecutor
 
     from tqdm import tqdm
@@ -623,7 +644,7 @@ def make_corpus(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs = plan_corpus(languages, per_language, split=split, seed=seed, heldout_percent=heldout_percent, recipe=recipe,
-                       single=single)
+                       single=single, options=options)
     ext = {"flac": "flac", "wav": "wav"}.get(audio_format)
     if ext is None:
         raise SynthError(f"audio_format must be 'flac' or 'wav', got {audio_format!r}")
@@ -654,6 +675,7 @@ def make_corpus(
         "seed": seed,
         "heldout_percent": heldout_percent,
         "recipe": recipe,
+        **({"recipe_options": varied_options(**(options or {}))} if recipe == "varied" else {}),
         "sample_rate": SAMPLE_RATE,
         "languages": list(languages),
         "utterances": [{k: v for k, v in asdict(u).items() if v is not None} for u in utts],

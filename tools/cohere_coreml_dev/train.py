@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -90,6 +91,9 @@ class TrainConfig:
     # continue from the training state a run with the same options saved (at `stop_after` or at a periodic
     # check); with `steps`, the weights end as one uninterrupted run's
     resume: bool = False
+    # a checkpoint folder (the released format) to start from: its tokenizer and weights instead of a new
+    # tokenizer and random weights (fine-tuning); its architecture must be the model fields' above
+    init_from: str = ""
 
     def model_overrides(self) -> dict:
         keys = [
@@ -113,6 +117,36 @@ def train_state_path(cfg: TrainConfig) -> Path:
     """Where a run keeps its training state (in the cache folder, named after the output folder)."""
     digest = hashlib.sha256(str(Path(cfg.out_dir).resolve()).encode()).hexdigest()[:12]
     return Path(cfg.cache_dir) / f"train-state-{digest}.pt"
+
+
+def _starting_checkpoint(cfg: TrainConfig):
+    """(model, tokenizer) of `cfg.init_from`, after checking that its architecture is the configured one."""
+    from cohere_coreml.model.checkpoint import CheckpointError, load_reference
+
+    from .checkpoints import build_config
+
+    try:
+        base, processor = load_reference(cfg.init_from)
+    except CheckpointError as err:
+        raise TrainingError(f"init_from: {err}") from None
+    tokenizer = processor.tokenizer
+    want = build_config(tokenizer, **cfg.model_overrides())
+    have = base.config
+
+    def field(config, name):  # build_config's naming: encoder fields as encoder_<field>, and num_mel_bins
+        if name == "num_mel_bins":
+            return config.encoder_config.num_mel_bins
+        if name.startswith("encoder_"):
+            return getattr(config.encoder_config, name[len("encoder_"):])
+        return getattr(config, name)
+
+    names = [*cfg.model_overrides(), "vocab_size"]
+    differ = [f"{name} {field(want, name)} here, {field(have, name)} there" for name in names
+              if field(want, name) != field(have, name)]
+    if differ:
+        raise TrainingError(f"init_from {cfg.init_from}: its architecture is not the configured one ("
+                            + "; ".join(differ) + "): pass its sizes (e.g. --encoder-layers, --decoder-layers)")
+    return base, tokenizer
 
 
 def _resume_options(cfg: TrainConfig) -> dict:
@@ -276,6 +310,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     """Run the whole recipe and save the checkpoint folder to `cfg.out_dir`."""
     if cfg.threads < 1:
         raise TrainingError(f"threads must be >= 1, got {cfg.threads}")
+    if not cfg.peak_lr > 0:
+        raise TrainingError(f"peak_lr must be > 0, got {cfg.peak_lr}")
     if cfg.steps < 0:
         raise TrainingError(f"steps must be >= 0 (0: the wall-clock budget), got {cfg.steps}")
     if cfg.stop_after and not 0 < cfg.stop_after < cfg.steps:
@@ -321,11 +357,14 @@ def train(cfg: TrainConfig) -> TrainResult:
     if overlap:
         raise TrainingError(f"{len(overlap)} held-out sentences occur in the training set, e.g. {sorted(overlap)[0]!r}")
 
-    # tokenizer
-    from .tokenizer import build_tokenizer
+    # tokenizer: trained on the corpus, or the starting checkpoint's
+    base = None
+    if cfg.init_from:
+        base, tokenizer = _starting_checkpoint(cfg)
+    else:
+        from .tokenizer import build_tokenizer
 
-    pieces = train_sentencepiece(texts, cfg.sentencepiece_vocab, cfg.seed)
-    tokenizer = build_tokenizer(pieces)
+        tokenizer = build_tokenizer(train_sentencepiece(texts, cfg.sentencepiece_vocab, cfg.seed))
     eos = eos_id(tokenizer)
     pad = tokenizer.pad_token_id
     token_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -335,8 +374,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         raise TrainingError(f"{n_unk} <unk> tokens in the training transcripts: tokenizer does not cover the text")
     prompts = {lang: prompt_ids(tokenizer, lang, cfg.punctuation) for lang in sorted(set(langs))}
     logger.info(
-        "tokenizer: %d pieces, %d tokens in total; mean %.1f tokens per transcript",
-        len(pieces), len(tokenizer), float(np.mean([len(t) for t in token_ids])),
+        "tokenizer: %d tokens%s; mean %.1f tokens per transcript", len(tokenizer),
+        f" (of {cfg.init_from})" if cfg.init_from else "", float(np.mean([len(t) for t in token_ids])),
     )
 
     # features
@@ -351,6 +390,9 @@ def train(cfg: TrainConfig) -> TrainResult:
     config.encoder_config.dropout = cfg.encoder_dropout
     model = CohereAsrForConditionalGeneration(config)
     init_subsampling(model, generator=torch.Generator().manual_seed(cfg.seed))
+    if base is not None:  # the same architecture and tokenizer (checked): its weights, in float32
+        model.load_state_dict({k: v.float() for k, v in base.state_dict().items()})
+        del base
     ctc_head = torch.nn.Linear(config.encoder_config.hidden_size, config.vocab_size)  # training only
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("model: %.2f M parameters, vocab %d", n_params / 1e6, config.vocab_size)
@@ -541,19 +583,22 @@ def machine_description() -> str:
     return f"{name} ({os.cpu_count()} cores)"
 
 
-def data_description(recipe: str) -> str:
-    """The model card's words for a corpus recipe (synth.RECIPES), from the recipe's own constants."""
+def data_description(recipe: str, options: dict | None = None) -> str:
+    """The model card's words for a corpus recipe (synth.RECIPES), from the recipe's own constants and the
+    corpus's `recipe_options` (recipe "varied": sentence weights, SNR range; its defaults when None)."""
     from . import synth
 
     if recipe == "varied":
-        weights = ", ".join(f"{k}: {100 * w:.0f} %" for k, w in zip(synth.VARIED_SENTENCES, synth.VARIED_SENTENCE_WEIGHTS))
+        options = synth.varied_options(**(options or {}))
+        snr = options["snr_db"]
+        weights = ", ".join(f"{k}: {100 * w:.0f} %" for k, w in zip(synth.VARIED_SENTENCES, options["sentence_weights"]))
         return (f"1-{max(synth.VARIED_SENTENCES)} sentences per clip ({weights}) joined with "
                 f"{synth.VARIED_PAUSE_S[0]}-{synth.VARIED_PAUSE_S[1]} s pauses; leading and trailing silence "
                 f"{synth.VARIED_EDGE_S[0]:.0f}-{synth.VARIED_EDGE_S[1]:.0f} s on {100 * synth.VARIED_LONG_EDGES:.0f} % of the "
                 f"clips ({synth.VARIED_SHORT_EDGE_S[0]:.0f}-{synth.VARIED_SHORT_EDGE_S[1]} s on the others), digital zeros on "
                 f"{100 * synth.VARIED_DIGITAL_EDGES:.0f} % of them, noise on the rest; peak level "
                 f"{synth.VARIED_LEVEL_DBFS[0]:.0f}..{synth.VARIED_LEVEL_DBFS[1]:.0f} dBFS; white noise at "
-                f"{synth.VARIED_SNR_DB[0]:.0f}-{synth.VARIED_SNR_DB[1]:.0f} dB SNR; one voice per clip except on "
+                f"{snr[0]:g}-{snr[1]:g} dB SNR; one voice per clip except on "
                 f"{100 * synth.VARIED_MIXED_SHARE:.0f} % of the clips of 2+ sentences, whose sentences each have their own "
                 f"voice, variant, pitch, level and noise; speed 120-200 wpm "
                 f"(each sentence +-{synth.VARIED_SPEED_JITTER}), pitch 30-70; voice variants "
@@ -574,6 +619,14 @@ def robustness_rows(robustness: dict) -> str:
             rows.append(f"| {subset} | {lang} | {r.clips} | {r.words} | {100 * r.wer:.2f} % | {ci} | {ratio} | "
                         f"{r.median_margin:.2f} |")
     return "\n".join(rows)
+
+
+def reproduce_commands(checkpoint: str | Path) -> str | None:
+    """The commands of a checkpoint card's Reproduce section (None without a card or the section)."""
+    card = Path(checkpoint) / "README.md"
+    text = card.read_text(encoding="utf-8") if card.is_file() else ""
+    match = re.search(r"^## Reproduce\n```\n(.*?)\n```", text, flags=re.M | re.S)
+    return match.group(1) if match else None
 
 
 def write_model_card(out_dir: str | Path, cfg: TrainConfig, result: TrainResult, reports: dict, command: str,
@@ -605,6 +658,14 @@ at a time):
 {robustness_rows(robustness)}
 
 """
+    origin, tokenizer_origin, reproduce, chain = "trained from scratch", "training transcripts", command, ""
+    if cfg.init_from:
+        origin = (f"fine-tuned from `{cfg.init_from}` (its tokenizer and weights; {result.steps} steps on the corpus "
+                  "below), itself trained from scratch")
+        tokenizer_origin = "starting checkpoint's training transcripts"
+        reproduce = "\n".join(filter(None, [reproduce_commands(cfg.init_from), command]))
+        chain = (f"The last command is this fine-tuning; the ones before it are the starting checkpoint's (its card's), "
+                 f"whose output folder is `{cfg.init_from}` here.\n" if reproduce != command else "")
     card = f"""---
 license: apache-2.0
 tags: [cohere_asr, test-model, synthetic-speech]
@@ -612,7 +673,7 @@ tags: [cohere_asr, test-model, synthetic-speech]
 # cohere-tiny-synth
 
 A {result.parameters / 1e6:.2f} M-parameter `CohereAsrForConditionalGeneration` (the exact architecture of
-Cohere Transcribe, with small widths) trained from scratch on synthetic espeak-ng speech.
+Cohere Transcribe, with small widths) {origin} on synthetic espeak-ng speech.
 
 **Purpose: tests and demos of the Core ML conversion pipeline, not real speech recognition.** It
 transcribes short synthetic commands (timers, lights, times, dates, sums, colours, prices, phone
@@ -626,7 +687,7 @@ exported model can be judged by transcripts. It knows nothing about natural spee
   {cfg.num_mel_bins} mel bins.
 - Decoder: hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads,
   FFN {cfg.intermediate_size}, {cfg.max_position_embeddings} positions.
-- Tokenizer: {train_summary.get('pieces')} SentencePiece unigram pieces trained on the training transcripts, plus the
+- Tokenizer: {train_summary.get('pieces')} SentencePiece unigram pieces trained on the {tokenizer_origin}, plus the
   real special-token set (14 language tokens, `<|pnc|>`...) and 256 byte-fallback pieces
   ({train_summary.get('tokens')} tokens, vocab size {train_summary.get('vocab_size')}).
 - Weights stored as float16 safetensors (load as float32 with `load_reference`).
@@ -636,7 +697,7 @@ exported model can be judged by transcripts. It knows nothing about natural spee
 ## Data
 espeak-ng speech from a small generated grammar (11 templates per language; numbers, times, dates,
 commands), `tools/make_synthetic_speech.py`: {train_summary.get('train_clips')} training utterances
-({train_summary.get('train_hours', 0):.2f} h), {data_description(train_summary.get('recipe', 'commands'))}, seed {cfg.seed}.
+({train_summary.get('train_hours', 0):.2f} h), {data_description(train_summary.get('recipe', 'commands'), train_summary.get('recipe_options'))}, seed {cfg.seed}.
 Held-out set: `tests/data/heldout/` ({sum(r.clips for r in reports.values())} clips); every held-out sentence is a word combination
 that never occurs in training.
 
@@ -661,9 +722,9 @@ WER on the first {cfg.eval_clips_per_language} held-out clips per language durin
 
 ## Reproduce
 ```
-{command}
+{reproduce}
 ```
-(needs `apt-get install espeak-ng`; timings depend on machine load, so results vary slightly.)
+{chain}(needs `apt-get install espeak-ng`; timings depend on machine load, so results vary slightly.)
 """
     path = out_dir / "README.md"
     path.write_text(card)
