@@ -65,6 +65,7 @@ def corpus_options(parser, args) -> dict | None:
 
 
 def main(argv=None) -> int:
+    from cohere_coreml_dev.synth import VARIED_SENTENCE_WEIGHTS, VARIED_SNR_DB
     from cohere_coreml_dev.train import TrainConfig
 
     defaults = TrainConfig(train_dir="", heldout_dir="", out_dir="")
@@ -110,9 +111,10 @@ def main(argv=None) -> int:
                         help="corpus recipe when the training corpus is synthesised (synth.RECIPES)")
     parser.add_argument("--sentence-weights", default=None, metavar="P1,P2,P3,P4",
                         help="recipe varied: the probabilities of 1, 2, 3 and 4 sentences per clip (default "
-                             "0.45,0.25,0.17,0.13)")
+                             + ",".join(f"{w:g}" for w in VARIED_SENTENCE_WEIGHTS) + ")")
     parser.add_argument("--snr-db", default=None, metavar="LOW,HIGH",
-                        help="recipe varied: the range of the white noise's SNR in dB (default 10,40)")
+                        help="recipe varied: the range of the white noise's SNR in dB (default "
+                             + ",".join(f"{x:g}" for x in VARIED_SNR_DB) + ")")
     parser.add_argument("--synth-workers", type=int, default=2, help="espeak-ng processes of that synthesis")
     parser.add_argument("--robustness", default=None,
                         help="a folder of tools/make_heldout_set.py (single/, padded/, multi/): evaluated too, in the card")
