@@ -135,3 +135,7 @@ def test_eval_tiny_by_position_on_the_robustness_set(tmp_path, capsys):
     assert tool.main(["--data", str(single), "--by-position"]) == 1  # single/ is no multi-utterance set
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "source clip(s)" in err and "Traceback" not in err
+    (tmp_path / "multi" / "de_heldout_multi_00000.flac").unlink()
+    assert tool.main(["--data", str(tmp_path / "multi"), "--single-dir", str(single), "--by-position",
+                      "--limit-per-language", "1"]) == 1
+    assert "audio file(s) the manifests name are missing, e.g. " in capsys.readouterr().err

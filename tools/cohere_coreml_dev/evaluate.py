@@ -226,10 +226,12 @@ def position_breakdown(model_dir: str | Path, multi_dir: str | Path, single_dir:
     single_dir = Path(single_dir) if single_dir else multi_dir.parent / "single"
     _, multi = _manifest_rows(multi_dir)
     _, single = _manifest_rows(single_dir)
-    sources = {row.get("file"): row for row in single}
+    sources = {row.get("file"): row for row in single if isinstance(row, dict)}
     counts: dict[str, int] = {}
     chosen = []
     for clip in multi:
+        if not isinstance(clip, dict) or not clip.get("file") or not clip.get("language"):
+            raise EvaluationError(f"{multi_dir}/manifest.json: an entry without file or language: {str(clip)[:80]}")
         missing = [s for s in clip.get("sources") or [] if s not in sources]
         if missing or not clip.get("sources"):
             raise EvaluationError(f"{multi_dir / clip.get('file', '?')}: source clip(s) {', '.join(missing) or '(none named)'} "
@@ -237,6 +239,10 @@ def position_breakdown(model_dir: str | Path, multi_dir: str | Path, single_dir:
         counts[clip["language"]] = counts.get(clip["language"], 0) + 1
         if limit_per_language is None or counts[clip["language"]] <= limit_per_language:
             chosen.append(clip)
+    absent = [str(path) for clip in chosen for path in [multi_dir / clip["file"], *(single_dir / s for s in clip["sources"])]
+              if not path.is_file()]
+    if absent:
+        raise EvaluationError(f"{len(absent)} audio file(s) the manifests name are missing, e.g. {absent[0]}")
     engine = PyTorchEngine(model_dir)
     hypotheses, alone = {}, {}
     for i, clip in enumerate(chosen):
