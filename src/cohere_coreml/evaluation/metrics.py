@@ -91,7 +91,8 @@ def sentence_errors(sentences: list[str], hypothesis: str, language: str | None)
     sentence of the reference unit before it (the first sentence when it comes first). A hypothesis that
     skips a sentence costs that sentence its units as deletions. Where alignments of the same cost
     differ (a sentence said twice, next to one of the same shape), jiwer's choice decides; the sums
-    are the clip's counts either way."""
+    are this alignment's counts either way (`error_counts` of the joined sentences, except in English,
+    whose normaliser, given the joined text, joins number words across the sentence ends)."""
     import jiwer
 
     metric = "cer" if language in CER_LANGUAGES else "wer"
