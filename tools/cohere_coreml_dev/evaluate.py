@@ -164,18 +164,18 @@ def _decode(engine, audio: Path, language: str, max_new_tokens: int | None = Non
 
 # ---- multi-utterance clips: where the errors fall -------------------------------------------------------
 
-def _manifest_rows(directory: Path) -> tuple[dict, list[dict]]:
-    import json
+def _manifest_rows(directory: Path) -> list[dict]:
+    """The utterance rows of a folder's manifest.json (`synth.read_manifest`), as EvaluationErrors."""
+    from .synth import SynthError, read_manifest
 
-    path = Path(directory) / "manifest.json"
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise EvaluationError(f"{path}: not readable as a manifest ({err})") from None
+        manifest = read_manifest(directory)
+    except (SynthError, OSError, ValueError) as err:
+        raise EvaluationError(f"{directory}/manifest.json: not readable as a manifest ({err})") from None
     rows = manifest.get("utterances") if isinstance(manifest, dict) else None
     if not isinstance(rows, list):
-        raise EvaluationError(f"{path}: no list of utterances")
-    return manifest, rows
+        raise EvaluationError(f"{directory}/manifest.json: no list of utterances")
+    return rows
 
 
 def position_rows(multi_rows: list[dict], hypotheses: dict[str, str], alone: dict[str, str]) -> list[dict]:
@@ -224,8 +224,8 @@ def position_breakdown(model_dir: str | Path, multi_dir: str | Path, single_dir:
     beside `multi_dir`, where `make_heldout_set.py` puts it)."""
     multi_dir = Path(multi_dir)
     single_dir = Path(single_dir) if single_dir else multi_dir.parent / "single"
-    _, multi = _manifest_rows(multi_dir)
-    _, single = _manifest_rows(single_dir)
+    multi = _manifest_rows(multi_dir)
+    single = _manifest_rows(single_dir)
     sources = {row.get("file"): row for row in single if isinstance(row, dict)}
     counts: dict[str, int] = {}
     chosen = []
