@@ -9,6 +9,10 @@ Example (the committed single/ is tests/data/heldout-varied/single; derive the o
   uv run python tools/make_heldout_set.py --single tests/data/heldout-varied/single --out out/heldout-varied
   uv run python tools/make_heldout_set.py --out out/heldout-varied --per-language 200   # all three, synthesised
   uv run python tools/eval_tiny.py --data out/heldout-varied/padded
+
+A validation set (to choose among candidate models without choosing on the held-out set): another seed,
+none of the held-out set's sentences:
+  uv run python tools/make_heldout_set.py --seed 1 --apart-from tests/data/heldout-varied/single --out out/validation-varied
 """
 
 import argparse
@@ -27,6 +31,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=1, help="parallel espeak-ng processes")
     parser.add_argument("--single", default=None, help="an existing single/ folder to derive from (no synthesis)")
+    parser.add_argument("--apart-from", action="append", default=[], metavar="SINGLE_DIR",
+                        help="a single/ folder none of whose sentences this set may use (repeatable): a validation "
+                             "set apart from the held-out set")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.per_language < 1:
@@ -38,7 +45,8 @@ def main(argv=None) -> int:
     try:
         paths = make_heldout_set(Path(args.out), [x.strip() for x in args.languages.split(",") if x.strip()],
                                  args.per_language, seed=args.seed, workers=args.workers,
-                                 single_dir=Path(args.single) if args.single else None)
+                                 single_dir=Path(args.single) if args.single else None,
+                                 apart_from=[Path(d) for d in args.apart_from])
     except SynthError as exc:
         print(f"make_heldout_set: {exc}", file=sys.stderr)
         return 1

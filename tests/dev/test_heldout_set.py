@@ -182,3 +182,66 @@ def test_a_set_derived_from_another_single_folder_links_it(tmp_path):
     (tmp_path / "other" / "single").mkdir()
     with pytest.raises(SynthError, match="is not a link"):
         heldout.make_heldout_set(tmp_path / "other", ["es"], 1, seed=0, single_dir=single)
+
+
+def test_a_validation_plan_keeps_apart_from_the_sentences_it_is_given():
+    """`exclude`: the sentences a plan would otherwise draw are replaced by others of the same split; without
+    it (the broken variant) the same seed draws them."""
+    from cohere_coreml_dev import synth
+
+    def sentences(**kw):
+        jobs = synth.plan_corpus(["es", "de"], 20, split="heldout", seed=3, recipe="varied", single=True, **kw)
+        return [s for j in jobs for s in j["sentences"]]
+
+    base = sentences()
+    taken = frozenset(base[::2])
+    kept = sentences(exclude=taken)
+    assert len(kept) == 40 and len(set(kept)) == 40
+    assert not taken & set(kept)
+    assert all(synth.is_heldout(s, lang) for s, lang in zip(kept, ["es"] * 20 + ["de"] * 20))
+    assert set(base[1::2]) <= set(kept)  # the sentences not excluded are still drawn
+
+
+def _fake_single(directory: Path, sentences: list[str], language: str = "es") -> Path:
+    """A single/ manifest naming sentences (no audio: `sentences_of` reads the manifest only)."""
+    directory.mkdir(parents=True)
+    rows = [{"file": f"{language}_heldout_single_{i:05d}.flac", "language": language, "text": s, "sentences": [s]}
+            for i, s in enumerate(sentences)]
+    (directory / "manifest.json").write_text(json.dumps({"split": "heldout", "utterances": rows}))
+    return directory
+
+
+@pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng not installed")
+def test_a_validation_set_synthesised_apart_from_the_test_set_shares_no_sentence(tmp_path):
+    from cohere_coreml_dev import synth
+
+    drawn = [j["sentences"][0] for j in synth.plan_corpus(["es"], 4, split="heldout", seed=0, recipe="varied",
+                                                           single=True)]
+    test_set = _fake_single(tmp_path / "test", drawn)  # what seed 0 would draw is the "test set"
+    paths = heldout.make_heldout_set(tmp_path / "val", ["es"], 4, seed=0, apart_from=[test_set])
+    manifest = json.loads((paths["single"] / "manifest.json").read_text())
+    assert not heldout.sentences_of(paths["single"]) & set(drawn)
+    assert len(manifest["utterances"]) == 4 and manifest["apart_from"] == [str(test_set)]
+    assert heldout.check_single(paths["single"], frozenset(), min_per_language=4,
+                                apart_from={"the test set": heldout.sentences_of(test_set)}) == []
+
+
+def test_a_set_that_shares_a_sentence_with_the_one_it_must_be_apart_from_is_refused(tmp_path):
+    single = _single(tmp_path)
+    other = _fake_single(tmp_path / "test", ["unrelated.", "en sentence 3."], language="en")
+    with pytest.raises(SynthError, match=r"shares 1 sentence\(s\) with .*test.*'en sentence 3\.'"):
+        heldout.make_heldout_set(tmp_path / "set", ["en"], 1, seed=0, single_dir=single, apart_from=[other])
+    problems = heldout.check_single(single, frozenset(), min_per_language=1,
+                                    apart_from={"the test set": heldout.sentences_of(other)})
+    assert problems == ["en_heldout_single_00003.flac: sentence 'en sentence 3.' occurs in the test set"]
+    fine = _fake_single(tmp_path / "fine", ["unrelated."], language="en")
+    heldout.make_heldout_set(tmp_path / "set", ["en"], 1, seed=0, single_dir=single, apart_from=[fine])
+
+
+def test_the_cli_names_a_set_to_keep_apart_from_that_is_not_a_single_folder(tmp_path, capsys):
+    import make_heldout_set
+
+    rc = make_heldout_set.main(["--out", str(tmp_path / "val"), "--apart-from", str(tmp_path / "nowhere")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "no manifest.json in" in err and "nowhere" in err and "Traceback" not in err
+    assert not (tmp_path / "val").exists()

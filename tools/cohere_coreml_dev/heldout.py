@@ -12,6 +12,10 @@ Three subsets, each a manifest folder (`datasets.load_folder`, `bench --data`, `
 padded/ and multi/ are derived from single/ alone (`derive_padded`, `derive_multi`, seeded), so the three
 hold the same utterances and only single/ need be stored; every clip's manifest row names its sources
 and where each sentence is spoken (`segments`, [start, end) samples).
+
+A validation set, for choosing among candidate models without choosing on the held-out (test) set, is
+made the same way with another seed and `apart_from` the test set's single/ folder: its sentences are
+held-out sentences too (never trained on), none of them the test set's.
 """
 
 from __future__ import annotations
@@ -32,10 +36,19 @@ MULTI_SIZES = (2, 3, 4)
 DIGITAL_SHARE = 0.5
 
 
-def make_single(out_dir: Path, languages: list[str], per_language: int, seed: int = 0, workers: int = 1) -> list:
-    """single/: the synthesised base subset."""
+def sentences_of(single_dir: Path) -> frozenset[str]:
+    """Every sentence of a single/ folder's manifest."""
+    _, utts = _read(Path(single_dir))
+    return frozenset(s for u in utts for s in u.get("sentences") or [u["text"]])
+
+
+def make_single(out_dir: Path, languages: list[str], per_language: int, seed: int = 0, workers: int = 1,
+                apart_from: list[Path] = ()) -> list:
+    """single/: the synthesised base subset; none of its sentences is one of the `apart_from` folders'."""
+    exclude = frozenset().union(*(sentences_of(d) for d in apart_from))
+    extra = {"apart_from": [str(d) for d in apart_from]} if apart_from else None
     return make_corpus(out_dir, languages, per_language, split="heldout", seed=seed, recipe="varied", single=True,
-                       workers=workers)
+                       workers=workers, exclude=exclude, manifest_extra=extra)
 
 
 def _read(directory: Path) -> tuple[dict, list[dict]]:
@@ -124,11 +137,13 @@ def derive_multi(single_dir: Path, out_dir: Path, seed: int = 0) -> list[dict]:
     return rows
 
 
-def check_single(single_dir: Path, train_sentences: set[str] | frozenset[str], min_per_language: int = 200) -> list[str]:
+def check_single(single_dir: Path, train_sentences: set[str] | frozenset[str], min_per_language: int = 200,
+                 apart_from: dict[str, frozenset[str]] | None = None) -> list[str]:
     """What is wrong with a single/ folder as a held-out set (empty when nothing): fewer than
     `min_per_language` clips of a language, a file missing or not 16 kHz mono of the manifest's length,
-    a segment outside its clip, a duplicate sentence, a voice variant the training recipe uses, or a
-    sentence of `train_sentences` (the training corpus's, e.g. from `synth.plan_corpus`)."""
+    a segment outside its clip, a duplicate sentence, a voice variant the training recipe uses, a
+    sentence of `train_sentences` (the training corpus's, e.g. from `synth.plan_corpus`), or one of a
+    set it must be apart from (`apart_from`: name -> its sentences, e.g. the test set for a validation set)."""
     single_dir = Path(single_dir)
     _, utts = _read(single_dir)
     problems = []
@@ -155,17 +170,25 @@ def check_single(single_dir: Path, train_sentences: set[str] | frozenset[str], m
             seen.add((u["language"], sentence))
             if sentence in train_sentences:
                 problems.append(f"{u['file']}: sentence {sentence!r} occurs in training")
+            for name, other in (apart_from or {}).items():
+                if sentence in other:
+                    problems.append(f"{u['file']}: sentence {sentence!r} occurs in {name}")
     problems += [f"{lang}: {n} clips, fewer than {min_per_language}" for lang, n in sorted(counts.items())
                  if n < min_per_language]
     return problems
 
 
 def make_heldout_set(out_dir: Path, languages: list[str], per_language: int, seed: int = 0, workers: int = 1,
-                     single_dir: Path | None = None) -> dict[str, Path]:
+                     single_dir: Path | None = None, apart_from: list[Path] = ()) -> dict[str, Path]:
     """single/ (synthesised unless `single_dir` names an existing one), padded/, multi/ under out_dir. With
     `single_dir` elsewhere, out_dir/single is a link to it, so that out_dir holds the whole set (what
-    `train_tiny.py --robustness` and the evaluations read)."""
+    `train_tiny.py --robustness` and the evaluations read). `apart_from`: single/ folders whose sentences a
+    synthesised single/ must not use (a validation set apart from the test set); with `single_dir`, that
+    folder is checked against them instead."""
     out_dir = Path(out_dir)
+    for other in apart_from:
+        if not (Path(other) / "manifest.json").is_file():
+            raise SynthError(f"no manifest.json in {other} (the set to keep apart from must be a single/ folder)")
     single = Path(single_dir) if single_dir else out_dir / "single"
     link = out_dir / "single"
     if single_dir and link.absolute() != single.absolute():
@@ -175,7 +198,12 @@ def make_heldout_set(out_dir: Path, languages: list[str], per_language: int, see
         link.unlink(missing_ok=True)
         link.symlink_to(single.resolve(), target_is_directory=True)
     if not (single / "manifest.json").is_file():
-        make_single(single, languages, per_language, seed=seed, workers=workers)
+        make_single(single, languages, per_language, seed=seed, workers=workers, apart_from=list(apart_from))
+    shared = {str(d): sorted(sentences_of(single) & sentences_of(d)) for d in apart_from}
+    shared = {d: s for d, s in shared.items() if s}
+    if shared:
+        d, s = next(iter(shared.items()))
+        raise SynthError(f"{single} shares {len(s)} sentence(s) with {d} (e.g. {s[0]!r}): it is not apart from it")
     derive_padded(single, out_dir / "padded", seed=seed)
     derive_multi(single, out_dir / "multi", seed=seed)
     return {"single": single, "padded": out_dir / "padded", "multi": out_dir / "multi"}

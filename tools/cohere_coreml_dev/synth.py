@@ -376,9 +376,11 @@ def is_heldout(text: str, language: str, heldout_percent: int = 6) -> bool:
 
 
 def sample_sentences(
-    language: str, n: int, *, split: str, seed: int, heldout_percent: int = 6, unique: bool = False
+    language: str, n: int, *, split: str, seed: int, heldout_percent: int = 6, unique: bool = False,
+    exclude: frozenset[str] | set[str] = frozenset(),
 ) -> list[str]:
-    """`n` sentences of `split` ("train" or "heldout"); held-out texts never occur in the train split."""
+    """`n` sentences of `split` ("train" or "heldout"); held-out texts never occur in the train split, nor
+    any of `exclude` in the result (a validation set kept apart from a test set of the same split)."""
     if split not in ("train", "heldout"):
         raise SynthError(f"split must be 'train' or 'heldout', got {split!r}")
     rng = np.random.default_rng([seed, zlib.crc32(language.encode()), 0 if split == "train" else 1])
@@ -393,7 +395,7 @@ def sample_sentences(
         text = sample_sentence(language, rng)
         if is_heldout(text, language, heldout_percent) != want_heldout:
             continue
-        if unique and text in seen:
+        if (unique and text in seen) or text in exclude:
             continue
         seen.add(text)
         out.append(text)
@@ -534,24 +536,25 @@ def _varied_fields(rng: np.random.Generator, speed: int, snr_db=VARIED_SNR_DB) -
 def plan_corpus(
     languages: list[str], per_language: int, *, split: str, seed: int, heldout_percent: int = 6,
     recipe: str = "commands", single: bool = False, options: dict | None = None,
+    exclude: frozenset[str] | set[str] = frozenset(),
 ) -> list[dict]:
     """Deterministic list of synthesis jobs (text, voice, variant, speed, pitch, seed; recipe "varied":
     also the clip's sentences, their speeds, the pauses, edges, level and noise; `options`: its
-    `varied_options`, the defaults when None)."""
+    `varied_options`, the defaults when None; `exclude`: sentences not to use)."""
     if recipe not in RECIPES:
         raise SynthError(f"recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
     if options is not None and recipe != "varied":
         raise SynthError(f"recipe {recipe!r} takes no options (sentence weights and SNR range are recipe \"varied\"'s)")
     if recipe == "varied":
         return _plan_varied(languages, per_language, split=split, seed=seed, heldout_percent=heldout_percent,
-                            single=single, options=varied_options(**(options or {})))
+                            single=single, options=varied_options(**(options or {})), exclude=exclude)
     jobs = []
     for language in languages:
         if language not in GRAMMAR:
             raise SynthError(f"no grammar for language {language!r}; available: {', '.join(GRAMMAR)}")
         texts = sample_sentences(
             language, per_language, split=split, seed=seed, heldout_percent=heldout_percent,
-            unique=(split == "heldout"),
+            unique=(split == "heldout"), exclude=exclude,
         )
         rng = np.random.default_rng([seed, zlib.crc32(language.encode()), 7 if split == "train" else 8])
         voices = GRAMMAR[language]["voices"]
@@ -572,7 +575,8 @@ def plan_corpus(
 
 
 def _plan_varied(languages: list[str], per_language: int, *, split: str, seed: int, heldout_percent: int,
-                 single: bool = False, options: dict | None = None) -> list[dict]:
+                 single: bool = False, options: dict | None = None,
+                 exclude: frozenset[str] | set[str] = frozenset()) -> list[dict]:
     """Recipe "varied": per language, `per_language` clips of 1-4 sentences (`options`' sentence weights,
     `varied_options`); a held-out plan uses each sentence once (the sentences are unique within the split).
     `single`: one sentence per clip and short edges (VARIED_SHORT_EDGE_S), the rest as drawn (the held-out
@@ -588,7 +592,7 @@ def _plan_varied(languages: list[str], per_language: int, *, split: str, seed: i
         if single:
             counts = np.ones(per_language, dtype=np.int64)
         texts = sample_sentences(language, int(counts.sum()), split=split, seed=seed + 1000,
-                                 heldout_percent=heldout_percent, unique=(split == "heldout"))
+                                 heldout_percent=heldout_percent, unique=(split == "heldout"), exclude=exclude)
         voices = GRAMMAR[language]["voices"]
         variants = VARIED_TRAIN_VARIANTS if split == "train" else VARIED_HELDOUT_VARIANTS
         start = 0
@@ -633,9 +637,12 @@ def make_corpus(
     recipe: str = "commands",
     single: bool = False,
     options: dict | None = None,
+    exclude: frozenset[str] | set[str] = frozenset(),
+    manifest_extra: dict | None = None,
 ) -> list[Utterance]:
     """Synthesise a corpus into `out_dir` (audio files + `manifest.json`); returns the utterances.
-    `options`: recipe "varied"'s `varied_options` (recorded in the manifest as `recipe_options`)."""
+    `options`: recipe "varied"'s `varied_options` (recorded in the manifest as `recipe_options`);
+    `exclude`: sentences not to use; `manifest_extra`: more manifest fields (where the exclusions came from)."""
     from concurrent.futures import ProcessPoolExecutor
 
     from tqdm import tqdm
@@ -644,7 +651,7 @@ def make_corpus(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs = plan_corpus(languages, per_language, split=split, seed=seed, heldout_percent=heldout_percent, recipe=recipe,
-                       single=single, options=options)
+                       single=single, options=options, exclude=exclude)
     ext = {"flac": "flac", "wav": "wav"}.get(audio_format)
     if ext is None:
         raise SynthError(f"audio_format must be 'flac' or 'wav', got {audio_format!r}")
@@ -678,6 +685,7 @@ def make_corpus(
         **({"recipe_options": varied_options(**(options or {}))} if recipe == "varied" else {}),
         "sample_rate": SAMPLE_RATE,
         "languages": list(languages),
+        **(manifest_extra or {}),
         "utterances": [{k: v for k, v in asdict(u).items() if v is not None} for u in utts],
     }
     tmp = out_dir / "manifest.json.tmp"
