@@ -244,4 +244,9 @@ def test_the_cli_names_a_set_to_keep_apart_from_that_is_not_a_single_folder(tmp_
     rc = make_heldout_set.main(["--out", str(tmp_path / "val"), "--apart-from", str(tmp_path / "nowhere")])
     err = capsys.readouterr().err
     assert rc == 1 and "no manifest.json in" in err and "nowhere" in err and "Traceback" not in err
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "manifest.json").write_text('{"utterances": [{"file": "a.flac"')
+    rc = make_heldout_set.main(["--out", str(tmp_path / "val"), "--apart-from", str(tmp_path / "broken")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "broken: not a single/ folder with a readable manifest.json" in err and "Traceback" not in err
     assert not (tmp_path / "val").exists()

@@ -37,9 +37,12 @@ DIGITAL_SHARE = 0.5
 
 
 def sentences_of(single_dir: Path) -> frozenset[str]:
-    """Every sentence of a single/ folder's manifest."""
-    _, utts = _read(Path(single_dir))
-    return frozenset(s for u in utts for s in u.get("sentences") or [u["text"]])
+    """Every sentence of a single/ folder's manifest (SynthError naming the folder when it has none readable)."""
+    try:
+        _, utts = _read(Path(single_dir))
+        return frozenset(s for u in utts for s in u.get("sentences") or [u["text"]])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise SynthError(f"{single_dir}: not a single/ folder with a readable manifest.json ({exc!r})") from None
 
 
 def make_single(out_dir: Path, languages: list[str], per_language: int, seed: int = 0, workers: int = 1,
@@ -189,6 +192,7 @@ def make_heldout_set(out_dir: Path, languages: list[str], per_language: int, see
     for other in apart_from:
         if not (Path(other) / "manifest.json").is_file():
             raise SynthError(f"no manifest.json in {other} (the set to keep apart from must be a single/ folder)")
+        sentences_of(other)  # readable, before anything is written
     single = Path(single_dir) if single_dir else out_dir / "single"
     link = out_dir / "single"
     if single_dir and link.absolute() != single.absolute():
