@@ -231,6 +231,7 @@ def test_a_set_that_shares_a_sentence_with_the_one_it_must_be_apart_from_is_refu
     other = _fake_single(tmp_path / "test", ["unrelated.", "en sentence 3."], language="en")
     with pytest.raises(SynthError, match=r"shares 1 sentence\(s\) with .*test.*'en sentence 3\.'"):
         heldout.make_heldout_set(tmp_path / "set", ["en"], 1, seed=0, single_dir=single, apart_from=[other])
+    assert not (tmp_path / "set").exists()  # refused before the link or a subset is written
     problems = heldout.check_single(single, frozenset(), min_per_language=1,
                                     apart_from={"the test set": heldout.sentences_of(other)})
     assert problems == ["en_heldout_single_00003.flac: sentence 'en sentence 3.' occurs in the test set"]

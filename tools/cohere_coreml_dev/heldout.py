@@ -186,14 +186,20 @@ def make_heldout_set(out_dir: Path, languages: list[str], per_language: int, see
     """single/ (synthesised unless `single_dir` names an existing one), padded/, multi/ under out_dir. With
     `single_dir` elsewhere, out_dir/single is a link to it, so that out_dir holds the whole set (what
     `train_tiny.py --robustness` and the evaluations read). `apart_from`: single/ folders whose sentences a
-    synthesised single/ must not use (a validation set apart from the test set); with `single_dir`, that
-    folder is checked against them instead."""
+    synthesised single/ must not use (a validation set apart from the test set); an existing single/
+    (`single_dir`, or one already under out_dir) is checked against them before anything is written."""
     out_dir = Path(out_dir)
     for other in apart_from:
         if not (Path(other) / "manifest.json").is_file():
             raise SynthError(f"no manifest.json in {other} (the set to keep apart from must be a single/ folder)")
         sentences_of(other)  # readable, before anything is written
     single = Path(single_dir) if single_dir else out_dir / "single"
+    if (single / "manifest.json").is_file():  # an existing single/: checked before anything is written
+        for other in apart_from:
+            shared = sorted(sentences_of(single) & sentences_of(other))
+            if shared:
+                raise SynthError(f"{single} shares {len(shared)} sentence(s) with {other} (e.g. {shared[0]!r}): "
+                                 "it is not apart from it")
     link = out_dir / "single"
     if single_dir and link.absolute() != single.absolute():
         if link.exists() and not link.is_symlink():
@@ -203,11 +209,6 @@ def make_heldout_set(out_dir: Path, languages: list[str], per_language: int, see
         link.symlink_to(single.resolve(), target_is_directory=True)
     if not (single / "manifest.json").is_file():
         make_single(single, languages, per_language, seed=seed, workers=workers, apart_from=list(apart_from))
-    shared = {str(d): sorted(sentences_of(single) & sentences_of(d)) for d in apart_from}
-    shared = {d: s for d, s in shared.items() if s}
-    if shared:
-        d, s = next(iter(shared.items()))
-        raise SynthError(f"{single} shares {len(s)} sentence(s) with {d} (e.g. {s[0]!r}): it is not apart from it")
     derive_padded(single, out_dir / "padded", seed=seed)
     derive_multi(single, out_dir / "multi", seed=seed)
     return {"single": single, "padded": out_dir / "padded", "multi": out_dir / "multi"}
