@@ -189,14 +189,16 @@ def make_heldout_set(out_dir: Path, languages: list[str], per_language: int, see
     synthesised single/ must not use (a validation set apart from the test set); an existing single/
     (`single_dir`, or one already under out_dir) is checked against them before anything is written."""
     out_dir = Path(out_dir)
+    others = {}
     for other in apart_from:
         if not (Path(other) / "manifest.json").is_file():
             raise SynthError(f"no manifest.json in {other} (the set to keep apart from must be a single/ folder)")
-        sentences_of(other)  # readable, before anything is written
+        others[other] = sentences_of(other)  # readable, before anything is written
     single = Path(single_dir) if single_dir else out_dir / "single"
-    if (single / "manifest.json").is_file():  # an existing single/: checked before anything is written
-        for other in apart_from:
-            shared = sorted(sentences_of(single) & sentences_of(other))
+    if others and (single / "manifest.json").is_file():  # an existing single/: checked before anything is written
+        mine = sentences_of(single)
+        for other, theirs in others.items():
+            shared = sorted(mine & theirs)
             if shared:
                 raise SynthError(f"{single} shares {len(shared)} sentence(s) with {other} (e.g. {shared[0]!r}): "
                                  "it is not apart from it")
