@@ -90,6 +90,12 @@ def main(argv=None) -> int:
     parser.add_argument("--shortest-first-epochs", type=int, default=defaults.shortest_first_epochs,
                         help="run the first N epochs' batches shortest clips first instead of in random order "
                              "(a curriculum; 0: random order throughout, as the committed model was trained)")
+    parser.add_argument("--label-smoothing", type=float, default=defaults.label_smoothing,
+                        help="label smoothing of the decoder's cross-entropy, in [0, 1) (0: none, as the committed "
+                             "model was trained)")
+    parser.add_argument("--decoder-attention-dropout", type=float, default=defaults.decoder_attention_dropout,
+                        help="dropout on the decoder's attention weights while training, in [0, 1) (0: none, as the "
+                             "committed model was trained; the saved config has 0)")
     parser.add_argument("--stop-after", type=int, default=0, metavar="N",
                         help="with --steps: end this run after N steps of the schedule, the training state saved in "
                              "the cache folder, no checkpoint written; the same command with --resume continues it "
@@ -123,6 +129,10 @@ def main(argv=None) -> int:
         parser.error(f"--threads must be at least 1 (got {args.threads})")
     if args.shortest_first_epochs < 0:
         parser.error(f"--shortest-first-epochs must be at least 0 (got {args.shortest_first_epochs})")
+    for flag, value in (("--label-smoothing", args.label_smoothing),
+                        ("--decoder-attention-dropout", args.decoder_attention_dropout)):
+        if not 0.0 <= value < 1.0:
+            parser.error(f"{flag} must be at least 0 and below 1 (got {value:g})")
     if not args.peak_lr > 0:
         parser.error(f"--peak-lr must be above 0 (got {args.peak_lr})")
     if args.init_from and not (Path(args.init_from) / "config.json").is_file():
@@ -169,7 +179,8 @@ def main(argv=None) -> int:
             eval_every_minutes=args.eval_every_minutes, feature_workers=args.feature_workers,
             threads=args.threads, steps=args.steps,
             encoder_num_hidden_layers=args.encoder_layers, num_hidden_layers=args.decoder_layers,
-            shortest_first_epochs=args.shortest_first_epochs, stop_after=args.stop_after, resume=args.resume,
+            shortest_first_epochs=args.shortest_first_epochs, label_smoothing=args.label_smoothing,
+            decoder_attention_dropout=args.decoder_attention_dropout, stop_after=args.stop_after, resume=args.resume,
             init_from=args.init_from, peak_lr=args.peak_lr,
         )
         result = train(cfg)

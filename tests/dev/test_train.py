@@ -113,12 +113,16 @@ def test_a_fine_tuned_models_card_names_its_start_and_reproduces_both_runs(tmp_p
                          parameters=2_950_000)
     (tmp_path / "out").mkdir()
 
-    def card(init_from):
-        cfg = TrainConfig(train_dir="d", heldout_dir="h", out_dir=str(tmp_path / "out"), steps=2000, init_from=init_from)
+    def card(init_from, **options):
+        cfg = TrainConfig(train_dir="d", heldout_dir="h", out_dir=str(tmp_path / "out"), steps=2000, init_from=init_from,
+                          **options)
         return write_model_card(tmp_path / "out", cfg, result, reports, "uv run python tools/train_tiny.py --init-from B",
                                 {"recipe": "varied"}).read_text()
 
     tuned = card(str(base))
+    assert "decoder attention dropout\n0; label smoothing 0 (" in tuned  # the committed model's: none
+    assert "decoder attention dropout\n0.2; label smoothing 0.1 (" in card(str(base), label_smoothing=0.1,
+                                                                           decoder_attention_dropout=0.2)
     assert f"fine-tuned from `{base}`" in tuned and "widths) trained from scratch" not in tuned
     assert ("```\nuv run python tools/train_tiny.py --steps 7600\nuv run python tools/train_tiny.py --init-from B\n```"
             in tuned)
@@ -127,6 +131,15 @@ def test_a_fine_tuned_models_card_names_its_start_and_reproduces_both_runs(tmp_p
     assert "widths) trained from scratch" in scratch and "--steps 7600" not in scratch
     (base / "README.md").unlink()  # a start without a card: this run's command alone
     assert "```\nuv run python tools/train_tiny.py --init-from B\n```" in card(str(base))
+
+
+@pytest.mark.parametrize("name,value", [("label_smoothing", -0.1), ("label_smoothing", 1.0),
+                                        ("decoder_attention_dropout", 1.0)])
+def test_train_refuses_regularisation_outside_0_1_before_reading_data(name, value):
+    from cohere_coreml_dev.train import TrainingError, train
+
+    with pytest.raises(TrainingError, match=rf"{name} must be in \[0, 1\), got {value}"):
+        train(_cfg(**{name: value}))
 
 
 def test_train_refuses_zero_threads_before_reading_data():
@@ -203,6 +216,33 @@ def test_a_step_count_repeats_a_run_from_its_seed(tmp_path):
     assert first.keys() == again.keys()
     assert all(np.array_equal(first[k], again[k]) for k in first)
     assert any(not np.array_equal(first[k], other[k]) for k in first)
+
+
+@pytest.mark.slow
+def test_decoder_regularisation_changes_the_training_and_is_off_in_the_saved_config(tmp_path):
+    """label_smoothing and decoder_attention_dropout each change the trained weights (each against the
+    same seed without it, so an option that does not reach the loss or the model fails) and the saved
+    config has no attention dropout (the released format; inference unaffected)."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from cohere_coreml_dev.train import train
+
+    corpus = _noise_corpus(tmp_path / "train")
+
+    def run(name, **options):
+        cfg = TrainConfig(train_dir=str(corpus), heldout_dir="tests/data/heldout", out_dir=str(tmp_path / name),
+                          cache_dir=str(tmp_path / "cache"), seed=0, **dict(SMALL, steps=6, warmup_steps=2), **options)
+        train(cfg)
+        return load_file(str(tmp_path / name / "model.safetensors")), json.loads((tmp_path / name / "config.json").read_text())
+
+    base, _ = run("base")
+    smoothed, _ = run("smoothed", label_smoothing=0.2)
+    dropped, config = run("dropped", decoder_attention_dropout=0.3)
+    for other in (smoothed, dropped):
+        assert any(not np.array_equal(base[k], other[k]) for k in base)
+    assert config["attention_dropout"] == 0.0 and config["encoder_config"]["dropout"] == 0.0
 
 
 @pytest.mark.slow
@@ -452,6 +492,32 @@ def test_train_tiny_stopped_run_says_how_to_continue_and_writes_no_card(tmp_path
         _train_tiny().main(["--stop-after", "4"])
     assert exc.value.code == 2
     assert "--stop-after needs --steps" in capsys.readouterr().err
+
+
+def test_train_tiny_regularisation_flags_reach_the_config_or_refuse(tmp_path, monkeypatch, capsys):
+    import cohere_coreml_dev.train as train_module
+
+    seen = []
+
+    def fake_train(cfg):
+        seen.append((cfg.label_smoothing, cfg.decoder_attention_dropout))
+        raise train_module.TrainingError("stopped by the test")
+
+    monkeypatch.setattr(train_module, "train", fake_train)
+    corpus = tmp_path / "train"
+    corpus.mkdir()
+    (corpus / "manifest.json").write_text("{}")
+    base = ["--train-dir", str(corpus), "--out", str(tmp_path / "out")]
+    tool = _train_tiny()
+    assert tool.main(base + ["--label-smoothing", "0.1", "--decoder-attention-dropout", "0.2"]) == 1
+    assert tool.main(base) == 1
+    assert seen == [(0.1, 0.2), (0.0, 0.0)]
+    for flag, value in (("--label-smoothing", "1"), ("--decoder-attention-dropout", "-0.5")):
+        with pytest.raises(SystemExit) as exc:
+            tool.main(base + [flag, value])
+        assert exc.value.code == 2
+        assert f"{flag} must be at least 0 and below 1 (got {float(value):g})" in capsys.readouterr().err
+    assert len(seen) == 2  # refused before training
 
 
 def test_train_tiny_shortest_first_flag_reaches_the_config(tmp_path, monkeypatch, capsys):

@@ -73,6 +73,11 @@ class TrainConfig:
     # the first epochs' batches shortest first instead of in random order (0: none, the committed model's)
     shortest_first_epochs: int = 0
     encoder_dropout: float = 0.1
+    # the decoder's regularisation (0: none, the committed model's): dropout on its self- and cross-attention
+    # weights (`config.attention_dropout`, the only dropout transformers' Cohere ASR decoder has) and label
+    # smoothing of its cross-entropy; both off in the saved checkpoint's config (training only)
+    decoder_attention_dropout: float = 0.0
+    label_smoothing: float = 0.0
     freq_masks: int = 2
     freq_mask_width: int = 12
     time_masks: int = 1
@@ -324,6 +329,9 @@ def train(cfg: TrainConfig) -> TrainResult:
     for name in ("encoder_num_hidden_layers", "num_hidden_layers"):
         if getattr(cfg, name) < 1:
             raise TrainingError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    for name in ("decoder_attention_dropout", "label_smoothing"):
+        if not 0.0 <= getattr(cfg, name) < 1.0:
+            raise TrainingError(f"{name} must be in [0, 1), got {getattr(cfg, name)}")
     import torch
     import torch.nn.functional as F
     from transformers import CohereAsrForConditionalGeneration
@@ -388,6 +396,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     # model
     config = build_config(tokenizer, **cfg.model_overrides())
     config.encoder_config.dropout = cfg.encoder_dropout
+    config.attention_dropout = cfg.decoder_attention_dropout
     model = CohereAsrForConditionalGeneration(config)
     init_subsampling(model, generator=torch.Generator().manual_seed(cfg.seed))
     if base is not None:  # the same architecture and tokenizer (checked): its weights, in float32
@@ -489,8 +498,13 @@ def train(cfg: TrainConfig) -> TrainResult:
             with torch.enable_grad():  # whatever the calling thread set (an export or a verify turns it off)
                 enc = model.model.encoder(input_features=x, attention_mask=mask)
                 out = model(encoder_outputs=enc, decoder_input_ids=dec_in)
-                ce = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), target.reshape(-1),
-                                     ignore_index=-100)
+                logits, flat = out.logits.reshape(-1, out.logits.shape[-1]), target.reshape(-1)
+                ce = F.cross_entropy(logits, flat, ignore_index=-100, label_smoothing=cfg.label_smoothing)
+                if cfg.label_smoothing:  # the logged CE stays the plain one, comparable between runs
+                    with torch.no_grad():
+                        plain_ce = F.cross_entropy(logits, flat, ignore_index=-100)
+                else:
+                    plain_ce = ce
                 # auxiliary CTC on the encoder output (blank = pad)
                 log_probs = ctc_head(enc.last_hidden_state).log_softmax(-1).transpose(0, 1)  # (T', B, V)
                 in_lens = enc.attention_mask.sum(-1).long()
@@ -507,7 +521,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             optimizer.step()
             step += 1
             seen += len(batch)
-            losses.append(float(ce.detach()))
+            losses.append(float(plain_ce.detach()))
             if step % 50 == 0:
                 logger.info(
                     "step %d epoch %.2f %.1f min: ce %.3f ctc %.3f lr %.2e (%.2f s/step)",
@@ -547,6 +561,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     # save: exact architecture (no CTC head), dropout off, fp16 weights
     model.eval()
     model.config.encoder_config.dropout = 0.0
+    model.config.attention_dropout = 0.0
     if cfg.save_dtype == "float16":
         model = model.to(torch.float16)
     from transformers import CohereAsrFeatureExtractor
@@ -713,6 +728,10 @@ All languages: median top-1 vs top-2 log-prob margin per generated token {all_ma
 {robustness_section}Training: {result.train_seconds / 60:.1f} min of training ({result.steps} steps, {result.epochs:.1f} epochs) within
 {result.total_seconds / 60:.1f} min in total (tokenizer, features, saving{sessions}), {cfg.threads} CPU thread(s) on
 {machine_description()}; the learning-rate schedule spans {schedule}. Committed size: {train_summary.get('size_mb', 0):.2f} MB.
+Regularisation while training (none of it in the saved config): encoder dropout {cfg.encoder_dropout:g}; SpecAugment,
+{cfg.freq_masks} frequency masks of up to {cfg.freq_mask_width} mel bins and {cfg.time_masks} time mask(s) of up to
+{cfg.time_mask_width} frames; an auxiliary CTC loss on the encoder (weight {cfg.ctc_weight:g}); decoder attention dropout
+{cfg.decoder_attention_dropout:g}; label smoothing {cfg.label_smoothing:g} (the train CE below is the plain one).
 
 WER on the first {cfg.eval_clips_per_language} held-out clips per language during training:
 
