@@ -9,9 +9,14 @@ manifest names each clip's source clips): each utterance's errors in its clip's 
 `metrics.sentence_errors`) beside the same utterance's own clip transcribed alone, by position in the
 clip and by the clip's utterance count.
 
+With --robustness, DIR is a robustness set (`make_heldout_set.py`'s folder: single/, padded/, multi/):
+each subset evaluated, then issue 30's targets per language (padded WER <= 1.5x and multi WER <= 2x the
+single clips'), each ratio with its 95 % bootstrap interval and the share of resamples within the target.
+
 Examples:
   uv run python tools/eval_tiny.py --model models/cohere-tiny-synth --data tests/data/heldout
   uv run python tools/eval_tiny.py --data out/heldout-varied/multi --by-position
+  uv run python tools/eval_tiny.py --robustness out/validation-varied
 """
 
 import argparse
@@ -26,7 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(ROOT / "models" / "cohere-tiny-synth"), help="checkpoint folder or Hub id")
-    parser.add_argument("--data", default=str(ROOT / "tests" / "data" / "heldout"), help="folder with manifest.json")
+    parser.add_argument("--data", default=None, help="folder with manifest.json (default: tests/data/heldout)")
+    parser.add_argument("--robustness", default=None, metavar="DIR",
+                        help="a robustness set's folder (single/, padded/, multi/): every subset, then the WER ratio "
+                             "targets per language")
     parser.add_argument("--limit-per-language", type=int, default=None, help="evaluate only the first N clips per language")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--by-position", action="store_true",
@@ -35,6 +43,9 @@ def main(argv=None) -> int:
     parser.add_argument("--single-dir", default=None,
                         help="with --by-position: the folder of the source clips (default: single/ beside --data)")
     args = parser.parse_args(argv)
+    if args.robustness and (args.data or args.by_position):
+        parser.error("--robustness evaluates its own subsets: without --data or --by-position")
+    args.data = args.data or str(ROOT / "tests" / "data" / "heldout")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     import torch
@@ -44,10 +55,13 @@ def main(argv=None) -> int:
     from cohere_coreml_dev.evaluate import (
         EvaluationError,
         evaluate_checkpoint,
+        evaluate_robustness,
         format_positions,
         format_reports,
+        format_targets,
         position_breakdown,
         position_summary,
+        ratio_targets,
     )
     from cohere_coreml_dev.synth import SynthError
 
@@ -61,6 +75,21 @@ def main(argv=None) -> int:
         summary = position_summary(rows)
         print(json.dumps({"summary": summary, "utterances": rows}, indent=1, ensure_ascii=False) if args.json
               else format_positions(summary))
+        return 0
+    if args.robustness:
+        try:
+            subsets = evaluate_robustness(args.model, args.robustness, limit_per_language=args.limit_per_language)
+        except (CheckpointError, EvaluationError, SynthError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        targets = ratio_targets(subsets)
+        if args.json:
+            print(json.dumps({"subsets": {name: {k: vars(r) for k, r in reports.items()} for name, reports in subsets.items()},
+                              "targets": targets}, indent=1, ensure_ascii=False))
+            return 0
+        for name, reports in subsets.items():
+            print(f"{name}:\n{format_reports(reports)}\n")
+        print(format_targets(targets))
         return 0
     try:
         reports = evaluate_checkpoint(args.model, args.data, limit_per_language=args.limit_per_language)

@@ -224,9 +224,9 @@ def main(argv=None) -> int:
     }
     robustness = None
     if args.robustness:
-        from cohere_coreml_dev.heldout import SUBSETS
+        from cohere_coreml_dev.evaluate import evaluate_robustness
 
-        robustness = {name: evaluate_checkpoint(args.out, Path(args.robustness) / name) for name in SUBSETS}
+        robustness = evaluate_robustness(args.out, args.robustness)
         summary["robustness_wer"] = {name: {k: r.wer for k, r in reps.items()} for name, reps in robustness.items()}
     summary["size_mb"] = folder_size_bytes(args.out) / 1e6  # before the card; the card adds ~3 kB
     command = "uv run python tools/train_tiny.py " + " ".join(shlex.quote(a) for a in reproduce_args(argv or sys.argv[1:]))

@@ -139,3 +139,70 @@ def test_eval_tiny_by_position_on_the_robustness_set(tmp_path, capsys):
     assert tool.main(["--data", str(tmp_path / "multi"), "--single-dir", str(single), "--by-position",
                       "--limit-per-language", "1"]) == 1
     assert "audio file(s) the manifests name are missing, e.g. " in capsys.readouterr().err
+
+
+def _reports(wrong_words: dict[str, int], clips: int = 40):
+    """Per language: `clips` clips of four words, `wrong_words[lang]` of them one word wrong."""
+    refs = ["paint the wall red"] * clips
+    out = {}
+    for lang, wrong in wrong_words.items():
+        hyps = ["paint the wall blue"] * wrong + ["paint the wall red"] * (clips - wrong)
+        out.update(summarise(refs, [Decoded(h, [], []) for h in hyps], [lang] * clips))
+    return out
+
+
+def test_ratio_targets_count_each_subsets_wer_against_the_single_clips():
+    """Issue 30's targets (padded <= 1.5x, multi <= 2x the single WER, per language): a ratio at the limit
+    meets it, one over misses it, a clean single subset makes any error an infinite ratio."""
+    from cohere_coreml_dev.evaluate import MAX_RATIO, format_targets, ratio_targets
+
+    assert MAX_RATIO == {"padded": 1.5, "multi": 2.0}
+    rows = ratio_targets({"single": _reports({"de": 4, "en": 4, "es": 0}),
+                          "padded": _reports({"de": 6, "en": 7, "es": 0}),
+                          "multi": _reports({"de": 8, "en": 9, "es": 1})})
+    got = {(r["subset"], r["language"]): r for r in rows}
+    assert len(rows) == 6
+    assert got["padded", "de"]["ratio"] == pytest.approx(1.5) and got["padded", "de"]["met"]
+    assert got["padded", "en"]["ratio"] == pytest.approx(1.75) and not got["padded", "en"]["met"]
+    assert got["multi", "de"]["ratio"] == pytest.approx(2.0) and got["multi", "de"]["met"]
+    assert not got["multi", "en"]["met"]
+    assert got["multi", "es"]["ratio"] == float("inf") and not got["multi", "es"]["met"]
+    assert got["padded", "es"]["ratio"] != got["padded", "es"]["ratio"] and got["padded", "es"]["met"]  # 0 <= 1.5 x 0
+    low, high = got["multi", "de"]["interval"]
+    assert low < 2.0 < high and 0.0 < got["multi", "de"]["within_bound"] < 1.0  # 8 vs 4 wrong words: unsure
+    table = format_targets(rows)
+    assert "| multi | de | 5.00 | 2.50 | 2.00x [" in table and "| <= 2x |" in table
+    assert "| padded | es | 0.00 | 0.00 | - (no errors) | <= 1.5x | - | yes |" in table
+    assert "| multi | es | 0.62 | 0.00 | inf [inf-inf] | <= 2x | 0 % | no |" in table
+    assert table.endswith("3 of 6 ratio targets met.")
+
+
+def test_eval_tiny_robustness_evaluates_every_subset_and_the_targets(tmp_path, capsys):
+    """--robustness on a set derived from the committed single/ clips (one clip per language): every
+    subset's reports and the six ratio targets; a folder missing a subset is refused with an error, no
+    traceback; --robustness with --data is refused by the parser."""
+    from cohere_coreml_dev.heldout import derive_multi, derive_padded
+
+    from ..helpers import load_tool
+
+    single = Path(__file__).resolve().parents[1] / "data" / "heldout-varied" / "single"
+    (tmp_path / "set").mkdir()
+    (tmp_path / "set" / "single").symlink_to(single, target_is_directory=True)
+    derive_padded(single, tmp_path / "set" / "padded", seed=0)
+    derive_multi(single, tmp_path / "set" / "multi", seed=0)
+    tool = load_tool("eval_tiny")
+    assert tool.main(["--robustness", str(tmp_path / "set"), "--limit-per-language", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["subsets"]) == {"single", "padded", "multi"}
+    assert all(set(reports) == {"de", "en", "es"} for reports in out["subsets"].values())
+    assert {(t["subset"], t["language"]) for t in out["targets"]} == {
+        (s, l) for s in ("padded", "multi") for l in ("de", "en", "es")}
+    assert all(len(r["utterance_counts"]) == 1 for r in out["subsets"]["single"].values())
+    (tmp_path / "set" / "multi" / "manifest.json").unlink()
+    assert tool.main(["--robustness", str(tmp_path / "set")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "no multi/manifest.json" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as exc:
+        tool.main(["--robustness", str(tmp_path / "set"), "--data", str(single)])
+    assert exc.value.code == 2
+    assert "--robustness evaluates its own subsets" in capsys.readouterr().err

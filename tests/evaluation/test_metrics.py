@@ -12,7 +12,9 @@ from cohere_coreml.evaluation.metrics import (
     increase_interval,
     normalise,
     rate_interval,
+    ratio_interval,
     sentence_errors,
+    utterance_counts,
     utterance_errors,
 )
 
@@ -97,6 +99,29 @@ def test_increase_interval_is_paired_and_says_how_sure_a_verdict_is():
     # unpaired resampling of the two sides would give the identical pair a non-zero spread: paired gives none
     noisy_base = base[:190] + ["set a time now"] * 10
     assert increase_interval(refs, noisy_base, list(noisy_base), "en")["interval"] == [0.0, 0.0]
+
+
+def test_ratio_interval_says_how_sure_a_ratio_of_two_rates_is():
+    """Multi-utterance WER over single WER, each side's clips resampled on their own."""
+    single = utterance_counts(*_clips(180, 20), "en")  # 20 wrong words in 800: 2.5 %
+    multi = utterance_counts(*_clips(150, 50), "en")  # 6.25 %: 2.5x
+    sure = ratio_interval(multi, single, bound=2.0)
+    assert sure["ratio"] == pytest.approx(2.5)
+    low, high = sure["interval"]
+    assert 1.0 < low < 2.5 < high < 5.0
+    assert 0.0 < sure["within_bound"] < 0.5  # over 2x more often than not, but not surely
+    assert ratio_interval(single, multi)["ratio"] == pytest.approx(0.4)  # the numerator is the first
+    assert ratio_interval(multi, single, bound=2.0) == sure  # seeded
+    clean = utterance_counts(*_clips(200, 0), "en")  # no error: any error on the other side is infinitely worse
+    worse = ratio_interval(multi, clean, bound=2.0)
+    assert worse["ratio"] == float("inf") and worse["interval"] == [float("inf"), float("inf")]
+    assert worse["within_bound"] == 0.0
+    both = ratio_interval(clean, clean)
+    assert both["ratio"] != both["ratio"] and both["interval"][0] != both["interval"][0]  # 0/0: nan
+    # one wrong word in 200 clips: most resamples keep an error, some lose it (an infinite ratio)
+    rare = utterance_counts(*_clips(199, 1), "en")
+    tail = ratio_interval(multi, rare)
+    assert tail["interval"][1] == float("inf") and 0 < tail["interval"][0] < tail["ratio"]
 
 
 def _errors(row):

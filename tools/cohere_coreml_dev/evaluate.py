@@ -23,7 +23,7 @@ import torch
 
 from cohere_coreml.evaluation.datasets import DatasetError, load_folder
 from cohere_coreml.evaluation.metrics import basic_normalise as normalise_text
-from cohere_coreml.evaluation.metrics import error_counts, rate_interval, sentence_errors
+from cohere_coreml.evaluation.metrics import error_counts, rate_interval, ratio_interval, sentence_errors, utterance_counts
 from cohere_coreml.inference.engines import PyTorchEngine, features_batch
 from cohere_coreml.model.audio import load_audio, log_mel
 from cohere_coreml.model.tokens import decode_ids, eos_id, prompt_ids
@@ -95,6 +95,8 @@ class LanguageReport:
     share_under_1nat: float
     errors: list[tuple[str, str]] = field(default_factory=list)  # (reference, hypothesis) that differ
     wer_interval: list[float] = field(default_factory=list)  # 95 % bootstrap interval (metrics.rate_interval)
+    # [errors, words] of each clip (metrics.utterance_counts): what a ratio's interval resamples
+    utterance_counts: list[list[int]] = field(default_factory=list)
 
 
 def summarise(refs: list[str], decoded: list[Decoded], languages: list[str]) -> dict[str, LanguageReport]:
@@ -111,6 +113,7 @@ def summarise(refs: list[str], decoded: list[Decoded], languages: list[str]) -> 
             words=sum(len(normalise_text(x).split()) for x in r),
             wer=error_counts(r, h, lang)["rate"],
             wer_interval=rate_interval(r, h, lang),
+            utterance_counts=utterance_counts(r, h, lang),
             median_margin=float(np.median(margins)) if margins.size else float("nan"),
             p10_margin=float(np.percentile(margins, 10)) if margins.size else float("nan"),
             share_under_1nat=float(np.mean(margins < 1.0)) if margins.size else float("nan"),
@@ -153,6 +156,55 @@ def evaluate_checkpoint(
     engine = PyTorchEngine(model_dir, margins=True)
     decoded = [_decode(engine, clip.audio, clip.language, max_new_tokens) for clip in dataset.clips]
     return summarise([c.text for c in dataset.clips], decoded, [c.language for c in dataset.clips])
+
+
+# Issue 30's targets for a default model, per language: the WER of the padded clips at most 1.5x, of the
+# multi-utterance clips at most 2x the single clips' WER (the robustness set, `heldout.SUBSETS`)
+MAX_RATIO = {"padded": 1.5, "multi": 2.0}
+
+
+def evaluate_robustness(model_dir: str | Path, folder: str | Path, **kwargs) -> dict[str, dict[str, LanguageReport]]:
+    """{subset: reports} of a robustness set's folder (`tools/make_heldout_set.py`: single/, padded/, multi/)."""
+    from .heldout import SUBSETS
+
+    missing = [name for name in SUBSETS if not (Path(folder) / name / "manifest.json").is_file()]
+    if missing:
+        raise EvaluationError(f"{folder}: no {', '.join(missing)}/manifest.json (not a tools/make_heldout_set.py folder)")
+    return {name: evaluate_checkpoint(model_dir, Path(folder) / name, **kwargs) for name in SUBSETS}
+
+
+def ratio_targets(robustness: dict[str, dict[str, LanguageReport]]) -> list[dict]:
+    """Per target subset (MAX_RATIO) and language: its WER over the single clips', the ratio's 95 %
+    bootstrap interval (`metrics.ratio_interval`, each subset's clips resampled on their own), the share of
+    resamples within the target, and whether the measured WERs meet it (no error on either side does)."""
+    single = robustness.get("single", {})
+    rows = []
+    for subset, limit in MAX_RATIO.items():
+        for lang, report in robustness.get(subset, {}).items():
+            base = single.get(lang)
+            if base is None:
+                continue
+            sure = ratio_interval(report.utterance_counts, base.utterance_counts, bound=limit)
+            rows.append({"subset": subset, "language": lang, "wer": report.wer, "single_wer": base.wer,
+                         "ratio": sure["ratio"], "interval": sure["interval"], "limit": limit,
+                         "within_bound": sure["within_bound"],
+                         "met": bool(report.wer <= limit * base.wer + 1e-12)})  # 0 % on both sides meets it
+    return rows
+
+
+def format_targets(rows: list[dict]) -> str:
+    """A markdown table of `ratio_targets` and a count of the targets met."""
+    lines = ["| subset | language | WER % | single WER % | ratio [95 % CI] | target | resamples within | met |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        low, high = r["interval"]
+        no_errors = r["ratio"] != r["ratio"]  # 0 / 0
+        ratio = "- (no errors)" if no_errors else f"{r['ratio']:.2f}x [{low:.2f}-{high:.2f}]".replace("infx", "inf")
+        within = "-" if no_errors else f"{100 * r['within_bound']:.0f} %"
+        lines.append(f"| {r['subset']} | {r['language']} | {100 * r['wer']:.2f} | {100 * r['single_wer']:.2f} | "
+                     f"{ratio} | <= {r['limit']:g}x | {within} | {'yes' if r['met'] else 'no'} |")
+    lines.append(f"\n{sum(r['met'] for r in rows)} of {len(rows)} ratio targets met.")
+    return "\n".join(lines)
 
 
 def _decode(engine, audio: Path, language: str, max_new_tokens: int | None = None) -> Decoded:

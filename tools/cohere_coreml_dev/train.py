@@ -648,6 +648,8 @@ def write_model_card(out_dir: str | Path, cfg: TrainConfig, result: TrainResult,
                      train_summary: dict, robustness: dict | None = None) -> Path:
     """README.md of the trained checkpoint: data, purpose, measured figures, reproduce command;
     `robustness`: {subset: reports} of the robustness held-out set (tools/make_heldout_set.py)."""
+    from .evaluate import format_targets, ratio_targets
+
     out_dir = Path(out_dir)
     all_margins = train_summary.get("overall_margin", {})
     rows = "\n".join(
@@ -671,6 +673,8 @@ at a time):
 | subset | language | clips | words | WER | 95 % CI | vs single | median margin |
 |---|---|---|---|---|---|---|---|
 {robustness_rows(robustness)}
+
+{format_targets(ratio_targets(robustness))}
 
 """
     origin, tokenizer_origin, reproduce, chain = "trained from scratch", "training transcripts", command, ""

@@ -199,6 +199,51 @@ def increase_interval(references: list[str], baseline: list[str], produced: list
     return out
 
 
+def utterance_counts(references: list[str], hypotheses: list[str], language: str | None) -> list[list[int]]:
+    """[errors, reference units] of each scored pair (`utterance_errors`): what `ratio_interval` resamples."""
+    errors, units = _errors_units(utterance_errors(references, hypotheses, language))
+    return [[int(e), int(u)] for e, u in zip(errors, units)]
+
+
+def _ratio(num_errors, num_units, den_errors, den_units):
+    """Rate over rate, elementwise: inf where only the denominator's rate is 0, nan where both are."""
+    import numpy as np
+
+    with np.errstate(invalid="ignore", divide="ignore"):
+        num = np.where(num_units > 0, num_errors / np.maximum(num_units, 1), np.nan)
+        den = np.where(den_units > 0, den_errors / np.maximum(den_units, 1), np.nan)
+        return np.where(den > 0, num / np.where(den > 0, den, 1), np.where(num > 0, np.inf, np.nan))
+
+
+def ratio_interval(numerator: list[list[int]], denominator: list[list[int]], *, bound: float | None = None,
+                   samples: int = BOOTSTRAP_SAMPLES, level: float = BOOTSTRAP_LEVEL, seed: int = 0) -> dict:
+    """How sure a ratio of two rates measured on different clips is (the WER of padded or multi-utterance
+    clips over the single clips'): `numerator`, `denominator` are `utterance_counts` lists, each resampled
+    on its own (unpaired: its clips need not match the other side's). {"ratio", "interval": [low, high],
+    the `level` bootstrap interval} and with `bound` "within_bound", the share of resamples whose ratio is
+    at most `bound`. A denominator rate of 0 gives an infinite ratio (nan when both are 0, left out)."""
+    import numpy as np
+
+    num = np.asarray(numerator, dtype=np.int64).reshape(-1, 2)
+    den = np.asarray(denominator, dtype=np.int64).reshape(-1, 2)
+    ratio = float(_ratio(num[:, 0].sum(), num[:, 1].sum(), den[:, 0].sum(), den[:, 1].sum()))
+    out = {"ratio": ratio, "interval": [float("nan"), float("nan")], "samples": samples, "level": level}
+    if bound is not None:
+        out["within_bound"] = float("nan")
+    if not (num.size and den.size):
+        return out
+    a, b = _draws(len(num), samples, seed), _draws(len(den), samples, seed + 1)
+    values = _ratio(num[a, 0].sum(1), num[a, 1].sum(1), den[b, 0].sum(1), den[b, 1].sum(1))
+    values = values[~np.isnan(values)]
+    if values.size:  # no interpolation: an infinite resample stays an end point, not a nan
+        tail = 100 * (1 - level) / 2
+        out["interval"] = [float(np.percentile(values, tail, method="inverted_cdf")),
+                           float(np.percentile(values, 100 - tail, method="inverted_cdf"))]
+        if bound is not None:
+            out["within_bound"] = float(np.mean(values <= bound + 1e-12))
+    return out
+
+
 def token_agreement(baseline: list[list[int]], produced: list[list[int]]) -> dict:
     """How far two engines' greedy token ids agree, clip by clip (the same clips in the same order):
     clips whose ids are identical, and baseline tokens matched at the same position."""
