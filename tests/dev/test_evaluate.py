@@ -161,7 +161,10 @@ def test_ratio_targets_count_each_subsets_wer_against_the_single_clips():
                           "padded": _reports({"de": 6, "en": 7, "es": 0}),
                           "multi": _reports({"de": 8, "en": 9, "es": 1})})
     got = {(r["subset"], r["language"]): r for r in rows}
-    assert len(rows) == 6
+    assert len(rows) == 8 and [r["language"] for r in rows if not r["target"]] == ["all", "all"]
+    pooled = got["multi", "all"]  # 18 wrong words of 480 over 8 of 480: 2.25x, a narrower interval than one language's
+    assert pooled["ratio"] == pytest.approx(18 / 8) and not pooled["met"]
+    assert pooled["interval"][1] - pooled["interval"][0] < got["multi", "de"]["interval"][1] - got["multi", "de"]["interval"][0]
     assert got["padded", "de"]["ratio"] == pytest.approx(1.5) and got["padded", "de"]["met"]
     assert got["padded", "en"]["ratio"] == pytest.approx(1.75) and not got["padded", "en"]["met"]
     assert got["multi", "de"]["ratio"] == pytest.approx(2.0) and got["multi", "de"]["met"]
@@ -174,7 +177,8 @@ def test_ratio_targets_count_each_subsets_wer_against_the_single_clips():
     assert "| multi | de | 5.00 | 2.50 | 2.00x [" in table and "| <= 2x |" in table
     assert "| padded | es | 0.00 | 0.00 | - (no errors) | <= 1.5x | - | yes |" in table
     assert "| multi | es | 0.62 | 0.00 | inf [inf-inf] | <= 2x | 0 % | no |" in table
-    assert table.endswith("3 of 6 ratio targets met.")
+    assert "| padded | all | " in table and "| no (pooled, not a target) |" in table
+    assert table.endswith("3 of 6 ratio targets met.")  # the pooled rows are not counted
 
 
 def test_eval_tiny_robustness_evaluates_every_subset_and_the_targets(tmp_path, capsys):
@@ -195,7 +199,7 @@ def test_eval_tiny_robustness_evaluates_every_subset_and_the_targets(tmp_path, c
     out = json.loads(capsys.readouterr().out)
     assert set(out["subsets"]) == {"single", "padded", "multi"}
     assert all(set(reports) == {"de", "en", "es"} for reports in out["subsets"].values())
-    assert {(t["subset"], t["language"]) for t in out["targets"]} == {
+    assert {(t["subset"], t["language"]) for t in out["targets"] if t["target"]} == {
         (s, l) for s in ("padded", "multi") for l in ("de", "en", "es")}
     assert all(len(r["utterance_counts"]) == 1 for r in out["subsets"]["single"].values())
     (tmp_path / "set" / "multi" / "manifest.json").unlink()
