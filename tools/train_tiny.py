@@ -146,9 +146,9 @@ def main(argv=None) -> int:
         if value < 1:
             parser.error(f"{flag} must be at least 1 (got {value})")
     if args.robustness:  # checked before hours of training, not after them
-        from cohere_coreml_dev.heldout import SUBSETS
+        from cohere_coreml_dev.heldout import missing_subsets
 
-        missing = [name for name in SUBSETS if not (Path(args.robustness) / name / "manifest.json").is_file()]
+        missing = missing_subsets(args.robustness)
         if missing:
             parser.error(f"--robustness {args.robustness}: no {', '.join(missing)}/manifest.json (make the set with "
                          f"tools/make_heldout_set.py --out {args.robustness}, --single to derive it from a single/ folder)")

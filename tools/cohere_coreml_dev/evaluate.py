@@ -165,9 +165,9 @@ MAX_RATIO = {"padded": 1.5, "multi": 2.0}
 
 def evaluate_robustness(model_dir: str | Path, folder: str | Path, **kwargs) -> dict[str, dict[str, LanguageReport]]:
     """{subset: reports} of a robustness set's folder (`tools/make_heldout_set.py`: single/, padded/, multi/)."""
-    from .heldout import SUBSETS
+    from .heldout import SUBSETS, missing_subsets
 
-    missing = [name for name in SUBSETS if not (Path(folder) / name / "manifest.json").is_file()]
+    missing = missing_subsets(folder)
     if missing:
         raise EvaluationError(f"{folder}: no {', '.join(missing)}/manifest.json (not a tools/make_heldout_set.py folder)")
     return {name: evaluate_checkpoint(model_dir, Path(folder) / name, **kwargs) for name in SUBSETS}

@@ -36,6 +36,11 @@ MULTI_SIZES = (2, 3, 4)
 DIGITAL_SHARE = 0.5
 
 
+def missing_subsets(folder: str | Path) -> list[str]:
+    """The SUBSETS a robustness set's folder lacks (no <subset>/manifest.json)."""
+    return [name for name in SUBSETS if not (Path(folder) / name / "manifest.json").is_file()]
+
+
 def sentences_of(single_dir: Path) -> frozenset[str]:
     """Every sentence of a single/ folder's manifest (SynthError naming the folder when it has none readable)."""
     try:
