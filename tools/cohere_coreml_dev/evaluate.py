@@ -182,8 +182,11 @@ def ratio_targets(robustness: dict[str, dict[str, LanguageReport]]) -> list[dict
     single = robustness.get("single", {})
     rows = []
 
-    def row(subset, language, counts, base_counts, limit, target):
-        wer, base = (sum(e for e, _ in c) / max(sum(u for _, u in c), 1) for c in (counts, base_counts))
+    def pooled(counts):
+        return sum(e for e, _ in counts) / max(sum(u for _, u in counts), 1)
+
+    def row(subset, language, counts, base_counts, limit, target, wer=None, base=None):
+        wer, base = pooled(counts) if wer is None else wer, pooled(base_counts) if base is None else base
         sure = ratio_interval(counts, base_counts, bound=limit)
         return {"subset": subset, "language": language, "wer": wer, "single_wer": base, "ratio": sure["ratio"],
                 "interval": sure["interval"], "limit": limit, "within_bound": sure["within_bound"],
@@ -191,7 +194,7 @@ def ratio_targets(robustness: dict[str, dict[str, LanguageReport]]) -> list[dict
 
     for subset, limit in MAX_RATIO.items():
         pairs = [(lang, report, single[lang]) for lang, report in robustness.get(subset, {}).items() if lang in single]
-        rows += [row(subset, lang, report.utterance_counts, base.utterance_counts, limit, True)
+        rows += [row(subset, lang, report.utterance_counts, base.utterance_counts, limit, True, report.wer, base.wer)
                  for lang, report, base in pairs]
         if len(pairs) > 1:
             rows.append(row(subset, "all", [c for _, r, _ in pairs for c in r.utterance_counts],
