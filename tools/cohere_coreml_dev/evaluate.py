@@ -23,7 +23,13 @@ import torch
 
 from cohere_coreml.evaluation.datasets import DatasetError, load_folder
 from cohere_coreml.evaluation.metrics import basic_normalise as normalise_text
-from cohere_coreml.evaluation.metrics import error_counts, rate_interval, ratio_interval, sentence_errors, utterance_counts
+from cohere_coreml.evaluation.metrics import (
+    error_counts,
+    rate_interval,
+    ratio_interval,
+    sentence_errors,
+    utterance_counts,
+)
 from cohere_coreml.inference.engines import PyTorchEngine, features_batch
 from cohere_coreml.model.audio import load_audio, log_mel
 from cohere_coreml.model.tokens import decode_ids, eos_id, prompt_ids
