@@ -433,23 +433,28 @@ def _train_tiny():
     return load_tool("train_tiny")
 
 
-def test_train_tiny_layer_flags_reach_the_model_config(tmp_path, monkeypatch, capsys):
-    """--encoder-layers / --decoder-layers set the trained architecture (the card reports them); the
-    defaults stay TrainConfig's."""
+def _recording_train_tiny(tmp_path, monkeypatch, pick):
+    """train_tiny with `train` replaced by a stand-in that records `pick(cfg)` and stops with a
+    TrainingError (exit 1), over a present corpus (no synthesis): (tool, base arguments, recorded)."""
     import cohere_coreml_dev.train as train_module
 
     seen = []
 
     def fake_train(cfg):
-        seen.append(cfg.model_overrides())
+        seen.append(pick(cfg))
         raise train_module.TrainingError("stopped by the test")
 
     monkeypatch.setattr(train_module, "train", fake_train)
     corpus = tmp_path / "train"
     corpus.mkdir()
     (corpus / "manifest.json").write_text("{}")  # present: no synthesis
-    tool = _train_tiny()
-    base = ["--train-dir", str(corpus), "--out", str(tmp_path / "out")]
+    return _train_tiny(), ["--train-dir", str(corpus), "--out", str(tmp_path / "out")], seen
+
+
+def test_train_tiny_layer_flags_reach_the_model_config(tmp_path, monkeypatch, capsys):
+    """--encoder-layers / --decoder-layers set the trained architecture (the card reports them); the
+    defaults stay TrainConfig's."""
+    tool, base, seen = _recording_train_tiny(tmp_path, monkeypatch, lambda cfg: cfg.model_overrides())
     assert tool.main(base + ["--encoder-layers", "3", "--decoder-layers", "4"]) == 1
     assert tool.main(base) == 1
     assert "stopped by the test" in capsys.readouterr().err
@@ -495,20 +500,8 @@ def test_train_tiny_stopped_run_says_how_to_continue_and_writes_no_card(tmp_path
 
 
 def test_train_tiny_regularisation_flags_reach_the_config_or_refuse(tmp_path, monkeypatch, capsys):
-    import cohere_coreml_dev.train as train_module
-
-    seen = []
-
-    def fake_train(cfg):
-        seen.append((cfg.label_smoothing, cfg.decoder_attention_dropout))
-        raise train_module.TrainingError("stopped by the test")
-
-    monkeypatch.setattr(train_module, "train", fake_train)
-    corpus = tmp_path / "train"
-    corpus.mkdir()
-    (corpus / "manifest.json").write_text("{}")
-    base = ["--train-dir", str(corpus), "--out", str(tmp_path / "out")]
-    tool = _train_tiny()
+    tool, base, seen = _recording_train_tiny(tmp_path, monkeypatch,
+                                             lambda cfg: (cfg.label_smoothing, cfg.decoder_attention_dropout))
     assert tool.main(base + ["--label-smoothing", "0.1", "--decoder-attention-dropout", "0.2"]) == 1
     assert tool.main(base) == 1
     assert seen == [(0.1, 0.2), (0.0, 0.0)]
@@ -521,20 +514,7 @@ def test_train_tiny_regularisation_flags_reach_the_config_or_refuse(tmp_path, mo
 
 
 def test_train_tiny_shortest_first_flag_reaches_the_config(tmp_path, monkeypatch, capsys):
-    import cohere_coreml_dev.train as train_module
-
-    seen = []
-
-    def fake_train(cfg):
-        seen.append(cfg.shortest_first_epochs)
-        raise train_module.TrainingError("stopped by the test")
-
-    monkeypatch.setattr(train_module, "train", fake_train)
-    corpus = tmp_path / "train"
-    corpus.mkdir()
-    (corpus / "manifest.json").write_text("{}")
-    base = ["--train-dir", str(corpus), "--out", str(tmp_path / "out")]
-    tool = _train_tiny()
+    tool, base, seen = _recording_train_tiny(tmp_path, monkeypatch, lambda cfg: cfg.shortest_first_epochs)
     assert tool.main(base + ["--shortest-first-epochs", "1"]) == 1 and tool.main(base) == 1
     assert seen == [1, 0]
     with pytest.raises(SystemExit) as exc:
