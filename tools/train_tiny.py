@@ -48,11 +48,11 @@ def reproduce_args(argv: list[str]) -> list[str]:
 
 
 def corpus_options(parser, args) -> dict | None:
-    """recipe "varied"'s options from --sentence-weights / --snr-db (None when neither is given)."""
-    if args.sentence_weights is None and args.snr_db is None:
+    """recipe "varied"'s options from --sentence-weights / --snr-db / --same-template (None when none is given)."""
+    if args.sentence_weights is None and args.snr_db is None and args.same_template is None:
         return None
     if args.recipe != "varied":
-        parser.error("--sentence-weights and --snr-db are options of --recipe varied")
+        parser.error("--sentence-weights, --snr-db and --same-template are options of --recipe varied")
     options = {}
     for flag, key, value in (("--sentence-weights", "sentence_weights", args.sentence_weights),
                              ("--snr-db", "snr_db", args.snr_db)):
@@ -61,6 +61,10 @@ def corpus_options(parser, args) -> dict | None:
                 options[key] = [float(x) for x in value.split(",")]
             except ValueError:
                 parser.error(f"{flag} takes numbers separated by commas, got {value!r}")
+    if args.same_template is not None:
+        if not 0.0 <= args.same_template <= 1.0:
+            parser.error(f"--same-template must be a probability in [0, 1] (got {args.same_template:g})")
+        options["same_template"] = args.same_template
     return options
 
 
@@ -121,6 +125,9 @@ def main(argv=None) -> int:
     parser.add_argument("--snr-db", default=None, metavar="LOW,HIGH",
                         help="recipe varied: the range of the white noise's SNR in dB (default "
                              + ",".join(f"{x:g}" for x in VARIED_SNR_DB) + ")")
+    parser.add_argument("--same-template", type=float, default=None, metavar="P",
+                        help="recipe varied: the chance that each sentence after a clip's first repeats the template "
+                             "of the one before it (two digit strings side by side; default 0: independent draws)")
     parser.add_argument("--synth-workers", type=int, default=2, help="espeak-ng processes of that synthesis")
     parser.add_argument("--robustness", default=None,
                         help="a folder of tools/make_heldout_set.py (single/, padded/, multi/): evaluated too, in the card")

@@ -187,6 +187,49 @@ def test_varied_options_move_the_sentence_counts_and_the_noise_and_nothing_else_
         plan_corpus(["en"], 4, split="train", seed=0, recipe="commands", options=defaults)
 
 
+def test_template_of_names_the_template_each_sentence_was_made_from():
+    rng = np.random.default_rng(0)
+    for language, grammar in synth.GRAMMAR.items():
+        for template in range(len(grammar["templates"])):
+            for _ in range(50):
+                assert synth.template_of(synth.sample_sentence(language, rng, template), language) == template
+    assert synth.template_of("Dial four four three four.", "en") == synth.template_of("Dial one two three four.", "en")
+    assert synth.template_of("Play some music.", "en") is None
+    with pytest.raises(SynthError, match="no grammar for language 'xx'"):
+        synth.template_of("Dial one.", "xx")
+
+
+def test_same_template_option_puts_sentences_of_one_template_side_by_side_and_changes_nothing_else():
+    """same_template p: each sentence after a clip's first repeats its predecessor's template with chance p
+    (independent draws: 1 in 11); only the sentences differ from the plan without it (its own random
+    stream), none held out; 0 is the plan without it and is not recorded; held-out and single plans and
+    values outside [0, 1] are refused."""
+    weights = {"sentence_weights": [0.1, 0.2, 0.3, 0.4]}
+    base = plan_corpus(["en", "es"], 500, split="train", seed=3, recipe="varied", options=weights)
+    same = plan_corpus(["en", "es"], 500, split="train", seed=3, recipe="varied",
+                       options={**weights, "same_template": 0.5})
+
+    def pair_share(jobs):
+        pairs = [synth.template_of(a, j["language"]) == synth.template_of(b, j["language"])
+                 for j in jobs for a, b in zip(j["sentences"], j["sentences"][1:])]
+        return sum(pairs) / len(pairs)
+
+    assert pair_share(base) < 0.15 and 0.45 < pair_share(same) < 0.65  # 1/11 vs 0.5 + 0.5/11
+    changed = {k for a, b in zip(base, same) for k in a if a[k] != b[k]}
+    assert changed == {"text", "sentences"}
+    assert all(j["text"] == " ".join(j["sentences"]) for j in same)
+    assert not any(is_heldout(s, j["language"]) for j in same for s in j["sentences"])
+    assert synth.varied_options(same_template=0) == synth.varied_options()
+    assert "same_template" not in synth.varied_options() and synth.varied_options(same_template=0.5)["same_template"] == 0.5
+    assert plan_corpus(["en"], 50, split="train", seed=3, recipe="varied", options={"same_template": 0}) == \
+        plan_corpus(["en"], 50, split="train", seed=3, recipe="varied")
+    for kw in ({"split": "heldout"}, {"split": "train", "single": True}):
+        with pytest.raises(SynthError, match="same-template neighbours are an option of training corpora"):
+            plan_corpus(["en"], 4, seed=0, recipe="varied", options={"same_template": 0.5}, **kw)
+    with pytest.raises(SynthError, match=r"same-template share must be a probability in \[0, 1\], got 1.5"):
+        plan_corpus(["en"], 4, split="train", seed=0, recipe="varied", options={"same_template": 1.5})
+
+
 def test_varied_heldout_plan_never_shares_a_sentence_or_voice_with_training():
     train = plan_corpus(["es"], 2000, split="train", seed=0, recipe="varied")
     held = plan_corpus(["es"], 200, split="heldout", seed=0, recipe="varied")

@@ -83,6 +83,9 @@ def test_model_card_describes_the_recipe_and_the_robustness_subsets():
     assert "15-40 dB SNR" in commands and "sentences" not in commands
     tuned = data_description("varied", {"sentence_weights": [0.15, 0.2, 0.3, 0.35], "snr_db": [5, 40]})
     assert "4: 35 %" in tuned and "5-40 dB SNR" in tuned and "4: 13 %" in varied
+    assert "template" not in tuned + varied
+    paired = data_description("varied", {"same_template": 0.5})
+    assert "of its predecessor's template with chance 50 %" in paired
 
     def report(lang, wer):
         return LanguageReport(language=lang, clips=200, words=1000, wer=wer, median_margin=9.0, p10_margin=3.0,
@@ -571,7 +574,13 @@ def test_train_tiny_corpus_options_reach_the_corpus_or_refuse_another(tmp_path, 
     assert tool.main([*args, "--train-dir", str(corpus)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "'snr_db': [10.0, 40.0]" in err and "'snr_db': [5.0, 40.0]" in err
-    for bad in (["--sentence-weights", "0.5,0.5,0,0"], ["--recipe", "varied", "--snr-db", "low,high"]):
+    assert tool.main(["--recipe", "varied", "--same-template", "0.5", "--train-dir", str(tmp_path / "new2")]) == 1
+    assert seen[-1] == {"same_template": 0.5}
+    capsys.readouterr()
+    assert tool.main(["--recipe", "varied", "--same-template", "0.5", "--train-dir", str(corpus)]) == 1
+    assert "'same_template': 0.5" in capsys.readouterr().err  # the corpus of independent draws is refused
+    for bad in (["--sentence-weights", "0.5,0.5,0,0"], ["--recipe", "varied", "--snr-db", "low,high"],
+                ["--same-template", "0.5"], ["--recipe", "varied", "--same-template", "2"]):
         with pytest.raises(SystemExit) as exc:
             tool.main([*bad, "--train-dir", str(corpus)])
         assert exc.value.code == 2

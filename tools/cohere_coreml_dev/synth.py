@@ -15,9 +15,11 @@ espeak-ng is a Debian package (``apt-get install espeak-ng``); nothing here inst
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -354,12 +356,12 @@ def _fill_slot(slot: str, language: str, rng: np.random.Generator) -> str:
     return words[int(rng.integers(len(words)))]
 
 
-def sample_sentence(language: str, rng: np.random.Generator) -> str:
-    """One random sentence of `language` from the grammar."""
+def sample_sentence(language: str, rng: np.random.Generator, template: int | None = None) -> str:
+    """One random sentence of `language` from the grammar (of its `template`-th template when given)."""
     if language not in GRAMMAR:
         raise SynthError(f"no grammar for language {language!r}; available: {', '.join(GRAMMAR)}")
     templates = GRAMMAR[language]["templates"]
-    template = templates[int(rng.integers(len(templates)))]
+    template = templates[int(rng.integers(len(templates))) if template is None else template]
     out, rest = [], template
     while "{" in rest:
         pre, _, after = rest.partition("{")
@@ -368,6 +370,25 @@ def sample_sentence(language: str, rng: np.random.Generator) -> str:
         out.append(_fill_slot(slot, language, rng))
     out.append(rest)
     return "".join(out)
+
+
+@functools.cache
+def _template_patterns(language: str) -> tuple[re.Pattern, ...]:
+    patterns = []
+    for template in GRAMMAR[language]["templates"]:
+        parts = re.split(r"\{[a-z_]+\}", template)
+        patterns.append(re.compile("(?:.+)".join(re.escape(part) for part in parts) + "$"))
+    return tuple(patterns)
+
+
+def template_of(text: str, language: str) -> int | None:
+    """The index of the grammar template `text` (one sentence) was made from; None if it is none of them."""
+    if language not in GRAMMAR:
+        raise SynthError(f"no grammar for language {language!r}; available: {', '.join(GRAMMAR)}")
+    for i, pattern in enumerate(_template_patterns(language)):
+        if pattern.match(text):
+            return i
+    return None
 
 
 def is_heldout(text: str, language: str, heldout_percent: int = 6) -> bool:
@@ -438,6 +459,9 @@ VARIED_SPEED_JITTER = 15  # each sentence's espeak-ng speed: the clip's +- this 
 # share of the training clips of 2+ sentences whose sentences differ in voice, variant, pitch, level and
 # noise (each drawn per sentence): a clip joined from separate recordings, as the held-out multi/ clips are
 VARIED_MIXED_SHARE = 0.5
+# the chance that a training clip's sentence after the first repeats the template of the one before it
+# (two digit strings, two sums side by side), on top of the 1 in 11 of independent draws; off by default
+VARIED_SAME_TEMPLATE = 0.0
 
 
 def _augment(wav: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -509,18 +533,36 @@ def _synth_job(job: dict) -> dict:
     return {"seconds": round(wav.shape[0] / SAMPLE_RATE, 3)}
 
 
-def varied_options(sentence_weights=None, snr_db=None) -> dict:
+def varied_options(sentence_weights=None, snr_db=None, same_template=None) -> dict:
     """The adjustable draws of recipe "varied": {"sentence_weights": the probabilities of 1..4 sentences per
-    clip, "snr_db": [low, high]}, the module's defaults (VARIED_SENTENCE_WEIGHTS, VARIED_SNR_DB) where not
-    given. SynthError naming a value that cannot be one."""
+    clip, "snr_db": [low, high], "same_template": the chance that a training clip's next sentence repeats
+    the template of the one before}, the module's defaults (VARIED_SENTENCE_WEIGHTS, VARIED_SNR_DB,
+    VARIED_SAME_TEMPLATE) where not given; "same_template" only when above 0 (so the options of corpora made
+    before it existed compare equal). SynthError naming a value that cannot be one."""
     weights = [float(w) for w in (VARIED_SENTENCE_WEIGHTS if sentence_weights is None else sentence_weights)]
     snr = [float(x) for x in (VARIED_SNR_DB if snr_db is None else snr_db)]
+    same = float(VARIED_SAME_TEMPLATE if same_template is None else same_template)
     if len(weights) != len(VARIED_SENTENCES) or min(weights) < 0 or abs(sum(weights) - 1.0) > 1e-6:
         raise SynthError(f"sentence weights must be {len(VARIED_SENTENCES)} probabilities of 1..{max(VARIED_SENTENCES)} "
                          f"sentences per clip summing to 1, got {weights}")
     if len(snr) != 2 or not snr[0] < snr[1]:
         raise SynthError(f"the SNR range must be two values in dB, low < high, got {snr}")
-    return {"sentence_weights": weights, "snr_db": snr}
+    if not 0.0 <= same <= 1.0:
+        raise SynthError(f"the same-template share must be a probability in [0, 1], got {same:g}")
+    return {"sentence_weights": weights, "snr_db": snr, **({"same_template": same} if same > 0 else {})}
+
+
+def _same_template_sentence(previous: str, language: str, rng: np.random.Generator, *, heldout_percent: int,
+                            exclude: frozenset[str] | set[str]) -> str:
+    """A training sentence of `previous`'s template (never a held-out or an excluded one)."""
+    template = template_of(previous, language)
+    if template is None:
+        raise SynthError(f"{previous!r} is no sentence of the {language!r} grammar")
+    for _ in range(10000):
+        text = sample_sentence(language, rng, template)
+        if not is_heldout(text, language, heldout_percent) and text not in exclude:
+            return text
+    raise SynthError(f"no training sentence of the template of {previous!r} (grammar too small?)")
 
 
 def _varied_fields(rng: np.random.Generator, speed: int, snr_db=VARIED_SNR_DB) -> dict:
@@ -582,6 +624,9 @@ def _plan_varied(languages: list[str], per_language: int, *, split: str, seed: i
     `single`: one sentence per clip and short edges (VARIED_SHORT_EDGE_S), the rest as drawn (the held-out
     set's base)."""
     options = options or varied_options()
+    if options.get("same_template") and (split != "train" or single):
+        raise SynthError("same-template neighbours are an option of training corpora of several sentences per clip "
+                         "(a held-out plan uses each of its sentences once)")
     jobs = []
     for language in languages:
         if language not in GRAMMAR:
@@ -595,10 +640,16 @@ def _plan_varied(languages: list[str], per_language: int, *, split: str, seed: i
                                  heldout_percent=heldout_percent, unique=(split == "heldout"), exclude=exclude)
         voices = GRAMMAR[language]["voices"]
         variants = VARIED_TRAIN_VARIANTS if split == "train" else VARIED_HELDOUT_VARIANTS
-        start = 0
+        same_template = options.get("same_template", 0.0)
+        template_rng = np.random.default_rng([seed, zlib.crc32(language.encode()), 21])  # its own stream:
+        start = 0  # the rest of a plan is the plan without it
         for i, k in enumerate(counts):
             sentences = texts[start: start + int(k)]
             start += int(k)
+            for j in range(1, len(sentences) if same_template else 0):
+                if template_rng.random() < same_template:
+                    sentences[j] = _same_template_sentence(sentences[j - 1], language, template_rng,
+                                                           heldout_percent=heldout_percent, exclude=exclude)
             speed = int(rng.integers(120, 201))
             job = {"id": f"{language}_{split}_varied_{i:05d}", "recipe": "varied", "language": language,
                    "text": " ".join(sentences), "sentences": sentences,

@@ -600,7 +600,8 @@ def machine_description() -> str:
 
 def data_description(recipe: str, options: dict | None = None) -> str:
     """The model card's words for a corpus recipe (synth.RECIPES), from the recipe's own constants and the
-    corpus's `recipe_options` (recipe "varied": sentence weights, SNR range; its defaults when None)."""
+    corpus's `recipe_options` (recipe "varied": sentence weights, SNR range, same-template share; its defaults
+    when None)."""
     from . import synth
 
     if recipe == "varied":
@@ -613,7 +614,10 @@ def data_description(recipe: str, options: dict | None = None) -> str:
                 f"clips ({synth.VARIED_SHORT_EDGE_S[0]:.0f}-{synth.VARIED_SHORT_EDGE_S[1]} s on the others), digital zeros on "
                 f"{100 * synth.VARIED_DIGITAL_EDGES:.0f} % of them, noise on the rest; peak level "
                 f"{synth.VARIED_LEVEL_DBFS[0]:.0f}..{synth.VARIED_LEVEL_DBFS[1]:.0f} dBFS; white noise at "
-                f"{snr[0]:g}-{snr[1]:g} dB SNR; one voice per clip except on "
+                f"{snr[0]:g}-{snr[1]:g} dB SNR; "
+                + (f"each sentence after a clip's first of its predecessor's template with chance "
+                   f"{100 * options['same_template']:g} % (else drawn on its own); " if options.get("same_template") else "")
+                + "one voice per clip except on "
                 f"{100 * synth.VARIED_MIXED_SHARE:.0f} % of the clips of 2+ sentences, whose sentences each have their own "
                 f"voice, variant, pitch, level and noise; speed 120-200 wpm "
                 f"(each sentence +-{synth.VARIED_SPEED_JITTER}), pitch 30-70; voice variants "
