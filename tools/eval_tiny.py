@@ -11,7 +11,8 @@ clip and by the clip's utterance count.
 
 With --robustness, DIR is a robustness set (`make_heldout_set.py`'s folder: single/, padded/, multi/):
 each subset evaluated, then issue 30's targets per language (padded WER <= 1.5x and multi WER <= 2x the
-single clips'), each ratio with its 95 % bootstrap interval and the share of resamples within the target.
+single clips'), each ratio with its 95 % bootstrap interval and the share of resamples within the target,
+and the multi clips' WER split by whether two neighbouring sentences share a grammar template.
 
 Examples:
   uv run python tools/eval_tiny.py --model models/cohere-tiny-synth --data tests/data/heldout
@@ -56,12 +57,14 @@ def main(argv=None) -> int:
         EvaluationError,
         evaluate_checkpoint,
         evaluate_robustness,
+        format_neighbour_split,
         format_positions,
         format_reports,
         format_targets,
         position_breakdown,
         position_summary,
         ratio_targets,
+        template_neighbour_split,
     )
     from cohere_coreml_dev.synth import SynthError
 
@@ -83,13 +86,19 @@ def main(argv=None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         targets = ratio_targets(subsets)
+        try:
+            neighbours = template_neighbour_split(Path(args.robustness) / "multi", subsets["multi"])
+        except (EvaluationError, SynthError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         if args.json:
             print(json.dumps({"subsets": {name: {k: vars(r) for k, r in reports.items()} for name, reports in subsets.items()},
-                              "targets": targets}, indent=1, ensure_ascii=False))
+                              "targets": targets, "template_neighbours": neighbours}, indent=1, ensure_ascii=False))
             return 0
         for name, reports in subsets.items():
             print(f"{name}:\n{format_reports(reports)}\n")
         print(format_targets(targets))
+        print(f"\n{format_neighbour_split(neighbours)}")
         return 0
     try:
         reports = evaluate_checkpoint(args.model, args.data, limit_per_language=args.limit_per_language)

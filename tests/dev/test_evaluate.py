@@ -181,6 +181,39 @@ def test_ratio_targets_count_each_subsets_wer_against_the_single_clips():
     assert table.endswith("3 of 6 ratio targets met.")  # the pooled rows are not counted
 
 
+def test_template_neighbour_split_follows_each_clips_sentences(tmp_path):
+    """Clips with two neighbouring sentences of one template (not merely two of one template apart) go to
+    the "yes" rows, each clip's counts by its manifest position within its language; a report whose clip
+    count is not its manifest's, or a row without sentences, is an EvaluationError naming it."""
+    from cohere_coreml_dev.evaluate import LanguageReport, format_neighbour_split, template_neighbour_split
+
+    rows = [
+        {"file": "en0.flac", "language": "en", "sentences": ["Dial one two three four.", "Dial five six seven eight."]},
+        {"file": "de0.flac", "language": "de", "sentences": ["Das kostet zehn Euro.", "Mach die Tür rot."]},
+        {"file": "en1.flac", "language": "en",
+         "sentences": ["Dial one two three four.", "It costs four dollars.", "Dial two two two two."]},
+        {"file": "en2.flac", "language": "en", "sentences": ["What is two plus two?", "What is six plus one?"]},
+    ]
+    (tmp_path / "manifest.json").write_text(json.dumps({"utterances": rows}))
+
+    def report(lang, counts):
+        return LanguageReport(language=lang, clips=len(counts), words=sum(u for _, u in counts), wer=0.0,
+                              median_margin=9.0, p10_margin=3.0, share_under_1nat=0.0, utterance_counts=counts)
+
+    reports = {"en": report("en", [[3, 10], [1, 12], [0, 8]]), "de": report("de", [[2, 9]])}
+    got = {(r["language"], r["same_template"]): (r["clips"], r["units"], r["errors"])
+           for r in template_neighbour_split(tmp_path, reports)}
+    assert got == {("en", True): (2, 18, 3), ("en", False): (1, 12, 1), ("de", False): (1, 9, 2),
+                   ("all", True): (2, 18, 3), ("all", False): (2, 21, 3)}
+    assert "| en | yes | 2 | 18 | 16.67 |" in format_neighbour_split(template_neighbour_split(tmp_path, reports))
+    with pytest.raises(EvaluationError, match="1 scored es clips, 0 in its manifest"):
+        template_neighbour_split(tmp_path, {"es": report("es", [[0, 5]])})
+    rows[1].pop("sentences")
+    (tmp_path / "manifest.json").write_text(json.dumps({"utterances": rows}))
+    with pytest.raises(EvaluationError, match="de0.flac: no sentences"):
+        template_neighbour_split(tmp_path, reports)
+
+
 def test_eval_tiny_robustness_evaluates_every_subset_and_the_targets(tmp_path, capsys):
     """--robustness on a set derived from the committed single/ clips (one clip per language): every
     subset's reports and the six ratio targets; a folder missing a subset is refused with an error, no
@@ -202,6 +235,9 @@ def test_eval_tiny_robustness_evaluates_every_subset_and_the_targets(tmp_path, c
     assert {(t["subset"], t["language"]) for t in out["targets"] if t["target"]} == {
         (s, l) for s in ("padded", "multi") for l in ("de", "en", "es")}
     assert all(len(r["utterance_counts"]) == 1 for r in out["subsets"]["single"].values())
+    pooled = [r for r in out["template_neighbours"] if r["language"] == "all"]
+    assert sum(r["clips"] for r in pooled) == 3 and {r["language"] for r in out["template_neighbours"]} == {
+        "de", "en", "es", "all"}
     (tmp_path / "set" / "multi" / "manifest.json").unlink()
     assert tool.main(["--robustness", str(tmp_path / "set")]) == 1
     err = capsys.readouterr().err

@@ -225,6 +225,46 @@ def format_targets(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def template_neighbour_split(multi_dir: str | Path, reports: dict[str, LanguageReport]) -> list[dict]:
+    """The multi-utterance clips' WER split by whether a clip has two neighbouring sentences of one grammar
+    template (`synth.template_of`: two digit strings, two sums side by side), per language and pooled
+    ("all"): {"language", "same_template": bool, "clips", "units", "errors", "wer"}. `reports` are
+    `evaluate_checkpoint`'s of `multi_dir` (make_heldout_set.py's multi/, whose rows name their `sentences`);
+    their `utterance_counts` follow the manifest's order within a language (a `limit_per_language` run
+    scores the first clips)."""
+    from .synth import template_of
+
+    multi_rows = [r for r in _manifest_rows(Path(multi_dir)) if isinstance(r, dict)]
+    cells: dict[tuple[str, bool], list[int]] = {}
+    for language, report in reports.items():
+        rows = [r for r in multi_rows if r.get("language") == language][: len(report.utterance_counts)]
+        if len(rows) != len(report.utterance_counts):
+            raise EvaluationError(f"{multi_dir}: {len(report.utterance_counts)} scored {language} clips, "
+                                  f"{len(rows)} in its manifest")
+        for row, (errors, units) in zip(rows, report.utterance_counts):
+            if not row.get("sentences"):
+                raise EvaluationError(f"{row.get('file')}: no sentences (not a multi-utterance clip of make_heldout_set.py)")
+            templates = [template_of(t, language) for t in row["sentences"]]
+            pair = any(a is not None and a == b for a, b in zip(templates, templates[1:]))
+            for key in ((language, pair), ("all", pair)):
+                cell = cells.setdefault(key, [0, 0, 0])
+                cell[0] += 1
+                cell[1] += units
+                cell[2] += errors
+    order = [*sorted(reports), "all"] if len(reports) > 1 else sorted(reports)
+    return [{"language": language, "same_template": pair, "clips": c[0], "units": c[1], "errors": c[2],
+             "wer": c[2] / c[1] if c[1] else float("nan")}
+            for language in order for pair in (True, False) if (c := cells.get((language, pair)))]
+
+
+def format_neighbour_split(rows: list[dict]) -> str:
+    lines = ["multi clips by neighbours: two sentences of one template side by side, or none",
+             "| language | same-template neighbours | clips | units (normalised words) | WER % |", "|---|---|---|---|---|"]
+    lines += [f"| {r['language']} | {'yes' if r['same_template'] else 'no'} | {r['clips']} | {r['units']} | "
+              f"{100 * r['wer']:.2f} |" for r in rows]
+    return "\n".join(lines)
+
+
 def _decode(engine, audio: Path, language: str, max_new_tokens: int | None = None) -> Decoded:
     result = engine.transcribe(audio, language, max_new_tokens=max_new_tokens)
     ids = [t for w in result.windows for t in w.token_ids]
