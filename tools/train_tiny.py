@@ -68,6 +68,26 @@ def corpus_options(parser, args) -> dict | None:
     return options
 
 
+def check_corpus(train_dir, options: dict | None, corpus_seed: int | None) -> None:
+    """SynthError unless the existing corpus in `train_dir` has the recipe options (when given) and the seed
+    (when given) asked for."""
+    from cohere_coreml_dev.synth import SynthError, read_manifest, varied_options
+
+    if options is None and corpus_seed is None:
+        return
+    manifest = read_manifest(train_dir)
+    if corpus_seed is not None and manifest.get("seed") != corpus_seed:
+        raise SynthError(f"{train_dir} holds a corpus synthesised with seed {manifest.get('seed')}, not "
+                         f"--corpus-seed {corpus_seed}: pass another --train-dir to synthesise it")
+    if options is None:
+        return
+    have = manifest.get("recipe_options") or (varied_options() if manifest.get("recipe") == "varied" else None)
+    if manifest.get("recipe") != "varied" or have != varied_options(**options):
+        raise SynthError(f"{train_dir} holds a corpus of recipe {manifest.get('recipe', 'commands')!r} "
+                         f"with {have}, not recipe 'varied' with {varied_options(**options)}: pass another "
+                         "--train-dir to synthesise it")
+
+
 def main(argv=None) -> int:
     from cohere_coreml_dev.synth import VARIED_SENTENCE_WEIGHTS, VARIED_SNR_DB
     from cohere_coreml_dev.train import TrainConfig
@@ -86,6 +106,9 @@ def main(argv=None) -> int:
                         help="train exactly this many steps, the LR schedule spanning them: repeatable from --seed "
                              "with the same --threads and corpus (0: the wall-clock budget)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--corpus-seed", type=int, default=None,
+                        help="the seed of the training corpus's synthesis (default: --seed); an existing corpus made "
+                             "with another seed is refused when this is given")
     parser.add_argument("--vocab", type=int, default=defaults.sentencepiece_vocab, help="SentencePiece pieces")
     parser.add_argument("--encoder-layers", type=int, default=defaults.encoder_num_hidden_layers,
                         help="Conformer encoder layers (encoder_config.num_hidden_layers)")
@@ -169,17 +192,11 @@ def main(argv=None) -> int:
     try:
         options = corpus_options(parser, args)
         if not (Path(args.train_dir) / "manifest.json").exists():
-            make_corpus(args.train_dir, languages, args.per_language, split="train", seed=args.seed,
+            make_corpus(args.train_dir, languages, args.per_language, split="train",
+                        seed=args.seed if args.corpus_seed is None else args.corpus_seed,
                         recipe=args.recipe, workers=args.synth_workers, options=options)
-        elif options is not None:  # an existing corpus is used as it is: it must be the one asked for
-            from cohere_coreml_dev.synth import read_manifest, varied_options
-
-            manifest = read_manifest(args.train_dir)
-            have = manifest.get("recipe_options") or (varied_options() if manifest.get("recipe") == "varied" else None)
-            if manifest.get("recipe") != "varied" or have != varied_options(**options):
-                raise SynthError(f"{args.train_dir} holds a corpus of recipe {manifest.get('recipe', 'commands')!r} "
-                                 f"with {have}, not recipe 'varied' with {varied_options(**options)}: pass another "
-                                 "--train-dir to synthesise it")
+        else:  # an existing corpus is used as it is: it must be the one asked for
+            check_corpus(args.train_dir, options, args.corpus_seed)
         cfg = TrainConfig(
             train_dir=args.train_dir, heldout_dir=args.heldout_dir, out_dir=args.out, cache_dir=args.cache_dir,
             budget_minutes=args.budget_minutes, seed=args.seed, sentencepiece_vocab=args.vocab,

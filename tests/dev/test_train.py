@@ -502,6 +502,40 @@ def test_train_tiny_stopped_run_says_how_to_continue_and_writes_no_card(tmp_path
     assert "--stop-after needs --steps" in capsys.readouterr().err
 
 
+def test_train_tiny_corpus_seed_reaches_the_synthesis_or_refuses_a_corpus_of_another(tmp_path, monkeypatch, capsys):
+    """--corpus-seed: the seed of a missing corpus's synthesis (--seed without it); an existing corpus
+    synthesised with another seed is refused (exit 1, naming both) before any training."""
+    import cohere_coreml_dev.synth as synth_module
+    import cohere_coreml_dev.train as train_module
+
+    seeds = []
+
+    def fake_make_corpus(out_dir, languages, per_language, **kw):
+        seeds.append(kw["seed"])
+        raise synth_module.SynthError("stopped by the test")
+
+    monkeypatch.setattr(synth_module, "make_corpus", fake_make_corpus)
+    monkeypatch.setattr(train_module, "train", lambda cfg: pytest.fail("trained"))
+    tool = _train_tiny()
+    assert tool.main(["--seed", "0", "--corpus-seed", "5", "--train-dir", str(tmp_path / "new")]) == 1
+    assert tool.main(["--seed", "3", "--train-dir", str(tmp_path / "new")]) == 1
+    assert seeds == [5, 3]
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "manifest.json").write_text(json.dumps({"recipe": "varied", "seed": 3, "utterances": []}))
+    capsys.readouterr()
+    assert tool.main(["--corpus-seed", "5", "--train-dir", str(corpus)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "synthesised with seed 3, not --corpus-seed 5" in err
+
+    def reached(cfg):
+        raise train_module.TrainingError("reached training")
+
+    monkeypatch.setattr(train_module, "train", reached)
+    assert tool.main(["--corpus-seed", "3", "--seed", "0", "--train-dir", str(corpus)]) == 1
+    assert "reached training" in capsys.readouterr().err  # the corpus asked for is used as it is
+
+
 def test_train_tiny_regularisation_flags_reach_the_config_or_refuse(tmp_path, monkeypatch, capsys):
     tool, base, seen = _recording_train_tiny(tmp_path, monkeypatch,
                                              lambda cfg: (cfg.label_smoothing, cfg.decoder_attention_dropout))
