@@ -622,7 +622,8 @@ def _plan_varied(languages: list[str], per_language: int, *, split: str, seed: i
     """Recipe "varied": per language, `per_language` clips of 1-4 sentences (`options`' sentence weights,
     `varied_options`); a held-out plan uses each sentence once (the sentences are unique within the split).
     `single`: one sentence per clip and short edges (VARIED_SHORT_EDGE_S), the rest as drawn (the held-out
-    set's base)."""
+    set's base). Options' `same_template` (training plans only): a clip's sentence after the first is replaced,
+    with that chance, by a training sentence of its predecessor's template."""
     options = options or varied_options()
     if options.get("same_template") and (split != "train" or single):
         raise SynthError("same-template neighbours are an option of training corpora of several sentences per clip "
@@ -641,8 +642,9 @@ def _plan_varied(languages: list[str], per_language: int, *, split: str, seed: i
         voices = GRAMMAR[language]["voices"]
         variants = VARIED_TRAIN_VARIANTS if split == "train" else VARIED_HELDOUT_VARIANTS
         same_template = options.get("same_template", 0.0)
-        template_rng = np.random.default_rng([seed, zlib.crc32(language.encode()), 21])  # its own stream:
-        start = 0  # the rest of a plan is the plan without it
+        # its own stream: with same_template, the rest of the plan is the plan without it
+        template_rng = np.random.default_rng([seed, zlib.crc32(language.encode()), 21])
+        start = 0
         for i, k in enumerate(counts):
             sentences = texts[start: start + int(k)]
             start += int(k)
