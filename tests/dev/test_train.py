@@ -502,24 +502,32 @@ def test_train_tiny_stopped_run_says_how_to_continue_and_writes_no_card(tmp_path
     assert "--stop-after needs --steps" in capsys.readouterr().err
 
 
-def test_train_tiny_corpus_seed_reaches_the_synthesis_or_refuses_a_corpus_of_another(tmp_path, monkeypatch, capsys):
-    """--corpus-seed: the seed of a missing corpus's synthesis (--seed without it); an existing corpus
-    synthesised with another seed is refused (exit 1, naming both) before any training."""
+def _stopped_synthesis(monkeypatch):
+    """train_tiny whose corpus synthesis records its keyword arguments and stops (SynthError, exit 1), and
+    whose training fails the test if reached: (tool module, the recorded keyword arguments)."""
     import cohere_coreml_dev.synth as synth_module
     import cohere_coreml_dev.train as train_module
 
-    seeds = []
+    synthesised = []
 
     def fake_make_corpus(out_dir, languages, per_language, **kw):
-        seeds.append(kw["seed"])
+        synthesised.append(kw)
         raise synth_module.SynthError("stopped by the test")
 
     monkeypatch.setattr(synth_module, "make_corpus", fake_make_corpus)
     monkeypatch.setattr(train_module, "train", lambda cfg: pytest.fail("trained"))
-    tool = _train_tiny()
+    return _train_tiny(), synthesised
+
+
+def test_train_tiny_corpus_seed_reaches_the_synthesis_or_refuses_a_corpus_of_another(tmp_path, monkeypatch, capsys):
+    """--corpus-seed: the seed of a missing corpus's synthesis (--seed without it); an existing corpus
+    synthesised with another seed is refused (exit 1, naming both) before any training."""
+    import cohere_coreml_dev.train as train_module
+
+    tool, synthesised = _stopped_synthesis(monkeypatch)
     assert tool.main(["--seed", "0", "--corpus-seed", "5", "--train-dir", str(tmp_path / "new")]) == 1
     assert tool.main(["--seed", "3", "--train-dir", str(tmp_path / "new")]) == 1
-    assert seeds == [5, 3]
+    assert [kw["seed"] for kw in synthesised] == [5, 3]
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "manifest.json").write_text(json.dumps({"recipe": "varied", "seed": 3, "utterances": []}))
@@ -586,21 +594,10 @@ def test_train_tiny_corpus_options_reach_the_corpus_or_refuse_another(tmp_path, 
     """--sentence-weights / --snr-db: passed to the synthesis of a missing corpus; an existing corpus of
     other options is refused (exit 1, naming both) before any training; on recipe commands, or as words,
     they are usage errors (exit 2)."""
-    import cohere_coreml_dev.synth as synth_module
-    import cohere_coreml_dev.train as train_module
-
-    seen = []
-
-    def fake_make_corpus(out_dir, languages, per_language, **kw):
-        seen.append(kw["options"])
-        raise synth_module.SynthError("stopped by the test")
-
-    monkeypatch.setattr(synth_module, "make_corpus", fake_make_corpus)
-    monkeypatch.setattr(train_module, "train", lambda cfg: pytest.fail("trained"))
-    tool = _train_tiny()
+    tool, synthesised = _stopped_synthesis(monkeypatch)
     args = ["--recipe", "varied", "--sentence-weights", "0.1,0.2,0.3,0.4", "--snr-db", "5,40"]
     assert tool.main([*args, "--train-dir", str(tmp_path / "new")]) == 1
-    assert seen == [{"sentence_weights": [0.1, 0.2, 0.3, 0.4], "snr_db": [5.0, 40.0]}]
+    assert [kw["options"] for kw in synthesised] == [{"sentence_weights": [0.1, 0.2, 0.3, 0.4], "snr_db": [5.0, 40.0]}]
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "manifest.json").write_text(json.dumps({"recipe": "varied", "utterances": []}))  # default options
@@ -609,7 +606,7 @@ def test_train_tiny_corpus_options_reach_the_corpus_or_refuse_another(tmp_path, 
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "'snr_db': [10.0, 40.0]" in err and "'snr_db': [5.0, 40.0]" in err
     assert tool.main(["--recipe", "varied", "--same-template", "0.5", "--train-dir", str(tmp_path / "new2")]) == 1
-    assert seen[-1] == {"same_template": 0.5}
+    assert synthesised[-1]["options"] == {"same_template": 0.5}
     capsys.readouterr()
     assert tool.main(["--recipe", "varied", "--same-template", "0.5", "--train-dir", str(corpus)]) == 1
     assert "'same_template': 0.5" in capsys.readouterr().err  # the corpus of independent draws is refused
