@@ -93,12 +93,12 @@ def test_model_card_describes_the_recipe_and_the_robustness_subsets():
 
     rows = robustness_rows({"single": {"en": report("en", 0.02)}, "padded": {"en": report("en", 0.03)},
                             "multi": {"en": report("en", 0.05)}}).splitlines()
-    assert rows == ["| single | en | 200 | 1000 | 2.00 % | - | - | 9.00 |",
-                    "| padded | en | 200 | 1000 | 3.00 % | - | 1.50x | 9.00 |",
-                    "| multi | en | 200 | 1000 | 5.00 % | - | 2.50x | 9.00 |"]
+    assert rows == ["| single | en | 200 | 1000 | 2.00 % | - | 9.00 |",
+                    "| padded | en | 200 | 1000 | 3.00 % | - | 9.00 |",
+                    "| multi | en | 200 | 1000 | 5.00 % | - | 9.00 |"]  # ratios: the targets table's
     with_ci = report("en", 0.02)
     with_ci.wer_interval = [0.011, 0.032]
-    assert robustness_rows({"single": {"en": with_ci}}) == "| single | en | 200 | 1000 | 2.00 % | 1.10-3.20 % | - | 9.00 |"
+    assert robustness_rows({"single": {"en": with_ci}}) == "| single | en | 200 | 1000 | 2.00 % | 1.10-3.20 % | 9.00 |"
 
 
 def test_a_fine_tuned_models_card_names_its_start_and_reproduces_both_runs(tmp_path):
@@ -134,6 +134,16 @@ def test_a_fine_tuned_models_card_names_its_start_and_reproduces_both_runs(tmp_p
     assert "widths) trained from scratch" in scratch and "--steps 7600" not in scratch
     (base / "README.md").unlink()  # a start without a card: this run's command alone
     assert "```\nuv run python tools/train_tiny.py --init-from B\n```" in card(str(base))
+    # with a robustness set: its rows, then each ratio once, in the targets table with its interval
+    cfg = TrainConfig(train_dir="d", heldout_dir="h", out_dir=str(tmp_path / "out"), steps=2000)
+    subsets = {name: {"en": LanguageReport(language="en", clips=200, words=1000, wer=wer, median_margin=9.0,
+                                           p10_margin=3.0, share_under_1nat=0.0,
+                                           utterance_counts=[[int(wer * 1000), 1000]])}
+               for name, wer in (("single", 0.02), ("padded", 0.03), ("multi", 0.05))}
+    text = write_model_card(tmp_path / "out", cfg, result, reports, "c", {"recipe": "varied"}, subsets).read_text()
+    assert "| multi | en | 200 | 1000 | 5.00 % | - | 9.00 |" in text
+    assert text.count("2.50x") == 1 and "| multi | en | 5.00 | 2.00 | 2.50x [" in text
+    assert "1 of 2 ratio targets met." in text  # padded 1.5x meets its 1.5x
 
 
 @pytest.mark.parametrize("name,value", [("label_smoothing", -0.1), ("label_smoothing", 1.0),
