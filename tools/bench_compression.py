@@ -19,7 +19,7 @@ FILE` adds the bytes per parameter at full size from tools/bench_quantize.py's J
 sizes only) for the presets it measured.
 
     uv run --frozen python tools/bench_compression.py --out out/bench-compression
-    uv run --frozen python tools/bench_compression.py --out out/bench-compression --rows q8 'lowrank' \
+    uv run --frozen python tools/bench_compression.py --out out/bench-compression --rows q8 'lowrank' \\
         'lowrank-q4=q4 --bundle {out}/lowrank'
 """
 

@@ -24,7 +24,7 @@ Writes <out>/<language>_dictation_<i>.flac and <out>/manifest.json:
 
 Example:
   uv run --frozen python tools/make_dictations.py --out out/dictations
-  uv run --frozen python tools/make_dictations.py --heldout tests/data/heldout-varied/single --match-levels \
+  uv run --frozen python tools/make_dictations.py --heldout tests/data/heldout-varied/single --match-levels \\
       --min-pause 0.8 --max-pause 1.6 --out out/dictations-varied
 """
 

@@ -1,6 +1,6 @@
 """Write the seeded corpus of mutated manifests the Swift fuzz test decodes (ManifestFuzzTests.swift).
 
-    python tools/make_fuzz_manifests.py --manifest out/swift-fixtures/bundle/manifest.json \
+    python tools/make_fuzz_manifests.py --manifest out/swift-fixtures/bundle/manifest.json \\
         --out out/fuzz-manifests [--count 400 --seed 22]
 
 Same generator as tests/bundle/test_fuzz_manifest.py (cohere_coreml_dev.fuzz.corpus): 1-3 field mutations per

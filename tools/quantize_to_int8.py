@@ -4,7 +4,7 @@
 Thin entry point: `cohere-coreml quantize` (same options; see --help):
 
     uv run python tools/quantize_to_int8.py --bundle f16/ --out q8/
-    uv run python tools/quantize_to_int8.py --bundle f16/ --out q8/ --model models/cohere-tiny-synth \
+    uv run python tools/quantize_to_int8.py --bundle f16/ --out q8/ --model models/cohere-tiny-synth \\
         --data tests/data/heldout
 """
 

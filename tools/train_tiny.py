@@ -7,8 +7,9 @@ repeats a run from its seed and thread count) on one CPU thread by default, save
 Face folder (float16 safetensors + tokenizer + processor), evaluate it on the committed held-out
 set and write the model card with the measured figures.
 
-Example (the committed model):
-  uv run python tools/train_tiny.py --out models/cohere-tiny-synth --budget-minutes 40
+Example (the committed model's command, as its card's Reproduce section gives it, without the folders):
+  uv run python tools/train_tiny.py --per-language 10000 --recipe varied --steps 7600 --threads 2 \\
+      --out models/cohere-tiny-synth
 
 A training longer than one session: the run keeps its training state in the cache folder (at every
 periodic check, and at --stop-after); the same command with --resume continues it, from where it
@@ -17,9 +18,9 @@ stopped or was killed, to the weights of one uninterrupted run (with --steps):
   uv run python tools/train_tiny.py ... --steps 20000 --resume
 
 Fine-tuning: --init-from starts from a checkpoint folder's tokenizer and weights (its sizes must be the
-model options') instead of a new tokenizer and random weights, on the corpus of --train-dir, usually
-with a lower --peak-lr:
-  uv run python tools/train_tiny.py --init-from models/cohere-tiny-synth --train-dir D --steps 2000 \
+model options') instead of a new tokenizer and random weights, on the corpus of --train-dir (synthesised
+with --corpus-seed when that differs from the training's --seed), usually with a lower --peak-lr:
+  uv run python tools/train_tiny.py --init-from models/cohere-tiny-synth --train-dir D --steps 2000 \\
       --peak-lr 5e-4 --out out/tiny-tuned
 """
 
