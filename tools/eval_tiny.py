@@ -61,6 +61,7 @@ def main(argv=None) -> int:
         format_positions,
         format_reports,
         format_targets,
+        multi_sentence_rows,
         position_breakdown,
         position_summary,
         ratio_targets,
@@ -80,14 +81,17 @@ def main(argv=None) -> int:
               else format_positions(summary))
         return 0
     if args.robustness:
+        multi = Path(args.robustness) / "multi"
         try:
+            if (multi / "manifest.json").exists():  # (a missing one is evaluate_robustness's error)
+                multi_sentence_rows(multi)  # the neighbour split's rows, before the minutes of evaluation
             subsets = evaluate_robustness(args.model, args.robustness, limit_per_language=args.limit_per_language)
         except (CheckpointError, EvaluationError, SynthError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         targets = ratio_targets(subsets)
         try:
-            neighbours = template_neighbour_split(Path(args.robustness) / "multi", subsets["multi"])
+            neighbours = template_neighbour_split(multi, subsets["multi"])
         except (EvaluationError, SynthError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

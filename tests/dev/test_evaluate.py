@@ -214,10 +214,11 @@ def test_template_neighbour_split_follows_each_clips_sentences(tmp_path):
         template_neighbour_split(tmp_path, reports)
 
 
-def test_eval_tiny_robustness_evaluates_every_subset_and_the_targets(tmp_path, capsys):
+def test_eval_tiny_robustness_evaluates_every_subset_and_the_targets(tmp_path, capsys, monkeypatch):
     """--robustness on a set derived from the committed single/ clips (one clip per language): every
     subset's reports and the six ratio targets; a folder missing a subset is refused with an error, no
-    traceback; --robustness with --data is refused by the parser."""
+    traceback, and so is a multi manifest without sentences, before any evaluation; --robustness with --data is
+    refused by the parser."""
     from cohere_coreml_dev.heldout import derive_multi, derive_padded
 
     from ..helpers import load_tool
@@ -242,6 +243,19 @@ def test_eval_tiny_robustness_evaluates_every_subset_and_the_targets(tmp_path, c
     assert tool.main(["--robustness", str(tmp_path / "set")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "no multi/manifest.json" in err and "Traceback" not in err
+    # a multi manifest without sentences (the neighbour split's input) is refused before any evaluation
+    derive_multi(single, tmp_path / "set" / "multi", seed=0)
+    manifest = json.loads((tmp_path / "set" / "multi" / "manifest.json").read_text())
+    manifest["utterances"][-1].pop("sentences")
+    (tmp_path / "set" / "multi" / "manifest.json").write_text(json.dumps(manifest))
+
+    def no_evaluation(*args, **kwargs):
+        raise AssertionError("evaluated a set the neighbour split refuses")
+
+    monkeypatch.setattr("cohere_coreml_dev.evaluate.evaluate_robustness", no_evaluation)
+    assert tool.main(["--robustness", str(tmp_path / "set")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and f"{manifest['utterances'][-1]['file']}: no sentences" in err
     with pytest.raises(SystemExit) as exc:
         tool.main(["--robustness", str(tmp_path / "set"), "--data", str(single)])
     assert exc.value.code == 2

@@ -234,7 +234,7 @@ def template_neighbour_split(multi_dir: str | Path, reports: dict[str, LanguageR
     scores the first clips)."""
     from .synth import template_of
 
-    multi_rows = [r for r in _manifest_rows(Path(multi_dir)) if isinstance(r, dict)]
+    multi_rows = multi_sentence_rows(multi_dir)
     cells: dict[tuple[str, bool], list[int]] = {}
     for language, report in reports.items():
         rows = [r for r in multi_rows if r.get("language") == language][: len(report.utterance_counts)]
@@ -242,8 +242,6 @@ def template_neighbour_split(multi_dir: str | Path, reports: dict[str, LanguageR
             raise EvaluationError(f"{multi_dir}: {len(report.utterance_counts)} scored {language} clips, "
                                   f"{len(rows)} in its manifest")
         for row, (errors, units) in zip(rows, report.utterance_counts):
-            if not row.get("sentences"):
-                raise EvaluationError(f"{row.get('file')}: no sentences (not a multi-utterance clip of make_heldout_set.py)")
             templates = [template_of(t, language) for t in row["sentences"]]
             pair = any(a is not None and a == b for a, b in zip(templates, templates[1:]))
             for key in ((language, pair), ("all", pair)):
@@ -255,6 +253,17 @@ def template_neighbour_split(multi_dir: str | Path, reports: dict[str, LanguageR
     return [{"language": language, "same_template": pair, "clips": c[0], "units": c[1], "errors": c[2],
              "wer": c[2] / c[1] if c[1] else float("nan")}
             for language in order for pair in (True, False) if (c := cells.get((language, pair)))]
+
+
+def multi_sentence_rows(multi_dir: str | Path) -> list[dict]:
+    """The utterance rows of a multi-utterance folder's manifest (make_heldout_set.py's multi/), each naming
+    its `sentences`; an EvaluationError naming the first row without. `template_neighbour_split` reads them;
+    eval_tiny checks them before its minutes of evaluation, not after."""
+    rows = [r for r in _manifest_rows(Path(multi_dir)) if isinstance(r, dict)]
+    for row in rows:
+        if not row.get("sentences"):
+            raise EvaluationError(f"{row.get('file')}: no sentences (not a multi-utterance clip of make_heldout_set.py)")
+    return rows
 
 
 def format_neighbour_split(rows: list[dict]) -> str:
