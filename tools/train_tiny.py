@@ -2,7 +2,8 @@
 """Train the small synthetic-speech Cohere-architecture model (models/cohere-tiny-synth).
 
 Steps: synthesise the training corpus with espeak-ng if it is not there yet
-(`apt-get install espeak-ng`), train within a wall-clock budget (or for exactly --steps steps, which
+(`apt-get install espeak-ng`; one already in --train-dir must be the one this command synthesises: its seed,
+recipe, options, languages and size, else it is refused), train within a wall-clock budget (or for exactly --steps steps, which
 repeats a run from its seed and thread count) on one CPU thread by default, save a Hugging
 Face folder (float16 safetensors + tokenizer + processor), evaluate it on the committed held-out
 set and write the model card with the measured figures.
@@ -69,24 +70,33 @@ def corpus_options(parser, args) -> dict | None:
     return options
 
 
-def check_corpus(train_dir, options: dict | None, corpus_seed: int | None) -> None:
-    """SynthError unless the existing corpus in `train_dir` has the recipe options (when given) and the seed
-    (when given) asked for."""
+def check_corpus(train_dir, *, recipe: str, options: dict | None, seed: int, languages: list[str],
+                 per_language: int) -> None:
+    """SynthError unless the existing corpus in `train_dir` is the one this command synthesises: its recipe and
+    the recipe's options, its synthesis seed, its languages and utterances per language (an existing corpus is
+    used as it is, so a stale one left by another command would otherwise train another model in silence)."""
+    from collections import Counter
+
     from cohere_coreml_dev.synth import SynthError, read_manifest, varied_options
 
-    if options is None and corpus_seed is None:
-        return
     manifest = read_manifest(train_dir)
-    if corpus_seed is not None and manifest.get("seed") != corpus_seed:
-        raise SynthError(f"{train_dir} holds a corpus synthesised with seed {manifest.get('seed')}, not "
-                         f"--corpus-seed {corpus_seed}: pass another --train-dir to synthesise it")
-    if options is None:
-        return
-    have = manifest.get("recipe_options") or (varied_options() if manifest.get("recipe") == "varied" else None)
-    if manifest.get("recipe") != "varied" or have != varied_options(**options):
-        raise SynthError(f"{train_dir} holds a corpus of recipe {manifest.get('recipe', 'commands')!r} "
-                         f"with {have}, not recipe 'varied' with {varied_options(**options)}: pass another "
-                         "--train-dir to synthesise it")
+    problems = []
+    if manifest.get("seed") != seed:
+        problems.append(f"synthesised with seed {manifest.get('seed')}, not {seed} (--corpus-seed, else --seed)")
+    have_recipe = manifest.get("recipe", "commands")
+    if have_recipe != recipe:
+        problems.append(f"recipe {have_recipe!r}, not --recipe {recipe!r}")
+    elif recipe == "varied":
+        have, want = manifest.get("recipe_options") or varied_options(), varied_options(**(options or {}))
+        if have != want:
+            problems.append(f"recipe options {have}, not {want}")
+    counts = dict(Counter(u.get("language") for u in manifest.get("utterances", [])))
+    want_counts = {lang: per_language for lang in languages}
+    if counts != want_counts:
+        problems.append(f"utterances per language {counts}, not {want_counts} (--languages, --per-language)")
+    if problems:
+        raise SynthError(f"{train_dir} holds another corpus than this command's: {'; '.join(problems)}: pass "
+                         "another --train-dir to synthesise it")
 
 
 def main(argv=None) -> int:
@@ -192,12 +202,13 @@ def main(argv=None) -> int:
     languages = [l.strip() for l in args.languages.split(",") if l.strip()]
     try:
         options = corpus_options(parser, args)
+        corpus_seed = args.seed if args.corpus_seed is None else args.corpus_seed
         if not (Path(args.train_dir) / "manifest.json").exists():
-            make_corpus(args.train_dir, languages, args.per_language, split="train",
-                        seed=args.seed if args.corpus_seed is None else args.corpus_seed,
+            make_corpus(args.train_dir, languages, args.per_language, split="train", seed=corpus_seed,
                         recipe=args.recipe, workers=args.synth_workers, options=options)
         else:  # an existing corpus is used as it is: it must be the one asked for
-            check_corpus(args.train_dir, options, args.corpus_seed)
+            check_corpus(args.train_dir, recipe=args.recipe, options=options, seed=corpus_seed, languages=languages,
+                         per_language=args.per_language)
         cfg = TrainConfig(
             train_dir=args.train_dir, heldout_dir=args.heldout_dir, out_dir=args.out, cache_dir=args.cache_dir,
             budget_minutes=args.budget_minutes, seed=args.seed, sentencepiece_vocab=args.vocab,

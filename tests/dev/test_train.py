@@ -446,6 +446,15 @@ def _train_tiny():
     return load_tool("train_tiny")
 
 
+def _present_corpus(folder, *, per_language=1, seed=0, recipe="commands", languages=("en", "de", "es"), **manifest):
+    """A corpus folder whose manifest is the one train_tiny's defaults ask for (`--per-language 1`), but for
+    the fields given: train_tiny uses it as it is (no synthesis)."""
+    folder.mkdir()
+    utts = [{"file": f"{lang}_{i}.flac", "language": lang} for lang in languages for i in range(per_language)]
+    (folder / "manifest.json").write_text(json.dumps({"seed": seed, "recipe": recipe, **manifest, "utterances": utts}))
+    return folder
+
+
 def _recording_train_tiny(tmp_path, monkeypatch, pick):
     """train_tiny with `train` replaced by a stand-in that records `pick(cfg)` and stops with a
     TrainingError (exit 1), over a present corpus (no synthesis): (tool, base arguments, recorded)."""
@@ -458,10 +467,8 @@ def _recording_train_tiny(tmp_path, monkeypatch, pick):
         raise train_module.TrainingError("stopped by the test")
 
     monkeypatch.setattr(train_module, "train", fake_train)
-    corpus = tmp_path / "train"
-    corpus.mkdir()
-    (corpus / "manifest.json").write_text("{}")  # present: no synthesis
-    return _train_tiny(), ["--train-dir", str(corpus), "--out", str(tmp_path / "out")], seen
+    corpus = _present_corpus(tmp_path / "train")  # present: no synthesis
+    return _train_tiny(), ["--train-dir", str(corpus), "--per-language", "1", "--out", str(tmp_path / "out")], seen
 
 
 def test_train_tiny_layer_flags_reach_the_model_config(tmp_path, monkeypatch, capsys):
@@ -496,10 +503,9 @@ def test_train_tiny_stopped_run_says_how_to_continue_and_writes_no_card(tmp_path
 
     monkeypatch.setattr(train_module, "train", fake_train)
     monkeypatch.setattr(train_module, "write_model_card", lambda *a, **k: pytest.fail("a card for a stopped run"))
-    corpus = tmp_path / "train"
-    corpus.mkdir()
-    (corpus / "manifest.json").write_text("{}")
-    base = ["--train-dir", str(corpus), "--out", str(tmp_path / "out"), "--steps", "10", "--stop-after", "4"]
+    corpus = _present_corpus(tmp_path / "train")
+    base = ["--train-dir", str(corpus), "--per-language", "1", "--out", str(tmp_path / "out"), "--steps", "10",
+            "--stop-after", "4"]
     assert _train_tiny().main(base) == 0
     assert _train_tiny().main(base + ["--resume"]) == 0
     assert seen == [(4, False), (4, True)]
@@ -538,20 +544,50 @@ def test_train_tiny_corpus_seed_reaches_the_synthesis_or_refuses_a_corpus_of_ano
     assert tool.main(["--seed", "0", "--corpus-seed", "5", "--train-dir", str(tmp_path / "new")]) == 1
     assert tool.main(["--seed", "3", "--train-dir", str(tmp_path / "new")]) == 1
     assert [kw["seed"] for kw in synthesised] == [5, 3]
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    (corpus / "manifest.json").write_text(json.dumps({"recipe": "varied", "seed": 3, "utterances": []}))
+    corpus = _present_corpus(tmp_path / "corpus", seed=3)
     capsys.readouterr()
-    assert tool.main(["--corpus-seed", "5", "--train-dir", str(corpus)]) == 1
+    assert tool.main(["--corpus-seed", "5", "--per-language", "1", "--train-dir", str(corpus)]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "synthesised with seed 3, not --corpus-seed 5" in err
+    assert err.startswith("error: ") and "synthesised with seed 3, not 5 (--corpus-seed, else --seed)" in err
 
     def reached(cfg):
         raise train_module.TrainingError("reached training")
 
     monkeypatch.setattr(train_module, "train", reached)
-    assert tool.main(["--corpus-seed", "3", "--seed", "0", "--train-dir", str(corpus)]) == 1
+    assert tool.main(["--corpus-seed", "3", "--seed", "0", "--per-language", "1", "--train-dir", str(corpus)]) == 1
     assert "reached training" in capsys.readouterr().err  # the corpus asked for is used as it is
+
+
+def test_train_tiny_refuses_an_existing_corpus_another_command_synthesised(tmp_path, monkeypatch, capsys):
+    """An existing corpus is used as it is, so one left by another command (the default --train-dir is shared)
+    is refused before training, each difference named: its seed without --corpus-seed, its recipe, its
+    languages or utterances per language; the corpus this command synthesises is used."""
+    import cohere_coreml_dev.train as train_module
+
+    tool, synthesised = _stopped_synthesis(monkeypatch)
+    base = ["--per-language", "2", "--languages", "en,de"]
+    cases = [
+        (dict(seed=1), [], "synthesised with seed 1, not 0 (--corpus-seed, else --seed)"),
+        (dict(recipe="varied"), [], "recipe 'varied', not --recipe 'commands'"),
+        (dict(per_language=3), [], "utterances per language {'en': 3, 'de': 3}, not {'en': 2, 'de': 2}"),
+        (dict(languages=("en", "de", "es")), [], "not {'en': 2, 'de': 2} (--languages, --per-language)"),
+        (dict(seed=7), ["--seed", "7", "--recipe", "varied"], "recipe 'commands', not --recipe 'varied'"),
+    ]
+    for i, (manifest, args, problem) in enumerate(cases):
+        corpus = _present_corpus(tmp_path / f"c{i}", **{"per_language": 2, "languages": ("en", "de"), **manifest})
+        assert tool.main([*base, *args, "--train-dir", str(corpus)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {corpus} holds another corpus than this command's: ") and problem in err
+        assert "pass another --train-dir to synthesise it" in err
+    assert synthesised == []  # none resynthesised over
+
+    def reached(cfg):
+        raise train_module.TrainingError("reached training")
+
+    monkeypatch.setattr(train_module, "train", reached)
+    same = _present_corpus(tmp_path / "same", seed=7, per_language=2, languages=("en", "de"))
+    assert tool.main([*base, "--seed", "7", "--train-dir", str(same)]) == 1
+    assert "reached training" in capsys.readouterr().err
 
 
 def test_train_tiny_regularisation_flags_reach_the_config_or_refuse(tmp_path, monkeypatch, capsys):
@@ -608,9 +644,8 @@ def test_train_tiny_corpus_options_reach_the_corpus_or_refuse_another(tmp_path, 
     args = ["--recipe", "varied", "--sentence-weights", "0.1,0.2,0.3,0.4", "--snr-db", "5,40"]
     assert tool.main([*args, "--train-dir", str(tmp_path / "new")]) == 1
     assert [kw["options"] for kw in synthesised] == [{"sentence_weights": [0.1, 0.2, 0.3, 0.4], "snr_db": [5.0, 40.0]}]
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    (corpus / "manifest.json").write_text(json.dumps({"recipe": "varied", "utterances": []}))  # default options
+    corpus = _present_corpus(tmp_path / "corpus", recipe="varied")  # the default options
+    args += ["--per-language", "1"]
     capsys.readouterr()
     assert tool.main([*args, "--train-dir", str(corpus)]) == 1
     err = capsys.readouterr().err
@@ -618,7 +653,8 @@ def test_train_tiny_corpus_options_reach_the_corpus_or_refuse_another(tmp_path, 
     assert tool.main(["--recipe", "varied", "--same-template", "0.5", "--train-dir", str(tmp_path / "new2")]) == 1
     assert synthesised[-1]["options"] == {"same_template": 0.5}
     capsys.readouterr()
-    assert tool.main(["--recipe", "varied", "--same-template", "0.5", "--train-dir", str(corpus)]) == 1
+    assert tool.main(["--recipe", "varied", "--same-template", "0.5", "--per-language", "1",
+                      "--train-dir", str(corpus)]) == 1
     assert "'same_template': 0.5" in capsys.readouterr().err  # the corpus of independent draws is refused
     for bad in (["--sentence-weights", "0.5,0.5,0,0"], ["--recipe", "varied", "--snr-db", "low,high"],
                 ["--same-template", "0.5"], ["--recipe", "varied", "--same-template", "2"]):
