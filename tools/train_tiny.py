@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--corpus-seed", type=int, default=None,
                         help="the seed of the training corpus's synthesis (default: --seed); an existing corpus made "
-                             "with another seed is refused when this is given")
+                             "with another seed is refused")
     parser.add_argument("--vocab", type=int, default=defaults.sentencepiece_vocab, help="SentencePiece pieces")
     parser.add_argument("--encoder-layers", type=int, default=defaults.encoder_num_hidden_layers,
                         help="Conformer encoder layers (encoder_config.num_hidden_layers)")
