@@ -351,6 +351,8 @@ def test_a_run_killed_after_a_periodic_check_resumes_from_it_to_the_same_weights
     a = load_file(str(tmp_path / "straight" / "model.safetensors"))
     b = load_file(str(tmp_path / "killed" / "model.safetensors"))
     assert all(np.array_equal(a[k], b[k]) for k in a)
+    # finished: its checks leave nothing in the cache but the features (no state, no weights of a check)
+    assert all(f.name.startswith("features_") for f in (tmp_path / "cache").iterdir())
 
 
 @pytest.mark.slow

@@ -542,7 +542,6 @@ def train(cfg: TrainConfig) -> TrainResult:
                 }
                 history.append(entry)
                 logger.info("eval: %s", json.dumps(entry))
-                torch.save(model.state_dict(), Path(cfg.cache_dir) / "last_state.pt")
                 save_state(index + 1, epoch_rng)
             if step == cfg.stop_after:
                 save_state(index + 1, epoch_rng)
