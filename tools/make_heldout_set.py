@@ -13,6 +13,11 @@ Example (the committed single/ is tests/data/heldout-varied/single; derive the o
 A validation set (to choose among candidate models without choosing on the held-out set): another seed,
 none of the held-out set's sentences:
   uv run python tools/make_heldout_set.py --seed 1 --apart-from tests/data/heldout-varied/single --out out/validation-varied
+
+A larger set than the grammar's held-out sentences allow distinct (about 850 per language): several seeds'
+single/ sets in one, a sentence recurring across seeds with another voice, level and noise each time
+(1000 utterances per language here; --seed then seeds the padded/multi derivation alone):
+  uv run python tools/make_heldout_set.py --seeds 2,3,4,5,6 --workers 2 --out out/heldout-large
 """
 
 import argparse
@@ -30,6 +35,8 @@ def main(argv=None) -> int:
     parser.add_argument("--per-language", type=int, default=200, help="single utterances per language")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=1, help="parallel espeak-ng processes")
+    parser.add_argument("--seeds", default=None, metavar="S1,S2,...",
+                        help="single/ as these seeds' sets in one (--per-language each; files prefixed s<seed>_)")
     parser.add_argument("--single", default=None, help="an existing single/ folder to derive from (no synthesis)")
     parser.add_argument("--apart-from", action="append", default=[], metavar="SINGLE_DIR",
                         help="a single/ folder none of whose sentences this set may use (repeatable): a validation "
@@ -38,6 +45,16 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.per_language < 1:
         parser.error(f"--per-language must be at least 1 (got {args.per_language})")
+    seeds = None
+    if args.seeds is not None:
+        try:
+            seeds = [int(x) for x in args.seeds.split(",")]
+        except ValueError:
+            parser.error(f"--seeds takes whole numbers separated by commas, got {args.seeds!r}")
+        if len(seeds) < 2 or len(set(seeds)) != len(seeds):
+            parser.error(f"--seeds takes two or more different seeds, got {args.seeds!r}")
+        if args.single:
+            parser.error("--seeds synthesises single/; --single derives from an existing one: one or the other")
 
     from cohere_coreml_dev.heldout import make_heldout_set
     from cohere_coreml_dev.synth import SynthError
@@ -46,7 +63,7 @@ def main(argv=None) -> int:
         paths = make_heldout_set(Path(args.out), [x.strip() for x in args.languages.split(",") if x.strip()],
                                  args.per_language, seed=args.seed, workers=args.workers,
                                  single_dir=Path(args.single) if args.single else None,
-                                 apart_from=[Path(d) for d in args.apart_from])
+                                 apart_from=[Path(d) for d in args.apart_from], seeds=seeds)
     except SynthError as exc:
         print(f"make_heldout_set: {exc}", file=sys.stderr)
         return 1

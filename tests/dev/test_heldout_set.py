@@ -251,3 +251,39 @@ def test_the_cli_names_a_set_to_keep_apart_from_that_is_not_a_single_folder(tmp_
     err = capsys.readouterr().err
     assert rc == 1 and "broken: not a single/ folder with a readable manifest.json" in err and "Traceback" not in err
     assert not (tmp_path / "val").exists()
+
+
+@pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng not installed")
+def test_a_set_of_several_seeds_holds_each_seeds_clips_under_its_own_name(tmp_path):
+    """seeds: single/ is the seeds' own single/ sets one after the other (the same sentences and audio as each
+    seed's set alone), their files prefixed s<seed>_ so that equal names do not overwrite each other; the
+    derived subsets read it as any single/; no per-seed folder is left."""
+    alone = {seed: heldout.make_heldout_set(tmp_path / f"alone{seed}", ["es"], 2, seed=seed)["single"]
+             for seed in (0, 1)}
+    paths = heldout.make_heldout_set(tmp_path / "both", ["es"], 2, seeds=[0, 1])
+    manifest = json.loads((paths["single"] / "manifest.json").read_text())
+    rows = manifest["utterances"]
+    assert manifest["seeds"] == [0, 1] and "seed" not in manifest
+    expected = [(seed, u) for seed in (0, 1) for u in json.loads((alone[seed] / "manifest.json").read_text())["utterances"]]
+    assert [r["file"] for r in rows] == [f"s{seed}_{u['file']}" for seed, u in expected]
+    assert [r["text"] for r in rows] == [u["text"] for _, u in expected]
+    assert [r["text"] for r in rows[:2]] != [r["text"] for r in rows[2:]]  # the seeds drew other sentences
+    for r, (seed, u) in zip(rows, expected):
+        assert (paths["single"] / r["file"]).read_bytes() == (alone[seed] / u["file"]).read_bytes()
+    assert sorted(p.name for p in paths["single"].iterdir()) == sorted([r["file"] for r in rows] + ["manifest.json"])
+    assert len(load_folder(paths["padded"]).clips) == 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seeds", "3"], "--seeds takes two or more different seeds, got '3'"),
+    (["--seeds", "3,3"], "--seeds takes two or more different seeds, got '3,3'"),
+    (["--seeds", "3,x"], "--seeds takes whole numbers separated by commas, got '3,x'"),
+    (["--seeds", "3,4", "--single", "somewhere"], "one or the other"),
+])
+def test_the_cli_refuses_seeds_it_cannot_use_before_writing(tmp_path, capsys, args, message):
+    import make_heldout_set
+
+    with pytest.raises(SystemExit) as exc:
+        make_heldout_set.main(["--out", str(tmp_path / "set"), *args])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "set").exists()

@@ -59,6 +59,41 @@ def make_single(out_dir: Path, languages: list[str], per_language: int, seed: in
                        workers=workers, exclude=exclude, manifest_extra=extra)
 
 
+def make_single_seeds(out_dir: Path, languages: list[str], per_language: int, seeds: list[int], workers: int = 1,
+                      apart_from: list[Path] = ()) -> list[dict]:
+    """single/ as several seeds' single/ sets in one (a larger evaluation set than the grammar's held-out
+    sentences allow distinct: a sentence may recur across seeds, each time with another voice, level and
+    noise): each seed's set synthesised by `make_single` in a folder of its own under out_dir, its clips
+    moved to out_dir as s<seed>_<file>, their rows in one manifest (`seeds`), written last."""
+    if len(set(seeds)) != len(seeds) or len(seeds) < 2:
+        raise SynthError(f"several seeds, each once, make a set of several seeds (got {seeds})")
+    out_dir = Path(out_dir)
+    rows, first = [], None
+    for seed in seeds:
+        part = out_dir / f".seed-{seed}"
+        if not (part / "manifest.json").is_file():  # a part already made by an interrupted run is kept
+            make_single(part, languages, per_language, seed=seed, workers=workers, apart_from=list(apart_from))
+        manifest, utts = _read(part)
+        first = first or manifest
+        for u in utts:
+            name = f"s{seed}_{u['file']}"
+            if (part / u["file"]).is_file():
+                os.replace(part / u["file"], out_dir / name)
+            elif not (out_dir / name).is_file():
+                raise SynthError(f"{part / u['file']} is missing: remove {part} to synthesise that seed's set again")
+            rows.append({**u, "file": name})
+    manifest = {**{k: v for k, v in first.items() if k not in ("utterances", "seed")}, "seeds": list(seeds),
+                "utterances": rows}
+    tmp = out_dir / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
+    os.replace(tmp, out_dir / "manifest.json")
+    for seed in seeds:
+        part = out_dir / f".seed-{seed}"
+        (part / "manifest.json").unlink()
+        part.rmdir()
+    return rows
+
+
 def _read(directory: Path) -> tuple[dict, list[dict]]:
     manifest = json.loads((directory / "manifest.json").read_text())
     return manifest, manifest["utterances"]
@@ -187,8 +222,10 @@ def check_single(single_dir: Path, train_sentences: set[str] | frozenset[str], m
 
 
 def make_heldout_set(out_dir: Path, languages: list[str], per_language: int, seed: int = 0, workers: int = 1,
-                     single_dir: Path | None = None, apart_from: list[Path] = ()) -> dict[str, Path]:
-    """single/ (synthesised unless `single_dir` names an existing one), padded/, multi/ under out_dir. With
+                     single_dir: Path | None = None, apart_from: list[Path] = (),
+                     seeds: list[int] | None = None) -> dict[str, Path]:
+    """single/ (synthesised unless `single_dir` names an existing one; from several `seeds`' sets in one when
+    given, `seed` then seeding the derivations alone), padded/, multi/ under out_dir. With
     `single_dir` elsewhere, out_dir/single is a link to it, so that out_dir holds the whole set (what
     `train_tiny.py --robustness` and the evaluations read). `apart_from`: single/ folders whose sentences a
     synthesised single/ must not use (a validation set apart from the test set); an existing single/
@@ -214,7 +251,9 @@ def make_heldout_set(out_dir: Path, languages: list[str], per_language: int, see
         out_dir.mkdir(parents=True, exist_ok=True)
         link.unlink(missing_ok=True)
         link.symlink_to(single.resolve(), target_is_directory=True)
-    if not (single / "manifest.json").is_file():
+    if not (single / "manifest.json").is_file() and seeds:
+        make_single_seeds(single, languages, per_language, seeds, workers=workers, apart_from=list(apart_from))
+    elif not (single / "manifest.json").is_file():
         make_single(single, languages, per_language, seed=seed, workers=workers, apart_from=list(apart_from))
     derive_padded(single, out_dir / "padded", seed=seed)
     derive_multi(single, out_dir / "multi", seed=seed)
