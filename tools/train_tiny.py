@@ -3,8 +3,8 @@
 
 Steps: synthesise the training corpus with espeak-ng if it is not there yet
 (`apt-get install espeak-ng`; one already in --train-dir must be the one this command synthesises: its seed,
-recipe, options, languages and size, else it is refused), train within a wall-clock budget (or for exactly --steps steps, which
-repeats a run from its seed and thread count) on one CPU thread by default, save a Hugging
+recipe, options, languages and size, else it is refused), train within a wall-clock budget (or for exactly
+--steps steps, which repeats a run from its seed and thread count) on one CPU thread by default, save a Hugging
 Face folder (float16 safetensors + tokenizer + processor), evaluate it on the committed held-out
 set and write the model card with the measured figures.
 
