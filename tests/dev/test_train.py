@@ -144,6 +144,8 @@ def test_a_fine_tuned_models_card_names_its_start_and_reproduces_both_runs(tmp_p
     assert "| multi | en | 200 | 1000 | 5.00 % | - | 9.00 |" in text
     assert text.count("2.50x") == 1 and "| multi | en | 5.00 | 2.00 | 2.50x [" in text
     assert "1 of 2 ratio targets met." in text  # padded 1.5x meets its 1.5x
+    assert "the committed one is `uv run python tools/make_heldout_set.py --single tests/data/heldout-varied" in text
+    assert "make_heldout_set" not in scratch  # no robustness set, no word of one
 
 
 @pytest.mark.parametrize("name,value", [("label_smoothing", -0.1), ("label_smoothing", 1.0),

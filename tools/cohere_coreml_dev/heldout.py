@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
+from cohere_coreml.storage.files import write_text_atomic
+
 from .synth import SAMPLE_RATE, VARIED_HELDOUT_VARIANTS, SynthError, make_corpus
 
 SUBSETS = ("single", "padded", "multi")
@@ -84,9 +86,7 @@ def make_single_seeds(out_dir: Path, languages: list[str], per_language: int, se
             rows.append({**u, "file": name})
     manifest = {**{k: v for k, v in first.items() if k not in ("utterances", "seed")}, "seeds": list(seeds),
                 "utterances": rows}
-    tmp = out_dir / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
-    os.replace(tmp, out_dir / "manifest.json")
+    write_text_atomic(out_dir / "manifest.json", json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
     for seed in seeds:
         part = out_dir / f".seed-{seed}"
         (part / "manifest.json").unlink()

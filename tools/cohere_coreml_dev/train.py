@@ -636,6 +636,10 @@ def robustness_rows(robustness: dict) -> str:
     return "\n".join(rows)
 
 
+# how a fresh checkout makes the committed robustness set (the folder a card's `--robustness` names)
+ROBUSTNESS_SET_COMMAND = "uv run python tools/make_heldout_set.py --single tests/data/heldout-varied/single --out out/heldout-varied"
+
+
 def reproduce_commands(checkpoint: str | Path) -> str | None:
     """The commands of a checkpoint card's Reproduce section (None without a card or the section)."""
     card = Path(checkpoint) / "README.md"
@@ -685,6 +689,8 @@ at a time):
         reproduce = "\n".join(filter(None, [reproduce_commands(cfg.init_from), command]))
         chain = (f"The last command is this fine-tuning; the ones before it are the starting checkpoint's (its card's), "
                  f"whose output folder is `{cfg.init_from}` here.\n" if reproduce != command else "")
+    if robustness:
+        chain += (f"`--robustness` is a set of `tools/make_heldout_set.py`; the committed one is `{ROBUSTNESS_SET_COMMAND}`.\n")
     card = f"""---
 license: apache-2.0
 tags: [cohere_asr, test-model, synthetic-speech]
