@@ -1,8 +1,8 @@
 """The package's layout: one folder per stage, imports one way between them, no import cycle, folders
-and modules of a readable size (issue 28).
+and modules of a readable size.
 
 Stages, lowest first: each may import only the stages before it, as its `__init__` docstring declares
-("May import:"), and the top-level shared modules (settings, errors, shared CLI options). The CLI
+("May import:"), and the top-level shared modules (settings, export errors, shared CLI options). The CLI
 (`cohere_coreml.cli`) sits above all of them.
 """
 
@@ -18,7 +18,7 @@ PACKAGE_DIR = Path(cohere_coreml.__file__).parent
 SWIFT_DIR = PACKAGE_DIR.parents[1] / "swift"
 
 STAGES = ("runtime", "storage", "model", "bundle", "inference", "export", "evaluation", "publish", "quantize")
-SHARED = {"cohere_coreml", "cohere_coreml.config", "cohere_coreml.errors", "cohere_coreml.cli_options"}
+SHARED = {"cohere_coreml", "cohere_coreml.config", "cohere_coreml.export_errors", "cohere_coreml.cli_options"}
 APEX = {"cohere_coreml.cli"}
 PACKAGE_DATA = "cohere_coreml.data"  # files copied into bundles (example_inference.py), not imported
 MAX_MODULES_PER_FOLDER = 15
@@ -202,6 +202,24 @@ def test_folders_and_modules_are_of_a_readable_size():
         assert rel in LONG_MODULES or lines <= MAX_MODULE_LINES, f"{rel}: {lines} lines (split it by job)"
 
 
+def duplicate_module_names(package_dir: Path = PACKAGE_DIR) -> dict[str, list[str]]:
+    """file name -> the modules sharing it (`__init__.py` aside): a name says which module it is."""
+    by_name: dict[str, list[str]] = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        if path.name != "__init__.py":
+            by_name.setdefault(path.name, []).append(path.relative_to(package_dir).as_posix())
+    return {name: paths for name, paths in by_name.items() if len(paths) > 1}
+
+
+def test_module_file_names_are_distinct(tmp_path):
+    assert not duplicate_module_names(), duplicate_module_names()
+    for folder in ("export", "quantize"):  # a planted second gate.py is found
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "gate.py").write_text("")
+        (tmp_path / folder / "__init__.py").write_text("")
+    assert duplicate_module_names(tmp_path) == {"gate.py": ["export/gate.py", "quantize/gate.py"]}
+
+
 def test_every_module_lives_in_a_stage_folder():
     for module in import_graph():
         if module != PACKAGE_DATA and not module.startswith(PACKAGE_DATA + "."):
@@ -214,59 +232,3 @@ def test_swift_folders_hold_at_most_eight_files():
     for folder in folders:
         files = list(folder.glob("*.swift"))
         assert len(files) <= MAX_SWIFT_FILES_PER_FOLDER, (folder.relative_to(SWIFT_DIR), len(files))
-
-
-# --------------------------------------------------------------------------------------------
-# The module paths from before the stage folders
-# --------------------------------------------------------------------------------------------
-
-
-def test_old_module_paths_import_the_moved_modules():
-    """`import cohere_coreml.transcribe` (and every other path from before the folders) gives the module at
-    its new path, with a DeprecationWarning naming it; a path that never existed still fails."""
-    code = (
-        "import importlib, json, sys, warnings\n"
-        "import cohere_coreml\n"
-        "out = {}\n"
-        "for old, new in cohere_coreml.MOVED_MODULES.items():\n"
-        "    with warnings.catch_warnings(record=True) as caught:\n"
-        "        warnings.simplefilter('always')\n"
-        "        module = importlib.import_module('cohere_coreml.' + old)\n"
-        "    out[old] = [module is importlib.import_module('cohere_coreml.' + new),\n"
-        "                [str(w.message) for w in caught if w.category is DeprecationWarning]]\n"
-        "try:\n"
-        "    importlib.import_module('cohere_coreml.not_a_module')\n"
-        "except ModuleNotFoundError:\n"
-        "    out['missing'] = 'refused'\n"
-        "print(json.dumps(out))\n"
-    )
-    import json
-    import subprocess
-    import sys
-
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert out.pop("missing") == "refused"
-    assert set(out) == set(cohere_coreml.MOVED_MODULES) and len(out) >= 25
-    for old, (same, warned) in out.items():
-        new = cohere_coreml.MOVED_MODULES[old]
-        assert same, old
-        assert warned == [f"cohere_coreml.{old} is now cohere_coreml.{new}"], (old, warned)
-
-
-def test_folders_that_replaced_modules_give_their_names():
-    from cohere_coreml import bundle, export, publish
-    from cohere_coreml.bundle.load import Bundle
-    from cohere_coreml.bundle.manifest import write_bundle
-    from cohere_coreml.export.pipeline import export_checkpoint
-    from cohere_coreml.publish.hub import upload_bundle
-
-    assert bundle.Bundle is Bundle and bundle.write_bundle is write_bundle
-    assert export.export_checkpoint is export_checkpoint and publish.upload_bundle is upload_bundle
-    for package in (bundle, export, publish):
-        try:
-            package.not_a_name
-        except AttributeError as err:
-            assert "not_a_name" in str(err)
-        else:
-            raise AssertionError(f"{package.__name__}.not_a_name was found")

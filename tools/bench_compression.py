@@ -8,7 +8,7 @@ every row (f16 included) is scored on the same remaining clips.
 For each preset: `cohere-coreml quantize --bundle F16 --preset P --model M --data D` in its own
 process (gates on: each package vs the f16 one, the bundle vs PyTorch on the held-out set). A preset
 its gate refuses is rebuilt with `--skip-verify` so it still gets a size and a held-out figure (in
-this process, through the same `quantize.gate.heldout_gate`), marked REFUSED. The f16 bundle's own
+this process, through the same `quantize.compression_gates.heldout_gate`), marked REFUSED. The f16 bundle's own
 row is its held-out figure vs PyTorch. Per row: bytes, bytes per checkpoint parameter, encoder PSNR,
 decoder PSNR / mean KL / log-prob error (median, p99, max nats) vs the f16 packages, error rate per
 language (WER, or CER for ja/zh/ko) next to PyTorch's, clips and tokens identical to PyTorch.

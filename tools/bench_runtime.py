@@ -16,7 +16,7 @@ import json
 import logging
 import sys
 
-from cohere_coreml.runtime.bench import BenchConfig, format_results, run_benchmark
+from cohere_coreml.runtime.interpreter_bench import BenchConfig, format_results, run_benchmark
 
 
 def main(argv=None) -> int:

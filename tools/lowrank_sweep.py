@@ -21,7 +21,7 @@ import time
 from cohere_coreml.evaluation.datasets import DatasetError
 from cohere_coreml.inference.engines import PyTorchEngine
 from cohere_coreml.quantize import lowrank
-from cohere_coreml.quantize.gate import compare_transcripts, engine_transcripts, heldout_dataset
+from cohere_coreml.quantize.compression_gates import compare_transcripts, engine_transcripts, heldout_dataset
 from cohere_coreml.quantize.recipes import QuantizeError
 
 TYPES = tuple(lowrank.LAYER_TYPES)

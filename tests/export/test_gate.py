@@ -14,9 +14,9 @@ import pytest
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types
 
-from cohere_coreml.errors import ParityError
 from cohere_coreml.export.convert import ExportSettings
 from cohere_coreml.export.gate import GateCase, GateReport, compare_cases, default_gate_audio, export_gated, stage_gated
+from cohere_coreml.export_errors import ParityError
 from cohere_coreml.storage.integrity import MANIFEST_NAME
 
 from ..runtime.helpers import save_mil_program

@@ -222,7 +222,7 @@ import sys
 from pathlib import Path
 sys.modules["torch"] = None  # neither merge uses torch: its import (half the child's CPU) is left out
 import coremltools as ct
-from cohere_coreml import multifunction
+from cohere_coreml.export import multifunction
 def status(key):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))

@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from cohere_coreml.errors import ParityError
 from cohere_coreml.export.parity import kl_rows, psnr, report_correctness
+from cohere_coreml.export_errors import ParityError
 
 
 def test_psnr_and_kl():

@@ -54,8 +54,10 @@ import torch
 torch.set_num_threads(1)
 import coremltools, coremltools.converters.mil.frontend.torch, coremltools.optimize.coreml
 from transformers import AutoProcessor, AutoTokenizer, CohereAsrForConditionalGeneration, CohereAsrProcessor
-from cohere_coreml import (bundle, checkpoint, cli, decoder, encoder, export, faults, frontend, publish, quantize,
-                           reference, runtime, shapes)
+from cohere_coreml import bundle, cli, export, publish, quantize, runtime
+from cohere_coreml.export import decoder, encoder, frontend
+from cohere_coreml.model import checkpoint, reference, shapes
+from cohere_coreml.storage import faults
 from cohere_coreml.runtime import package
 import gc
 gc.collect()

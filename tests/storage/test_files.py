@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from cohere_coreml.errors import ExportSettingsError, ParityError
 from cohere_coreml.export.convert import ExportSettings, convert_module
+from cohere_coreml.export_errors import ExportSettingsError, ParityError
 from cohere_coreml.storage.files import save_package_atomic, tree_bytes, weight_file_bytes
 
 

@@ -3,7 +3,7 @@
 Takes: the packages on disk and the checkpoint's tokenizer and config.
 Gives: manifest.json (`write_bundle`), a checked `Bundle` (`Bundle.load`: every field the loop reads
 and every package function's io), the Neural Engine census (`ane-check`).
-May import: model, storage, runtime (and the top-level config and errors).
+May import: model, storage, runtime (and the top-level config and export_errors).
 
     format          name, version, file names and value sets of the format; `BundleError`
     packages        what a `.mlpackage` says about itself (io, metadata, buckets, parts, shapes)
@@ -14,8 +14,3 @@ May import: model, storage, runtime (and the top-level config and errors).
     ane_check       `cohere-coreml ane-check`: every program against the published Neural Engine limits
 """
 
-
-def __getattr__(name: str):  # the names of the module this folder replaced (`cohere_coreml.bundle.Bundle`)
-    from .. import replaced_module_attribute
-
-    return replaced_module_attribute(__name__, name)

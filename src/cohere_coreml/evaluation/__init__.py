@@ -4,7 +4,7 @@ Takes: bundles, a checkpoint, audio datasets.
 Gives: `bench` reports (WER/CER with intervals, speed by stage, memory, loops) and `verify`'s
 stage-by-stage parity (near-ties told from real differences).
 May import: export (parity arithmetic, the decoder's gate), inference, bundle, model, storage,
-runtime (and the top-level config, errors and cli_options).
+runtime (and the top-level config, export_errors and cli_options).
 
     bench     `cohere-coreml bench`: engines side by side on a dataset
     verify    `cohere-coreml verify`: stage-by-stage parity against `transformers`

@@ -4,7 +4,7 @@ Takes: a checkpoint (`cohere_coreml.model.checkpoint`) and export settings.
 Gives: frontend.mlpackage, encoder.mlpackage (+ parts), decoder.mlpackage, each installed only when
 its gate passed, and the bundle's manifest written from them (`cohere_coreml.bundle.manifest`).
 May import: inference (the gates run the packages through its runtimes), bundle, model, storage,
-runtime (and the top-level config and errors).
+runtime (and the top-level config and export_errors).
 
     pipeline          the orchestrator: plan, each component staged and gated, the bundle written
     convert           the shared converter (trace, convert, metadata, merge of functions)
@@ -20,8 +20,3 @@ runtime (and the top-level config and errors).
     memory            the heap a freed model leaves, handed back between stages
 """
 
-
-def __getattr__(name: str):  # the names of the module this folder replaced (`cohere_coreml.bundle.Bundle`)
-    from .. import replaced_module_attribute
-
-    return replaced_module_attribute(__name__, name)

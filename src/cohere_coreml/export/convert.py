@@ -10,7 +10,7 @@ One place decides how a traced PyTorch module becomes an ML program:
   `user_defined_metadata`, and input/output descriptions in the spec.
 
 Writing the package (atomic installs, temporaries) is `cohere_coreml.storage.files`; the gate's arithmetic
-(PSNR, KL, per-output reports) is `cohere_coreml.export.parity`; the errors are `cohere_coreml.errors`.
+(PSNR, KL, per-output reports) is `cohere_coreml.export.parity`; the errors are `cohere_coreml.export_errors`.
 
 The layout follows Apple's ml-stable-diffusion `torch2coreml.py` (one `convert_<component>()`
 per part, skip what exists, PSNR gate) and argmax whisperkittools (metadata in every package).
@@ -35,9 +35,9 @@ from cohere_coreml.config import DEFAULT_WINDOW_SECONDS
 from .. import __version__, git_hash
 
 # the errors of an export, importable from here as well (most exporters import them with the settings)
-from ..errors import ExportError as ExportError
-from ..errors import ExportSettingsError as ExportSettingsError
-from ..errors import ParityError as ParityError
+from ..export_errors import ExportError as ExportError
+from ..export_errors import ExportSettingsError as ExportSettingsError
+from ..export_errors import ParityError as ParityError
 
 logger = logging.getLogger(__name__)
 

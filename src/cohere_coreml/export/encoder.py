@@ -6,7 +6,7 @@ layers), `model.model.decoder.proj` (encoder width -> decoder width) and every d
 `encoder_attn.k_proj` / `encoder_attn.v_proj`, so the cross-attention memory is projected once per
 window, never per decoder step.
 
-The length masks are inputs (issue 27, docs/ane.md): the host computes them from the window's valid
+The length masks are inputs (docs/ane.md): the host computes them from the window's valid
 mel frames (`shapes.LengthMasks`, transformers' own length arithmetic) and passes them as fp16 0/1
 masks, so the program holds no int / fp32 / bool length arithmetic (floor, floor_div, less, casts:
 off the Neural Engine). The masks act where `ParakeetEncoder.forward` applies its `attention_mask`:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ParityError
+from ..export_errors import ParityError
 from ..storage import faults
 from ..storage.files import install_package, remove_package, skip_installed, staging_path, write_json_atomic
 from ..storage.integrity import invalidate_manifest

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..config import NEAR_TIE_FACTOR, NEAR_TIE_TOP_K
-from ..errors import ParityError
+from ..export_errors import ParityError
 
 # --------------------------------------------------------------------------------------------
 # Distances

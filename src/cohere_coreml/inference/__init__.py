@@ -2,7 +2,7 @@
 
 Takes: a `Bundle` and audio (files, arrays, or live chunks).
 Gives: transcripts, per window and per file; streaming partials and finals.
-May import: bundle, model, storage, runtime (and the top-level config, errors and cli_options).
+May import: bundle, model, storage, runtime (and the top-level config, export_errors and cli_options).
 
     transcribe       `Transcriber`: audio -> windows -> encoder -> stateful decoder -> text (`transcribe`)
     encoder_runtime  the encoder's functions (length buckets, parts) called with the host's length masks

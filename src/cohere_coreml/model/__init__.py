@@ -3,7 +3,7 @@
 Takes: a checkpoint folder or Hub id, audio files or samples.
 Gives: the `transformers` model and processor (the reference, never re-implemented), log-mel
 features, the exported programs' static shapes and length masks, decoder prompts and detokenised text.
-May import: storage, runtime (and the top-level config and errors).
+May import: storage, runtime (and the top-level config and export_errors).
 
     checkpoint  load and describe a checkpoint (safetensors only, no remote code): `info`, `vocab`
     reference   the PyTorch reference of the cross-attention memory (what the encoder package outputs)

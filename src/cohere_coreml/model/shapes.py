@@ -167,8 +167,8 @@ ENCODER_MASK = "encoder_mask"
 class LengthMasks:
     """The encoder's length masks: what the host computes from a window's valid mel frames.
 
-    The exported encoder computes no length arithmetic (issue 27: int/fp32/bool ops keep a program
-    off the Neural Engine); the host passes one fp16 0/1 mask per time resolution instead:
+    The exported encoder computes no length arithmetic (int/fp32/bool ops keep a program off the
+    Neural Engine; docs/ane.md); the host passes one fp16 0/1 mask per time resolution instead:
 
         feature_mask         (1, F)    frames < n                   (the mel frames)
         subsampling_mask_k   (1, T_k)  frames < L_k, k = 1..S-1     (after stride convolution k)

@@ -13,7 +13,7 @@ One job per module, the analysis steps apart from the apply steps (as in ml-stab
     lowrank      the low-rank encoder of `lowrank` / `q8-lowrank` (LiteASR): calibration statistics,
                  PCA ranks, the rewrite of the checkpoint, its re-export
     activations  W8A8: activation statistics through the interpreter, applied by coremltools' own passes
-    gate         the component gates and the held-out gate (the bench's engines, datasets and metrics)
+    compression_gates  the component gates and the held-out gate (the bench's engines, datasets and metrics)
     command      `quantize_bundle` (source check, bundle assembly, atomic install) and the CLI
 
 Only the names other modules, tools and tests use are re-exported here.
@@ -21,12 +21,12 @@ Only the names other modules, tools and tests use are re-exported here.
 Takes: an f16 bundle, a preset (or a byte budget), the checkpoint and a held-out set for the gates.
 Gives: a compressed bundle, installed only when its gates passed, with compression.json and a card.
 May import: publish (the bundle's card), evaluation, export, inference, bundle, model, storage,
-runtime (and the top-level config and errors).
+runtime (and the top-level config and export_errors).
 """
 
 from .command import add_command, check_source, format_summary, quantize_bundle, refusal_path, source_preset
 from .compress import compress_mlmodel, compress_package, extract_function
-from .gate import (
+from .compression_gates import (
     QuantizeGateError,
     compare_transcripts,
     component_gate,

@@ -33,7 +33,7 @@ from ..storage import faults
 from ..storage.files import TEMPORARY_NAME, sweep_stale_temporaries, temporary_dir, tree_bytes, write_json_atomic
 from ..storage.integrity import COMPRESSION_FILE, check_bundle
 from .compress import compress_package
-from .gate import QuantizeGateError, component_gate, encoder_parts_gate, heldout_gate
+from .compression_gates import QuantizeGateError, component_gate, encoder_parts_gate, heldout_gate
 from .inventory import compressed_ops
 from .measure import GateData, build_gate_data, clips_of
 from .mixed import Budget, analyse, assignment, attach_measured, count_parameters, mixed_recipe, plan, replan_overhead
@@ -237,7 +237,7 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
     if len(parts) > 1 and (preset in ("mixed", "q8a8") or with_sensitivity or target_psnr is not None):
         raise QuantizeError(f"{src}: its encoder is in {len(parts)} parts; preset {preset}"
                             f"{' with sensitivity / --target-psnr' if preset not in ('mixed', 'q8a8') else ''} "
-                            "plans over one encoder package (issue 27: not yet over parts): quantize an export "
+                            "plans over one encoder package (not over parts): quantize an export "
                             "with --encoder-parts 1, or use q8, q8-hybrid, q4, lowrank or q8-lowrank")
     if out.resolve() == src.resolve():
         raise QuantizeError("--out must differ from --bundle (the f16 bundle is never modified)")

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ExportSettingsError
+from ..export_errors import ExportSettingsError
 from . import faults
 from .integrity import invalidate_manifest
 

@@ -1,4 +1,4 @@
-"""The held-out gate (`cohere_coreml.quantize.gate`): every language bounded, scored by `metrics` alone."""
+"""The held-out gate (`cohere_coreml.quantize.compression_gates`): every language bounded, scored by `metrics` alone."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from cohere_coreml import quantize as Q
 from cohere_coreml.evaluation.datasets import load_folder
 from cohere_coreml.inference.engines import PyTorchEngine
 from cohere_coreml.inference.transcribe import Transcriber
-from cohere_coreml.quantize.gate import engine_transcripts
+from cohere_coreml.quantize.compression_gates import engine_transcripts
 
 from ..fixture_data import HELDOUT_DIR, TRAINED_MODEL
 
