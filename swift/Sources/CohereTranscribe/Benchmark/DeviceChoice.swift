@@ -3,7 +3,7 @@ import Foundation
 import os
 #endif
 
-// The device decides (issue 27, part 5): `cohere-transcribe-swift bench` runs every candidate — a compute-units
+// The device decides: `cohere-transcribe-swift bench` runs every candidate — a compute-units
 // choice x a package layout the bundle holds — in a child process each (DeviceSweep.swift) and writes
 // `device-choice.json`; `CohereTranscriber` reads it to choose its compute units and checks its layout.
 // Schema and rule: docs/swift.md, "The device decides".

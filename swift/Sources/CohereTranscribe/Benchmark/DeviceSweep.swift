@@ -1,4 +1,4 @@
-// The candidate sweep of `cohere-transcribe-swift bench` (issue 27, part 5): every candidate in a child process of its
+// The candidate sweep of `cohere-transcribe-swift bench`: every candidate in a child process of its
 // own, so that a Neural Engine compile failure that kills the process (coremltools issue 2758: a failed ANE compile
 // can pass load and SIGKILL the first prediction) is a result, not a crash. Foundation's `Process` exists on macOS
 // and Linux only (not iOS): the sweep is built there.
