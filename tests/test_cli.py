@@ -19,6 +19,27 @@ def test_help_lists_commands(capsys):
         assert command in out
 
 
+def test_verbose_flag_turns_on_the_package_debug_lines(capsys):
+    """Default: the package logs at the root's level (INFO: progress, one verdict per package); -v: its DEBUG
+    lines too (every step, the gates' per-case tables), documented in --help."""
+    import logging
+
+    package = logging.getLogger("cohere_coreml")
+    try:
+        assert main(["-v", "prepare-default"]) == 0
+        assert package.level == logging.DEBUG and package.isEnabledFor(logging.DEBUG)
+        assert main(["prepare-default"]) == 0
+        assert package.level == logging.NOTSET  # back to the root's level: no per-case tables
+    finally:
+        package.setLevel(logging.NOTSET)
+    capsys.readouterr()
+    try:
+        main(["--help"])
+    except SystemExit:
+        pass
+    assert "per-case tables" in " ".join(capsys.readouterr().out.split())
+
+
 def test_info_json(tiny_checkpoint, capsys):
     assert main(["info", "--model", str(tiny_checkpoint), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

@@ -82,7 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cohere-coreml", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more logging: -v every step and the gates' per-case tables (also in each package's "
+                        "<component>.parity.json) and the converters' progress bars; -vv the libraries' debug "
+                        "logs too. Default: progress lines, one verdict line per package, the results")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser(
@@ -118,8 +121,10 @@ def _is_user_error(err: BaseException) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = logging.WARNING - 10 * min(args.verbose, 2) if args.verbose else logging.INFO
+    level = logging.DEBUG if args.verbose >= 2 else logging.INFO
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    # -v: this package's DEBUG lines (each step, the gates' cases); NOTSET: the root's level (INFO)
+    logger.setLevel(logging.DEBUG if args.verbose else logging.NOTSET)
     for noisy in ("transformers", "huggingface_hub", "torch"):
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
     # coremltools warns at import that its Core ML runtime is missing, on every Linux run: expected here

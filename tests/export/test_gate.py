@@ -6,6 +6,7 @@ shipped gate audio. (The one-call pass/refuse round trip of `export_gated` is in
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import coremltools as ct
@@ -118,7 +119,7 @@ def test_report_summary_and_refusal():
 # --------------------------------------------------------------------------------------------
 
 
-def test_stage_then_finish_installs_a_passing_package(tmp_path):
+def test_stage_then_finish_installs_a_passing_package(tmp_path, caplog):
     """write, then prepare (its gate sees the staged package), then finish: the package is in place with
     its report, the staging path is gone, an older manifest and refusal report are removed."""
     settings = ExportSettings(out_dir=tmp_path)
@@ -135,8 +136,13 @@ def test_stage_then_finish_installs_a_passing_package(tmp_path):
     assert order == ["prepare"] and staged.tmp == write.calls[0] and staged.tmp.is_dir()
     assert staged.tmp.name.startswith(".thing.tmp-") and staged.tmp.parent == tmp_path
     assert not settings.package_path("thing").exists()  # nothing installed before the gate
-    report = staged.finish()
+    staged.convert_seconds = 1.5
+    with caplog.at_level(logging.INFO, logger="cohere_coreml"):
+        report = staged.finish()
     assert report.passed and gate.seen == [staged.tmp] and staged.gate is None
+    # the one INFO line per package: its verdict, with the conversion's and the gate's time
+    verdicts = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name == "cohere_coreml.export.gate"]
+    assert len(verdicts) == 1 and verdicts[0].startswith(report.summary() + " (converted in 1.5 s, gated in ")
     assert marker_of(settings.package_path("thing")) == "v1"
     assert json.loads(settings.report_path("thing").read_text()) == report.to_dict()
     assert names(tmp_path) == ["thing.mlpackage", "thing.parity.json"]  # no manifest, no failed report, no staging
@@ -305,6 +311,20 @@ def test_compare_cases_passes_a_matching_package(double_package):
     assert all(c["passed"] and c["predict_seconds"] >= 0 for c in data["cases"])
     assert report.headline.startswith("worst PSNR ") and "over 2 case(s) (need 60 dB)" in report.headline
     assert "clip=c0.wav" in report.text
+
+
+def test_compare_cases_logs_its_cases_at_debug_only(double_package, caplog):
+    """The default verbosity (INFO) shows no per-case table; DEBUG (`cohere-coreml -v`) shows each case,
+    and the report keeps them either way (what `<component>.parity.json` holds)."""
+    with caplog.at_level(logging.INFO, logger="cohere_coreml"):
+        report = compare_cases("double", double_package, _cases(2.00002), min_psnr_db=60.0, backend="mil")
+    assert report.passed and len(report.cases) == 2 and "[double gate] case 1" in report.text
+    assert not [r for r in caplog.records if "[double gate]" in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="cohere_coreml"):
+        compare_cases("double", double_package, _cases(2.00002), min_psnr_db=60.0, backend="mil")
+    cases = [r for r in caplog.records if r.getMessage().startswith("[double gate]")]
+    assert [r.levelno for r in cases] == [logging.DEBUG, logging.DEBUG] and "clip=c1.wav" in cases[1].getMessage()
 
 
 def test_compare_cases_refuses_wrong_floats_and_inexact_integers(double_package):

@@ -169,7 +169,7 @@ def test_lean_merge_matches_save_multifunction(merges, name, tmp_path):
 
 def test_merge_functions_takes_the_lean_path(merges, tmp_path, caplog):
     singles, default = merges["decoder"]
-    with caplog.at_level("INFO"):
+    with caplog.at_level("DEBUG"):
         mlmodel = convert.merge_functions(singles, default, tmp_path)
     assert "weight blobs written" in caplog.text and "save_multifunction" not in caplog.text
     spec = mlmodel.get_spec()

@@ -247,7 +247,7 @@ def write_manifest(manifest: dict, out_dir: str | os.PathLike) -> Path:
     out_dir = Path(out_dir)
     manifest = {**manifest, **manifest_sections(out_dir)}
     write_json_atomic(manifest, out_dir / MANIFEST_NAME, if_changed=True)
-    logger.info("wrote %s", out_dir / MANIFEST_NAME)
+    logger.debug("wrote %s", out_dir / MANIFEST_NAME)
     return out_dir / MANIFEST_NAME
 
 

@@ -172,6 +172,53 @@ def _stringify(value: Any) -> str:
 VALIDATE_EACH_PASS_ENV = "COHERE_COREML_VALIDATE_EACH_PASS"
 
 
+# coremltools' progress bars: module -> the name it imported `tqdm.tqdm` under (one bar per op walk and per
+# pass pipeline: four lines a conversion on a terminal)
+_CONVERTER_BARS = {"coremltools.converters.mil.frontend.torch.ops": "_tqdm",
+                   "coremltools.converters.mil.mil.passes.pass_pipeline": "tqdm"}
+
+
+@contextlib.contextmanager
+def quiet_third_party():
+    """Within: third-party chatter of tracing and converting is hidden unless the package logs at DEBUG
+    (`cohere-coreml -v`): coremltools' progress bars, and what `torch.jit.trace` draws from `transformers`
+    by reading every attribute of the model (the `is_gradient_checkpointing` FutureWarning and the
+    `loss_type` warning of its deprecated properties). The export's own progress lines say what runs.
+
+    The bars are coremltools' own `tqdm` calls (no option turns them off: `coremltools.convert` has
+    none), swapped for disabled ones in the two modules that draw them and put back on exit.
+    """
+    if logging.getLogger("cohere_coreml").isEnabledFor(logging.DEBUG):
+        yield
+        return
+    import importlib
+    import warnings
+    from functools import partial
+
+    from tqdm import tqdm
+
+    swapped = []
+    for module_name, attribute in _CONVERTER_BARS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # another coremltools layout: its bars show
+            continue
+        if getattr(module, attribute, None) is tqdm:
+            swapped.append((module, attribute))
+            setattr(module, attribute, partial(tqdm, disable=True))
+    transformers_log = logging.getLogger("transformers")
+    level = transformers_log.level
+    transformers_log.setLevel(max(level, logging.ERROR))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            yield
+    finally:
+        transformers_log.setLevel(level)
+        for module, attribute in swapped:
+            setattr(module, attribute, tqdm)
+
+
 @contextlib.contextmanager
 def validated_per_pipeline():
     """Within: coremltools validates each pass pipeline's program once, after its last pass.
@@ -179,7 +226,7 @@ def validated_per_pipeline():
     coremltools 9's `PassPipelineManager.apply_pipeline` runs `Program.validate()` (every op's
     input/output links and every var's visibility, forced where `Block.validate` alone leaves it to
     coremltools' DEBUG flag) before the pipeline and after each of its passes: about 110 whole-program
-    checks per conversion (an export of the default model here: 25.8 s with them, 16.2 s without).
+    checks per conversion, a large share of an export's time (docs/export.md).
     Validation only reads the program, so the packages are the same bytes either way
     (tests/export/test_convert.py); a pass that leaves the program invalid still fails the conversion, at
     its pipeline's end, with coremltools' error, and `COHERE_COREML_VALIDATE_EACH_PASS=1` restores the
@@ -251,7 +298,7 @@ def convert_module(
     if states:
         kwargs["states"] = list(states)
     try:
-        with validated_per_pipeline():
+        with validated_per_pipeline(), quiet_third_party():
             mlmodel = ct.convert(
                 traced,
                 convert_to="mlprogram",

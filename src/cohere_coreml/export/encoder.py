@@ -44,7 +44,7 @@ from ..config import FP16_MASK_VALUE, LENGTH_MASKS_METADATA_KEY
 from ..model.audio import FrontEndConfig, load_audio, log_mel
 from ..model.reference import cross_memory
 from ..model.shapes import ENCODER_MASK, EncoderShapes, ShapeError
-from .convert import ExportError, ExportSettings, convert_module
+from .convert import ExportError, ExportSettings, convert_module, quiet_third_party
 from .gate import GateCase, GateReport, compare_cases, default_gate_audio
 from .parity import psnr
 
@@ -272,7 +272,7 @@ def trace_encoder(model, shapes: EncoderShapes, layers: tuple[int, int] | None =
     """`torch.jit.trace` of `EncoderForCoreML` (the whole encoder, or its layers [start, stop))."""
     model.eval()
     wrapper = EncoderForCoreML(model, shapes, layers).eval()
-    with torch.no_grad():
+    with torch.no_grad(), quiet_third_party():
         traced = torch.jit.trace(wrapper, example_inputs(shapes, first=wrapper.first), check_trace=False, strict=False)
     return traced
 

@@ -75,7 +75,7 @@ def stage_encoder(model, settings: ExportSettings, processor=None, clips: list[n
     converted inside the writer, so neither outlives it) and the gate's PyTorch references
     computed. `finish()` the result to gate and install it (the model is not needed any more)."""
     shapes = encoder_shapes(model, settings.window_seconds, processor)
-    logger.info("encoder shapes: %s", shapes)
+    logger.debug("encoder shapes: %s", shapes)
     return _stage(model, settings, {"main": shapes}, {"main": clips}, extra_metadata, parts, platform, _wrapper_hook)
 
 
@@ -187,7 +187,7 @@ def plan_parts(model, parts: int | str, precision: str, platform: str = DEFAULT_
         ranges = part_ranges(n, count)
         sizes = part_weight_bytes(model, ranges, precision)
         if max(sizes) <= limit:
-            logger.info("encoder parts (auto, %s, limit %.0f MB): %d, estimated %s MB", platform, limit / 1e6, count,
+            logger.debug("encoder parts (auto, %s, limit %.0f MB): %d, estimated %s MB", platform, limit / 1e6, count,
                         [round(b / 1e6, 1) for b in sizes])
             return ranges
     raise ExportError(f"one encoder layer's weights exceed the {platform} per-program limit "
@@ -248,17 +248,17 @@ def _stage(model, settings: ExportSettings, shapes_by_fn: dict[str, EncoderShape
             t0 = time.perf_counter()
             traced = (_wrapper_hook(model, main) if _wrapper_hook is not None else
                       trace_encoder(model, main, layers) if len(ranges) > 1 else trace_encoder(model, main))
-            logger.info("encoder part %d/%d (layers %d-%d): traced in %.1f s", index + 1, len(ranges), layers[0],
+            logger.debug("encoder part %d/%d (layers %d-%d): traced in %.1f s", index + 1, len(ranges), layers[0],
                         layers[1] - 1, time.perf_counter() - t0)
             save_converted(convert_traced_encoder(traced, main, settings, meta, first=first, last=last), tmp)
             del traced
-            logger.info("converted in %.1f s", time.perf_counter() - t0)
+            logger.debug("converted in %.1f s", time.perf_counter() - t0)
             return
         scratch = temporary_dir(settings.out_dir, "encoder-buckets")
         try:
             singles = {}
             for fn, shapes in shapes_by_fn.items():
-                logger.info("encoder part %d/%d, bucket %s: %s", index + 1, len(ranges), fn, shapes)
+                logger.debug("encoder part %d/%d, bucket %s: %s", index + 1, len(ranges), fn, shapes)
                 single = scratch / f"{fn}.mlpackage"
                 traced = trace_encoder(model, shapes, layers) if len(ranges) > 1 else trace_encoder(model, shapes)
                 save_converted(convert_traced_encoder(traced, shapes, settings.replace(window_seconds=shapes.window_seconds),
@@ -350,8 +350,8 @@ def compare_part_cases(paths: list[Path], cases: list[GateCase], settings: Expor
         report.extra.update({"case": k, "part": "chain", **case.info})
         texts.append(f"[{COMPONENT} gate] function {function_name} parts chained, case {k}\n{report.summary()}")
         results.append(report)
-    for text in texts:
-        logger.info("%s", text)
+    for text in texts:  # also in encoder.parity.json ("cases")
+        logger.debug("%s", text)
     worst = min(r.worst_psnr_db for r in results)
     return GateReport(component=COMPONENT, passed=all(r.passed for r in results),
                       headline=f"worst PSNR {worst:.1f} dB over {len(cases)} case(s) x {len(paths)} parts and the "

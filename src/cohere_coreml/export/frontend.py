@@ -122,8 +122,8 @@ class FrontEndForCoreML(nn.Module):
         # audio: (1, S) float32; audio_length: (1,) int32
         length = audio_length.to(torch.int32).clamp(0, s.samples)  # (1,)
         # sample t = row * hop + col is inside when col < length - row * hop: built from two small
-        # index vectors, so the program holds no (S,) index constant (coremltools folds one for
-        # shorter windows: 0.64 MB for 10 s)
+        # index vectors, so the program holds no (S,) index constant (coremltools folds one into the
+        # weights for shorter windows)
         rows = -(-s.samples // c.hop_length)
         row_start = torch.arange(rows, dtype=torch.int32) * c.hop_length  # (R,)
         col = torch.arange(c.hop_length, dtype=torch.int32)  # (hop,)
@@ -257,8 +257,8 @@ def convert_traced_frontend(traced, config: FrontEndConfig, shapes: FrontEndShap
 # Budgets per kind of case (max |diff| on valid frames, min PSNR in dB), against `audio.log_mel`.
 # "signal": audio with energy in every mel bin's frames. "ill_conditioned": near-silence and digital
 # silence, where the reference's own float32 rounding of log(mel + 2**-24) (1 ulp = 1.9e-6 at -16.6),
-# divided by a per-bin std of ~1e-5, moves its output by up to ~0.4 vs exact arithmetic (measured:
-# docs/front-end.md); any other float32 implementation differs from it by that much there.
+# divided by a per-bin std near 1e-5, moves its output by tenths vs exact arithmetic (docs/front-end.md);
+# any other float32 implementation differs from it by that much there.
 GATE_BUDGETS = {
     "signal": {"max_abs_diff": GATE_MAX_ABS_DIFF, "min_psnr_db": GATE_MIN_PSNR_DB},
     "ill_conditioned": {"max_abs_diff": 0.5, "min_psnr_db": 30.0},
@@ -346,7 +346,7 @@ def run_gate(package: str | Path, cases: Sequence[GateCase], function_name: str 
         report.extra.update({**case.info, "predict_seconds": round(seconds, 4)})
         texts.append(f"[{COMPONENT} gate]{where} {case.info['case']} ({kind}, {report.extra['feature_length']} "
                      f"frames)\n{report.summary()}")
-        logger.info("%s", texts[-1])
+        logger.debug("%s", texts[-1])  # also in frontend.parity.json ("cases")
         results.append(report)
     parts, worst = [], {}
     for kind, budget in GATE_BUDGETS.items():
@@ -418,7 +418,7 @@ def stage_frontend(config: FrontEndConfig, settings: ExportSettings, shapes_by_f
                 mlmodel = convert_traced_frontend(trace_frontend(config, shapes, _module_cls), config, shapes, settings)
                 singles[fn] = scratch / f"{fn}.mlpackage"
                 save_converted(mlmodel, singles[fn])
-                logger.info("front end %s (%d samples -> %d frames) converted in %.1f s", fn, shapes.samples,
+                logger.debug("front end %s (%d samples -> %d frames) converted in %.1f s", fn, shapes.samples,
                             shapes.frames, time.perf_counter() - t0)
             if len(singles) == 1:
                 mlmodel = ct.models.MLModel(str(singles["main"]), skip_model_load=True)

@@ -124,6 +124,7 @@ class StagedPackage:
     companions: list[tuple[Path, Path]] = field(default_factory=list)
     # installed packages the new ones supersede, removed when they are installed (a re-export in fewer parts)
     replaces: list[Path] = field(default_factory=list)
+    convert_seconds: float | None = None  # the staging's time, shown on the gate's verdict line
 
     def _remove_staged(self) -> None:
         remove_package(self.tmp)
@@ -143,8 +144,12 @@ class StagedPackage:
                 logger.warning("%s parity gate skipped (--skip-verify)", component)
                 report = GateReport.skipped_gate(component)
             else:
+                t0 = time.perf_counter()
                 report = self.gate(self.tmp)
-                logger.info("%s", report.summary())
+                seconds = time.perf_counter() - t0
+                converted = f"converted in {self.convert_seconds:.1f} s, " if self.convert_seconds is not None else ""
+                # the one line per package at the default verbosity; its cases at DEBUG and in the parity file
+                logger.info("%s (%sgated in %.1f s)", report.summary(), converted, seconds)
                 report.raise_if_failed(path)
         except ParityError as err:
             self._remove_staged()
@@ -264,7 +269,7 @@ def compare_cases(component: str, package: str | Path, cases: Sequence[GateCase]
         report.extra.update({"case": i, **case.info, "predict_seconds": round(seconds, 3)})
         info = " ".join(f"{k}={v}" for k, v in case.info.items() if not isinstance(v, (dict, list)))
         texts.append(f"[{component} gate]{where} case {i} {info}\n{report.summary()}")
-        logger.info("%s", texts[-1])
+        logger.debug("%s", texts[-1])  # also in <component>.parity.json ("cases")
         results.append(report)
     worst = min(r.worst_psnr_db for r in results)
     passed = all(r.passed for r in results)

@@ -190,7 +190,7 @@ def write_multifunction(singles: Mapping[str, Path], default: str, destination: 
             merged.mlProgram.functions[name].CopyFrom(function)
             functions.append(_function_description(spec, name))
             del spec, function
-        logger.info("merged %d functions: %d weight blobs written, %d shared", len(functions),
+        logger.debug("merged %d functions: %d weight blobs written, %d shared", len(functions),
                     copier.written, copier.shared)
         del copier  # the writer flushes and closes the file when destroyed
         merged.specificationVersion = spec_version

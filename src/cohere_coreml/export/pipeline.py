@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,7 +232,11 @@ def stage_export(model, processor, settings: ExportSettings, components: Sequenc
     result = StagedExport(settings=settings, model_info=ModelInfo.of(model), processor=processor, staged={})
     try:
         for name in (c for c in COMPONENTS if c in components):
+            logger.info("%s: converting", name)  # progress: its verdict line follows once every component is converted
+            t0 = time.perf_counter()
             result.staged[name] = COMPONENTS[name].stage(job)
+            if result.staged[name] is not None:
+                result.staged[name].convert_seconds = time.perf_counter() - t0
     except BaseException:
         result.discard()
         raise
@@ -297,15 +302,16 @@ def cmd_export(args) -> int:
                                buckets=tuple(args.buckets or ()), prefill=args.prefill,
                                extend=args.extend, decoder_state=args.decoder_state,
                                encoder_parts=args.encoder_parts, platform=args.platform)
-    for name, package in result.packages.items():
-        print(f"{name}: {package['path'] if package['written'] else 'exists, skipped (use --force)'}")
+    for name, package in result.packages.items():  # one line per package (its gate's cases: <name>.parity.json)
+        line = f"{name}: {package['path'] if package['written'] else 'exists, skipped (use --force)'}"
         report = package["report"]
         if report is not None:
             verdict = "PASS" if report["passed"] else ("SKIPPED" if report.get("skipped") else "FAIL")
-            print(f"  parity: {verdict}, {report['headline']}")
+            line += f"  parity {verdict}: {report['headline']}"
             if report.get("parts"):  # an encoder in parts (--encoder-parts)
-                print("  parts: " + ", ".join(f"{p['package']} (layers {p['layers'][0]}-{p['layers'][1] - 1})"
-                                             for p in report["parts"]))
+                line += "; parts " + ", ".join(f"{p['package']} (layers {p['layers'][0]}-{p['layers'][1] - 1})"
+                                               for p in report["parts"])
+        print(line)
     print(f"manifest: {result.manifest}")
     return 0
 

@@ -42,9 +42,9 @@ class Step:
 
 # Threading: only compute-bound ops (matrix products, convolutions) with large outputs use the
 # caller's torch threads; everything else (elementwise, copies, reductions, the fp16 rounding)
-# runs on one thread. Measured on the shared 2-core box: elementwise ops and depthwise convs are
-# 5-8x slower on two threads when the other core is busy, a full-size decoder step goes from
-# 1.1 s to 0.13 s.
+# runs on one thread: when another process keeps the other cores busy, small ops on two threads wait
+# for a busy core, so elementwise ops and depthwise convs run several times slower than on one and a
+# full-size decoder step many times slower (docs/runtime.md has the figures).
 _HEAVY_OPS = {"linear", "matmul", "conv", "conv_transpose", "einsum", "scaled_dot_product_attention"}
 _SMALL_OP = 1 << 17  # outputs up to this many elements are not worth a thread hand-off
 
@@ -358,7 +358,7 @@ class MilModel(RuntimeModel):
         self._steps = steps
         self._observer = None  # see `observed`
         self.num_ops = len(steps)
-        logger.info(
+        logger.debug(
             "loaded %s function %r: %d ops, %d constants", self.path, self.function_name,
             len(steps), len(self._consts),
         )

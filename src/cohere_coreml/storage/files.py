@@ -148,7 +148,7 @@ def install_package(tmp: str | Path, path: str | Path) -> None:
             os.rename(old, path)
         raise
     _remove(old)
-    logger.info("wrote %s", path)
+    logger.debug("wrote %s", path)
 
 
 def remove_package(path: str | Path) -> None:
