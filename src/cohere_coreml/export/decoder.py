@@ -1,36 +1,51 @@
 """Stateful decoder: the `transformers` Cohere ASR decoder with a static KV cache and its cross
-memory kept in the state, as one multifunction Core ML package.
+memory held in the Core ML state, as one multifunction Core ML package.
 
-Functions of `decoder.mlpackage`, all on ONE state layout (a state object made once serves every
+Every function of `decoder.mlpackage` runs on ONE state layout (a state object made once serves every
 function of the package):
 
+    states : self_k, self_v fp16 (L, Hkv, C, Dh); cross_k, cross_v fp16 (L, Hkv, Tp, Dh);
+             cross_mask fp16 (1, 1, 1, Tp)
+
+Who writes that state is the package's `state_writes` (`export --decoder-state`, manifest
+`decoder.state_writes`, docs/decoder.md).
+
+"host" (the default): the functions only read the state; the host writes it.
+    once per window: the host writes the encoder's cross_k, cross_v, cross_mask into the state
+                     (fp16) and zeroes self_k / self_v (`DecoderRuntime.bind`); there is no bind function
+    main (the step)
+        inputs : input_ids int32 (1, 1), position int32 (1,),
+                 cache_mask fp16 (1, 1, 1, C)         0 for the slots already filled, -1e4 for the rest
+        output : log_probs (1, V)                    log-softmax over the vocabulary
+                 new_k, new_v fp16 (L, Hkv, 1, Dh)   the token's K/V rows: the host writes them at `position`
+    prefill (optional)
+        inputs : input_ids int32 (1, P)               the whole prompt, slots 0..P-1 (the cache is empty)
+        output : log_probs (1, V)                    after the last prompt token; new_k / new_v (L, Hkv, P, Dh)
+    extend (optional)
+        inputs : input_ids int32 (1, K)               the real tokens, then padding (any id)
+                 position int32 (1,)                  slot of the first token (position + K <= C)
+                 cache_mask fp16 (1, 1, 1, C)
+        output : log_probs (1, K, V)                 row i: after the token at slot position+i (the
+                                                     caller reads the rows of its real tokens)
+                 new_k, new_v fp16 (L, Hkv, K, Dh)   written by the host at slots position..position+K-1
+    No program writes a state at a runtime position: the ops that would (slice_update / scatter at a
+    non-constant index) keep a program off the Neural Engine (docs/ane.md, `ane-check`).
+
+"graph": the functions write the state themselves.
     bind_memory  once per window
         inputs : encoder_cross_k    (L, Hkv, Tp, Dh)  the encoder package's `cross_k`, unchanged
                  encoder_cross_v    (L, Hkv, Tp, Dh)  its `cross_v`
                  encoder_cross_mask (1, 1, 1, Tp)     its `cross_mask`: 0 valid frame, -1e4 padding
         effect : state cross_k / cross_v / cross_mask = the inputs (fp16); self_k / self_v *= 0
         output : memory_length int32 (1,)            valid (unmasked) frames just bound
-    main (the step)
-        inputs : input_ids int32 (1, 1), position int32 (1,)
-        effect : self_k / self_v written at slot `position`; cross memory read from the state
-        output : log_probs (1, V)                    log-softmax over the vocabulary
-    prefill (optional)
-        inputs : input_ids int32 (1, P)               the whole prompt, slots 0..P-1
-        output : log_probs (1, V)                    after the last prompt token
-    extend (optional)
-        inputs : input_ids int32 (1, K)               the real tokens, then padding (any id)
-                 position int32 (1,)                  slot of the first token (position + K <= C)
-        effect : self_k / self_v written at slots position .. position+K-1 (the padded tail's slots
-                 lie after the last real token: masked for it, overwritten before any later token sees them)
-        output : log_probs (1, K, V)                 row i: after the token at slot position+i (the
-                                                     caller reads the rows of its real tokens)
-    states : self_k, self_v fp16 (L, Hkv, C, Dh); cross_k, cross_v fp16 (L, Hkv, Tp, Dh);
-             cross_mask fp16 (1, 1, 1, Tp)
+    main, prefill, extend: the inputs and log_probs above without cache_mask, new_k and new_v; each writes
+        its tokens' K/V rows into self_k / self_v at their slots (the padded tail of extend lies after the
+        last real token: masked for it, overwritten before any later token sees it)
 
 The modules reuse the `transformers` submodules (embeddings, layer norms, q/k/v/o projections,
 MLP, final norm, `proj_out`) and `eager_attention_forward`; only the static-cache glue lives
-here. No function projects the encoder memory: cross K/V come precomputed from the encoder.
-`convert_decoder` writes the package through its teacher-forcing gate (`decoder_gate`).
+here (`decoder_modules`). No function projects the encoder memory: cross K/V come precomputed from
+the encoder. `convert_decoder` writes the package through its teacher-forcing gate (`decoder_gate`).
 """
 
 from __future__ import annotations
@@ -65,7 +80,7 @@ from ..config import (
 from ..inference.decoder_runtime import extend_inputs, host_cache_mask, memory_frames
 from ..model.shapes import DecoderShapes, cache_capacity
 from ..storage.files import save_converted, skip_installed
-from .convert import ExportSettings, convert_module, merge_functions, validated_per_pipeline
+from .convert import ExportSettings, convert_module, merge_functions, quiet_third_party, validated_per_pipeline
 from .decoder_gate import COMPONENT, prepare_gate
 from .decoder_modules import (
     STATE_DTYPE,
@@ -87,7 +102,7 @@ logger = logging.getLogger(__name__)
 
 def _trace(module: StatefulDecoder, example: tuple):
     module = module.eval()
-    with torch.no_grad():
+    with torch.no_grad(), quiet_third_party():
         traced = torch.jit.trace(module, example, check_trace=False)
     module.reset()
     return traced
@@ -185,7 +200,7 @@ def build_step_mlmodel(model, capacity: int, memory_len: int, precision: str = "
         traced = trace_decoder_step(step)
         inputs, states, outputs = coreml_io(step.shapes)
     prec = {"fp16": ct.precision.FLOAT16, "fp32": ct.precision.FLOAT32}[precision]
-    with validated_per_pipeline():
+    with validated_per_pipeline(), quiet_third_party():
         mlmodel = ct.convert(
             traced,
             inputs=inputs,
@@ -417,7 +432,7 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
             summary = ("Cohere Transcribe decoder extend: up to K tokens from a given slot in one call "
                        "(stateful KV cache, bound cross memory)")
         else:
-            logger.info("decoder: tracing (L=%d Hkv=%d C=%d Tp=%d Dh=%d V=%d)", shapes.num_layers,
+            logger.debug("decoder: tracing (L=%d Hkv=%d C=%d Tp=%d Dh=%d V=%d)", shapes.num_layers,
                         shapes.num_kv_heads, shapes.capacity, shapes.memory_len, shapes.head_dim, shapes.vocab_size)
             traced = trace_decoder_step((DecoderStepHost if host else DecoderStep)(model, capacity, memory_len))
             descriptions = HOST_DESCRIPTIONS if host else DECODER_DESCRIPTIONS

@@ -4,7 +4,8 @@
     rows    = run_teacher_forcing(decoder, case)        # a package (`DecoderRuntime`) or its PyTorch twin
     report  = teacher_forcing_report(case, rows, "fp16")  # per-step PSNR / KL, argmax (near-tie rule)
     gate    = prepare_gate(model, make_twin, ...)       # the reference + the negative controls, then
-    gate(package_path) -> GateReport                    # the package scored (step, bind_memory, prefill)
+    gate(package_path) -> GateReport                    # the package scored (step, prefill, extend; bind_memory
+                                                        # in a graph-state package)
 
 The negative controls (`NEGATIVE_CONTROLS`) feed the PyTorch twin the inputs a broken package would see
 (zero memory, swapped K/V, permuted layers, another prompt) and record whether the gate would refuse
@@ -215,11 +216,12 @@ def run_extend_teacher_forcing(decoder, case: TeacherForcingCase, extend_len: in
 
 
 def bound_memory_check(decoder, case: TeacherForcingCase) -> dict:
-    """bind_memory writes exactly the memory it was given: the state's cross_k / cross_v / cross_mask
+    """The memory bind (the host's writes for the default host-state decoder, bind_memory for a graph-state
+    one) writes exactly the memory it was given: the state's cross_k / cross_v / cross_mask
     read back equal the case's memory rounded to fp16, the self cache is zero, and memory_length
     counts the valid frames."""
     state = decoder.make_state()
-    for name in ("self_k", "self_v"):  # a dirty cache, which bind_memory must clear
+    for name in ("self_k", "self_v"):  # a dirty cache, which the bind must clear
         shape, dtype = decoder.state_description[name]
         state.write_state(name, np.ones(shape, dtype=dtype))
     bound = decoder.bind(state, case.memory)
@@ -265,11 +267,12 @@ def negative_controls(make_twin: TwinFactory, case: TeacherForcingCase, precisio
     """Can this gate case tell a right package from a broken one?
 
     Each control runs the PyTorch twin (`make_twin(capacity, memory_len)`, e.g. `decoder.TorchDecoder.of`
-    bound to the model: bind_memory, then the steps, as the gate runs the package) on the broken inputs (`control_case`: the broken memory is what gets bound) and
-    scores it against the case's reference exactly as the gate scores a package. `discriminates` is True when the
-    gate would refuse it. On random weights the output barely depends on the cross memory (the
-    tiny test checkpoints: zero memory moves log-probs by ~2e-3, PSNR 81 dB, argmax unchanged), so
-    the gate passes broken packages; this records that instead of leaving it unnoticed.
+    bound to the model: the memory bound, then the steps, as the gate runs the package) on the broken inputs
+    (`control_case`: the broken memory is what gets bound) and scores it against the case's reference exactly
+    as the gate scores a package. `discriminates` is True when the gate would refuse it. On random weights
+    the output barely depends on the cross memory (on the tiny test checkpoints zero memory hardly moves the
+    log-probs and changes no argmax), so the gate passes broken packages; this records that instead of
+    leaving it unnoticed.
     """
     capacity = round_up(len(case.ids), ANE_MULTIPLE)
     runtime = make_twin(capacity, case.cross_k.shape[2])

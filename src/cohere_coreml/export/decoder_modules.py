@@ -1,8 +1,12 @@
 """The PyTorch modules traced for each function of `decoder.mlpackage`: `StatefulDecoder` (the
 `transformers` Cohere ASR decoder layers with a static KV cache and the cross memory in the state;
-none of the layers re-implemented) and one wrapper per function (bind_memory, step, prefill, extend;
-the host-written-state variants). Tracing, conversion and the gate: `cohere_coreml.export.decoder`,
-whose docstring gives each function's inputs, outputs and effect.
+none of the layers re-implemented) and one wrapper per function.
+
+The default "host" state: `DecoderStepHost`, `DecoderPrefillHost`, `DecoderExtendHost` only read the
+state and return their tokens' new K/V rows (the host writes them, and the cross memory once per window).
+The "graph" state: `DecoderBind` (bind_memory), `DecoderStep`, `DecoderPrefill`, `DecoderExtend` write
+the state themselves. Tracing, conversion and the gate: `cohere_coreml.export.decoder`, whose docstring
+gives each function's inputs, outputs and effect.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ def stable_log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
     Not `torch.log_softmax`: coremltools lowers that to log(softmax(x)), and in fp16 every
     probability below ~6e-8 (log-prob < -16.6) underflows there and comes out as log(1e-45) =
-    -103.3 (measured on the trained small model: worst log-prob PSNR -9 dB). This form keeps
-    the small log-probs (beam search needs them).
+    -103.3 (on the trained small model that ruins the log-prob parity: docs/decoder.md). This form
+    keeps the small log-probs (beam search needs them).
     """
     shifted = logits - logits.max(dim=-1, keepdim=True).values
     return shifted - torch.log(torch.exp(shifted).sum(dim=-1, keepdim=True))
@@ -39,9 +43,10 @@ class StatefulDecoder(nn.Module):
     """`CohereAsrForConditionalGeneration`'s decoder over the package's state buffers.
 
     The five registered fp16 buffers are the Core ML states (same names). Each function of the
-    package is a subclass whose `forward` calls one method here: `bind_memory` (DecoderBind),
-    `run_tokens` (DecoderStep, DecoderPrefill). The PyTorch twin (`TorchDecoder`) calls the same
-    methods, so a module's twin and its package compute the same thing.
+    package is a subclass whose `forward` calls one method here: `run_tokens` (the step, prefill and
+    extend of both variants: with a `cache_mask` it only reads the state, the default "host" design)
+    and `bind_memory` (DecoderBind, the "graph" design's bind function). The PyTorch twin
+    (`TorchDecoder`) calls the same methods, so a module's twin and its package compute the same thing.
     """
 
     def __init__(self, model, capacity: int, memory_len: int):

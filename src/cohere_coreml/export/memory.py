@@ -12,9 +12,9 @@ def release_memory() -> None:
 
     glibc keeps freed blocks below its mmap threshold (up to 32 MB each: most weight tensors) in the
     process heap, so after a 2 B model's package is run and freed the process still holds gigabytes
-    it no longer uses, and the next stage's peak adds to them. Measured on the full-size f16 bundle:
-    5.08 GB resident after `quantize.build_gate_data` returns, 0.77 GB after `malloc_trim(0)`. A no-op
-    where glibc is absent (macOS returns freed memory on its own).
+    it no longer uses, and the next stage's peak adds to them; `malloc_trim(0)` returns most of it
+    (the full-size figures: docs/quantization.md). A no-op where glibc is absent (macOS returns freed
+    memory on its own).
     """
     gc.collect()
     if sys.platform.startswith("linux"):

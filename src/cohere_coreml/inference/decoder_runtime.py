@@ -1,12 +1,17 @@
 """The functions of one decoder.mlpackage used together on one state, through the runtime interface.
 
     memory  = encoder.predict(...)                      # cross_k, cross_v, cross_mask (+ encoder_length)
-    state   = decoder.new_state(memory)                 # make_state + bind_memory (host variant: the host
-                                                        # writes the memory): once per window
+    state   = decoder.new_state(memory)                 # make_state, then the memory into it, once per window:
+                                                        # written by this class (the default host-state package)
+                                                        # or by the package's bind_memory (a graph-state one)
     lp      = decoder.prefill(state, prompt)            # or decoder.step(state, id, p) per prompt token
     lp      = decoder.extend(state, ids, start)         # up to K tokens from slot `start` in one call
     lp      = decoder.step(state, token, position)      # (V,) log-probs; binds only input_ids, position
     fed     = decoder.feed(state, ids, start)           # a forced prefix by `feed_plan`: prefill, extend, steps
+
+In the default host-state package the token functions only read the state: each call also gets its
+`cache_mask` and returns its tokens' K/V rows (`new_k`, `new_v`), which this class writes at their slots
+(`write_rows`). A graph-state package's functions write the state themselves.
 
 `DecoderRuntime` is what the `Transcriber`, `verify`, the export gate and `quantize` run; the
 PyTorch twin of the same interface is `decoder.TorchDecoder`. Beam search copies states with
@@ -147,13 +152,13 @@ class Fed:
 
 
 class DecoderRuntime:
-    """bind_memory, the step (`main`) and optionally prefill and extend of one decoder package, sharing
-    one state.
+    """The step (`main`), optionally prefill and extend, and in a graph-state package bind_memory, of one
+    decoder package, sharing one state.
 
-    Two variants (`state_writes`, read from the package): "graph" (the functions write the state;
-    `bind_memory` writes the cross memory) and "host" (the functions only read the state and return the
-    new K/V rows, `new_k` / `new_v`; this class writes them at their slots (`write_rows`), builds each
-    call's `cache_mask` (`host_cache_mask`) and writes the cross memory itself, once per window).
+    Two variants (`state_writes`, read from the package): "host", the default (the functions only read the
+    state and return the new K/V rows, `new_k` / `new_v`; this class writes them at their slots
+    (`write_rows`), builds each call's `cache_mask` (`host_cache_mask`) and writes the cross memory itself,
+    once per window), and "graph" (the functions write the state; `bind_memory` writes the cross memory).
 
     Args:
         step, bind, prefill, extend: loaded functions (`runtime.load_model`), prefill and extend optional;

@@ -150,7 +150,7 @@ def copy_state(model, state):
 
     Every buffer is copied: for the decoder package the self-attention cache (2 x (L, Hkv, C, Dh))
     and the bound cross memory (2 x (L, Hkv, Tp, Dh) + the mask): the child hypothesis keeps the
-    window's memory without another bind_memory call. Full size: 9.4 MB cache + 14.7 MB memory
+    window's memory without binding it again. Full size: 9.4 MB cache + 14.7 MB memory
     per copy (fp16), host memory only, made only when a beam has several surviving children."""
     new = model.make_state()
     for name in model.state_description:

@@ -4,10 +4,12 @@ Per window (at most one `split_long_audio` piece, zero-padded to the encoder's w
 
     features (cohere_coreml.model.audio.log_mel + pad_to_window, or the bundle's frontend.mlpackage)
       -> encoder.mlpackage : cross_k, cross_v, cross_mask, encoder_length
-      -> decoder bind_memory : a fresh decoder state holding that cross memory (once per window)
+      -> a fresh decoder state holding that cross memory (once per window): the host writes it into the
+         state (the default host-state decoder), or the package's bind_memory does (a graph-state one)
       -> the language prompt (and any forced prefix): `decoder_runtime.feed_plan` (one prefill call,
          extend calls of up to K tokens, or one step call per token)
-      -> greedy: argmax(log_probs), feed it back (input_ids + position only), until eos or the cache capacity
+      -> greedy: argmax(log_probs), feed it back (input_ids + position; the host-state decoder also gets
+         its cache_mask and returns the token's K/V rows, written into the state), until eos or the capacity
 
 A window that stops without eos (the cache is full, or `max_new_tokens` reached) is returned with
 `truncated=True` (`decoding.StopReason`): the tokens are the exact prefix greedy decoding would
@@ -115,7 +117,7 @@ class Transcriber(Engine):
         self.encoders = EncoderRuntime.from_bundle(self.bundle, backend=backend, compute_units=compute_units)
         self.encoder = self.encoders.model("main")
         self.encoder_buckets = self.encoders.buckets
-        # bind_memory + step (+ prefill) of decoder.mlpackage, one state per window
+        # the step (+ prefill, extend; bind_memory in a graph-state package) of decoder.mlpackage, one state per window
         self.decoder = DecoderRuntime.load(self.bundle.paths["decoder"], backend=backend, compute_units=compute_units,
                                            prefill=use_prefill, extend=use_extend)
         self.prefill = self.decoder.prefill_model  # None without a (used) prefill function
@@ -231,7 +233,7 @@ class Transcriber(Engine):
             if max_new_tokens < limit:
                 limit, reason_at_limit = int(max_new_tokens), StopReason.MAX_NEW_TOKENS
         t_bind = time.perf_counter()
-        state = self.decoder.new_state(encoder_out)  # bind_memory: the window's cross memory, once
+        state = self.decoder.new_state(encoder_out)  # the window's cross memory into a fresh state, once
         all_log_probs = []
 
         def step(token: int, position: int, beam_state=None) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Audio front end: load audio, and compute exactly the features `CohereAsrFeatureExtractor` computes.
 
 The features are the model's whole view of the audio, and a front end that is only "close" loses
-everything (a port with a librosa `power_to_db` front end measured 200-500 % WER). This module
+everything (a port with a librosa `power_to_db` front end transcribes far worse: docs/front-end.md). This module
 reproduces the reference extractor step by step, in numpy:
 
     waveform (N,) float32, 16 kHz mono
@@ -17,7 +17,7 @@ All parameters come from the checkpoint's preprocessor config (`FrontEndConfig.f
 
 Inputs and outputs are numpy arrays. The STFT, window and normalisation run on torch float32 kernels
 because the reference does: its float32 rounding is part of the features (see `power_spectrum`,
-`normalize`); max difference to the extractor measured <= 1e-5 on the project's test clips.
+`normalize`); the tests hold it to the extractor within the parity budget (tests/model/test_audio.py).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def resample(mono: np.ndarray, rate: int, target_rate: int) -> np.ndarray:
     """float32 `mono` from `rate` to `target_rate` Hz: soxr's high quality, the output cut or zero-padded to
     ceil(n x target / rate) samples. Sample for sample `librosa.resample(res_type="soxr_hq")` (what this
     called before: tests/model/test_audio.py), without it: its first call in a process compiles librosa's numba
-    code, 17 s on an idle 2-core machine (~50 s beside the test suite's other work)."""
+    code, which takes many seconds in every new process."""
     n = int(np.ceil(mono.shape[0] * float(target_rate) / rate))
     out = soxr.resample(mono, rate, target_rate, quality="soxr_hq")
     out = out[:n] if out.shape[0] >= n else np.pad(out, (0, n - out.shape[0]))
@@ -162,7 +162,7 @@ def _read_file(path: Path) -> tuple[np.ndarray, int]:
 
     try:
         # block by block, not sf.read: a corrupt header can claim billions of frames, and sf.read allocates
-        # what the header claims up front (a 32 GiB MemoryError for a 250 kB FLAC with one byte changed)
+        # what the header claims up front (a small FLAC with one byte changed can ask for tens of GiB)
         with sf.SoundFile(str(path)) as f:
             blocks, rate = [], int(f.samplerate)
             while (block := f.read(READ_BLOCK_FRAMES, dtype="float32", always_2d=True)).shape[0]:
@@ -248,7 +248,7 @@ def check_speech(waveform: np.ndarray, name: str = "audio") -> None:
 def mel_filters(config: FrontEndConfig) -> np.ndarray:
     """Slaney mel filter bank (n_mels, n_fft // 2 + 1), float32, as the reference extractor builds it.
 
-    Cached per config (building it costs ~40 ms, more than the features of a short clip); read-only.
+    Cached per config (building it costs more than the features of a short clip); read-only.
     """
     from transformers.audio_utils import mel_filter_bank  # heavy: audio imports without transformers
 
@@ -278,8 +278,8 @@ def power_spectrum(x: np.ndarray, config: FrontEndConfig) -> np.ndarray:
     """|STFT|^2 (n_fft // 2 + 1, frames) float32: centred, zero padded, frame t = padded[t*hop : t*hop+n_fft].
 
     Computed with `torch.stft` and `torch.hann_window` in float32, as the reference extractor does: a
-    float64 FFT, or a window differing by 2e-7, moves near-silent low mel bins by up to 3e-4 in
-    log-mel (measured), above the 1e-4 parity budget.
+    float64 FFT, or a window differing in its last float32 bits, moves near-silent low mel bins in log-mel
+    by more than the 1e-4 parity budget.
     """
     import torch  # heavy (see stft_window)
 

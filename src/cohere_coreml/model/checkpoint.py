@@ -91,7 +91,7 @@ def resolve_checkpoint(model: str | os.PathLike, revision: str | None = None) ->
 
 
 def _download(repo_id: str, revision: str | None) -> Path:
-    from huggingface_hub import snapshot_download  # heavy (the Hub's HTTP stack, ~0.2 s): only a download needs it
+    from huggingface_hub import snapshot_download  # heavy (the Hub's HTTP stack): only a download needs it
     from huggingface_hub.errors import (  # heavy (as above)
         GatedRepoError,
         LocalEntryNotFoundError,
@@ -167,7 +167,7 @@ def load_reference(model: str | os.PathLike = DEFAULT_HUB_ID, revision: str | No
         # disable_mmap: read the file, do not map it. transformers 5 loads safetensors through a memory
         # map that stays mapped after loading (the pages it read stay resident) although every weight is
         # converted to float32 copies; at full size that is the 4.1 GB bf16 file on top of the 8.2 GB
-        # model for the whole export (full-size gated export: 18.0 -> 13.97 GiB peak RSS, docs/quantization.md).
+        # model for the whole export (the full-size export's peak RSS either way: docs/quantization.md).
         # Reading costs the same load-time peak (file + model) and frees the file bytes after loading.
         reference = CohereAsrForConditionalGeneration.from_pretrained(
             source.local_dir, use_safetensors=True, dtype=dtype or torch.float32, disable_mmap=True

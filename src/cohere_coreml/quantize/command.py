@@ -225,9 +225,9 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
         if not Path(calibration).is_dir():
             raise QuantizeError(f"--calibration {calibration}: no such folder")
         if eval_dir is not None and not skip_verify and Path(calibration).resolve() == Path(eval_dir).resolve():
-            # measured on the default model: thresholds that keep every held-out clip identical when
-            # calibrated on the held-out clips themselves raised English WER by 1.5 points when
-            # calibrated on other audio (docs/quantization.md)
+            # ranks calibrated on the held-out clips themselves flatter the gate: thresholds that keep every
+            # held-out clip identical that way raised the error rate when calibrated on other audio
+            # (docs/quantization.md)
             logger.warning("%s: the ranks are calibrated on the held-out clips the gate measures, so the gate "
                            "measures the calibration audio itself; pass --calibration with other in-domain audio "
                            "for an unbiased figure", preset)

@@ -99,8 +99,8 @@ def run_coremltools(mlmodel, scheme: str, config):
     through them when it was exported. Here that main pipeline is empty; the frontend and backend
     pipelines still run. The weight files are the same bytes as the public functions write and the
     graph stays the exported one (the re-run renames ops and rewrites transpose permutations):
-    tests/quantize/test_compress.py compares both on every scheme. The default model's encoder
-    compresses in 0.9 s instead of 3.5 s.
+    tests/quantize/test_compress.py compares both on every scheme. Skipping the re-run makes compression
+    several times faster (docs/quantization.md).
     """
     from coremltools import _SPECIFICATION_VERSION_IOS_16  # heavy import
     from coremltools.converters.mil.converter import mil_convert

@@ -25,12 +25,12 @@ The analysis steps apart from the apply steps:
 
 MACs are per encoder frame (one output row of each linear); bytes are fp16 weights + biases.
 
-Memory of the statistics (float64; `statistics_bytes`), released config (48 layers, d_model 1280, FFN 5120:
-480 targets): all (out, out) covariances are 27.05 GB. Before the groups, every accumulator was held at
-once and divided into a second copy (54.1 GB), then the covariances and every full eigenvector matrix were
-kept (54.1 GB). Now: one group's accumulators (<= 2 GiB) + one eigendecomposition's workspace (the
-covariance's copy, the vectors and LAPACK's 2 out^2: 0.84 GB at out 5120) + the kept axes of every target
-(sum of out x kept_rank: 7.44 GB), 10.4 GB at most, in 1 + 14 passes of the encoder.
+Memory of the statistics (float64; `statistics_bytes`): in the released config (48 layers, d_model 1280,
+FFN 5120: 480 targets) all (out, out) covariances together are tens of GB, so they are never held at once.
+One pass of the encoder over the calibration audio gives every mean, then one pass per group of targets
+its covariances: at any time one group's accumulators (<= 2 GiB) + one eigendecomposition's workspace (the
+covariance's copy, the vectors and LAPACK's 2 out^2) + the kept axes of every target so far (sum of out x
+kept_rank).
 """
 
 from __future__ import annotations
