@@ -244,7 +244,7 @@ public enum DeviceBenchmark {
         var state: [String: Bool] = [:]
         for file in [manifest.files.frontend, manifest.files.encoder, manifest.files.decoder].compactMap({ $0 }) {
             let package = bundle.appendingPathComponent(file)
-            state[file] = (try? coreml.cachedLocation(for: package)).map(CoreMLRuntime.isComplete) ?? false
+            state[file] = (try? coreml.cachedLocation(for: package)).map(CompiledModelCache.isComplete) ?? false
         }
         return state
         #else
