@@ -10,6 +10,9 @@ Prints per variant the bytes of every input of a step (from the package's I/O de
 the host writes into the state per step and per window (graph: 0), the state-writing ops of its programs
 (`decoder_gate.state_write_ops`), the median / min ms per step; and the same bytes for the full-size
 config (L 8, Hkv 8, Dh 128, C 288, Tp 448) by arithmetic.
+Also the bytes per step by path, measured: in place (the interpreter's row write; Swift writes the same rows),
+and through the whole-buffer state API that coremltools' MLState offers Python on a Mac (counted on the
+interpreter's state with its row write hidden).
 Usage: uv run python tools/bench_decoder_step.py [--model DIR] [--precision fp16] [--steps 40] [--json]
 """
 
@@ -47,6 +50,31 @@ def host_bytes(s: dict, state_writes: str) -> dict:
                 "step_written_whole_buffers": 0, "step_read_whole_buffers": 0}
     return {"window_written": memory, "step_written": rows, "step_read": 0, "step_mask_input": s["capacity"] * 2,
             "step_written_whole_buffers": 2 * cache, "step_read_whole_buffers": 2 * cache}
+
+
+def whole_buffer_bytes(decoder, memory: dict, steps: int) -> dict:
+    """Bytes read from and written into the state per step when the state offers only whole-buffer
+    `read_state` / `write_state`, as coremltools' `MLState` does (Python on Core ML): the interpreter's
+    state with its in-place row write hidden, so `decoder_runtime.write_rows` takes that path; counted."""
+    import numpy as np
+
+    state = decoder.new_state(memory)
+    counts = {"read": 0, "written": 0}
+    read_state, write_state = state.read_state, state.write_state
+
+    def read(name):
+        value = read_state(name)
+        counts["read"] += np.asarray(value).nbytes
+        return value
+
+    def write(name, value):
+        counts["written"] += np.asarray(value).nbytes
+        write_state(name, value)
+
+    state.read_state, state.write_state, state.write_state_slice = read, write, None
+    for pos in range(steps):
+        decoder.step(state, 5, pos)
+    return {"read": counts["read"] / steps, "written": counts["written"] / steps}
 
 
 def main(argv=None) -> int:
@@ -103,6 +131,8 @@ def main(argv=None) -> int:
                 decoder.step(state, 5, pos)
                 v["steps"].append(time.perf_counter() - t)
             v["written"].append((decoder.state_bytes_written - before) / args.steps)
+    for v in variants.values():  # one more window by the whole-buffer state API (coremltools' MLState)
+        v["whole_buffer"] = whole_buffer_bytes(v["decoder"], memory, args.steps)
     report = {"model": args.model, "precision": args.precision, "variants": {}}
     for state_writes, v in variants.items():
         result, steps = v["result"], v["steps"]
@@ -112,6 +142,7 @@ def main(argv=None) -> int:
             "gate": {k: result["parity"][k] for k in ("worst_psnr_db", "mean_kl", "passed")} if result["parity"] else None,
             "step_bytes_bound_per_call": io_bytes(package_io(result["path"], STEP_FUNCTION)),
             "host_bytes_written_per_step_measured": float(np.mean(v["written"])),
+            "whole_buffer_bytes_per_step_measured": v["whole_buffer"],
             "host_bytes": host_bytes(s, state_writes),
             "host_bytes_full_size": host_bytes(FULL_SIZE, state_writes),
             "state_write_ops": state_write_ops(result["path"]),
@@ -130,6 +161,11 @@ def main(argv=None) -> int:
               f"(measured {r['host_bytes_written_per_step_measured']:.0f}), {hb['window_written']} B once per window; "
               f"{r['step_ms_median']:.3f} ms median ({r['step_ms_min']:.3f} min) over {r['step_calls']} calls; "
               f"window start {r['window_start_ms_median']:.3f} ms")
+        wb = r["whole_buffer_bytes_per_step_measured"]
+        print(f"  per step by path, measured: in place {r['host_bytes_written_per_step_measured']:.0f} B written "
+              f"(the interpreter; Swift writes the same rows through MLState.withMultiArray(for:)); whole-buffer "
+              f"MLState API (Python on Core ML) {wb['read']:.0f} B read + {wb['written']:.0f} B written "
+              f"(arithmetic {hb['step_read_whole_buffers']} + {hb['step_written_whole_buffers']})")
         print(f"  full size: host writes {full['step_written']} B per step in place (whole-buffer MLState API: "
               f"{full['step_read_whole_buffers']} B read + {full['step_written_whole_buffers']} B written), "
               f"{full['window_written']} B once per window, cache_mask {full['step_mask_input']} B per step")

@@ -49,12 +49,13 @@ def main(argv=None) -> int:
         torch.manual_seed(seed)
         model = CohereAsrForConditionalGeneration(config).eval()
         out = Path(args.out) / precision
-        settings = ExportSettings(out_dir=out, precision=precision, force=True, model_id="random-full-size")
+        settings = ExportSettings(out_dir=out, precision=precision, force=True, model_id="random-full-size",
+                                  gate_units={"mil": "interpreter", "coreml": "all"}.get(args.backend, "auto"))
         t0 = time.perf_counter()
         memory = encoder_shapes(model, settings.window_seconds).padded_frames  # 448 for the 35 s window
         try:
             result = convert_decoder(model, settings, capacity=cache_capacity(), memory_len=memory, prompt=prompt,
-                                     backend=args.backend, prefill=args.prefill)
+                                     prefill=args.prefill)
         except DecoderExportError as err:  # refused by the gate: its figures are in decoder.parity-failed.json
             failed = json.loads((out / "decoder.parity-failed.json").read_text())
             p = failed.get("details", failed)
