@@ -10,7 +10,7 @@ Prints per variant the bytes of every input of a step (from the package's I/O de
 the host writes into the state per step and per window (graph: 0), the state-writing ops of its programs
 (`decoder_gate.state_write_ops`), the median / min ms per step; and the same bytes for the full-size
 config (L 8, Hkv 8, Dh 128, C 288, Tp 448) by arithmetic.
-Usage: uv run python tools/bench_decoder_step.py [--model DIR] [--precision fp16] [--steps 40] [--json]
+Usage: uv run python tools/bench/bench_decoder_step.py [--model DIR] [--precision fp16] [--steps 40] [--json]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import logging
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FULL_SIZE = {"num_layers": 8, "num_kv_heads": 8, "head_dim": 128, "capacity": 288, "memory_len": 448}
 
 
