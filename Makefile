@@ -107,7 +107,7 @@ lint: sync
 FAST_TESTS ?= tests/evaluation/test_metrics.py tests/model/test_tokens.py tests/model/test_shapes.py \
 	tests/export/test_parity.py tests/storage/test_files.py tests/export/test_memory.py tests/model/test_checkpoint.py \
 	tests/model/test_audio.py tests/bundle/test_fuzz_manifest.py tests/quantize/test_recipes.py \
-	tests/swift/test_swift_package.py tests/runtime/test_ops.py tests/test_layout.py
+	tests/swift/test_swift_package.py tests/runtime/test_ops.py tests/test_layout.py tests/test_tools_layout.py
 test-fast: sync lint
 	$(RUN) pytest -q -m "not slow" $(FAST_TESTS)
 
