@@ -200,7 +200,7 @@ PRESETS["q8-lowrank"] = {"encoder": Recipe("int8"), "decoder": DECODER_INT8}
 # (q8-lowrank); in PyTorch, the same ranks with the mean term dropped give 20.7 dB and all types at 0.9
 # (which raised en WER by 1.1 points) 17.9 dB: 25 dB refuses both with 4 dB margin below the measured
 # figure. The default model retrained again (0283ac4) measures 23.6 dB (q8-lowrank 23.5 dB) at these
-# energies with 10 calibration clips per language (tools/bench_compression.py; held-out tokens identical on
+# energies with 10 calibration clips per language (tools/bench/bench_compression.py; held-out tokens identical on
 # 60/60 clips): refused; see docs/quantization.md before re-deciding the energies or this threshold on it.
 # The held-out gate (vs the unmodified PyTorch model) decides. Decoder: as q8-hybrid (f16, unchanged) and q8 (int8).
 GATES["lowrank"] = {"encoder_psnr_db": 25.0, "decoder_psnr_db": 60.0, "decoder_mean_kl": 1e-6,

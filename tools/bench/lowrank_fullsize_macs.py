@@ -9,7 +9,7 @@ the conversion folds it into constants. The low-rank encoder applies, per layer 
 saves nothing leaves the tensor full (`lowrank.saves`). Also printed: the bytes of the calibration
 statistics for that config (`lowrank.statistics_bytes`: float64 covariances, groups, kept axes).
 
-    uv run --frozen python tools/lowrank_fullsize_macs.py --compression out/lowrank/compression.json
+    uv run --frozen python tools/bench/lowrank_fullsize_macs.py --compression out/lowrank/compression.json
 """
 
 from __future__ import annotations

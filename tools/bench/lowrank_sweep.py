@@ -5,7 +5,7 @@ encoder is calibrated once (unmodified), rewritten (`quantize.lowrank`) on a fre
 set transcribed by `engines.PyTorchEngine` with the rewritten encoder; printed per configuration: encoder
 parameter reduction, MACs per frame, tokens identical to the unmodified model, error rate per language.
 
-    uv run --frozen python tools/lowrank_sweep.py --model models/cohere-tiny-synth --data tests/data/heldout \\
+    uv run --frozen python tools/bench/lowrank_sweep.py --model models/cohere-tiny-synth --data tests/data/heldout \\
         [--calibration DIR] [--out out/lowrank_sweep.json]
 """
 

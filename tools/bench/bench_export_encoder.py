@@ -5,7 +5,7 @@ Prints and writes (JSON) wall times (build, trace, convert, save), peak RSS, pac
 FP16 weight file's bytes per exported parameter (target <= 2.02). Takes minutes and ~14 GB RAM:
 run it alone on the machine.
 
-    uv run python tools/bench_export_encoder.py --out /tmp/bench_encoder [--precision fp16] [--window-seconds 35]
+    uv run python tools/bench/bench_export_encoder.py --out /tmp/bench_encoder [--precision fp16] [--window-seconds 35]
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ takes) and prints, per step, the extra bytes and the per-step log-prob error vs 
 (median / p99 / max nats over the f16 top-16 tokens, and the eos id's max): the bound on which
 near-ties quantization can flip, and how fast keeping weights fp16 lowers it.
 
-    uv run python tools/bench_sensitivity.py --bundle f16 --data tests/data/heldout
-    uv run python tools/bench_sensitivity.py --bundle /tmp/bench_full/f16 --max-kept 6   # full size
+    uv run python tools/bench/bench_sensitivity.py --bundle f16 --data tests/data/heldout
+    uv run python tools/bench/bench_sensitivity.py --bundle /tmp/bench_full/f16 --max-kept 6   # full size
 """
 
 from __future__ import annotations

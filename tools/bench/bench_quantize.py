@@ -10,8 +10,8 @@ held-out set: random weights transcribe nothing). A preset its gate refuses is r
 `--skip-verify` so its size is still measured; the refused figures come from `<preset>.parity-failed.json`.
 Prints and writes (JSON) a table. Full size takes about an hour and ~16 GB: run it alone. Smoke run:
 
-    uv run python tools/bench_quantize.py --encoder-layers 2 --out /tmp/bench_q
-    uv run python tools/bench_quantize.py --out /tmp/bench_q            # full size (run alone)
+    uv run python tools/bench/bench_quantize.py --encoder-layers 2 --out /tmp/bench_q
+    uv run python tools/bench/bench_quantize.py --out /tmp/bench_q            # full size (run alone)
 
 Targets (issue 12): f16 <= 2.02, q8 <= 1.03, q4 <= 0.56 bytes per checkpoint parameter; the gated
 export's peak RSS <= 16 GB. Issue 27: the export splits the encoder (`--encoder-parts`, default auto:
@@ -19,7 +19,7 @@ under the iOS limit of 1 GiB per program); every bundle's programs are listed wi
 against that limit. A preset `q4@lowrank` is q4 over the `lowrank` bundle (the lowrank->q4 chain;
 `lowrank` needs --calibration: a folder like --data, a few clips suffice for sizes).
 
-    uv run python tools/bench_quantize.py --presets q8 lowrank q4@lowrank --calibration DIR --out /tmp/bq
+    uv run python tools/bench/bench_quantize.py --presets q8 lowrank q4@lowrank --calibration DIR --out /tmp/bq
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ import sys
 import time
 from pathlib import Path
 
-from cohere_coreml_dev.cli_runs import bundle_bytes, gate_figures, run_cli
+# the dev package (tools/cohere_coreml_dev) sits one folder up: put tools/ on the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cohere_coreml_dev.cli_runs import bundle_bytes, gate_figures, run_cli  # noqa: E402
 
 TARGETS = {"f16": 2.02, "q8": 1.03, "q4": 0.56}
 IOS_LIMIT = 1 << 30  # ane_check.WEIGHT_LIMITS["ios"]

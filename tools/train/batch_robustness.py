@@ -9,7 +9,7 @@ per good file, status "ok" and the text the same clip gets on its own (the first
 no entry for a bad file; stderr names every bad file.
 
 Example:
-  uv run python tools/batch_robustness.py --bundle out/demo/cohere-tiny-synth-fp16 --clips 1000
+  uv run python tools/train/batch_robustness.py --bundle out/demo/cohere-tiny-synth-fp16 --clips 1000
 """
 
 import argparse
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def build(folder: Path, clips: int, data: Path) -> tuple[list[Path], list[Path]]:

@@ -7,15 +7,19 @@ with a fixed seed. The held-out split only contains sentences that never occur i
 training split. Needs espeak-ng (`apt-get install espeak-ng`); this script installs nothing.
 
 Example:
-  uv run python tools/make_synthetic_speech.py --out /tmp/training/train --split train --per-language 4000
-  uv run python tools/make_synthetic_speech.py --out tests/data/heldout --split heldout --per-language 40
+  uv run python tools/data/make_synthetic_speech.py --out /tmp/training/train --split train --per-language 4000
+  uv run python tools/data/make_synthetic_speech.py --out tests/data/heldout --split heldout --per-language 40
 """
 
 import argparse
 import logging
 import sys
+from pathlib import Path
 
-from cohere_coreml_dev.synth import CORPUS_LANGUAGES, RECIPES, VARIED_MIXED_SHARE, SynthError, make_corpus
+# the dev package (tools/cohere_coreml_dev) sits one folder up: put tools/ on the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cohere_coreml_dev.synth import CORPUS_LANGUAGES, RECIPES, VARIED_MIXED_SHARE, SynthError, make_corpus  # noqa: E402
 
 
 def main(argv=None) -> int:

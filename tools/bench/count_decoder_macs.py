@@ -10,7 +10,7 @@ FFN 4096, vocabulary 16384):
      recomputes each layer's cross K/V projections from the T encoder frames at every step.
 
 and prints multiply-adds per decoder call for both and their ratio (target <= 1/20).
-Usage: uv run python tools/count_decoder_macs.py [--frames 438] [--capacity 288] [--json]
+Usage: uv run python tools/bench/count_decoder_macs.py [--frames 438] [--capacity 288] [--json]
 """
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
+from pathlib import Path
+
+# the dev package (tools/cohere_coreml_dev) sits one folder up: put tools/ on the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv=None) -> int:

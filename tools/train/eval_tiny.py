@@ -15,9 +15,9 @@ single clips'), each ratio with its 95 % bootstrap interval and the share of res
 and the multi clips' WER split by whether two neighbouring sentences share a grammar template.
 
 Examples:
-  uv run python tools/eval_tiny.py --model models/cohere-tiny-synth --data tests/data/heldout
-  uv run python tools/eval_tiny.py --data out/heldout-varied/multi --by-position
-  uv run python tools/eval_tiny.py --robustness out/validation-varied
+  uv run python tools/train/eval_tiny.py --model models/cohere-tiny-synth --data tests/data/heldout
+  uv run python tools/train/eval_tiny.py --data out/heldout-varied/multi --by-position
+  uv run python tools/train/eval_tiny.py --robustness out/validation-varied
 """
 
 import argparse
@@ -26,7 +26,10 @@ import logging
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+# the dev package (tools/cohere_coreml_dev) sits one folder up: put tools/ on the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main(argv=None) -> int:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Streaming bench (issue 20) on the dictations of tools/make_dictations.py, in audio time.
+"""Streaming bench (issue 20) on the dictations of tools/data/make_dictations.py, in audio time.
 
 The virtual clock: every dictation is fed in chunks of --chunk seconds as fast as possible and each
 update carries the audio time at which it was decided (`Update.audio_time`), i.e. what the updates
@@ -25,8 +25,8 @@ Measured:
 * a sweep (hop, n, hangover, hop growth), one factor at a time, on one dictation per language.
 
 Example:
-  uv run --frozen python tools/make_dictations.py --out out/dictations
-  uv run --frozen python tools/bench_streaming.py --bundle out/stream-bundle --data out/dictations --out out/stream-bench
+  uv run --frozen python tools/data/make_dictations.py --out out/dictations
+  uv run --frozen python tools/bench/bench_streaming.py --bundle out/stream-bundle --data out/dictations --out out/stream-bench
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from cohere_coreml.model.audio import load_audio
 
 logger = logging.getLogger("bench_streaming")
 
-HELDOUT_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "heldout"
+HELDOUT_DIR = Path(__file__).resolve().parents[2] / "tests" / "data" / "heldout"
 
 ACOUSTIC_END_DB = 6.0  # an utterance's acoustic end: its last frame this far above the dictation's background
 SWEEP = [  # one factor at a time around the defaults
@@ -167,7 +167,7 @@ def own_clip_verdicts(d, run, own_text: dict[str, str]) -> dict[str, str]:
 def in_place_clip(d, u) -> np.ndarray | None:
     """Utterance `u`'s samples as they lie in dictation `d` (its level, the dictation's background noise),
     with as much of the dictation before and after its speech as its own clip has edges (`clip_edges`,
-    tools/make_dictations.py): its own clip but for the audio the dictation changed. None for a manifest
+    tools/data/make_dictations.py): its own clip but for the audio the dictation changed. None for a manifest
     without the edges (written before they were recorded)."""
     edges = u.get("clip_edges")
     if edges is None:
@@ -362,7 +362,7 @@ def render_markdown(report: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundle", required=True, nargs="+")
-    parser.add_argument("--data", default="out/dictations", help="folder written by tools/make_dictations.py")
+    parser.add_argument("--data", default="out/dictations", help="folder written by tools/data/make_dictations.py")
     parser.add_argument("--out", default="out/stream-bench")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--chunk", type=float, default=0.1, help="seconds per fed chunk (default: %(default)s)")
@@ -443,7 +443,7 @@ def main(argv=None) -> int:
                 row["in_place"] = in_place_text[row["id"]]
             logger.info("own clip, decomposed: %s", report["own_clip_decomposition"])
         else:
-            logger.info("the dictations' manifest has no clip_edges (older tools/make_dictations.py): "
+            logger.info("the dictations' manifest has no clip_edges (older tools/data/make_dictations.py): "
                         "no in-place decomposition")
         dictation_runs = [r for r in runs if "utterances" in r]
         report["summary"] = summarise(runs)

@@ -7,8 +7,8 @@ engine with --pytorch) and reads that process's peak RSS from the OS. Windows ar
 file one at a time (cohere_coreml.inference.longform), so the 10-minute clip should cost about the same.
 
 Example:
-  uv run python tools/longform_rss.py --bundle out/demo/cohere-tiny-synth-fp16 --backend mil
-  uv run python tools/longform_rss.py --pytorch models/cohere-tiny-synth
+  uv run python tools/bench/longform_rss.py --bundle out/demo/cohere-tiny-synth-fp16 --backend mil
+  uv run python tools/bench/longform_rss.py --pytorch models/cohere-tiny-synth
 """
 
 import argparse
@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 RUN_PYTORCH = """
 import json, sys

@@ -15,11 +15,11 @@ language (WER, or CER for ja/zh/ko) next to PyTorch's, clips and tokens identica
 
 Writes OUT/bench_compression.json, OUT/bench_compression.md (the table) and OUT/bench_compression.png
 (error rate against bytes; the Pareto front: the rows no other row beats on both). `--full-size
-FILE` adds the bytes per parameter at full size from tools/bench_quantize.py's JSON (random weights:
+FILE` adds the bytes per parameter at full size from tools/bench/bench_quantize.py's JSON (random weights:
 sizes only) for the presets it measured.
 
-    uv run --frozen python tools/bench_compression.py --out out/bench-compression
-    uv run --frozen python tools/bench_compression.py --out out/bench-compression --rows q8 'lowrank' \\
+    uv run --frozen python tools/bench/bench_compression.py --out out/bench-compression
+    uv run --frozen python tools/bench/bench_compression.py --out out/bench-compression --rows q8 'lowrank' \\
         'lowrank-q4=q4 --bundle {out}/lowrank'
 """
 
@@ -31,8 +31,11 @@ import logging
 import sys
 from pathlib import Path
 
-from cohere_coreml_dev.cli_runs import bundle_bytes, checkpoint_parameters, gate_figures, run_cli
-from cohere_coreml_dev.compression_table import (
+# the dev package (tools/cohere_coreml_dev) sits one folder up: put tools/ on the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cohere_coreml_dev.cli_runs import bundle_bytes, checkpoint_parameters, gate_figures, run_cli  # noqa: E402
+from cohere_coreml_dev.compression_table import (  # noqa: E402
     heldout_row,
     markdown,
     mean_rate,
@@ -146,7 +149,7 @@ def main(argv=None) -> int:
                         "scored; every row is scored on the rest (default: %(default)s)")
     parser.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS),
                         help="rows as 'label=preset [quantize flags]' or a preset name (default: every preset)")
-    parser.add_argument("--full-size", default=None, help="tools/bench_quantize.py's JSON of a full-size run")
+    parser.add_argument("--full-size", default=None, help="tools/bench/bench_quantize.py's JSON of a full-size run")
     parser.add_argument("--replot", action="store_true", help="only re-render OUT/bench_compression.json (no run)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

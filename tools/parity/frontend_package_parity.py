@@ -1,7 +1,7 @@
 """Figures of frontend.mlpackage (issue 11): features vs `audio.log_mel`, transcripts, size and time.
 
-    uv run python tools/frontend_package_parity.py --bundle out/synth-fp16            # everything
-    uv run python tools/frontend_package_parity.py --bundle DIR --skip-transcripts     # features only
+    uv run python tools/parity/frontend_package_parity.py --bundle out/synth-fp16            # everything
+    uv run python tools/parity/frontend_package_parity.py --bundle DIR --skip-transcripts     # features only
 
 1. every committed clip in tests/data/audio (long clips: each `split_long_audio` piece): valid frames of
    both, max |diff| and PSNR on the valid frames, padding frames zero;
@@ -30,7 +30,7 @@ from cohere_coreml.model.shapes import frontend_shapes
 from cohere_coreml.runtime import load_model
 from cohere_coreml.storage.files import package_size_bytes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def float64_log_mel(waveform: np.ndarray, config: FrontEndConfig) -> np.ndarray:

@@ -13,7 +13,7 @@ config (L 8, Hkv 8, Dh 128, C 288, Tp 448) by arithmetic.
 Also the bytes per step by path, measured: in place (the interpreter's row write; Swift writes the same rows),
 and through the whole-buffer state API that coremltools' MLState offers Python on a Mac (counted on the
 interpreter's state with its row write hidden).
-Usage: uv run python tools/bench_decoder_step.py [--model DIR] [--precision fp16] [--steps 40] [--json]
+Usage: uv run python tools/bench/bench_decoder_step.py [--model DIR] [--precision fp16] [--steps 40] [--json]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import logging
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FULL_SIZE = {"num_layers": 8, "num_kv_heads": 8, "head_dim": 128, "capacity": 288, "memory_len": 448}
 
 

@@ -9,10 +9,10 @@ Run it on an otherwise idle machine: rows marked [T] in the doc are wall-clock t
 First the doc's "Before" steps (the padded and multi held-out subsets, the WAV copy for the Swift run).
 
 Examples:
-  uv run python tools/remeasure.py --list
-  uv run python tools/remeasure.py                          # the whole table (~1.5 h)
-  uv run python tools/remeasure.py --from presets           # resume a stopped queue
-  uv run python tools/remeasure.py --only bench90 beams4
+  uv run python tools/bench/remeasure.py --list
+  uv run python tools/bench/remeasure.py                          # the whole table (~1.5 h)
+  uv run python tools/bench/remeasure.py --from presets           # resume a stopped queue
+  uv run python tools/bench/remeasure.py --only bench90 beams4
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ import logging
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
+# the dev package (tools/cohere_coreml_dev) sits one folder up: put tools/ on the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cohere_coreml_dev.remeasure import RESULT_CODES, RemeasureError, read_jobs, run_jobs, select, summary  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+
+from cohere_coreml_dev.figures import RESULT_CODES, RemeasureError, read_jobs, run_jobs, select, summary  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

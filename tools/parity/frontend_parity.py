@@ -1,6 +1,6 @@
 """Print how far `cohere_coreml.model.audio.log_mel` is from `CohereAsrFeatureExtractor` on audio files.
 
-    uv run python tools/front_end_parity.py [AUDIO ...]      # default: every clip in tests/data/audio
+    uv run python tools/parity/frontend_parity.py [AUDIO ...]      # default: every clip in tests/data/audio
 
 For each clip (long clips: each piece of `split_long_audio`): valid frames of both, max absolute
 difference on valid frames, and whether padding frames are zero in both.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cohere_coreml.model.audio import FrontEndConfig, load_audio, log_mel, split_long_audio
+from cohere_coreml.model.audio import AudioError, FrontEndConfig, load_audio, log_mel, split_long_audio
 
 
 def main(argv=None) -> int:
@@ -24,15 +24,18 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from transformers import CohereAsrFeatureExtractor
 
-    files = [Path(a) for a in args.audio] or sorted(
-        p for p in (Path(__file__).parents[1] / "tests/data/audio").iterdir() if p.suffix in {".wav", ".flac", ".mp3"}
-    )
+    audio_dir = Path(__file__).resolve().parents[2] / "tests" / "data" / "audio"
+    files = [Path(a) for a in args.audio] or sorted(p for p in audio_dir.iterdir() if p.suffix in {".wav", ".flac", ".mp3"})
     fe = CohereAsrFeatureExtractor(dither=args.dither)
     config = FrontEndConfig.from_feature_extractor(fe)
     worst = 0.0
     print(f"{'clip':<28} {'piece':>5} {'frames':>7} {'valid':>6} {'ref valid':>9} {'max |diff|':>11} {'pad zero':>8}")
     for path in files:
-        wav = load_audio(path)
+        try:
+            wav = load_audio(path)
+        except AudioError as e:  # a missing or unreadable file: one line, no traceback
+            print(f"frontend_parity: {e}", file=sys.stderr)
+            return 1
         pieces = split_long_audio(wav, config)
         ref = fe(wav, sampling_rate=config.sampling_rate, return_tensors="np", return_attention_mask=True)
         for i, piece in enumerate(pieces):

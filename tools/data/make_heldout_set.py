@@ -6,18 +6,18 @@ single/ is synthesised with espeak-ng (held-out sentences, voice variants never 
 0.3-2.0 s pauses) are derived from it alone (see tools/cohere_coreml_dev/heldout.py).
 
 Example (the committed single/ is tests/data/heldout-varied/single; derive the other two from it):
-  uv run python tools/make_heldout_set.py --single tests/data/heldout-varied/single --out out/heldout-varied
-  uv run python tools/make_heldout_set.py --out out/heldout-varied --per-language 200   # all three, synthesised
-  uv run python tools/eval_tiny.py --data out/heldout-varied/padded
+  uv run python tools/data/make_heldout_set.py --single tests/data/heldout-varied/single --out out/heldout-varied
+  uv run python tools/data/make_heldout_set.py --out out/heldout-varied --per-language 200   # all three, synthesised
+  uv run python tools/train/eval_tiny.py --data out/heldout-varied/padded
 
 A validation set (to choose among candidate models without choosing on the held-out set): another seed,
 none of the held-out set's sentences:
-  uv run python tools/make_heldout_set.py --seed 1 --apart-from tests/data/heldout-varied/single --out out/validation-varied
+  uv run python tools/data/make_heldout_set.py --seed 1 --apart-from tests/data/heldout-varied/single --out out/validation-varied
 
 A larger set than the grammar's held-out sentences allow distinct (about 850 per language): several seeds'
 single/ sets in one, a sentence recurring across seeds with another voice, level and noise each time
 (1000 utterances per language here; --seed then seeds the padded/multi derivation alone):
-  uv run python tools/make_heldout_set.py --seeds 2,3,4,5,6 --workers 2 --out out/heldout-large
+  uv run python tools/data/make_heldout_set.py --seeds 2,3,4,5,6 --workers 2 --out out/heldout-large
 """
 
 import argparse
@@ -25,7 +25,10 @@ import logging
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+# the dev package (tools/cohere_coreml_dev) sits one folder up: put tools/ on the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main(argv=None) -> int:

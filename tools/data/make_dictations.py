@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Dictations for the streaming bench: held-out utterances joined with pauses, times known exactly.
 
-Every held-out clip (tests/data/heldout, `tools/make_synthetic_speech.py --split heldout`) is
+Every held-out clip (tests/data/heldout, `tools/data/make_synthetic_speech.py --split heldout`) is
 espeak-ng speech with leading and trailing silence and white noise (`cohere_coreml_dev.synth._augment`:
 lead, trail = uniform(0.05, 0.4) s, the first two draws of the clip's seeded generator). Rebuilding
 the clip's synthesis plan (`plan_corpus`, same seed and split) gives those two lengths exactly, so the
@@ -23,8 +23,8 @@ Writes <out>/<language>_dictation_<i>.flac and <out>/manifest.json:
    "start_sample", "end_sample", "gain_db", "clip_edges": [lead, trail] samples of its own clip}] | null}]}
 
 Example:
-  uv run --frozen python tools/make_dictations.py --out out/dictations
-  uv run --frozen python tools/make_dictations.py --heldout tests/data/heldout-varied/single --match-levels \\
+  uv run --frozen python tools/data/make_dictations.py --out out/dictations
+  uv run --frozen python tools/data/make_dictations.py --heldout tests/data/heldout-varied/single --match-levels \\
       --min-pause 0.8 --max-pause 1.6 --out out/dictations-varied
 """
 
@@ -41,11 +41,15 @@ import soundfile as sf
 
 from cohere_coreml.evaluation.datasets import load_folder
 from cohere_coreml.model.audio import load_audio
-from cohere_coreml_dev.synth import SAMPLE_RATE, plan_corpus
+
+# the dev package (tools/cohere_coreml_dev) sits one folder up: put tools/ on the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cohere_coreml_dev.synth import SAMPLE_RATE, plan_corpus  # noqa: E402
 
 logger = logging.getLogger("make_dictations")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HELDOUT_DIR = ROOT / "tests" / "data" / "heldout"
 LONG_CLIP = ROOT / "tests" / "data" / "audio" / "en_long_75s.flac"
 LEAD_PAUSE_S = 1.0
@@ -56,7 +60,7 @@ LEAD_RANGE = (0.05, 0.4)
 
 def speech_bounds(heldout_dir: Path = HELDOUT_DIR) -> dict[str, tuple[int, int]]:
     """{file name: (lead, trail) samples} of every held-out clip: from its manifest's `segments` (the
-    robustness set, tools/make_heldout_set.py), else from its synthesis plan."""
+    robustness set, tools/data/make_heldout_set.py), else from its synthesis plan."""
     manifest = json.loads((heldout_dir / "manifest.json").read_text())
     if all("segments" in u for u in manifest["utterances"]):
         out = {}
@@ -175,7 +179,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--heldout", default=str(HELDOUT_DIR),
                         help="held-out folder whose utterances are joined (default: the 90-clip set; or a subset of "
-                             "tools/make_heldout_set.py, e.g. tests/data/heldout-varied/single)")
+                             "tools/data/make_heldout_set.py, e.g. tests/data/heldout-varied/single)")
     parser.add_argument("--match-levels", action="store_true",
                         help="scale each utterance to the dictation's median speech level (one speaker, one level; "
                              "for held-out sets that vary the level, as the robustness set does)")

@@ -9,19 +9,19 @@ Face folder (float16 safetensors + tokenizer + processor), evaluate it on the co
 set and write the model card with the measured figures.
 
 Example (the committed model's command, as its card's Reproduce section gives it, without the folders):
-  uv run python tools/train_tiny.py --per-language 10000 --recipe varied --steps 7600 --threads 2 \\
+  uv run python tools/train/train_tiny.py --per-language 10000 --recipe varied --steps 7600 --threads 2 \\
       --out models/cohere-tiny-synth
 
 A training longer than one session: the run keeps its training state in the cache folder (at every
 periodic check, and at --stop-after); the same command with --resume continues it, from where it
 stopped or was killed, to the weights of one uninterrupted run (with --steps):
-  uv run python tools/train_tiny.py ... --steps 20000 --stop-after 8000
-  uv run python tools/train_tiny.py ... --steps 20000 --resume
+  uv run python tools/train/train_tiny.py ... --steps 20000 --stop-after 8000
+  uv run python tools/train/train_tiny.py ... --steps 20000 --resume
 
 Fine-tuning: --init-from starts from a checkpoint folder's tokenizer and weights (its sizes must be the
 model options') instead of a new tokenizer and random weights, on the corpus of --train-dir (synthesised
 with --corpus-seed when that differs from the training's --seed), usually with a lower --peak-lr:
-  uv run python tools/train_tiny.py --init-from models/cohere-tiny-synth --train-dir D --steps 2000 \\
+  uv run python tools/train/train_tiny.py --init-from models/cohere-tiny-synth --train-dir D --steps 2000 \\
       --peak-lr 5e-4 --out out/tiny-tuned
 """
 
@@ -32,7 +32,10 @@ import shlex
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+# the dev package (tools/cohere_coreml_dev) sits one folder up: put tools/ on the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def reproduce_args(argv: list[str]) -> list[str]:
@@ -164,7 +167,7 @@ def main(argv=None) -> int:
                              "of the one before it (two digit strings side by side; default 0: independent draws)")
     parser.add_argument("--synth-workers", type=int, default=2, help="espeak-ng processes of that synthesis")
     parser.add_argument("--robustness", default=None,
-                        help="a folder of tools/make_heldout_set.py (single/, padded/, multi/): evaluated too, in the card")
+                        help="a folder of tools/data/make_heldout_set.py (single/, padded/, multi/): evaluated too, in the card")
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error(f"--threads must be at least 1 (got {args.threads})")
@@ -192,7 +195,7 @@ def main(argv=None) -> int:
         missing = missing_subsets(args.robustness)
         if missing:
             parser.error(f"--robustness {args.robustness}: no {', '.join(missing)}/manifest.json (make the set with "
-                         f"tools/make_heldout_set.py --out {args.robustness}, --single to derive it from a single/ folder)")
+                         f"tools/data/make_heldout_set.py --out {args.robustness}, --single to derive it from a single/ folder)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from cohere_coreml_dev.evaluate import evaluate_checkpoint, format_reports
@@ -265,7 +268,7 @@ def main(argv=None) -> int:
         robustness = evaluate_robustness(args.out, args.robustness)
         summary["robustness_wer"] = {name: {k: r.wer for k, r in reps.items()} for name, reps in robustness.items()}
     summary["size_mb"] = folder_size_bytes(args.out) / 1e6  # before the card; the card adds ~3 kB
-    command = "uv run python tools/train_tiny.py " + " ".join(shlex.quote(a) for a in reproduce_args(argv or sys.argv[1:]))
+    command = "uv run python tools/train/train_tiny.py " + " ".join(shlex.quote(a) for a in reproduce_args(argv or sys.argv[1:]))
     write_model_card(args.out, cfg, result, reports, command, summary, robustness)
     summary["size_mb"] = folder_size_bytes(args.out) / 1e6
     summary.update(

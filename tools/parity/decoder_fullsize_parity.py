@@ -6,7 +6,8 @@ The released decoder's shapes (transformers' `CohereAsrConfig` defaults: 8 layer
 1-layer encoder (the encoder is not part of the step). Runs `convert_decoder` (the same gate the
 export uses) through the runtime and prints PSNR / KL per precision, ms per decoder step call (input_ids +
 position only) and the one bind_memory call of a window.
-Usage: uv run python tools/decoder_fullsize_parity.py [--precision fp16 fp32] [--seed 0 7 ...] [--out /tmp/dec_full]
+Usage:
+  uv run python tools/parity/decoder_fullsize_parity.py [--precision fp16 fp32] [--seed 0 7 ...] [--out /tmp/dec_full]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Write the seeded corpus of mutated manifests the Swift fuzz test decodes (ManifestFuzzTests.swift).
 
-    python tools/make_fuzz_manifests.py --manifest out/swift-fixtures/bundle/manifest.json \\
+    python tools/data/make_fuzz_manifests.py --manifest out/swift-fixtures/bundle/manifest.json \\
         --out out/fuzz-manifests [--count 400 --seed 22]
 
 Same generator as tests/bundle/test_fuzz_manifest.py (cohere_coreml_dev.fuzz.corpus): 1-3 field mutations per
@@ -18,7 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the dev package (tools/cohere_coreml_dev) sits one folder up: put tools/ on the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 
 from cohere_coreml_dev.fuzz import corpus, targeted, verdicts  # noqa: E402
 

@@ -6,12 +6,15 @@ import logging
 import sys
 from pathlib import Path
 
-from cohere_coreml_dev.synth import SynthError, make_test_audio
+# the dev package (tools/cohere_coreml_dev) sits one folder up: put tools/ on the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cohere_coreml_dev.synth import SynthError, make_test_audio  # noqa: E402
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests" / "data" / "audio"),
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[2] / "tests" / "data" / "audio"),
                         help="output folder (default: tests/data/audio)")
     parser.add_argument("--seed", type=int, default=0, help="seed for pauses and noise of the long clip")
     args = parser.parse_args(argv)

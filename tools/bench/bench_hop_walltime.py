@@ -3,7 +3,7 @@
 
 Times, through the runtime, the calls a hop makes on an already exported bundle (nothing is exported
 here): the encoder (every function of the bundle, once warm), bind_memory, the decoder step, and
-prefill / extend when the bundle has them. Then composes, for the schedule a `tools/bench_streaming.py`
+prefill / extend when the bundle has them. Then composes, for the schedule a `tools/bench/bench_streaming.py`
 report measured (its updates), the wall time per partial, per final and per audio second:
 
     encoder: each call's bucket (the report's encoder frames; a bundle without that bucket: the
@@ -14,7 +14,7 @@ report measured (its updates), the wall time per partial, per final and per audi
 A prefill or extend call the bundle lacks is estimated as the measured step time x the ratio of that
 call to a step measured on --ratio-bundle (a small bundle that has them), and marked as an estimate.
 
-    uv run --frozen python tools/bench_hop_walltime.py --bundle out/fullsize/f16 \\
+    uv run --frozen python tools/bench/bench_hop_walltime.py --bundle out/fullsize/f16 \\
         --report out/stream-bench/report.json --ratio-bundle out/stream-bundle --out out/hop-walltime.json
 """
 
@@ -205,7 +205,7 @@ def compose(measured: dict, sched: dict, ratios: dict) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundle", required=True, help="the bundle whose calls are timed (e.g. the full-size one)")
-    parser.add_argument("--report", required=True, help="a tools/bench_streaming.py report.json (its updates)")
+    parser.add_argument("--report", required=True, help="a tools/bench/bench_streaming.py report.json (its updates)")
     parser.add_argument("--ratio-bundle", help="a bundle with prefill and extend: their time / a step's, "
                         "for a --bundle that lacks them")
     parser.add_argument("--repeats", type=int, default=3)

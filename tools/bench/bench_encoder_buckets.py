@@ -5,7 +5,7 @@ encoder.mlpackage (`main` = full window, `window_<s>s` = shorter buckets). Print
 multiply-adds (static count from the MIL program, extrapolated linearly to the config's layer
 count), the MIL-interpreter predict time, and the weight file size vs a single-window package.
 
-    uv run python tools/bench_encoder_buckets.py --out /tmp/bench_buckets --buckets 10 20
+    uv run python tools/bench/bench_encoder_buckets.py --out /tmp/bench_buckets --buckets 10 20
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import shutil
 import sys
 import time
 from pathlib import Path
+
+# the dev package (tools/cohere_coreml_dev) sits one folder up: put tools/ on the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def macs_per_function(path: Path) -> dict[str, int]:

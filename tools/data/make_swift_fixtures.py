@@ -6,7 +6,7 @@ lists -> text, split points, `cohere-coreml transcribe --json` per clip and wind
 see tools/cohere_coreml_dev/swift_fixtures.py for the layout. Re-runs reuse what is there.
 
 Example:
-  uv run python tools/make_swift_fixtures.py --out out/swift-fixtures \\
+  uv run python tools/data/make_swift_fixtures.py --out out/swift-fixtures \\
       --demo-clips en_medium.wav de_medium.wav es_medium.wav en_long_75s.flac --demo-languages en,de,es,en
 """
 
@@ -15,7 +15,10 @@ import logging
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+# the dev package (tools/cohere_coreml_dev) sits one folder up: put tools/ on the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main(argv=None) -> int:
