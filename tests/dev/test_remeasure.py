@@ -1,5 +1,5 @@
 """The re-measurement queue (tools/cohere_coreml_dev/figures.py, tools/bench/remeasure.py): the table of
-docs/remeasure.md read as jobs, run one at a time with their logs and times."""
+BENCHMARKS.md ("How to regenerate") read as jobs, run one at a time with their logs and times."""
 
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ def _doc(tmp_path: Path, rows: list[str]) -> Path:
 
 
 def test_the_docs_table_reads_as_the_jobs_its_prose_counts():
-    """Every row of docs/remeasure.md is a job, as many as the doc says it holds; a command holding `||`
+    """Every row of BENCHMARKS.md ("How to regenerate") is a job, as many as the doc says it holds; a command holding `||`
     (q8a8-skip) is read whole, and the long-form row runs three times."""
-    doc = ROOT / "docs" / "remeasure.md"
+    doc = ROOT / "BENCHMARKS.md"
     jobs = read_jobs(doc)
     rows = int(re.search(r"the (\d+) rows below", doc.read_text()).group(1))
     assert len(jobs) == rows

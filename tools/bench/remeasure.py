@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Run the re-measurement queue of docs/remeasure.md after the default model changes: the commands of
+"""Run the re-measurement queue of BENCHMARKS.md ("How to regenerate") after the default model changes: the commands of
 its table, in its order, one at a time, from the repository's root. Each job's output goes to
 `<logs>/<job>.log`; each run's exit code and wall time to `<logs>/times.jsonl` as it ends; a table of
 the runs (the doc's seconds beside the measured ones) to stdout at the end. Exit code 2 of a job is a
@@ -32,7 +32,7 @@ from cohere_coreml_dev.figures import RESULT_CODES, RemeasureError, read_jobs, r
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "remeasure.md", help="the doc whose table to run")
+    p.add_argument("--doc", type=Path, default=ROOT / "BENCHMARKS.md", help="the doc whose table to run")
     p.add_argument("--logs", type=Path, default=ROOT / "out" / "logs" / "remeasure",
                    help="folder of the jobs' logs and times.jsonl (default: out/logs/remeasure)")
     p.add_argument("--from", dest="start", metavar="JOB", help="start at this job (the ones before it are skipped)")

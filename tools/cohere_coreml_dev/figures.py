@@ -1,4 +1,4 @@
-"""The re-measurement queue of docs/remeasure.md: the rows of its table (job, command, seconds, feeds)
+"""The re-measurement queue of BENCHMARKS.md ("How to regenerate"): the rows of its table (job, command, seconds, feeds)
 read from the doc and run one at a time, each job's output in its own log, each finished job's exit
 code and wall time appended to `times.jsonl` as it ends (a queue stopped half-way keeps what ran).
 

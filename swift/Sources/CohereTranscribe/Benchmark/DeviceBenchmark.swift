@@ -10,7 +10,7 @@ import os
 
 /// The device benchmark behind `cohere-transcribe-swift bench`: one bundle over one dataset folder (the
 /// format `cohere_coreml.evaluation.datasets.load_folder` reads), with the figures `cohere-coreml bench --merge-engine`
-/// turns into a row of its report (docs/swift.md, "Measuring on a device"; docs/benchmarks.md).
+/// turns into a row of its report (docs/swift.md, "Measuring on a device"; docs/evaluation.md).
 ///
 ///     cold load (first transcriber + prewarm: Core ML compiles here unless cached) -> dropped ->
 ///     warm load (second transcriber, from the cache) -> first clip once (warm-up) -> every clip, timed,
