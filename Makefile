@@ -10,7 +10,7 @@ RUN := $(UV) run --frozen
 # Swift toolchain: `swift` on PATH, else the toolchain at /opt/swift (the machines' install location)
 SWIFT ?= $(shell command -v swift 2>/dev/null || { [ -x /opt/swift/usr/bin/swift ] && echo /opt/swift/usr/bin/swift; })
 SWIFT_FIXTURES ?= out/swift-fixtures
-# seeded corpus of mutated manifests for the Swift fuzz test (tools/make_fuzz_manifests.py; docs/reliability.md)
+# seeded corpus of mutated manifests for the Swift fuzz test (tools/data/make_fuzz_manifests.py; docs/reliability.md)
 FUZZ_MANIFESTS ?= out/fuzz-manifests
 # torch threads of the Python processes the Swift step starts (fixtures, the interpreter child)
 SWIFT_TEST_THREADS ?= 2
@@ -107,7 +107,7 @@ lint: sync
 FAST_TESTS ?= tests/evaluation/test_metrics.py tests/model/test_tokens.py tests/model/test_shapes.py \
 	tests/export/test_parity.py tests/storage/test_files.py tests/export/test_memory.py tests/model/test_checkpoint.py \
 	tests/model/test_audio.py tests/bundle/test_fuzz_manifest.py tests/quantize/test_recipes.py \
-	tests/swift/test_swift_package.py tests/runtime/test_ops.py tests/test_layout.py
+	tests/swift/test_swift_package.py tests/runtime/test_ops.py tests/test_layout.py tests/test_tools_layout.py
 test-fast: sync lint
 	$(RUN) pytest -q -m "not slow" $(FAST_TESTS)
 
@@ -122,9 +122,9 @@ SWIFT_BUILD_LOG ?= out/swift-build.log
 # niceness of the Swift step's processes (10: a machine shared with other work; make test passes 0)
 SWIFT_NICE ?= 10
 swift-fixtures: sync
-	nice -n $(SWIFT_NICE) $(RUN) python tools/make_swift_fixtures.py --out $(SWIFT_FIXTURES) --threads $(SWIFT_TEST_THREADS) \
+	nice -n $(SWIFT_NICE) $(RUN) python tools/data/make_swift_fixtures.py --out $(SWIFT_FIXTURES) --threads $(SWIFT_TEST_THREADS) \
 		--demo-clips $(DEMO_CLIPS) --demo-languages $(DEMO_LANGUAGES)
-	nice -n $(SWIFT_NICE) $(RUN) python tools/make_fuzz_manifests.py --manifest $(SWIFT_FIXTURES)/bundle/manifest.json --out $(FUZZ_MANIFESTS)
+	nice -n $(SWIFT_NICE) $(RUN) python tools/data/make_fuzz_manifests.py --manifest $(SWIFT_FIXTURES)/bundle/manifest.json --out $(FUZZ_MANIFESTS)
 
 swift-test:
 	@if [ -z "$(SWIFT)" ]; then echo "make swift-test: SKIPPED: no Swift toolchain (swift not on PATH, no /opt/swift)"; exit 0; fi; \

@@ -14,7 +14,8 @@ what coremltools 9.0 calls (read in coremltools/models/model.py, _compiled_model
 * `predict(data, state)`, `newState()` (an object with `read_state` / `write_state`, what `MLState` wraps),
   `maximum_supported_specification_version()`, `auto_set_specification_version(spec)`;
 * the platform: `_is_macos()` / `_macos_version()` in the coremltools modules that check them answer
-  macOS 15, so `make_state` and `CompiledMLModel` run.
+  macOS 15, so `make_state` and `CompiledMLModel` run; `libcoremlpython.MACOS_VERSION` says the same to
+  `cohere_coreml.runtime` (a test sets another to play an older macOS).
 
 `install(command)` applies all of it and returns an `Emulation` (counts of compiles and loads, the
 loads' compute units; `uninstall()` restores coremltools); `emulated(command)` is the same as a context
@@ -250,6 +251,7 @@ def install(command: list[str]) -> Emulation:
     native = types.ModuleType("coremltools.libcoremlpython")
     native._MLModelProxy = proxy
     native.EMULATION = True  # cohere_coreml.runtime.coreml_available() reads it
+    native.MACOS_VERSION = MACOS_VERSION  # the macOS the emulation plays (a test may set another)
     emulation._set(sys.modules, "coremltools.libcoremlpython", native)
     for module in (ct_model, ct_compiled):
         emulation._set(module, "_MLModelProxy", proxy)

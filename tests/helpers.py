@@ -20,9 +20,10 @@ from .fixture_data import AUDIO_DIR
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
-def load_tool(name: str):
-    """The script tools/<name>.py as a module (the scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+def load_tool(path: str):
+    """The script tools/<path>.py (e.g. "train/eval_tiny") as a module (the scripts are not a package)."""
+    name = Path(path).name
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{path}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

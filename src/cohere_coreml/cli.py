@@ -14,6 +14,7 @@ several commands share, such as --bundle, are defined once in cohere_coreml.cli_
     bench             cohere_coreml.evaluation.bench
     ane-check         cohere_coreml.bundle.ane_check
     serve-runtime     cohere_coreml.runtime.serve
+    cache             cohere_coreml.runtime.cache_command
 
 `cohere-coreml <command> --help` explains each.
 """
@@ -36,7 +37,7 @@ from .export import pipeline as export
 from .inference import transcribe
 from .model import audio, checkpoint
 from .publish import hub as publish
-from .runtime import serve
+from .runtime import cache_command, serve
 
 logger = logging.getLogger("cohere_coreml")
 
@@ -58,6 +59,7 @@ Typical flow:
   cohere-coreml quantize --bundle f16 --out q8 --preset q8   # compressed weights, gated vs f16
   cohere-coreml bundle check DIR                # every file's sha256 vs manifest.json
   cohere-coreml upload --bundle DIR --repo-id ORG/NAME --dry-run
+  cohere-coreml cache list                      # Core ML's compiled models (also: clear, prune)
 
 MODEL is a Hugging Face Hub id (default checkpoint: {DEFAULT_HUB_ID}) or a local checkpoint folder.
 """
@@ -108,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_command(sub)  # bench
     ane_check.add_command(sub)  # ane-check
     serve.add_command(sub)  # serve-runtime
+    cache_command.add_command(sub)  # cache list|clear|prune
     return parser
 
 

@@ -114,7 +114,7 @@ def test_mutated_manifest_loads_unchanged_or_names_the_field(fuzz_bundle, data):
 
 
 def test_the_corpus_of_the_swift_test_through_the_python_loader(fuzz_bundle):
-    """The seeded corpus tools/make_fuzz_manifests.py writes for the Swift test (same generator), here."""
+    """The seeded corpus tools/data/make_fuzz_manifests.py writes for the Swift test (same generator), here."""
     bundle_dir, text, original = fuzz_bundle
     outcomes = Outcomes("manifest_python_corpus")
     try:

@@ -1,4 +1,4 @@
-"""tools/bench_compression.py's table (cohere_coreml_dev.compression_table) and parameter count."""
+"""tools/bench/bench_compression.py's table (cohere_coreml_dev.compression_table) and parameter count."""
 
 import json
 

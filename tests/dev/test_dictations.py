@@ -1,5 +1,5 @@
-"""Dictations from held-out utterances (tools/make_dictations.py) and the streaming bench's per-utterance
-comparison of a final with the offline transcript of the utterance's own clip (tools/bench_streaming.py)."""
+"""Dictations from held-out utterances (tools/data/make_dictations.py) and the streaming bench's per-utterance
+comparison of a final with the offline transcript of the utterance's own clip (tools/bench/bench_streaming.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from .test_heldout_set import _single
 
 
 def test_dictations_of_a_segmented_heldout_folder_hold_each_utterance_at_its_times(tmp_path):
-    dictations = load_tool("make_dictations")
+    dictations = load_tool("data/make_dictations")
     single = _single(tmp_path, per_language=10, digital_every=1)  # digital edges: the speech alone is exact
     out = tmp_path / "dictations"
     entries = [e for e in dictations.make_dictations(out, per_dictation=10, min_pause=0.8, max_pause=1.6,
@@ -34,7 +34,7 @@ def test_dictations_of_a_segmented_heldout_folder_hold_each_utterance_at_its_tim
 
 
 def test_match_levels_brings_every_utterance_to_the_dictations_median_level(tmp_path):
-    dictations = load_tool("make_dictations")
+    dictations = load_tool("data/make_dictations")
     single = _single(tmp_path, per_language=10, digital_every=1)
     rows = json.loads((single / "manifest.json").read_text())["utterances"]
     for i, row in enumerate(rows):  # every other clip 20 dB quieter: the robustness set's level spread
@@ -65,7 +65,7 @@ def _final(start, end, text):
 
 
 def test_final_equals_own_clip_needs_one_final_per_utterance_with_its_own_clips_text():
-    bench = load_tool("bench_streaming")
+    bench = load_tool("bench/bench_streaming")
     d = {"utterances": [{"id": "a", "start": 1.0, "end": 2.0}, {"id": "b", "start": 3.0, "end": 4.0},
                         {"id": "c", "start": 5.0, "end": 6.0}]}
     own = {"a": "Call Emma.", "b": "Lights on.", "c": "Ten past two."}
@@ -88,7 +88,7 @@ def test_final_equals_own_clip_needs_one_final_per_utterance_with_its_own_clips_
 
 
 def test_an_utterance_cut_in_place_with_its_clip_edges_is_its_own_clip(tmp_path):
-    dictations, bench = load_tool("make_dictations"), load_tool("bench_streaming")
+    dictations, bench = load_tool("data/make_dictations"), load_tool("bench/bench_streaming")
     single = _single(tmp_path, per_language=10, digital_every=1)  # digital edges, no background: exact
     out = tmp_path / "dictations"
     entries = [e for e in dictations.make_dictations(out, per_dictation=10, min_pause=0.8, max_pause=1.6,
@@ -109,7 +109,7 @@ def test_an_utterance_cut_in_place_with_its_clip_edges_is_its_own_clip(tmp_path)
 
 
 def test_own_clip_decomposition_tells_the_segmentation_from_the_dictations_audio():
-    bench = load_tool("bench_streaming")
+    bench = load_tool("bench/bench_streaming")
     d = {"utterances": [{"id": "a", "start": 1.0, "end": 2.0}, {"id": "b", "start": 3.0, "end": 4.0},
                         {"id": "c", "start": 5.0, "end": 6.0}]}
     own = {"a": "Call Emma.", "b": "Lights on.", "c": "Ten past two."}

@@ -124,7 +124,7 @@ def test_eval_tiny_by_position_on_the_robustness_set(tmp_path, capsys):
 
     single = Path(__file__).resolve().parents[1] / "data" / "heldout-varied" / "single"
     derive_multi(single, tmp_path / "multi", seed=0)
-    tool = load_tool("eval_tiny")
+    tool = load_tool("train/eval_tiny")
     assert tool.main(["--data", str(tmp_path / "multi"), "--single-dir", str(single), "--by-position",
                       "--limit-per-language", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -228,7 +228,7 @@ def test_eval_tiny_robustness_evaluates_every_subset_and_the_targets(tmp_path, c
     (tmp_path / "set" / "single").symlink_to(single, target_is_directory=True)
     derive_padded(single, tmp_path / "set" / "padded", seed=0)
     derive_multi(single, tmp_path / "set" / "multi", seed=0)
-    tool = load_tool("eval_tiny")
+    tool = load_tool("train/eval_tiny")
     assert tool.main(["--robustness", str(tmp_path / "set"), "--limit-per-language", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out["subsets"]) == {"single", "padded", "multi"}

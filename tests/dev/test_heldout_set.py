@@ -16,6 +16,8 @@ from cohere_coreml.evaluation.datasets import load_folder
 from cohere_coreml_dev import heldout
 from cohere_coreml_dev.synth import SynthError
 
+from ..helpers import load_tool
+
 RATE = 16000
 
 
@@ -240,7 +242,7 @@ def test_a_set_that_shares_a_sentence_with_the_one_it_must_be_apart_from_is_refu
 
 
 def test_the_cli_names_a_set_to_keep_apart_from_that_is_not_a_single_folder(tmp_path, capsys):
-    import make_heldout_set
+    make_heldout_set = load_tool("data/make_heldout_set")
 
     rc = make_heldout_set.main(["--out", str(tmp_path / "val"), "--apart-from", str(tmp_path / "nowhere")])
     err = capsys.readouterr().err
@@ -281,7 +283,7 @@ def test_a_set_of_several_seeds_holds_each_seeds_clips_under_its_own_name(tmp_pa
     (["--seeds", "3,4", "--single", "somewhere"], "one or the other"),
 ])
 def test_the_cli_refuses_seeds_it_cannot_use_before_writing(tmp_path, capsys, args, message):
-    import make_heldout_set
+    make_heldout_set = load_tool("data/make_heldout_set")
 
     with pytest.raises(SystemExit) as exc:
         make_heldout_set.main(["--out", str(tmp_path / "set"), *args])

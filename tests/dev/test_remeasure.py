@@ -1,5 +1,5 @@
-"""The re-measurement queue (tools/cohere_coreml_dev/remeasure.py, tools/remeasure.py): the table of
-docs/remeasure.md read as jobs, run one at a time with their logs and times."""
+"""The re-measurement queue (tools/cohere_coreml_dev/figures.py, tools/bench/remeasure.py): the table of
+BENCHMARKS.md ("How to regenerate") read as jobs, run one at a time with their logs and times."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from cohere_coreml_dev.remeasure import RemeasureError, read_jobs, run_jobs, select, summary  # noqa: E402
+from cohere_coreml_dev.figures import RemeasureError, read_jobs, run_jobs, select, summary  # noqa: E402
 
 from ..helpers import load_tool  # noqa: E402
 
@@ -26,9 +26,9 @@ def _doc(tmp_path: Path, rows: list[str]) -> Path:
 
 
 def test_the_docs_table_reads_as_the_jobs_its_prose_counts():
-    """Every row of docs/remeasure.md is a job, as many as the doc says it holds; a command holding `||`
+    """Every row of BENCHMARKS.md ("How to regenerate") is a job, as many as the doc says it holds; a command holding `||`
     (q8a8-skip) is read whole, and the long-form row runs three times."""
-    doc = ROOT / "docs" / "remeasure.md"
+    doc = ROOT / "BENCHMARKS.md"
     jobs = read_jobs(doc)
     rows = int(re.search(r"the (\d+) rows below", doc.read_text()).group(1))
     assert len(jobs) == rows
@@ -86,7 +86,7 @@ def test_jobs_run_in_order_with_their_logs_and_a_refused_gate_does_not_stop_the_
 
 
 def test_the_script_lists_runs_and_reports_a_failed_queue(tmp_path, capsys):
-    script = load_tool("remeasure")
+    script = load_tool("bench/remeasure")
     doc = _doc(tmp_path, ["| ok | `true` | 60 | a.md |", "| bad | `exit 3` | 120 | b.md |", "| after | `true` | 1 | c |"])
     assert script.main(["--doc", str(doc), "--list"]) == 0
     out = capsys.readouterr().out

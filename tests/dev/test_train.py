@@ -109,7 +109,7 @@ def test_a_fine_tuned_models_card_names_its_start_and_reproduces_both_runs(tmp_p
 
     base = tmp_path / "base"
     base.mkdir()
-    (base / "README.md").write_text("# base\n\n## Reproduce\n```\nuv run python tools/train_tiny.py --steps 7600\n```\n")
+    (base / "README.md").write_text("# base\n\n## Reproduce\n```\nuv run python tools/train/train_tiny.py --steps 7600\n```\n")
     reports = {"en": LanguageReport(language="en", clips=30, words=150, wer=0.0, median_margin=9.0, p10_margin=3.0,
                                     share_under_1nat=0.0)}
     result = TrainResult(out_dir=str(tmp_path / "out"), steps=2000, epochs=1.4, train_seconds=60.0, total_seconds=90.0,
@@ -119,7 +119,7 @@ def test_a_fine_tuned_models_card_names_its_start_and_reproduces_both_runs(tmp_p
     def card(init_from, **options):
         cfg = TrainConfig(train_dir="d", heldout_dir="h", out_dir=str(tmp_path / "out"), steps=2000, init_from=init_from,
                           **options)
-        return write_model_card(tmp_path / "out", cfg, result, reports, "uv run python tools/train_tiny.py --init-from B",
+        return write_model_card(tmp_path / "out", cfg, result, reports, "uv run python tools/train/train_tiny.py --init-from B",
                                 {"recipe": "varied"}).read_text()
 
     tuned = card(str(base))
@@ -127,13 +127,13 @@ def test_a_fine_tuned_models_card_names_its_start_and_reproduces_both_runs(tmp_p
     assert "decoder attention dropout\n0.2; label smoothing 0.1 (" in card(str(base), label_smoothing=0.1,
                                                                            decoder_attention_dropout=0.2)
     assert f"fine-tuned from `{base}`" in tuned and "widths) trained from scratch" not in tuned
-    assert ("```\nuv run python tools/train_tiny.py --steps 7600\nuv run python tools/train_tiny.py --init-from B\n```"
-            in tuned)
+    assert ("```\nuv run python tools/train/train_tiny.py --steps 7600\n"
+            "uv run python tools/train/train_tiny.py --init-from B\n```" in tuned)
     assert f"the ones before it are the starting checkpoint's (its card's), whose output folder is `{base}` here" in tuned
     scratch = card("")
     assert "widths) trained from scratch" in scratch and "--steps 7600" not in scratch
     (base / "README.md").unlink()  # a start without a card: this run's command alone
-    assert "```\nuv run python tools/train_tiny.py --init-from B\n```" in card(str(base))
+    assert "```\nuv run python tools/train/train_tiny.py --init-from B\n```" in card(str(base))
     # with a robustness set: its rows, then each ratio once, in the targets table with its interval
     cfg = TrainConfig(train_dir="d", heldout_dir="h", out_dir=str(tmp_path / "out"), steps=2000)
     subsets = {name: {"en": LanguageReport(language="en", clips=200, words=1000, wer=wer, median_margin=9.0,
@@ -144,7 +144,8 @@ def test_a_fine_tuned_models_card_names_its_start_and_reproduces_both_runs(tmp_p
     assert "| multi | en | 200 | 1000 | 5.00 % | - | 9.00 |" in text
     assert text.count("2.50x") == 1 and "| multi | en | 5.00 | 2.00 | 2.50x [" in text
     assert "1 of 2 ratio targets met." in text  # padded 1.5x meets its 1.5x
-    assert "the committed one is `uv run python tools/make_heldout_set.py --single tests/data/heldout-varied" in text
+    assert ("the committed one is `uv run python tools/data/make_heldout_set.py --single tests/data/heldout-varied"
+            in text)
     assert "make_heldout_set" not in scratch  # no robustness set, no word of one
 
 
@@ -447,7 +448,7 @@ def test_train_refuses_a_resume_without_state_and_a_stop_outside_the_steps_befor
 def _train_tiny():
     from ..helpers import load_tool
 
-    return load_tool("train_tiny")
+    return load_tool("train/train_tiny")
 
 
 def _present_corpus(folder, *, per_language=1, seed=0, recipe="commands", languages=("en", "de", "es"), **manifest):

@@ -50,6 +50,11 @@ def extend_package(request, trained_reference, tmp_path_factory):
 def test_feed_plan():
     # the bare prompt with prefill: one call; a longer prefix: extend calls, a lone tail token as a step
     assert feed_plan(10, 0, 64, prefill_length=10, extend_length=32) == [FeedCall(PREFILL_FUNCTION, 0, 10, 10)]
+    # the rows after token 7 are read (a prompt of 8 and a draft of 2): a prefill call returns only its last
+    assert feed_plan(10, 0, 64, prefill_length=10, extend_length=32, rows_from=7) == [
+        FeedCall(EXTEND_FUNCTION, 0, 10, 32)]
+    assert feed_plan(10, 0, 64, prefill_length=10, extend_length=32, rows_from=9) == [
+        FeedCall(PREFILL_FUNCTION, 0, 10, 10)]
     assert feed_plan(25, 0, 64, prefill_length=10, extend_length=32) == [FeedCall(EXTEND_FUNCTION, 0, 25, 32)]
     assert feed_plan(33, 0, 64, 10, 32) == [FeedCall(EXTEND_FUNCTION, 0, 32, 32), FeedCall(STEP_FUNCTION, 32, 1, 1)]
     assert feed_plan(34, 0, 64, 10, 32) == [FeedCall(EXTEND_FUNCTION, 0, 32, 32), FeedCall(EXTEND_FUNCTION, 32, 2, 32)]

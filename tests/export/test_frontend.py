@@ -26,7 +26,8 @@ from ..fixture_data import AUDIO_DIR, TRAINED_BUCKETS, TRAINED_WINDOW_S, audio_m
 torch.set_num_threads(1)
 
 CONFIG = FrontEndConfig()
-WINDOW_S = 3.0  # small windows keep the tests fast; the 35 s window is measured by tools/frontend_package_parity.py
+# small windows keep the tests fast; the 35 s window is measured by tools/parity/frontend_package_parity.py
+WINDOW_S = 3.0
 BUCKET_S = 1.5
 BUCKET_FN = bucket_function_name(BUCKET_S)  # window_1_5s
 

@@ -301,7 +301,7 @@ def _cases(scale: float, length_offset: int = 1) -> list[GateCase]:
 
 def test_compare_cases_passes_a_matching_package(double_package):
     # a reference 1e-5 off (PSNR ~100 dB, finite) passes a 60 dB threshold
-    report = compare_cases("double", double_package, _cases(2.00002), min_psnr_db=60.0, exact=("m",), backend="mil",
+    report = compare_cases("double", double_package, _cases(2.00002), min_psnr_db=60.0, exact=("m",), units="interpreter",
                            details={"precision": "fp32"})
     assert report.passed and report.component == "double"
     data = report.to_dict()
@@ -330,16 +330,16 @@ def test_compare_cases_logs_its_cases_at_debug_only(double_package, caplog):
 def test_compare_cases_refuses_wrong_floats_and_inexact_integers(double_package):
     """The same package against a reference it does not match: a scaled float output fails on PSNR, an
     integer output one off fails though its PSNR would be high."""
-    floats = compare_cases("double", double_package, _cases(2.1), min_psnr_db=60.0, exact=("m",), backend="mil")
+    floats = compare_cases("double", double_package, _cases(2.1), min_psnr_db=60.0, exact=("m",), units="interpreter")
     assert not floats.passed and floats.to_dict()["worst_psnr_db"] < 60.0
     with pytest.raises(ParityError, match="double parity gate refused"):
         floats.raise_if_failed(double_package)
     ints = compare_cases("double", double_package, _cases(2.0, length_offset=2), min_psnr_db=60.0, exact=("m",),
-                         backend="mil")
+                         units="interpreter")
     assert not ints.passed
     assert [o["problem"] for o in ints.cases[0]["outputs"] if o["name"] == "m"] == ["must match exactly"]
     with pytest.raises(ValueError, match="double gate has no cases"):
-        compare_cases("double", double_package, [], min_psnr_db=60.0, backend="mil")
+        compare_cases("double", double_package, [], min_psnr_db=60.0, units="interpreter")
 
 
 # --------------------------------------------------------------------------------------------

@@ -360,6 +360,20 @@ def test_decode_verifies_a_draft(extend_transcriber, transcriber):
     assert ignored.token_ids == ids and ignored.calls == plain.calls
 
 
+def test_decode_with_a_draft_that_fills_the_prefill_length(extend_transcriber):
+    """A prompt shorter than the prefill length whose draft makes up the rest: the rows after the prompt are
+    read, which a prefill call does not return, so the prefix goes by extend; the tokens are greedy's."""
+    t = extend_transcriber
+    wav = load_audio(heldout_utterances(1)[1]["path"])
+    feats, n_valid, _ = t.features(wav)
+    enc = t.encode(feats, n_valid)
+    short = t.prompt("en")[:-2]
+    assert t.prefill_length == len(short) + 2
+    plain = t.decode(enc, short, max_new_tokens=8)
+    drafted = t.decode(enc, short, max_new_tokens=8, draft=plain.token_ids[:2])
+    assert drafted.token_ids == plain.token_ids and drafted.calls < plain.calls
+
+
 def test_cli_stream_stats_line(extend_bundle, extend_transcriber, capsys):
     """--stats: one JSON line of counters on stderr, equal to the session's for the same chunks; stdout
     keeps the update lines only."""

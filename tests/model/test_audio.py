@@ -68,7 +68,7 @@ def test_resample_is_librosas_soxr_hq_sample_for_sample(rate, n):
 
 def test_test_clips_exist():
     speech = [c for c in CLIPS if c.get("purpose", "speech") == "speech"]
-    assert len(speech) >= 10, "tests/data/audio must hold at least 10 speech clips (tools/make_test_audio.py)"
+    assert len(speech) >= 10, "tests/data/audio must hold at least 10 speech clips (tools/data/make_test_audio.py)"
     assert len({c["language"] for c in speech}) >= 3
 
 

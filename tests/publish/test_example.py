@@ -254,6 +254,28 @@ def load_example_module():
     return module
 
 
+def test_example_installs_by_the_caches_rule(tmp_path):
+    """The example's install (docs/runtime.md, "Compiled-model cache"): a complete target is kept and the
+    fresh copy dropped, a target without the marker replaced; the rule it replaces deleted the target first."""
+    example = load_example_module()
+
+    def staged(text):
+        folder = tmp_path / f".x.mlmodelc.tmp-1-{text}"
+        folder.mkdir()
+        (folder / "weights").write_text(text)
+        (folder / ".complete").write_text("{}")
+        return folder
+
+    target = tmp_path / "encoder-0.mlmodelc"
+    assert example.install(staged("first"), target) is True
+    second = staged("second")
+    assert example.install(second, target) is False
+    assert (target / "weights").read_text() == "first" and not second.exists()
+    (target / ".complete").unlink()  # a leftover without the marker
+    assert example.install(staged("third"), target) is True and (target / "weights").read_text() == "third"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]
+
+
 def test_example_splits_long_audio_as_the_reference():
     """The example's numpy split = audio.split_points (the reference extractor's), on the 75 s clip and
     on clips whose quietest window sits elsewhere; a split that ignores the energies is rejected."""
@@ -342,6 +364,8 @@ def test_example_compiles_each_package_once_into_its_cache(example_python, serve
              for c in ("frontend", "encoder", "decoder")}
     assert {p.name for p in cache.iterdir()} == names  # nothing else left (no staging folder)
     assert all((cache / n / COMPLETE_MARKER).is_file() for n in names)
+    sources = {json.loads((cache / n / COMPLETE_MARKER).read_text())["source"] for n in names}
+    assert sources == {str(finalized_bundle / f"{c}.mlpackage") for c in ("frontend", "encoder", "decoder")}
     inodes = {n: (cache / n).stat().st_ino for n in names}
     second = run_example(example_python, finalized_bundle, clip["path"], clip["language"], "--compiled-cache", str(cache),
                          serve=serve_command)

@@ -6,14 +6,19 @@ decoder's state shared across its functions, token ids equal to the interpreter 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
+import cohere_coreml.runtime as runtime_module
+from cohere_coreml.cli import main
 from cohere_coreml.runtime import load_model
 from cohere_coreml.runtime.compiled_cache import COMPLETE_MARKER, CompiledCache, package_digest
+from cohere_coreml.runtime.coreml_backend import macos_for_specification
 from cohere_coreml.runtime.package import read_package
 
 from ..coreml_interpreter_shim import Interpreter, emulated
@@ -127,6 +132,104 @@ def test_tokens_equal_the_interpreter_backend_on_every_heldout_clip(emulation, t
 def test_load_model_auto_picks_core_ml_under_the_emulation(emulation, trained_bundle):
     model = load_model(trained_bundle / "frontend.mlpackage")
     assert model.backend == "coreml"
+
+
+# --------------------------------------------------------------------------------------------
+# The macOS version: Core ML only where it runs the packages' programs
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def older_macos(emulation, monkeypatch):
+    """The emulation playing macOS 14.6, whose Core ML runs no program of the packages' target (macOS 15)."""
+    monkeypatch.setattr(sys.modules["coremltools.libcoremlpython"], "MACOS_VERSION", (14, 6))
+    monkeypatch.setattr(runtime_module, "_noticed", set())
+    return emulation
+
+
+def test_auto_picks_the_interpreter_on_an_older_macos_and_says_why_once(older_macos, trained_bundle, caplog):
+    with caplog.at_level(logging.WARNING, logger="cohere_coreml.runtime"):
+        models = [load_model(trained_bundle / f"{name}.mlpackage") for name in ("frontend", "encoder", "decoder")]
+    assert [m.backend for m in models] == ["mil"] * 3 and older_macos.compiles == []
+    notices = [r.getMessage() for r in caplog.records]
+    assert notices == ["Core ML on macOS 14.6 is too old for these packages (macOS 15.0 or later needed): "
+                       "using the interpreter"]
+
+
+def test_auto_picks_core_ml_on_macos_15(emulation, trained_bundle, monkeypatch):
+    monkeypatch.setattr(sys.modules["coremltools.libcoremlpython"], "MACOS_VERSION", (15, 0))
+    assert load_model(trained_bundle / "frontend.mlpackage").backend == "coreml"
+
+
+def test_core_ml_asked_for_on_an_older_macos_is_a_one_line_error(older_macos, trained_bundle, capsys):
+    from cohere_coreml.runtime import BackendUnavailableError
+
+    with pytest.raises(BackendUnavailableError, match=r"^Core ML on macOS 14\.6 is too old for frontend\.mlpackage "
+                                                      r"\(macOS 15\.0 or later needed\)$"):
+        load_model(trained_bundle / "frontend.mlpackage", backend="coreml")
+    clip = HELDOUT_DIR / "en_heldout_00000.flac"
+    assert main(["transcribe", str(clip), "--bundle", str(trained_bundle), "--language", "en",
+                 "--backend", "coreml"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert captured.out == "" and len(lines) == 1, captured.err
+    assert lines[0].startswith("cohere-coreml transcribe: error: Core ML on macOS 14.6 is too old for ")
+    assert lines[0].endswith(".mlpackage (macOS 15.0 or later needed)")
+
+
+def test_the_first_macos_of_each_specification():
+    assert [macos_for_specification(v) for v in (7, 8, 9, 10)] == [(13, 0), (14, 0), (15, 0), (16, 0)]
+
+
+# --------------------------------------------------------------------------------------------
+# Export gates leave the user's compiled-model cache as it was
+# --------------------------------------------------------------------------------------------
+
+
+def cache_listing(folder: Path) -> list[tuple[str, int, int]]:
+    """Every file of `folder` with its size and modification time (ns)."""
+    return sorted((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
+                  for p in folder.rglob("*") if p.is_file())
+
+
+def test_two_exports_leave_the_compiled_cache_as_it_was(emulation, trained_reference, trained_bundle, tmp_path):
+    """Two exports in a row through the emulated Core ML backend (the gates run each staging package on Core
+    ML's CPU, "auto"): the user's cache (COHERE_COREML_CACHE, with one entry of an earlier transcription in it)
+    is exactly as before, nothing of the gates' private caches is left in the bundle folder. The broken
+    variant: a staging package loaded as the gates loaded it before (backend "auto", the process's cache)
+    adds an entry."""
+    from cohere_coreml.export.convert import ExportSettings
+    from cohere_coreml.export.pipeline import export_model
+    from cohere_coreml.runtime.compiled_cache import default_cache_dir, entries
+
+    from ..fixture_data import TRAINED_BUCKETS, TRAINED_MAX_NEW_TOKENS, TRAINED_WINDOW_S
+
+    user_cache = default_cache_dir()
+    assert str(user_cache).startswith(str(tmp_path))  # the emulation fixture's folder, never the user's
+    load_model(trained_bundle / "frontend.mlpackage")  # an earlier transcription's entry
+    before = cache_listing(user_cache)
+    assert len(entries(user_cache)) == 1
+    model, processor = trained_reference
+    out = tmp_path / "bundle"
+    compiles = len(emulation.compiles)
+    for _ in range(2):
+        settings = ExportSettings(out_dir=out, precision="fp16", model_id="cohere-tiny-synth",
+                                  window_seconds=TRAINED_WINDOW_S, force=True)
+        export_model(model, processor, settings, max_new_tokens=TRAINED_MAX_NEW_TOKENS, buckets=TRAINED_BUCKETS,
+                     prefill=True)
+    assert cache_listing(user_cache) == before
+    assert len(emulation.compiles) - compiles >= 2 * 3  # every gate ran on Core ML: each package compiled
+    assert {load["compute_units"] for load in emulation.loads[1:]} == {"cpu_only"}
+    reports = {c: json.loads((out / f"{c}.parity.json").read_text()) for c in ("frontend", "encoder", "decoder")}
+    runs_on = {c: {r.get("runs_on") for r in [rep, *rep.get("functions", {}).values()] if r.get("runs_on")}
+               for c, rep in reports.items()}
+    assert runs_on == {c: {"Core ML cpu_only"} for c in reports}
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no private cache left
+    # the broken variant: the staging package through the shared cache leaves an entry behind
+    staging = out / ".encoder.tmp-1.mlpackage"
+    shutil.copytree(out / "encoder.mlpackage", staging)
+    load_model(staging)
+    assert len(entries(user_cache)) == 2
 
 
 # --------------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def build_config(tokenizer, vocab_size: int | None = None, **overrides):
 
 
 def init_subsampling(model, generator=None) -> None:
-    """Kaiming re-initialisation of the encoder's conv subsampling (see docs/training).
+    """Kaiming re-initialisation of the encoder's conv subsampling (docs/design-notes.md, "Training the default model").
 
     With the default normal(0.02) init the subsampling stack outputs activations of std ~3e-7, so a
     random or freshly trained encoder effectively ignores its input. ReLU gain for the regular and

@@ -1,5 +1,5 @@
-"""`cohere-coreml` commands run by the benchmark scripts (tools/bench_quantize.py,
-tools/bench_compression.py): each in a child process, so its peak RSS is its own, with the gate
+"""`cohere-coreml` commands run by the benchmark scripts (tools/bench/bench_quantize.py,
+tools/bench/bench_compression.py): each in a child process, so its peak RSS is its own, with the gate
 figures read back from the bundle it wrote (or from its refusal file)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The table of tools/bench_compression.py: its rows, the Pareto front (bytes vs error rate) and
+"""The table of tools/bench/bench_compression.py: its rows, the Pareto front (bytes vs error rate) and
 the Markdown, apart from the runs that produce them (so they are tested without a bundle)."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 as `cohere-coreml bench --pytorch`) over a dataset folder (`datasets.load_folder`) and scores it
 with `metrics` (Whisper English normaliser for English, the basic one otherwise; CER for ja/zh/ko),
 so its WER equals the bench's. `greedy_decode` (batched `generate()` over whole clips, no long-audio
-split) is the training-time evaluation (tools/cohere_coreml_dev/train.py, tools/train_tiny.py); the
+split) is the training-time evaluation (tools/cohere_coreml_dev/train.py, tools/train/train_tiny.py); the
 product's own evaluation path is the bench's (`engines`, `datasets`, `metrics`).
 
 The margin of a generated token is the gap between the best and the second-best log-probability at
@@ -170,12 +170,12 @@ MAX_RATIO = {"padded": 1.5, "multi": 2.0}
 
 
 def evaluate_robustness(model_dir: str | Path, folder: str | Path, **kwargs) -> dict[str, dict[str, LanguageReport]]:
-    """{subset: reports} of a robustness set's folder (`tools/make_heldout_set.py`: single/, padded/, multi/)."""
+    """{subset: reports} of a robustness set's folder (`tools/data/make_heldout_set.py`: single/, padded/, multi/)."""
     from .heldout import SUBSETS, missing_subsets
 
     missing = missing_subsets(folder)
     if missing:
-        raise EvaluationError(f"{folder}: no {', '.join(missing)}/manifest.json (not a tools/make_heldout_set.py folder)")
+        raise EvaluationError(f"{folder}: no {', '.join(missing)}/manifest.json (not a tools/data/make_heldout_set.py folder)")
     return {name: evaluate_checkpoint(model_dir, Path(folder) / name, **kwargs) for name in SUBSETS}
 
 

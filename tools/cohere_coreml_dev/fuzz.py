@@ -1,5 +1,5 @@
 """Manifest mutations for the fuzz tests (tests/bundle/test_fuzz_manifest.py) and the Swift corpus
-(tools/make_fuzz_manifests.py -> swift/Tests/CohereTranscribeTests/Bundle/ManifestFuzzTests.swift).
+(tools/data/make_fuzz_manifests.py -> swift/Tests/CohereTranscribeTests/Bundle/ManifestFuzzTests.swift).
 
 A mutation is (path, operator, value): `path` is a list of keys / indices into the manifest (every
 container and leaf of a real exported manifest is a candidate), `operator` one of OPERATORS. The

@@ -1,7 +1,7 @@
 """Static cost of a MIL program: multiply-adds of one call, from its static shapes.
 
-Dev-only (tools/count_decoder_macs.py compares the exported decoder step with the design that
-recomputes cross K/V per step; tools/bench_encoder_buckets.py counts each encoder bucket; the
+Dev-only (tools/bench/count_decoder_macs.py compares the exported decoder step with the design that
+recomputes cross K/V per step; tools/bench/bench_encoder_buckets.py counts each encoder bucket; the
 decoder tests check the counter against both); the product never counts MACs.
 """
 

@@ -1,7 +1,7 @@
 """Reference data for the Swift package's tests (swift/Tests), computed by the Python pipeline.
 
 Run by `make swift-fixtures` (and so by `make swift-test` / `make test`) through
-tools/make_swift_fixtures.py. Writes into one folder (default out/swift-fixtures):
+tools/data/make_swift_fixtures.py. Writes into one folder (default out/swift-fixtures):
 
     bundle/                  `cohere-coreml export` of the default model (--prefill --extend --buckets 10, the
                              default components: front end, encoder, decoder). Packages already there
@@ -23,7 +23,7 @@ tools/make_swift_fixtures.py. Writes into one folder (default out/swift-fixtures
                              the python file also holds each window's log-mel features (features/*.f32,
                              float32 (n_mels, frames) C order) for the Swift loop given Python's features
     stream/, streaming.json  a short dictation (STREAM_UTTERANCES held-out utterances joined with pauses
-                             and background noise, as tools/make_dictations.py makes them; float32 WAV)
+                             and background noise, as tools/data/make_dictations.py makes them; float32 WAV)
                              and the updates of `cohere-coreml transcribe --stream --no-pace --json --stats`
                              (0.1 s chunks, package front end, interpreter) for it, with its stats line
                              (the compute counters, stderr) and the counters without extend (--no-extend)
@@ -389,7 +389,7 @@ def compare_front_ends(package: dict | None, python: dict) -> dict | None:
 
 def stream_dictation(root: Path, language: str = STREAM_LANGUAGE, count: int = STREAM_UTTERANCES,
                      seed: int = STREAM_SEED) -> tuple[np.ndarray, list[dict]]:
-    """(float32 samples at 16 kHz, utterances) of one dictation made as tools/make_dictations.py makes
+    """(float32 samples at 16 kHz, utterances) of one dictation made as tools/data/make_dictations.py makes
     them (its lead pause, pauses uniform(0.3, 2.0) s, trail pause, one background noise at the level of
     the noisiest clip), from the first `count` held-out utterances of `language`."""
     dictations = load_make_dictations(root)
@@ -414,9 +414,9 @@ def stream_dictation(root: Path, language: str = STREAM_LANGUAGE, count: int = S
 
 
 def load_make_dictations(root: Path):
-    """tools/make_dictations.py as a module (a script beside this package, not part of it: loaded by path
+    """tools/data/make_dictations.py as a module (a script beside this package, not part of it: loaded by path
     so the dictation recipe stays in one place)."""
-    spec = importlib.util.spec_from_file_location("make_dictations", root / "tools" / "make_dictations.py")
+    spec = importlib.util.spec_from_file_location("make_dictations", root / "tools" / "data" / "make_dictations.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -637,7 +637,7 @@ def robustness_rows(robustness: dict) -> str:
 
 
 # how a fresh checkout makes the committed robustness set (the folder a card's `--robustness` names)
-ROBUSTNESS_SET_COMMAND = "uv run python tools/make_heldout_set.py --single tests/data/heldout-varied/single --out out/heldout-varied"
+ROBUSTNESS_SET_COMMAND = "uv run python tools/data/make_heldout_set.py --single tests/data/heldout-varied/single --out out/heldout-varied"
 
 
 def reproduce_commands(checkpoint: str | Path) -> str | None:
@@ -651,7 +651,7 @@ def reproduce_commands(checkpoint: str | Path) -> str | None:
 def write_model_card(out_dir: str | Path, cfg: TrainConfig, result: TrainResult, reports: dict, command: str,
                      train_summary: dict, robustness: dict | None = None) -> Path:
     """README.md of the trained checkpoint: data, purpose, measured figures, reproduce command;
-    `robustness`: {subset: reports} of the robustness held-out set (tools/make_heldout_set.py)."""
+    `robustness`: {subset: reports} of the robustness held-out set (tools/data/make_heldout_set.py)."""
     from .evaluate import format_targets, ratio_targets
 
     out_dir = Path(out_dir)
@@ -670,7 +670,7 @@ def write_model_card(out_dir: str | Path, cfg: TrainConfig, result: TrainResult,
                 f"machine; `--steps {result.steps}` repeats this run's length with a step-based schedule)")
     sessions = ("" if result.sessions == 1 else
                 f"; in {result.sessions} sessions, `--stop-after` then `--resume`, which end with one run's weights")
-    robustness_section = "" if not robustness else f"""Robustness held-out set (`tools/make_heldout_set.py`: held-out sentences, voice variants never
+    robustness_section = "" if not robustness else f"""Robustness held-out set (`tools/data/make_heldout_set.py`: held-out sentences, voice variants never
 trained on; padded: the same clips with 0-2 s more silence each side; multi: the same clips joined 2-4
 at a time):
 
@@ -690,7 +690,7 @@ at a time):
         chain = (f"The last command is this fine-tuning; the ones before it are the starting checkpoint's (its card's), "
                  f"whose output folder is `{cfg.init_from}` here.\n" if reproduce != command else "")
     if robustness:
-        chain += (f"`--robustness` is a set of `tools/make_heldout_set.py`; the committed one is `{ROBUSTNESS_SET_COMMAND}`.\n")
+        chain += (f"`--robustness` is a set of `tools/data/make_heldout_set.py`; the committed one is `{ROBUSTNESS_SET_COMMAND}`.\n")
     card = f"""---
 license: apache-2.0
 tags: [cohere_asr, test-model, synthetic-speech]
@@ -721,7 +721,7 @@ exported model can be judged by transcripts. It knows nothing about natural spee
 
 ## Data
 espeak-ng speech from a small generated grammar (11 templates per language; numbers, times, dates,
-commands), `tools/make_synthetic_speech.py`: {train_summary.get('train_clips')} training utterances
+commands), `tools/data/make_synthetic_speech.py`: {train_summary.get('train_clips')} training utterances
 ({train_summary.get('train_hours', 0):.2f} h), {data_description(train_summary.get('recipe', 'commands'), train_summary.get('recipe_options'))}, seed {cfg.seed}.
 Held-out set: `tests/data/heldout/` ({sum(r.clips for r in reports.values())} clips); every held-out sentence is a word combination
 that never occurs in training.

@@ -25,9 +25,11 @@ windows at its quietest points as the model's processor cuts it.
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 import coremltools as ct
@@ -75,15 +77,19 @@ class Bundle:
                 return self.compiled[component]
             digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:24]
             target = self.cache / f"{package.name[: -len('.mlpackage')]}-{digest}.mlmodelc"
-            if not (target / ".complete").is_file():  # staged, marked complete, renamed: never half-written
+            if (target / ".complete").is_file():
+                os.utime(target / ".complete")  # the entry's last use
+            else:
                 self.cache.mkdir(parents=True, exist_ok=True)
-                with tempfile.TemporaryDirectory(dir=self.cache) as staging:
-                    fresh = Path(staging) / target.name
-                    ct.models.utils.compile_model(str(package), str(fresh))
-                    (fresh / ".complete").write_bytes(b"")
-                    if target.exists():  # an incomplete leftover of an interrupted run
-                        shutil.rmtree(target)
-                    fresh.replace(target)
+                # compiled inside a temporary of the cache's naming (Core ML wants a .mlmodelc destination)
+                scratch = self.cache / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
+                staging = scratch / target.name
+                try:
+                    ct.models.utils.compile_model(str(package), str(staging))
+                    (staging / ".complete").write_text(json.dumps({"source": os.path.abspath(package)}))
+                    install(staging, target)
+                finally:
+                    shutil.rmtree(scratch, ignore_errors=True)
             self.compiled[component] = target
         return self.compiled[component]
 
@@ -92,6 +98,30 @@ class Bundle:
             self.loaded[component, name] = ct.models.CompiledMLModel(
                 str(self.compiled_model(component)), compute_units=UNITS[units], function_name=name)
         return self.loaded[component, name]
+
+
+def install(staging: Path, target: Path) -> bool:
+    """Rename a compiled model, marked complete, to its cache name: the rule of "Compiled-model cache" in
+    docs/runtime.md. A complete target is kept (its name says its content is the same) and `staging`
+    dropped; only a target without the marker is moved aside and removed. False when one was kept."""
+    for _ in range(3):
+        try:
+            os.rename(staging, target)  # fails while `target` is a non-empty folder
+            return True
+        except OSError:
+            if not target.exists():
+                continue
+            if (target / ".complete").is_file():  # another process installed the same content: use it
+                shutil.rmtree(staging, ignore_errors=True)
+                return False
+            trash = target.with_name(f".{target.name}.trash-{os.getpid()}-{uuid.uuid4().hex}")
+            try:
+                os.rename(target, trash)  # an incomplete leftover: aside, then removed
+            except FileNotFoundError:
+                continue
+            shutil.rmtree(trash, ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    raise OSError(f"cannot install the compiled model at {target}")
 
 
 def read_audio(path: str, sampling_rate: int) -> np.ndarray:

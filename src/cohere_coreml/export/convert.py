@@ -46,6 +46,10 @@ PRECISIONS = ("fp16", "fp32")
 MIN_PSNR_DB = {"fp32": 60.0, "fp16": 35.0}
 # Deployment targets accepted by name (attribute names of `coremltools.target`).
 DEPLOYMENT_TARGETS = ("macOS15", "iOS18", "macOS26", "iOS26")
+# what the parity gates run packages on (`gate.GateLoader`): "interpreter" (the project's MIL
+# interpreter), Core ML on one of its compute-unit sets, or "auto": Core ML on the CPU where this
+# machine's Core ML runs the package, else the interpreter (docs/export.md, "Where the gates run")
+GATE_UNITS = ("auto", "interpreter", "cpu_only", "cpu_and_gpu", "cpu_and_ne", "all")
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,6 +72,8 @@ class ExportSettings:
         model_id / revision: recorded in the package metadata.
         checkpoint_digest: `checkpoint.checkpoint_digest` of the checkpoint being exported (None: unknown),
             recorded in each gate report; a package whose report names another checkpoint is not skipped.
+        gate_units: where the gates run the packages (`GATE_UNITS`; default "auto": Core ML's CPU where
+            Core ML can run them, else the interpreter).
     """
 
     out_dir: Path = Path("out")
@@ -81,6 +87,7 @@ class ExportSettings:
     revision: str | None = None
     license: str = "Apache-2.0"
     checkpoint_digest: str | None = None
+    gate_units: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "out_dir", Path(self.out_dir))
@@ -91,6 +98,8 @@ class ExportSettings:
                 f"deployment_target must be one of {DEPLOYMENT_TARGETS}, got {self.deployment_target!r} "
                 "(the stateful decoder needs at least macOS15/iOS18)"
             )
+        if self.gate_units not in GATE_UNITS:
+            raise ExportSettingsError(f"gate_units must be one of {GATE_UNITS}, got {self.gate_units!r}")
         if not (isinstance(self.window_seconds, (int, float)) and math.isfinite(self.window_seconds)):
             raise ExportSettingsError(f"window_seconds must be a finite number, got {self.window_seconds!r}")
         if self.window_seconds <= 0:

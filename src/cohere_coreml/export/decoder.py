@@ -329,7 +329,7 @@ class TorchDecoder:
 
 
 def convert_decoder(model, settings: ExportSettings, capacity: int | None = None, memory_len: int | None = None,
-                    prompt: list[int] | None = None, backend: str = "mil", prefill: bool = False,
+                    prompt: list[int] | None = None, prefill: bool = False,
                     control_prompt: list[int] | None = None, extend: bool = False,
                     extend_len: int = EXTEND_LENGTH, state_writes: str = DECODER_STATE_DEFAULT) -> dict:
     """Export `decoder.mlpackage` into `settings.out_dir` with a teacher-forcing parity gate.
@@ -341,7 +341,6 @@ def convert_decoder(model, settings: ExportSettings, capacity: int | None = None
         memory_len: Tp, the padded encoder frames of the encoder package this decoder reads
             (`shapes.export_plan` computes it from the window).
         prompt: decoder prompt ids for the gate (default: 10 tokens from the config's start id).
-        backend: runtime backend running the gate ("mil" interpreter on Linux, "auto" elsewhere).
         prefill: also add a `prefill` function (the whole prompt in one call, same states, weights
             shared) and make the package multifunction; `main` stays the step function.
         control_prompt: another prompt of the same length (other language / punctuation) for the
@@ -356,7 +355,7 @@ def convert_decoder(model, settings: ExportSettings, capacity: int | None = None
     `decoder.parity.json`; None when skipped or unchecked), written (False: the package existed).
     Raises `ParityError` (package not written) when the gate fails.
     """
-    staged, result = stage_decoder(model, settings, capacity, memory_len, prompt, backend, prefill, control_prompt,
+    staged, result = stage_decoder(model, settings, capacity, memory_len, prompt, prefill, control_prompt,
                                    extend, extend_len, state_writes)
     if staged is None:
         return result
@@ -367,7 +366,7 @@ def convert_decoder(model, settings: ExportSettings, capacity: int | None = None
 
 
 def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, memory_len: int | None = None,
-                  prompt: list[int] | None = None, backend: str = "mil", prefill: bool = False,
+                  prompt: list[int] | None = None, prefill: bool = False,
                   control_prompt: list[int] | None = None, extend: bool = False,
                   extend_len: int = EXTEND_LENGTH,
                   state_writes: str = DECODER_STATE_DEFAULT) -> tuple[StagedPackage | None, dict]:
@@ -456,7 +455,7 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
     def prepare():  # the gate's PyTorch side (reference, negative controls), once the package is written
         return prepare_gate(model, partial(TorchDecoder.of, model, state_writes=state_writes), shapes.memory_len,
                             shapes.capacity, gate_prompt, control_prompt, settings.precision, settings.min_psnr_db,
-                            backend, prefill, extend_len if extend else None, state_writes=state_writes)
+                            settings.gate_units, prefill, extend_len if extend else None, state_writes=state_writes)
 
     return stage_gated(COMPONENT, settings, write, prepare, installed=lambda: False), result  # checked above
 

@@ -26,7 +26,7 @@ import numpy as np
 from ..config import ANE_MULTIPLE, BIND_FUNCTION, DECODER_STATE_GRAPH, DECODER_STATE_HOST, FP16_MASK_VALUE, round_up
 from ..inference.decoder_runtime import DecoderRuntime
 from .convert import MIN_PSNR_DB
-from .gate import GateReport
+from .gate import GateLoader, GateReport
 from .parity import argmax_flips, kl_rows, psnr
 
 logger = logging.getLogger(__name__)
@@ -362,12 +362,12 @@ def teacher_forcing_gate(report: dict) -> GateReport:
 
 def prepare_gate(model, make_twin: TwinFactory, memory_len: int, capacity: int, prompt: list[int],
                  control_prompt: list[int] | None, precision: str, min_psnr_db: float | None = None,
-                 backend: str = "mil", prefill: bool = False,
+                 units: str = "auto", prefill: bool = False,
                  extend_len: int | None = None,
                  state_writes: str = DECODER_STATE_GRAPH) -> Callable[[Path], GateReport]:
     """The PyTorch side of the decoder gate, computed before the package is loaded: the teacher-forcing
     reference (`prompt` + up to 16 greedy tokens, within `capacity`) and the negative controls. Returns
-    `gate(package_path) -> GateReport`, which loads the package (`DecoderRuntime`, `backend`) and scores
+    `gate(package_path) -> GateReport`, which loads the package (`DecoderRuntime` on `units`: `gate.GateLoader`) and scores
     the step, the bound memory and (with `prefill`) the prefill function and (with `extend_len`) the
     extend function (`run_extend_teacher_forcing`) against that reference. `state_writes` "host": the
     package must be a host-state one (its step takes cache_mask) whose programs write no state
@@ -377,7 +377,14 @@ def prepare_gate(model, make_twin: TwinFactory, memory_len: int, capacity: int, 
     controls = negative_controls(make_twin, case, precision, min_psnr_db, control_prompt=control_prompt)
 
     def gate(tmp_path: Path) -> GateReport:
-        decoder = DecoderRuntime.load(tmp_path, backend=backend, prefill=prefill, extend=extend_len is not None)
+        with GateLoader(units, tmp_path.parent) as loader:
+            decoder = DecoderRuntime.load(tmp_path, prefill=prefill, extend=extend_len is not None,
+                                          **loader.runtime_options(tmp_path))
+            report = score(tmp_path, decoder)
+            report.details["runs_on"] = loader.describe(tmp_path)
+            return report
+
+    def score(tmp_path: Path, decoder: DecoderRuntime) -> GateReport:
         report = teacher_forcing_report(case, run_teacher_forcing(decoder, case), precision, min_psnr_db)
         report["memory"] = bound_memory_check(decoder, case)
         if prefill:

@@ -277,7 +277,7 @@ class DecoderExtendHost(DecoderExtend):
 
 
 class RecomputingStep(StatefulDecoder):
-    """Only for the MAC-count comparison (tools/count_decoder_macs.py): the design published ports
+    """Only for the MAC-count comparison (tools/bench/count_decoder_macs.py): the design published ports
     use, where the step takes the encoder memory (1, T, Ddec) and recomputes every layer's cross
     K/V from it at every step. Never exported as a product."""
 

@@ -425,8 +425,8 @@ def run_gate(package: Path, model, shapes: EncoderShapes, settings: ExportSettin
 def compare_gate_cases(package: Path, cases: list[GateCase], settings: ExportSettings,
                        function_name: str | None = None) -> GateReport:
     """The encoder gate on reference cases computed beforehand (`gate_cases`)."""
-    return compare_cases(COMPONENT, package, cases, settings.gate_psnr_db,
-                         function_name=function_name, details={"precision": settings.precision})
+    return compare_cases(COMPONENT, package, cases, settings.gate_psnr_db, function_name=function_name,
+                         units=settings.gate_units, details={"precision": settings.precision})
 
 
 # --------------------------------------------------------------------------------------------

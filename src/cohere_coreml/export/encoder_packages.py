@@ -31,7 +31,7 @@ from .encoder import (
     gate_inputs,
     trace_encoder,
 )
-from .gate import GateCase, GateReport, StagedPackage, stage_gated
+from .gate import GateCase, GateLoader, GateReport, StagedPackage, stage_gated
 from .parity import report_correctness
 
 logger = logging.getLogger(__name__)
@@ -320,12 +320,15 @@ def compare_part_cases(paths: list[Path], cases: list[GateCase], settings: Expor
     """The gate of an encoder in parts: each part on the transformers hidden state at its first layer
     (valid frames compared with transformers' at its last; the last part's outputs in full), then the
     chain of parts end to end on the window (every output, as the whole encoder's gate)."""
-    from ..runtime import load_model  # cohere_coreml.runtime imports torch; gate loads without it
+    with GateLoader(settings.gate_units, Path(paths[0]).parent) as loader:
+        return _compare_parts(loader, paths, cases, settings, function_name, ranges)
 
+
+def _compare_parts(loader: GateLoader, paths, cases, settings, function_name, ranges) -> GateReport:
     min_db = settings.gate_psnr_db
     results, texts = [], []
     for i, path in enumerate(paths):  # one part loaded at a time
-        loaded = load_model(str(path), function_name=function_name)
+        loaded = loader.load(path, function_name)
         for k, case in enumerate(cases):
             t = case.info["encoder_length"]
             if i == 0:
@@ -344,7 +347,7 @@ def compare_part_cases(paths: list[Path], cases: list[GateCase], settings: Expor
                          f"case {k}\n{report.summary()}")
             results.append(report)
         del loaded
-    chain = PartChain(load_model(str(p), function_name=function_name) for p in paths)
+    chain = PartChain(loader.load(p, function_name) for p in paths)
     for k, case in enumerate(cases):
         report = report_correctness(case.reference, chain.predict(case.inputs), min_db)
         report.extra.update({"case": k, "part": "chain", **case.info})
@@ -357,6 +360,7 @@ def compare_part_cases(paths: list[Path], cases: list[GateCase], settings: Expor
                       headline=f"worst PSNR {worst:.1f} dB over {len(cases)} case(s) x {len(paths)} parts and the "
                                f"chain (need {min_db:g} dB)",
                       details={"function": function_name, "min_psnr_db": float(min_db),
+                               "runs_on": loader.describe(paths[0]),
                                "worst_psnr_db": worst if np.isfinite(worst) else str(worst),
                                "precision": settings.precision},
                       cases=[r.to_dict() for r in results], text="\n".join(texts))

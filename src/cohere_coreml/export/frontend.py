@@ -42,7 +42,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .. import runtime
 from ..config import FRONTEND_FUNCTIONS_METADATA_KEY
 from ..model.audio import (
     LOG_ZERO_GUARD,
@@ -58,7 +57,7 @@ from ..model.audio import (
 from ..model.shapes import FrontEndShapes, ShapeError
 from ..storage.files import save_converted, skip_installed, temporary_dir
 from .convert import ExportError, ExportSettings, convert_module, merge_functions
-from .gate import GateCase, GateReport, StagedPackage, default_gate_audio, stage_gated
+from .gate import GateCase, GateLoader, GateReport, StagedPackage, default_gate_audio, stage_gated
 from .parity import CorrectnessReport, report_correctness
 
 logger = logging.getLogger(__name__)
@@ -329,12 +328,15 @@ def check_case(reference: Mapping, produced: Mapping, kind: str = "signal") -> C
 
 
 def run_gate(package: str | Path, cases: Sequence[GateCase], function_name: str | None = None,
-             backend: str = "auto") -> GateReport:
-    """Run every case through the package (`cohere_coreml.runtime`), compare with `log_mel`
-    (`check_case`, the budget of the case's kind) and return the `GateReport` of all cases."""
+             units: str = "auto", loader: GateLoader | None = None) -> GateReport:
+    """Run every case through the package (on `units`, or with `loader`: `gate.GateLoader`), compare with
+    `log_mel` (`check_case`, the budget of the case's kind) and return the `GateReport` of all cases."""
     if not cases:
         raise ValueError(f"{COMPONENT} gate has no cases")
-    loaded = runtime.load_model(str(package), backend=backend, function_name=function_name)
+    if loader is None:
+        with GateLoader(units, Path(package).parent) as own:
+            return run_gate(package, cases, function_name, loader=own)
+    loaded = loader.load(package, function_name)
     where = f" function {function_name}" if function_name else ""
     results, texts = [], []
     for case in cases:
@@ -365,7 +367,7 @@ def run_gate(package: str | Path, cases: Sequence[GateCase], function_name: str 
         headline="; ".join(parts),
         details={"package": f"{COMPONENT}.mlpackage", "function": function_name or "main", "precision": PRECISION,
                  "compute_units": COMPUTE_UNITS, "budgets": GATE_BUDGETS, "worst": worst,
-                 "backend": type(loaded).__name__},
+                 "backend": type(loaded).__name__, "runs_on": loader.describe(package)},
         cases=[r.to_dict() for r in results],
         text="\n".join(texts),
     )
@@ -437,7 +439,8 @@ def stage_frontend(config: FrontEndConfig, settings: ExportSettings, shapes_by_f
         cases = {fn: gate_cases(config, shapes, gate_audio) for fn, shapes in shapes_by_fn.items()}
 
         def gate(tmp: Path) -> GateReport:
-            reports = {fn: run_gate(tmp, cases[fn], function_name=fn) for fn in shapes_by_fn}
+            with GateLoader(settings.gate_units, tmp.parent) as loader:
+                reports = {fn: run_gate(tmp, cases[fn], function_name=fn, loader=loader) for fn in shapes_by_fn}
             if len(reports) == 1:
                 report = reports["main"]
                 report.details["windows"] = functions_meta

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,14 @@ import numpy as np
 
 from ..export_errors import ParityError
 from ..storage import faults
-from ..storage.files import install_package, remove_package, skip_installed, staging_path, write_json_atomic
+from ..storage.files import (
+    install_package,
+    remove_package,
+    skip_installed,
+    staging_path,
+    temporary_dir,
+    write_json_atomic,
+)
 from ..storage.integrity import invalidate_manifest
 from .convert import ExportSettings
 from .parity import report_correctness
@@ -236,6 +244,75 @@ def export_gated(component: str, settings: ExportSettings, write: Callable[[Path
 
 
 # --------------------------------------------------------------------------------------------
+# Where a gate runs the package
+# --------------------------------------------------------------------------------------------
+
+
+class GateLoader:
+    """Loads the packages of one gate on the export's `gate_units` (`convert.GATE_UNITS`).
+
+    "auto" runs Core ML on the CPU where this machine's Core ML runs the package (macOS 15 for the
+    packages' target), else the interpreter: the CPU is one unit on every run (the verdict does not
+    depend on which unit Core ML picks), compiles quickly (a Neural Engine compile takes minutes at
+    full size) and still puts the program through Core ML's own compiler and runtime; "all" or
+    "cpu_and_ne" check the units an app will run, "interpreter" the same numbers as on Linux.
+    Core ML compiles into a private cache beside the package (`.gate-compiled.tmp-<pid>-...`, swept
+    if the process is killed) that `close()` removes: a gate never writes into the user's
+    compiled-model cache, where a staging package's content name would be new on every export.
+    """
+
+    def __init__(self, units: str, beside: str | Path):
+        self.units = units
+        self.beside = Path(beside)
+        self._cache = None
+
+    def __enter__(self) -> GateLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def choice(self, package: str | Path) -> tuple[str, str]:
+        """(backend, compute units) for `package`."""
+        from ..runtime.coreml_backend import coreml_available, package_needs  # as `load`
+        from ..runtime.package import read_package
+
+        if self.units == "interpreter":
+            return "mil", "all"
+        if self.units == "auto":
+            ok = coreml_available(package_needs(read_package(package)))[0]
+            return ("coreml", "cpu_only") if ok else ("mil", "all")
+        return "coreml", self.units  # asked for: Core ML or a one-line error saying why not
+
+    def runtime_options(self, package: str | Path) -> dict[str, Any]:
+        """`backend`, `compute_units` and `cache` for `runtime.load_model` / `DecoderRuntime.load`."""
+        backend, units = self.choice(package)
+        return {"backend": backend, "compute_units": units, "cache": self._private_cache() if backend == "coreml" else None}
+
+    def load(self, package: str | Path, function_name: str | None = None):
+        from ..runtime import load_model  # cohere_coreml.runtime imports torch; gate loads without it
+
+        return load_model(str(package), function_name=function_name, **self.runtime_options(package))
+
+    def describe(self, package: str | Path) -> str:
+        backend, units = self.choice(package)
+        return f"Core ML {units}" if backend == "coreml" else "interpreter"
+
+    def _private_cache(self):
+        from ..runtime.compiled_cache import CompiledCache
+
+        if self._cache is None:
+            self.beside.mkdir(parents=True, exist_ok=True)
+            self._cache = CompiledCache(temporary_dir(self.beside, "gate-compiled"), max_bytes=None)
+        return self._cache
+
+    def close(self) -> None:
+        if self._cache is not None:
+            shutil.rmtree(self._cache.folder, ignore_errors=True)
+            self._cache = None
+
+
+# --------------------------------------------------------------------------------------------
 # Single-call programs: cases of inputs and reference outputs
 # --------------------------------------------------------------------------------------------
 
@@ -250,15 +327,19 @@ class GateCase:
 
 
 def compare_cases(component: str, package: str | Path, cases: Sequence[GateCase], min_psnr_db: float,
-                  exact: Sequence[str] = (), function_name: str | None = None, backend: str = "auto",
+                  exact: Sequence[str] = (), function_name: str | None = None, units: str = "auto",
                   details: Mapping[str, Any] | None = None) -> GateReport:
-    """Run `package` on every case; every reference output must reach `min_psnr_db` (names in
-    `exact` must match exactly). Per-case figures come from `parity.report_correctness`."""
-    from ..runtime import load_model  # cohere_coreml.runtime imports torch; gate loads without it
-
+    """Run `package` on every case (on `units`: `GateLoader`); every reference output must reach
+    `min_psnr_db` (names in `exact` must match exactly). Per-case figures come from
+    `parity.report_correctness`."""
     if not cases:
         raise ValueError(f"{component} gate has no cases")
-    loaded = load_model(str(package), backend=backend, function_name=function_name)
+    with GateLoader(units, Path(package).parent) as loader:
+        return _compare_loaded(component, loader.load(package, function_name), cases, min_psnr_db, exact,
+                               function_name, {"runs_on": loader.describe(package), **(details or {})})
+
+
+def _compare_loaded(component, loaded, cases, min_psnr_db, exact, function_name, details) -> GateReport:
     where = f" function {function_name}" if function_name else ""
     results, texts = [], []
     for i, case in enumerate(cases):

@@ -52,7 +52,7 @@ from ..model.shapes import ExportPlan, export_plan
 from ..model.tokens import prompt_ids
 from ..storage.files import stale_reason, sweep_stale_temporaries
 from ..storage.integrity import invalidate_manifest
-from .convert import MIN_PSNR_DB, ExportError, ExportSettings
+from .convert import GATE_UNITS, MIN_PSNR_DB, ExportError, ExportSettings
 from .gate import StagedPackage
 from .memory import release_memory
 
@@ -74,7 +74,6 @@ class ExportJob:
     buckets: tuple[float, ...] = ()
     prefill: bool = False
     extend: bool = False  # the decoder's `extend` function (forced prefixes K tokens per call)
-    backend: str = "mil"  # runtime backend of stateful gates
     decoder_state: str = DECODER_STATE_DEFAULT  # who writes the decoder state: "host" | "graph" (docs/decoder.md)
     encoder_parts: int | str = "auto"  # programs of consecutive encoder layers: N, or "auto" (under `platform`'s limit)
     platform: str = "ios"  # whose per-program weight limit "auto" keeps the parts under (docs/ane.md)
@@ -130,7 +129,7 @@ def _stage_decoder(job: ExportJob) -> StagedPackage | None:
             raise ExportError(f"{path} is a {info['state_writes']}-state decoder, the export asks for "
                               f"--decoder-state {job.decoder_state}; use --force to re-export")
     staged, _ = decoder.stage_decoder(job.model, job.settings, capacity=shapes.capacity, memory_len=shapes.memory_len,
-                                      prompt=job.prompt, backend=job.backend, prefill=job.prefill,
+                                      prompt=job.prompt, prefill=job.prefill,
                                       control_prompt=job.control_prompt, extend=job.extend,
                                       state_writes=job.decoder_state)
     return staged
@@ -209,7 +208,7 @@ class StagedExport:
 
 def stage_export(model, processor, settings: ExportSettings, components: Sequence[str] = tuple(COMPONENTS),
                  gate_audio=None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, buckets=(), prefill: bool = False,
-                 backend: str = "mil", extend: bool = False,
+                 extend: bool = False,
                  decoder_state: str = DECODER_STATE_DEFAULT, encoder_parts: int | str = "auto",
                  platform: str = "ios") -> StagedExport:
     """The PyTorch half of an export: convert every component and compute its gate's references.
@@ -227,7 +226,7 @@ def stage_export(model, processor, settings: ExportSettings, components: Sequenc
                        bucket_seconds=buckets)
     job = ExportJob(model=model, processor=processor, settings=settings, plan=plan, prompt=prompt,
                     control_prompt=control_prompt,
-                    gate_audio=gate_audio, buckets=tuple(buckets), prefill=prefill, backend=backend,
+                    gate_audio=gate_audio, buckets=tuple(buckets), prefill=prefill,
                     extend=extend, decoder_state=decoder_state, encoder_parts=encoder_parts, platform=platform)
     result = StagedExport(settings=settings, model_info=ModelInfo.of(model), processor=processor, staged={})
     try:
@@ -245,7 +244,7 @@ def stage_export(model, processor, settings: ExportSettings, components: Sequenc
 
 def export_model(model, processor, settings: ExportSettings, components: Sequence[str] = tuple(COMPONENTS),
                  gate_audio=None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, buckets=(), prefill: bool = False,
-                 backend: str = "mil", extend: bool = False,
+                 extend: bool = False,
                  decoder_state: str = DECODER_STATE_DEFAULT, encoder_parts: int | str = "auto",
                  platform: str = "ios") -> ExportResult:
     """Export `components` of a loaded checkpoint into `settings.out_dir`, then write the bundle.
@@ -256,7 +255,7 @@ def export_model(model, processor, settings: ExportSettings, components: Sequenc
     `model` alive here (`export_checkpoint` frees it before gating).
     """
     return stage_export(model, processor, settings, components, gate_audio=gate_audio,
-                        max_new_tokens=max_new_tokens, buckets=buckets, prefill=prefill, backend=backend,
+                        max_new_tokens=max_new_tokens, buckets=buckets, prefill=prefill,
                         extend=extend, decoder_state=decoder_state, encoder_parts=encoder_parts,
                         platform=platform).finish()
 
@@ -294,7 +293,8 @@ def export_checkpoint(model_ref: str, settings: ExportSettings, revision: str | 
 
 def cmd_export(args) -> int:
     settings = ExportSettings(out_dir=Path(args.out), precision=args.precision, deployment_target=args.deployment_target,
-                              window_seconds=args.window_seconds, force=args.force, skip_verify=args.skip_verify)
+                              window_seconds=args.window_seconds, force=args.force, skip_verify=args.skip_verify,
+                              gate_units=args.gate_units)
     components = tuple(c.strip() for c in args.components.split(",") if c.strip())
     result = export_checkpoint(args.model, settings, revision=args.revision, base_model=args.base_model,
                                components=components,
@@ -384,4 +384,10 @@ def add_command(subparsers) -> None:
     p.add_argument("--force", action="store_true", help="overwrite packages that already exist")
     p.add_argument("--skip-verify", action="store_true",
                    help="do not run the parity gates (packages are written unchecked)")
+    p.add_argument("--gate-units", choices=GATE_UNITS, default="auto",
+                   help="what the parity gates run each package on: 'auto' (default) Core ML on the CPU where "
+                   "this machine's Core ML runs the packages (one unit, no Neural Engine compile, Core ML's own "
+                   "compiler checked), else the MIL interpreter; 'interpreter'; or a Core ML compute-unit set "
+                   "(cpu_only, cpu_and_gpu, cpu_and_ne, all: the units an app runs). Gates compile into a "
+                   "private cache removed when they end (docs/export.md)")
     p.set_defaults(func=cmd_export)

@@ -115,15 +115,18 @@ class FeedCall:
 
 
 def feed_plan(count: int, start: int, capacity: int, prefill_length: int | None = None,
-              extend_length: int | None = None) -> list[FeedCall]:
-    """How a prefix of `count` tokens from slot `start` is fed (the Swift package plans the same):
+              extend_length: int | None = None, rows_from: int | None = None) -> list[FeedCall]:
+    """How a prefix of `count` tokens from slot `start` is fed (the Swift package plans the same);
+    `rows_from`: the first token whose log-probs the caller reads (default: the last one):
 
-    * the bare prompt (start 0, exactly prefill_length tokens) with a prefill function: one prefill call;
+    * the bare prompt (start 0, exactly prefill_length tokens) with a prefill function, when only the
+      log-probs after its last token are read (a prefill call returns no others): one prefill call;
     * else, with an extend function: extend calls of up to K tokens while at least 2 remain and the
       call's K slots fit the cache (a single token is cheaper as a step);
     * the rest: one step call per token (a bundle without prefill / extend: steps only).
     """
-    if start == 0 and prefill_length is not None and count == prefill_length:
+    last_row_only = rows_from is None or rows_from >= count - 1
+    if start == 0 and prefill_length is not None and count == prefill_length and last_row_only:
         return [FeedCall(PREFILL_FUNCTION, 0, count, count)]
     calls, done = [], 0
     while extend_length is not None and count - done >= 2 and start + done + extend_length <= capacity:
@@ -195,16 +198,17 @@ class DecoderRuntime:
 
     @classmethod
     def load(cls, path: str | os.PathLike, backend: str = "auto", compute_units: str = "all",
-             prefill: bool = True, num_threads: int | None = None, extend: bool = True) -> DecoderRuntime:
+             prefill: bool = True, num_threads: int | None = None, extend: bool = True,
+             cache=None) -> DecoderRuntime:
         """Load a decoder package's functions; `prefill` / `extend`: also its prefill / extend function
-        when it has one."""
+        when it has one; `cache`: Core ML's compiled-model cache (`runtime.load_model`)."""
         from ..runtime import load_model, read_package
 
         functions = read_package(path).function_names
 
         def load(fn):
             return load_model(str(path), backend=backend, function_name=fn, compute_units=compute_units,
-                              num_threads=num_threads)
+                              num_threads=num_threads, cache=cache)
 
         step = load(STEP_FUNCTION)
         if BIND_FUNCTION not in functions and CACHE_MASK_INPUT not in step.input_description:
@@ -302,18 +306,19 @@ class DecoderRuntime:
         rows = self._call(self.extend_model, {"input_ids": padded, "position": position}, state, int(start))
         return rows.reshape(self.extend_length, -1)[: len(ids)]  # (1, K, V) -> the real tokens' rows
 
-    def plan(self, count: int, start: int = 0) -> list[FeedCall]:
+    def plan(self, count: int, start: int = 0, rows_from: int | None = None) -> list[FeedCall]:
         """`feed_plan` with this package's functions."""
-        return feed_plan(count, start, self.capacity, self.prefill_length, self.extend_length)
+        return feed_plan(count, start, self.capacity, self.prefill_length, self.extend_length, rows_from)
 
-    def feed(self, state, ids, start: int = 0) -> Fed:
-        """Feed a prefix `ids` at slots start.. by `plan`; the log-probs after its last token."""
+    def feed(self, state, ids, start: int = 0, rows_from: int | None = None) -> Fed:
+        """Feed a prefix `ids` at slots start.. by `plan`; the log-probs after each token from `rows_from`
+        (default: the last) on are in `Fed.after`."""
         ids = [int(t) for t in ids]
         if not ids:
             raise DecoderRuntimeError("feed needs at least one token")
         after: list[np.ndarray | None] = []
         fed = 0
-        calls = self.plan(len(ids), start)
+        calls = self.plan(len(ids), start, rows_from)
         for call in calls:
             part = ids[call.offset : call.offset + call.count]
             if call.function == PREFILL_FUNCTION:

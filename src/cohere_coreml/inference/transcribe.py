@@ -247,7 +247,8 @@ class Transcriber(Engine):
         if draft and return_log_probs:
             raise TranscriptionError("return_log_probs gives one row per call: decode without a draft")
         t0 = time.perf_counter()
-        fed = self.decoder.feed(state, prompt + draft)  # prefill, extend calls or steps (feed_plan)
+        # prefill, extend calls or steps (feed_plan); the rows after the prompt's last token on are read
+        fed = self.decoder.feed(state, prompt + draft, rows_from=len(prompt) - 1)
         calls, tokens_fed = fed.calls, fed.tokens_fed
         pending = fed.after[len(prompt) - 1:]  # after the prompt's last token, then after each draft token
         log_probs = pending[0]

@@ -191,9 +191,9 @@ PRESETS["q8-lowrank"] = {"encoder": Recipe("int8"), "decoder": DECODER_INT8}
 # Encoder vs the f16 encoder: a low-rank encoder is a different function, so its PSNR is set by the ranks,
 # not by rounding. 25 dB sits a few dB below what these energies give and above what the known-bad
 # variants give (the mean term dropped; every type at 0.9, which moved a language's error rate), so it
-# refuses those; docs/quantization.md has the figures per model (read it before re-deciding the energies
-# or this threshold). The held-out gate (vs the unmodified PyTorch model) decides. Decoder: as q8-hybrid
-# (f16, unchanged) and q8 (int8).
+# refuses those; docs/quantization.md has the figures per model (tools/bench/bench_compression.py measures
+# them; read it before re-deciding the energies or this threshold). The held-out gate (vs the unmodified
+# PyTorch model) decides. Decoder: as q8-hybrid (f16, unchanged) and q8 (int8).
 GATES["lowrank"] = {"encoder_psnr_db": 25.0, "decoder_psnr_db": 60.0, "decoder_mean_kl": 1e-6,
                     "max_wer_increase": 0.005}
 GATES["q8-lowrank"] = {"encoder_psnr_db": 25.0, "decoder_psnr_db": 35.0, "decoder_mean_kl": 5e-3,

@@ -16,6 +16,8 @@ coremltools calls (`libcoremlpython._MLModelProxy`) that forwards predictions to
 from __future__ import annotations
 
 import logging
+import os
+import platform
 import sys
 import threading
 
@@ -47,13 +49,56 @@ def shared_cache(folder=None) -> CompiledCache:
         return _caches.setdefault(str(cache.folder), cache)
 
 
-def coreml_available() -> tuple[bool, str]:
-    """(available, reason) for the Core ML backend on this machine (or under the tests' emulation of
-    coremltools' native layer, which declares itself with `EMULATION` on `coremltools.libcoremlpython`)."""
-    if getattr(sys.modules.get("coremltools.libcoremlpython"), "EMULATION", False):
-        return True, ""
+# Core ML specification version of a program -> the first macOS that runs it (coremltools'
+# `_SPECIFICATION_VERSION_IOS_16/17/18` are 7/8/9; coremltools.target: iOS16 == macOS13, iOS17 ==
+# macOS14, iOS18 == macOS15). A newer specification than listed needs a newer macOS than the last one.
+MACOS_FOR_SPECIFICATION = {5: (12, 0), 6: (12, 0), 7: (13, 0), 8: (14, 0), 9: (15, 0)}
+
+
+def macos_for_specification(version: int) -> tuple[int, ...]:
+    """The first macOS whose Core ML runs programs of specification `version`."""
+    if version in MACOS_FOR_SPECIFICATION:
+        return MACOS_FOR_SPECIFICATION[version]
+    newest = max(MACOS_FOR_SPECIFICATION)
+    if version > newest:
+        return (MACOS_FOR_SPECIFICATION[newest][0] + version - newest, 0)
+    return (0,)
+
+
+def _native():
+    return sys.modules.get("coremltools.libcoremlpython")
+
+
+def macos_version() -> tuple[int, ...] | None:
+    """This Mac's macOS version (under the tests' emulation: the version it declares), None off macOS."""
+    native = _native()
+    if getattr(native, "EMULATION", False):
+        return tuple(getattr(native, "MACOS_VERSION", (15, 0)))
     if sys.platform != "darwin":
+        return None
+    release = platform.mac_ver()[0]
+    try:
+        return tuple(int(part) for part in release.split("."))
+    except ValueError:
+        return None
+
+
+def version_text(version: tuple[int, ...]) -> str:
+    return ".".join(str(v) for v in (version if len(version) > 1 else (*version, 0)))
+
+
+def coreml_available(needs: tuple[int, ...] | None = None, what: str = "these packages") -> tuple[bool, str]:
+    """(available, reason) for the Core ML backend on this machine (or under the tests' emulation of
+    coremltools' native layer, which declares itself with `EMULATION` on `coremltools.libcoremlpython`);
+    `needs`: the macOS version the programs to run need (`macos_for_specification`)."""
+    version = macos_version()
+    if version is None:
         return False, f"Core ML needs macOS (this is {sys.platform})"
+    if needs is not None and version < tuple(needs):
+        return False, (f"Core ML on macOS {version_text(version)} is too old for {what} (macOS "
+                       f"{version_text(tuple(needs))} or later needed)")
+    if getattr(_native(), "EMULATION", False):
+        return True, ""
     try:
         from coremltools.libcoremlpython import _MLModelProxy  # noqa: F401  # platform-only: a probe
     except Exception as exc:  # pragma: no cover - depends on the platform
@@ -61,11 +106,16 @@ def coreml_available() -> tuple[bool, str]:
     return True, ""
 
 
+def package_needs(pkg: PackageSpec) -> tuple[int, ...]:
+    """The macOS version `pkg`'s program needs (from its specification version)."""
+    return macos_for_specification(int(pkg.spec.specificationVersion))
+
+
 class CoreMLModel(RuntimeModel):
     backend = "coreml"
 
     def __init__(self, pkg: PackageSpec, compute_units: str = "all", cache: CompiledCache | None = None):
-        ok, reason = coreml_available()
+        ok, reason = coreml_available(package_needs(pkg), what=os.path.basename(os.path.normpath(pkg.path)))
         if not ok:
             raise BackendUnavailableError(reason)
         import coremltools as ct  # platform-only (macOS) and heavy: the interpreter needs none

@@ -1,6 +1,6 @@
 """Benchmark: a random-weight Cohere Transcribe encoder through the MIL interpreter vs eager torch.
 
-Entry point: ``tools/bench_runtime.py``. Two phases, each in its own process so each reports
+Entry point: ``tools/bench/bench_runtime.py``. Two phases, each in its own process so each reports
 its own peak RSS:
 
 1. reference: build the encoder from ``CohereAsrConfig`` defaults (optionally fewer layers),

@@ -10,7 +10,7 @@ import os
 
 /// The device benchmark behind `cohere-transcribe-swift bench`: one bundle over one dataset folder (the
 /// format `cohere_coreml.evaluation.datasets.load_folder` reads), with the figures `cohere-coreml bench --merge-engine`
-/// turns into a row of its report (docs/swift.md, "Measuring on a device"; docs/benchmarks.md).
+/// turns into a row of its report (docs/swift.md, "Measuring on a device"; docs/evaluation.md).
 ///
 ///     cold load (first transcriber + prewarm: Core ML compiles here unless cached) -> dropped ->
 ///     warm load (second transcriber, from the cache) -> first clip once (warm-up) -> every clip, timed,
@@ -244,7 +244,7 @@ public enum DeviceBenchmark {
         var state: [String: Bool] = [:]
         for file in [manifest.files.frontend, manifest.files.encoder, manifest.files.decoder].compactMap({ $0 }) {
             let package = bundle.appendingPathComponent(file)
-            state[file] = (try? coreml.cachedLocation(for: package)).map(CoreMLRuntime.isComplete) ?? false
+            state[file] = (try? coreml.cachedLocation(for: package)).map(CompiledModelCache.isComplete) ?? false
         }
         return state
         #else

@@ -54,10 +54,13 @@ public struct FeedCall: Sendable, Equatable {
 }
 
 /// How a forced prefix is fed to the decoder (Python's `decoder_runtime.feed_plan`): the bare prompt (slot 0,
-/// exactly `prefillLength` tokens) by one prefill call; else extend calls of up to K tokens while at least 2
-/// remain and the call's K slots fit the cache; the rest one step per token (no prefill / extend: steps only).
-public func feedPlan(count: Int, start: Int, capacity: Int, prefillLength: Int?, extendLength: Int?) -> [FeedCall] {
-    if start == 0, let prefillLength, count == prefillLength {
+/// exactly `prefillLength` tokens) by one prefill call when only the log-probs after its last token are read
+/// (`rowsFrom`: the first token whose log-probs the caller reads, default the last; a prefill call returns no
+/// others); else extend calls of up to K tokens while at least 2 remain and the call's K slots fit the cache;
+/// the rest one step per token (no prefill / extend: steps only).
+public func feedPlan(count: Int, start: Int, capacity: Int, prefillLength: Int?, extendLength: Int?,
+                     rowsFrom: Int? = nil) -> [FeedCall] {
+    if start == 0, let prefillLength, count == prefillLength, (rowsFrom ?? count - 1) >= count - 1 {
         return [FeedCall(function: .prefill, offset: 0, count: count, fed: count)]
     }
     var calls: [FeedCall] = []
@@ -239,11 +242,11 @@ public actor CohereTranscriber {
     }
 
     /// The plan of a forced prefix of `count` tokens from slot `start` with the functions this transcriber uses.
-    public func plan(count: Int, start: Int = 0) -> [FeedCall] {
+    public func plan(count: Int, start: Int = 0, rowsFrom: Int? = nil) -> [FeedCall] {
         let d = manifest.decoder
         return feedPlan(count: count, start: start, capacity: d.capacity,
                         prefillLength: usePrefill && d.functions?.prefill != nil ? d.prefillLength : nil,
-                        extendLength: useExtend && d.functions?.extend != nil ? d.extendLength : nil)
+                        extendLength: useExtend && d.functions?.extend != nil ? d.extendLength : nil, rowsFrom: rowsFrom)
     }
 
     /// One encoder function through every part of the encoder (one part: the whole encoder), loaded and checked.
@@ -537,9 +540,9 @@ public actor CohereTranscriber {
         var tokensFed = 0
         /// Feeds `ids` at slots start.. by `plan`; the log-probs after each token (nil where a prefill call
         /// gives only its last row). Python's `DecoderRuntime.feed`.
-        func feed(_ ids: [Int], start: Int) async throws -> [[Float]?] {
+        func feed(_ ids: [Int], start: Int, rowsFrom: Int? = nil) async throws -> [[Float]?] {
             var after: [[Float]?] = []
-            for call in plan(count: ids.count, start: start) {
+            for call in plan(count: ids.count, start: start, rowsFrom: rowsFrom) {
                 let part = Array(ids[call.offset..<call.offset + call.count])
                 switch call.function {
                 case .prefill:
@@ -572,7 +575,7 @@ public actor CohereTranscriber {
         // the draft (Python's `Transcriber.decode(draft=)`): fed with the prompt, verified, never forced
         let extendLength = useExtend && manifest.decoder.functions?.extend != nil ? manifest.decoder.extendLength : nil
         var draft = extendLength == nil ? [] : Array(draft.prefix(max(0, limit - 1)))
-        var pending = Array(try await feed(prompt + draft, start: 0).suffix(draft.count + 1))
+        var pending = Array(try await feed(prompt + draft, start: 0, rowsFrom: prompt.count - 1).suffix(draft.count + 1))
         guard var scores = pending[0] else { throw TranscriptionError.badOutput("internal: no log-probs after the prompt") }
         let t1 = Date()
         var tokens: [Int] = []

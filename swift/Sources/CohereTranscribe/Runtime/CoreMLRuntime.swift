@@ -11,8 +11,10 @@ import CoreML
 /// of the app's Caches (never inside the bundle: an app's resources are signed and read-only), under
 /// a name derived from the package's content (the manifest's sha256 checksums of its files, else its
 /// file table: path, size, modification time), so every later launch loads the cached model instead of
-/// recompiling (minutes for the 2 B encoder on the Neural Engine). Concurrent loads of one package
-/// share one compile. Loads and predictions use Core ML's async APIs.
+/// recompiling (a Neural Engine compile of the full-size encoder takes minutes). Concurrent loads of one
+/// package share one compile; the folder's rules (installs that never delete a complete model, the
+/// upkeep after an install, list / clear / prune) are `CompiledModelCache`'s, the same as Python's.
+/// Loads and predictions use Core ML's async APIs.
 ///
 /// Float16 arrays are exchanged as raw bits (`Tensor`), never as Swift's `Float16`, which Intel Macs lack.
 /// `@unchecked Sendable`: its only mutable state (the compile / cache counters) is behind `counts`.
@@ -20,6 +22,8 @@ public final class CoreMLRuntime: ModelRuntime, @unchecked Sendable {
     public let name = "coreml"
     /// Folder of compiled models: by default `<Caches>/CohereTranscribe/compiled`.
     public let cacheDirectory: URL
+    /// The folder's rules and size cap.
+    public let cache: CompiledModelCache
     private let counts = NSLock()
     private var compiled: Set<String> = [], cached: Set<String> = []
 
@@ -35,11 +39,28 @@ public final class CoreMLRuntime: ModelRuntime, @unchecked Sendable {
     }
 
     /// `cacheDirectory`: where compiled models are kept (default: the user's Caches). A folder inside
-    /// the app bundle is refused (writing there breaks the app's code signature).
-    public init(cacheDirectory: URL? = nil) throws {
+    /// the app bundle is refused (writing there breaks the app's code signature). `maxCacheBytes`: the
+    /// size cap kept after each install (nil: none).
+    public init(cacheDirectory: URL? = nil, maxCacheBytes: Int? = CompiledModelCache.defaultMaxBytes) throws {
         let folder = cacheDirectory ?? CoreMLRuntime.defaultCacheDirectory()
         try CoreMLRuntime.checkOutsideAppBundle(folder)
         self.cacheDirectory = folder
+        self.cache = CompiledModelCache(folder: folder, maxBytes: maxCacheBytes)
+    }
+
+    /// The cache's entries (compiled models and interrupted installs' leftovers), least recently used first.
+    public func cacheEntries() -> [CompiledCacheEntry] { cache.entries() }
+
+    /// Removes every cache entry (not a live process's install under way); returns what was removed.
+    @discardableResult
+    public func clearCache() -> [CompiledCacheEntry] { cache.clear() }
+
+    /// Removes cache entries: per package name all but the `keepPerPackage` most recently used, those unused
+    /// for `olderThan` seconds, the least recently used while the folder holds more than `maxBytes`.
+    @discardableResult
+    public func pruneCache(keepPerPackage: Int? = nil, olderThan: TimeInterval? = nil,
+                           maxBytes: Int? = nil) -> [CompiledCacheEntry] {
+        cache.prune(keep: keepPerPackage, olderThan: olderThan, maxBytes: maxBytes)
     }
 
     public static func defaultCacheDirectory() -> URL {
@@ -127,12 +148,14 @@ public final class CoreMLRuntime: ModelRuntime, @unchecked Sendable {
             throw BundleError.missingFile("model package not found: \(package.path)")
         }
         let target = try cachedLocation(for: package)
-        if CoreMLRuntime.isComplete(target) {
+        if CompiledModelCache.isComplete(target) {
+            CompiledModelCache.touch(target)
             count(target, compiled: false)
             return target
         }
         return try await CompileRegistry.shared.compiled(target: target) { [self] in
-            if CoreMLRuntime.isComplete(target) {  // installed by a compile that finished meanwhile
+            if CompiledModelCache.isComplete(target) {  // installed by a compile that finished meanwhile
+                CompiledModelCache.touch(target)
                 count(target, compiled: false)
                 return target
             }
@@ -142,32 +165,11 @@ public final class CoreMLRuntime: ModelRuntime, @unchecked Sendable {
             } catch {
                 throw TranscriptionError.runtime("Core ML cannot compile \(package.lastPathComponent): \(error.localizedDescription)")
             }
-            try CoreMLRuntime.install(temporary, at: target)
+            if try CompiledModelCache.install(temporary, at: target, source: package) {
+                cache.afterInstall(target: target, source: package)
+            }
             count(target, compiled: true)
             return target
-        }
-    }
-
-    static func isComplete(_ compiled: URL) -> Bool {
-        FileManager.default.fileExists(atPath: compiled.appendingPathComponent(".complete").path)
-    }
-
-    /// Moves a freshly compiled model to `target` (staged beside it, marked complete, renamed): a
-    /// process killed midway leaves no folder at `target` that looks complete.
-    static func install(_ compiled: URL, at target: URL) throws {
-        let fm = FileManager.default
-        let folder = target.deletingLastPathComponent()
-        try fm.createDirectory(at: folder, withIntermediateDirectories: true)
-        let staging = folder.appendingPathComponent(".\(target.lastPathComponent).\(UUID().uuidString).tmp")
-        try fm.moveItem(at: compiled, to: staging)
-        try Data().write(to: staging.appendingPathComponent(".complete"))
-        try? fm.removeItem(at: target)  // an incomplete leftover of a killed process
-        do {
-            try fm.moveItem(at: staging, to: target)
-        } catch {
-            try? fm.removeItem(at: staging)
-            // another process installed the same content meanwhile: use it
-            guard isComplete(target) else { throw error }
         }
     }
 }

@@ -5,7 +5,7 @@ import FoundationNetworking
 #endif
 import XCTest
 
-/// `BundleDownloader` against tools/hub_test_server.py (Hub resolve layout on 127.0.0.1, Range
+/// `BundleDownloader` against tools/testing/hub_test_server.py (Hub resolve layout on 127.0.0.1, Range
 /// requests, fault injection, a request log).
 final class BundleDownloaderTests: XCTestCase {
     static let repoId = "test-org/test-model"
@@ -536,7 +536,7 @@ final class Box<T>: @unchecked Sendable {
     func mutate(_ body: (inout T) -> Void) { lock.lock(); defer { lock.unlock() }; body(&stored) }
 }
 
-/// tools/hub_test_server.py in a child process (stopped by `stop()` or when the test process exits:
+/// tools/testing/hub_test_server.py in a child process (stopped by `stop()` or when the test process exits:
 /// the server quits when its stdin closes). No child processes on iOS: there `init` skips the test.
 final class HubTestServer {
     struct Request: Decodable {
@@ -556,7 +556,7 @@ final class HubTestServer {
     init(root: URL, log: URL, arguments: [String]) throws {
         #if os(macOS) || os(Linux)
         self.log = log
-        let script = Fixtures.repoRoot.appendingPathComponent("tools/hub_test_server.py")
+        let script = Fixtures.repoRoot.appendingPathComponent("tools/testing/hub_test_server.py")
         process.executableURL = URL(fileURLWithPath: "/usr/bin/env")
         process.arguments = ["python3", script.path, "--root", root.path, "--log", log.path] + arguments
         let stdout = Pipe()
@@ -571,7 +571,7 @@ final class HubTestServer {
         }
         guard let port = Int(String(decoding: line, as: UTF8.self)) else {
             process.terminate()
-            throw DownloadError.invalidArgument("tools/hub_test_server.py did not print its port (python3 missing?)")
+            throw DownloadError.invalidArgument("tools/testing/hub_test_server.py did not print its port (python3 missing?)")
         }
         self.port = port
         #else

@@ -3,7 +3,7 @@ import Foundation
 import XCTest
 
 /// Fuzzing of the Swift readers (docs/reliability.md): the seeded corpus of mutated manifests that
-/// tools/make_fuzz_manifests.py writes (the Python fuzz test's generator, run by `make swift-fixtures`)
+/// tools/data/make_fuzz_manifests.py writes (the Python fuzz test's generator, run by `make swift-fixtures`)
 /// through `BundleManifest.decode`, each with the Python loader's verdict to match, and seeded random /
 /// truncated / corrupted WAV bytes through `WAVReader.parse`. Property: a value, or the package's own
 /// error type (`BundleError`, `AudioError`) with a message; never another error, never a crash (a trap
@@ -13,7 +13,7 @@ final class ManifestFuzzTests: XCTestCase {
     /// WAV cases: COHERE_FUZZ=long runs many more (as the Python fuzz tests do).
     static var wavCases: Int { ProcessInfo.processInfo.environment["COHERE_FUZZ"] == "long" ? 20000 : 600 }
 
-    /// The Python loader's verdict of one corpus file (index.json, written by tools/make_fuzz_manifests.py):
+    /// The Python loader's verdict of one corpus file (index.json, written by tools/data/make_fuzz_manifests.py):
     /// accepted, or refused at `stage` "manifest" (before the packages are opened: what the Swift manifest
     /// loader checks) or "packages" (only the package io differs: Swift's `checkIO`, at package load),
     /// and the field its error names (nil: an unreadable text, a file on disk ...).
@@ -37,7 +37,7 @@ final class ManifestFuzzTests: XCTestCase {
         let env = ProcessInfo.processInfo.environment["COHERE_FUZZ_MANIFESTS"]
         let dir = env.map { URL(fileURLWithPath: $0) } ?? Fixtures.repoRoot.appendingPathComponent("out/fuzz-manifests")
         guard let data = try? Data(contentsOf: dir.appendingPathComponent("index.json")) else {
-            let message = "no fuzz corpus in \(dir.path): run `make swift-fixtures` (or tools/make_fuzz_manifests.py)"
+            let message = "no fuzz corpus in \(dir.path): run `make swift-fixtures` (or tools/data/make_fuzz_manifests.py)"
             if env != nil { XCTFail(message) }
             throw XCTSkip(message)
         }

@@ -114,6 +114,11 @@ final class StreamingTests: XCTestCase {
                        (0..<12).map { FeedCall(function: .step, offset: $0, count: 1, fed: 1) })
         XCTAssertEqual(feedPlan(count: 10, start: 5, capacity: 64, prefillLength: 10, extendLength: 32),
                        [FeedCall(function: .extend, offset: 0, count: 10, fed: 32)])
+        // a prompt of 8 and a draft of 2: the rows after token 7 are read, which a prefill call does not return
+        XCTAssertEqual(feedPlan(count: 10, start: 0, capacity: 64, prefillLength: 10, extendLength: 32, rowsFrom: 7),
+                       [FeedCall(function: .extend, offset: 0, count: 10, fed: 32)])
+        XCTAssertEqual(feedPlan(count: 10, start: 0, capacity: 64, prefillLength: 10, extendLength: 32, rowsFrom: 9),
+                       [FeedCall(function: .prefill, offset: 0, count: 10, fed: 10)])
     }
 
     /// The async API (input continuation + update stream) with another chunking: the same updates

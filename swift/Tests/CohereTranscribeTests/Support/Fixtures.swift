@@ -2,7 +2,7 @@ import CohereTranscribe
 import Foundation
 import XCTest
 
-/// Reference data written by tools/make_swift_fixtures.py (`make swift-fixtures`, run by `make swift-test` / `make test`).
+/// Reference data written by tools/data/make_swift_fixtures.py (`make swift-fixtures`, run by `make swift-test` / `make test`).
 enum Fixtures {
     // this file: <repo>/swift/Tests/CohereTranscribeTests/Support/Fixtures.swift
     static let repoRoot = URL(fileURLWithPath: #filePath).deletingLastPathComponent().deletingLastPathComponent()
