@@ -317,12 +317,12 @@ def test_compare_cases_logs_its_cases_at_debug_only(double_package, caplog):
     """The default verbosity (INFO) shows no per-case table; DEBUG (`cohere-coreml -v`) shows each case,
     and the report keeps them either way (what `<component>.parity.json` holds)."""
     with caplog.at_level(logging.INFO, logger="cohere_coreml"):
-        report = compare_cases("double", double_package, _cases(2.00002), min_psnr_db=60.0, backend="mil")
+        report = compare_cases("double", double_package, _cases(2.00002), min_psnr_db=60.0, units="interpreter")
     assert report.passed and len(report.cases) == 2 and "[double gate] case 1" in report.text
     assert not [r for r in caplog.records if "[double gate]" in r.getMessage()]
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="cohere_coreml"):
-        compare_cases("double", double_package, _cases(2.00002), min_psnr_db=60.0, backend="mil")
+        compare_cases("double", double_package, _cases(2.00002), min_psnr_db=60.0, units="interpreter")
     cases = [r for r in caplog.records if r.getMessage().startswith("[double gate]")]
     assert [r.levelno for r in cases] == [logging.DEBUG, logging.DEBUG] and "clip=c1.wav" in cases[1].getMessage()
 
