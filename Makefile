@@ -36,9 +36,9 @@ help:
 bootstrap:
 	@command -v uv >/dev/null 2>&1 || $(PYTHON) -m uv --version >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet uv
 
-# --compile-bytecode: the environment's modules compiled once here (~50 s on a fresh machine, ~1 s after),
-# not at every import of every process: where PYTHONDONTWRITEBYTECODE is set (as on this project's
-# machines) nothing else writes them, and a fresh `import coremltools` then takes 26 s instead of 11 s
+# --compile-bytecode: the environment's modules compiled once here, not at every import of every
+# process: where PYTHONDONTWRITEBYTECODE is set (as on this project's machines) nothing else writes them,
+# and every fresh `import coremltools` would compile them again
 sync: bootstrap
 	$(UV) sync --frozen --compile-bytecode
 
