@@ -228,8 +228,8 @@ def test_example_is_package_data():
     assert "import cohere_coreml" not in packaged and "from cohere_coreml" not in packaged
     imports = {line.split()[1].split(".")[0] for line in packaged.splitlines()
                if line.startswith(("import ", "from "))}
-    assert imports == {"argparse", "hashlib", "json", "shutil", "sys", "tempfile", "pathlib", "coremltools", "numpy",
-                       "soundfile"}
+    assert imports == {"argparse", "hashlib", "json", "os", "shutil", "sys", "tempfile", "uuid", "pathlib",
+                       "coremltools", "numpy", "soundfile"}
 
 
 def test_locked_requirements_pin_the_example_packages():
