@@ -51,17 +51,17 @@ CHILD = Path(espeak_events.__file__)
 def available() -> bool:
     """Whether libespeak-ng can be loaded (tests skip without it); loading it speaks nothing."""
     try:
-        ctypes.CDLL(espeak_events.LIBRARY)
+        espeak_events.load_library()
         return True
-    except OSError:
+    except espeak_events.NoLibrary:
         return False
 
 
 def library_version() -> str:
     """libespeak-ng's version string (`espeak_Info`; loading the library speaks nothing)."""
     try:
-        lib = ctypes.CDLL(espeak_events.LIBRARY)
-    except OSError:
+        lib = espeak_events.load_library()
+    except espeak_events.NoLibrary:
         raise SynthError(f"{espeak_events.LIBRARY} (libespeak-ng) was not found: {INSTALL_HINT}") from None
     lib.espeak_Info.restype = ctypes.c_char_p
     lib.espeak_Info.argtypes = [ctypes.c_void_p]
