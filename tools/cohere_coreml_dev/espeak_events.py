@@ -7,7 +7,7 @@ Python process (stdlib only, so it starts fast): its audio is then the espeak-ng
 for sample, and calls from several threads or processes cannot disturb one another.
 
 Protocol: argv voice speed pitch; the text on stdin (UTF-8); on stdout one JSON line {"rate", "events":
-[[text_position, length, sample], ...]} (word events only) and then the audio as int16 little-endian.
+[[text_position, length, sample, audio_position], ...]} (word events only) and then the audio as int16 little-endian.
 A failure is one line on stderr and exit status 3 (no library), 4 (no such voice) or 5 (no audio).
 
 API: espeak-ng's `speak_lib.h` (https://github.com/espeak-ng/espeak-ng/blob/master/src/include/espeak-ng/
@@ -120,7 +120,7 @@ def synthesize_here(text: str, voice: str, speed: int, pitch: int) -> tuple[int,
         while event_list[i].type != EVENT_LIST_TERMINATED:
             e = event_list[i]
             if e.type == EVENT_WORD:
-                events.append([e.text_position, e.length, e.sample])
+                events.append([e.text_position, e.length, e.sample, e.audio_position])
             i += 1
         return 0  # go on synthesising
 
