@@ -52,9 +52,12 @@ PROBS = [0.9, 0.8, 0.7, 0.95, 0.6, 0.9, 0.5, 0.7, 0.99, 0.85, 0.4]
 
 
 def expected_words(lengths, groups, lead=1, offset=0.0):
-    """(start, end) of each word from the planted spans: the first token's first frame, the last token's end."""
+    """(start, end) of each word from the planted spans: the centre of the first token's first frame, the centre
+    of the frame after the last token's span (capped at the last frame's end)."""
     spans = spans_of(lengths)
-    return [(offset + spans[lead + g[0]][0] * FRAME, offset + spans[lead + g[-1]][1] * FRAME) for g in groups]
+    total = sum(lengths)
+    return [(offset + (spans[lead + g[0]][0] + 0.5) * FRAME, offset + min(spans[lead + g[-1]][1] + 0.5, total) * FRAME)
+            for g in groups]
 
 
 def test_a_planted_diagonal_gives_exact_word_boundaries():
@@ -65,7 +68,7 @@ def test_a_planted_diagonal_gives_exact_word_boundaries():
     assert [list(w.tokens) for w in words] == groups
     for w, (start, end) in zip(words, expected_words(LENGTHS, groups)):
         assert w.start == pytest.approx(start) and w.end == pytest.approx(end)
-    assert words[0].start == pytest.approx(6 * FRAME)  # the lead row took the leading frames
+    assert words[0].start == pytest.approx(6.5 * FRAME)  # the lead row took the leading frames
 
 
 @pytest.mark.parametrize("damage", ["reversed", "shuffled"])
@@ -90,14 +93,14 @@ def test_the_window_offset_moves_every_word():
     moved = align_words(att, PIECES, PROBS, frame_seconds=FRAME, offset_seconds=35.0)
     assert [w.start + 35.0 for w in base] == pytest.approx([w.start for w in moved])
     assert [w.end + 35.0 for w in base] == pytest.approx([w.end for w in moved])
-    assert moved[0].start == pytest.approx(35.0 + 6 * FRAME)
+    assert moved[0].start == pytest.approx(35.0 + 6.5 * FRAME)
 
 
 def test_more_lead_rows_take_the_leading_frames():
     lengths = [3, 3] + LENGTHS[1:]  # two rows before the text
     att = planted(spans_of(lengths), sum(lengths))
     words = align_words(att, PIECES, PROBS, frame_seconds=FRAME, lead_rows=2)
-    assert words[0].start == pytest.approx(6 * FRAME)
+    assert words[0].start == pytest.approx(6.5 * FRAME)
     with pytest.raises(AlignmentError, match="rows"):  # the same attention read with one lead row
         align_words(att, PIECES, PROBS, frame_seconds=FRAME, lead_rows=1)
 
@@ -121,7 +124,7 @@ def test_ja_and_zh_words_are_characters_with_byte_pieces_joined():
     att = planted(spans_of(lengths), sum(lengths))
     words = align_words(att, pieces, [0.9] * 6, frame_seconds=FRAME, language="zh")
     assert [w.word for w in words] == ["\u4eca", "\u5929\uff0c", "\u597d"]
-    assert [w.start for w in words] == pytest.approx([2 * FRAME, 4 * FRAME, 8 * FRAME])
+    assert [w.start for w in words] == pytest.approx([2.5 * FRAME, 4.5 * FRAME, 8.5 * FRAME])
     # the same pieces read as a spaced language: one word (no piece after the first opens a word)
     assert len(align_words(att, pieces, [0.9] * 6, frame_seconds=FRAME, language="en")) == 1
 
@@ -145,6 +148,14 @@ def test_dtw_is_monotonic_and_covers_every_row_and_frame():
         steps = np.stack([np.diff(r), np.diff(f)], 1)
         assert set(map(tuple, steps)) <= {(1, 1), (1, 0), (0, 1)}
         assert set(r) == set(range(rows)) and set(f) == set(range(frames))
+
+
+def test_times_stay_inside_the_window():
+    """More rows than frames: rows share frames, and no time passes the last frame's end."""
+    att = np.random.default_rng(4).dirichlet(np.ones(4), size=(2, len(PIECES) + 2))
+    words = align_words(att, PIECES, PROBS, frame_seconds=FRAME, offset_seconds=10.0)
+    assert all(10.0 + 0.5 * FRAME <= w.start <= w.end <= 10.0 + 4 * FRAME for w in words)
+    assert words[-1].end <= 10.0 + 4 * FRAME
 
 
 def test_alignment_rows_cuts_the_rows_predicting_prompt_tail_text_and_eos():

@@ -41,8 +41,12 @@ The rule, step by step:
 7. Words: a piece starting with "▁" opens a word (SentencePiece word starts); a word whose text has no letter
    or digit (punctuation) is merged into the word before it (into the next one when it comes first). For ja and
    zh (no spaces) every character is a word: pieces are grouped until they decode to whole characters.
-8. Times: word start = start frame of its first token x frame_seconds + offset_seconds; word end = end frame of
-   its last token x frame_seconds + offset_seconds.
+8. Times: a boundary at frame b (a token's start frame, or its end frame) is the centre of that frame, capped
+   at the end of the last frame: time(b) = min(b + 1/2, frames) x frame_seconds + offset_seconds. An encoder
+   frame summarises the frame_seconds of audio it covers, so a token entering at frame b began somewhere in
+   it: its centre is the unbiased guess (the left edge is early by half a frame on average). Word start =
+   time(start frame of its first token); word end = time(end frame of its last token), which is the next
+   word's start when no row lies between them.
 9. Confidence: the mean of the word's tokens' probabilities, as whisper's word `probability` (so a consumer of
    that field reads ours the same way); the minimum would let one uncertain piece of a long word sink it.
 """
@@ -273,12 +277,15 @@ def align_words(attention: np.ndarray, pieces: Sequence[str], probabilities: Seq
     rows, frames = dtw_path(-matrix)
     starts, ends = row_spans(rows, frames, matrix.shape[0])
     probs = np.asarray(probabilities, dtype=np.float64)
+    n_frames = matrix.shape[1]
+
+    def time(boundary: int) -> float:
+        return float(offset_seconds + min(boundary + 0.5, n_frames) * frame_seconds)
+
     words = []
     for group in word_groups(pieces, language):
         first, last = lead_rows + group[0], lead_rows + group[-1]
-        words.append(WordTiming(word=group_text(pieces, group),
-                                start=float(offset_seconds + starts[first] * frame_seconds),
-                                end=float(offset_seconds + ends[last] * frame_seconds),
+        words.append(WordTiming(word=group_text(pieces, group), start=time(starts[first]), end=time(ends[last]),
                                 probability=float(probs[group].mean()), tokens=tuple(group)))
     return words
 
