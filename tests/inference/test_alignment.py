@@ -18,6 +18,7 @@ from cohere_coreml.inference.alignment import (
     AlignmentError,
     align_words,
     alignment_rows,
+    clip_pauses,
     dtw_path,
     naive_word_starts,
     word_groups,
@@ -140,6 +141,18 @@ def test_confidence_is_the_mean_of_the_word_tokens_probabilities():
     assert align_words(att, PIECES, low, frame_seconds=FRAME)[0].probability < words[0].probability
 
 
+def test_long_words_at_pauses_are_clipped_to_twice_the_median_word():
+    texts = ["Stop.", "Go", "now", "please.", "Then", "rest"]
+    spans = [(0.0, 1.5), (1.5, 3.0), (3.0, 3.3), (3.3, 4.9), (4.9, 5.2), (5.2, 5.5)]
+    # median duration 0.9 s, capped at 0.7: the longest a word at a pause may last is 1.4 s
+    got = clip_pauses(texts, spans)
+    assert got[0] == pytest.approx((0.1, 1.5))  # the first word: its start moves to end - 1.4
+    assert got[1] == pytest.approx((1.6, 3.0))  # after a sentence end: its start
+    assert got[3] == pytest.approx((3.3, 4.7))  # a sentence's last word: its end
+    assert got[2] == spans[2] and got[4] == spans[4] and got[5] == spans[5]  # short or not at a pause
+    assert clip_pauses(["long", "word"], [(0.0, 3.0), (3.0, 3.1)])[1] == (3.0, 3.1)  # "long" ends no sentence
+
+
 def test_dtw_is_monotonic_and_covers_every_row_and_frame():
     rng = np.random.default_rng(3)
     for rows, frames in ((5, 40), (12, 7), (1, 1), (3, 1)):
@@ -219,6 +232,9 @@ def vector_cases() -> list[dict]:
     add("random attention, standardised and filtered", rng.dirichlet(np.ones(20), size=(3, 7)),
         ["\u2581one", "\u2581two", "\u2581th", "ree", "."], rng.uniform(0.2, 1.0, 5), standardise=True,
         median_width=3)
+    pause = [2, 3, 2, 12, 3, 1, 2]  # lead, "▁Stop", ".", "▁Go" (took the pause), "▁now", ".", eos
+    add("a long word after a sentence end", planted(spans_of(pause), sum(pause), seed=4),
+        ["\u2581Stop", ".", "\u2581Go", "\u2581now", "."], [0.9, 0.8, 0.7, 0.6, 0.9])
     add("more rows than frames", rng.dirichlet(np.ones(4), size=(1, 9)), PIECES[:7], PROBS[:7])
     return cases
 
@@ -246,6 +262,13 @@ def test_the_committed_vectors_are_the_rule_s_output():
     expected = expected_words(LENGTHS, [w["tokens"] for w in planted_case["words"]])
     assert [t for w in planted_case["words"] for t in (w["start"], w["end"])] == pytest.approx(
         [t for pair in expected for t in pair])
+
+
+def test_the_pause_vector_is_clipped():
+    case = next(c for c in json.loads(VECTORS.read_text())["cases"] if c["name"].startswith("a long word"))
+    stop, go, now = case["words"]
+    # unclipped, "Go" would start where "Stop." ends (frame 7); clipped: 2 x the median word (0.4 s) before its end
+    assert go["start"] == pytest.approx(go["end"] - 0.8) and go["start"] > stop["end"]
 
 
 def write_vectors(path: Path = VECTORS) -> None:

@@ -47,7 +47,12 @@ The rule, step by step:
    it: its centre is the unbiased guess (the left edge is early by half a frame on average). Word start =
    time(start frame of its first token); word end = time(end frame of its last token), which is the next
    word's start when no row lies between them.
-9. Confidence: the mean of the word's tokens' probabilities, as whisper's word `probability` (so a consumer of
+9. Pauses: the row after a pause tends to take the pause's frames, so a word that comes first or follows a
+   sentence end (its last character one of `SENTENCE_ENDS`) and lasts longer than `PAUSE_FACTOR` x the
+   window's median word duration (that median capped at `MAX_MEDIAN_WORD_S`) starts that long before its
+   end; a word ending a sentence that long ends that long after its start. This is whisper's own
+   post-processing (`add_word_timestamps`: "truncate long words at sentence boundaries"), with its numbers.
+10. Confidence: the mean of the word's tokens' probabilities, as whisper's word `probability` (so a consumer of
    that field reads ours the same way); the minimum would let one uncertain piece of a long word sink it.
 """
 
@@ -61,6 +66,9 @@ import numpy as np
 
 from ..model.tokens import NO_SPACE_LANGUAGES, WORD_BOUNDARY
 
+SENTENCE_ENDS = frozenset(".!?\u3002\uff01\uff1f")  # . ! ? and the full-width 。！？ of ja/zh
+PAUSE_FACTOR = 2.0  # step 9: a word longer than this many median word durations, at a pause, is clipped
+MAX_MEDIAN_WORD_S = 0.7  # step 9: the median word duration counted at most this (seconds)
 LOG_FLOOR = 1e-10  # weights below this count as this before the log: a zero weight would give -inf
 DEFAULT_LEAD_ROWS = 1  # rows before the text: the one predicting the prompt's last token
 _BYTE_PIECE_LEN = len("<0x00>")
@@ -267,7 +275,7 @@ def check_inputs(attention: np.ndarray, pieces: Sequence[str], probabilities: Se
 def align_words(attention: np.ndarray, pieces: Sequence[str], probabilities: Sequence[float], *,
                 frame_seconds: float, offset_seconds: float = 0.0, lead_rows: int = DEFAULT_LEAD_ROWS,
                 language: str | None = None, standardise: bool = False, median_width: int = 1) -> list[WordTiming]:
-    """Word timings of one window (the module docstring's rule, steps 1-9)."""
+    """Word timings of one window (the module docstring's rule, steps 1-10)."""
     att = check_inputs(attention, pieces, probabilities, lead_rows)
     if frame_seconds <= 0:
         raise AlignmentError(f"frame_seconds must be > 0, got {frame_seconds}")
@@ -282,12 +290,27 @@ def align_words(attention: np.ndarray, pieces: Sequence[str], probabilities: Seq
     def time(boundary: int) -> float:
         return float(offset_seconds + min(boundary + 0.5, n_frames) * frame_seconds)
 
-    words = []
-    for group in word_groups(pieces, language):
-        first, last = lead_rows + group[0], lead_rows + group[-1]
-        words.append(WordTiming(word=group_text(pieces, group), start=time(starts[first]), end=time(ends[last]),
-                                probability=float(probs[group].mean()), tokens=tuple(group)))
-    return words
+    groups = word_groups(pieces, language)
+    texts = [group_text(pieces, g) for g in groups]
+    spans = clip_pauses(texts, [(time(starts[lead_rows + g[0]]), time(ends[lead_rows + g[-1]])) for g in groups])
+    return [WordTiming(word=text, start=start, end=end, probability=float(probs[group].mean()), tokens=tuple(group))
+            for text, group, (start, end) in zip(texts, groups, spans)]
+
+
+def clip_pauses(texts: Sequence[str], spans: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Step 9: (start, end) of each word with the long words at pauses clipped (whisper's rule)."""
+    if not spans:
+        return []
+    longest = PAUSE_FACTOR * min(MAX_MEDIAN_WORD_S, float(np.median([end - start for start, end in spans])))
+    out = []
+    for k, (text, (start, end)) in enumerate(zip(texts, spans)):
+        if end - start > longest:
+            if k == 0 or texts[k - 1][-1:] in SENTENCE_ENDS:
+                start = end - longest
+            elif text[-1:] in SENTENCE_ENDS:
+                end = start + longest
+        out.append((start, end))
+    return out
 
 
 def naive_word_starts(words: Sequence[str], first_start: float, last_end: float) -> list[float]:
