@@ -62,15 +62,34 @@ def parse_heads(text: str) -> list[tuple[int, int]]:
         raise SystemExit(f"--heads: expected layer.head,layer.head (e.g. 1.0,1.2), got {text!r}") from None
 
 
+def read_sets(path: str | Path, languages: list[str], limit: int) -> list[tuple[Path, dict]]:
+    """(folder, utterance) of a word-timing set: one folder with manifest.json, or a folder holding one per kind
+    (single/, padded/, multi/, as tools/data/make_word_timing_set.py writes them)."""
+    path = Path(path)
+    folders = [path] if (path / "manifest.json").is_file() else [path / k for k in KINDS if (path / k).is_dir()]
+    if not folders:
+        raise SystemExit(f"{path}: no manifest.json and none of {', '.join(KINDS)}/ in it: not a word-timing set")
+    out = []
+    for folder in folders:
+        folder, utterances = read_word_timing_set(folder, languages, KINDS, limit=limit)
+        out += [(folder, u) for u in utterances]
+    return out
+
+
+def calibration_folders(path: str | Path) -> list[Path]:
+    path = Path(path)
+    return [path] if (path / "manifest.json").is_file() else [path / k for k in KINDS if (path / k).is_dir()]
+
+
 @torch.no_grad()
-def decode_records(model, processor, folder: Path, utterances: list[dict], max_new_tokens: int) -> list[AlignmentRecord]:
+def decode_records(model, processor, clips: list[tuple[Path, dict]], max_new_tokens: int) -> list[AlignmentRecord]:
     """Greedy transcripts of the clips and their teacher-forced attention, matched to the truth words."""
     front_end = FrontEndConfig.from_processor(processor, dither=0.0)
     tokenizer = processor.tokenizer
     eos = eos_id(tokenizer)
     frame = frame_seconds(model, processor)
     records = []
-    for u in utterances:
+    for folder, u in clips:
         audio = load_audio(folder / u["file"], target_rate=front_end.sampling_rate)
         features, n_valid = log_mel(audio, front_end)
         encoded, mask = encode(model, features[:, :n_valid])
@@ -146,9 +165,12 @@ def main(argv=None) -> int:
         heads, lead_rows = check_heads(parse_heads(args.heads), layers, heads_per_layer), args.lead_rows
         choice_text = f"given: heads {format_heads(heads)}, {lead_rows} lead row(s)"
     else:
-        calibration = calibration_records(model, processor, args.calibration)
+        evaluated = {u["text"] for _, u in read_sets(args.data, languages, args.per_kind)}
+        calibration = [r for folder in calibration_folders(args.calibration)
+                       for r in calibration_records(model, processor, folder, languages)
+                       if r.meta["text"] not in evaluated]  # a sentence of the evaluated clips is not calibrated on
         choice, reason = select_heads(calibration)
-        print(f"calibration ({len(calibration)} clips, {args.calibration}): {reason}")
+        print(f"calibration ({len(calibration)} clips the model transcribes, {args.calibration}): {reason}")
         if choice is None:
             print("no head set passed the gate: nothing to time")
             return 1
@@ -156,11 +178,11 @@ def main(argv=None) -> int:
         choice_text = f"chosen: heads {format_heads(heads)}, {lead_rows} lead row(s)"
     print(choice_text)
 
-    folder, utterances = read_word_timing_set(args.data, languages, KINDS, limit=args.per_kind)
-    if not utterances:
+    clips = read_sets(args.data, languages, args.per_kind)
+    if not clips:
         print(f"{args.data}: no clip of kinds {KINDS} in {languages}", file=sys.stderr)
         return 2
-    records = decode_records(model, processor, folder, utterances, args.max_new_tokens)
+    records = decode_records(model, processor, clips, args.max_new_tokens)
     rows = []
     for kind in KINDS:
         for language in languages:

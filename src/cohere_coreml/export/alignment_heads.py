@@ -9,6 +9,10 @@ depends on no transcription error.
 
 The method (nothing in it depends on one model's shape):
 
+0. Only the clips the model transcribes are evidence: a clip counts when every token of its text (and eos) is
+   the model's first choice in the teacher-forced pass, i.e. greedy decoding would give exactly that text.
+   Where the model cannot recognise the words, its attention says nothing about where they are (a small
+   model trained on a narrow grammar fails on other sentences); without any such clip nothing is chosen.
 1. Per head (every layer x head of the checkpoint): the rule (`inference.alignment`) on that head alone; its
    error is the median |start error| over every calibration word with a truth.
 2. Rank the heads by that median (ties: the 90th percentile, then layer and head order).
@@ -153,7 +157,7 @@ def select_heads(records: Sequence[AlignmentRecord], lead_row_choices: Sequence[
                  max_heads: int | None = None) -> tuple[HeadChoice | None, str]:
     """Steps 1-4: (the chosen heads, the reason) or (None, why none is good enough)."""
     if not records:
-        return None, "the calibration set is empty"
+        return None, "no calibration clip the model transcribes: its attention cannot be calibrated"
     layers, heads_per_layer = records[0].attention.shape[:2]
     every = [(layer, head) for layer in range(layers) for head in range(heads_per_layer)]
     if not every:
@@ -246,23 +250,36 @@ def read_word_timing_set(folder: str | Path, languages: Sequence[str] | None = N
 
 
 def calibration_records(model, processor, folder: str | Path, languages: Sequence[str] | None = None,
-                        limit: int | None = None, progress: Callable[[str], None] | None = None) -> list[AlignmentRecord]:
-    """Records of a word-timing set: the reference model teacher-forced on each clip's text."""
+                        limit: int | None = None, progress: Callable[[str], None] | None = None,
+                        require_transcribed: bool = True) -> list[AlignmentRecord]:
+    """Records of a word-timing set: the reference model teacher-forced on each clip's text; with
+    `require_transcribed` only the clips it would transcribe exactly (step 0)."""
     from ..model.alignment_reference import encode, frame_seconds, teacher_forced_attention
     from ..model.audio import FrontEndConfig, load_audio, log_mel
-    from ..model.tokens import eos_id, prompt_ids
+    from ..model.tokens import TokenizerError, UnknownLanguageError, eos_id, prompt_ids
 
     folder, utterances = read_word_timing_set(folder, languages, limit=limit)
     front_end = FrontEndConfig.from_processor(processor, dither=0.0)
     tokenizer = processor.tokenizer
     frame = frame_seconds(model, processor)
-    records = []
-    for u in utterances:
+    prompts = {}
+    for language in dict.fromkeys(u["language"] for u in utterances):
+        try:
+            prompts[language] = prompt_ids(tokenizer, language)
+        except (TokenizerError, UnknownLanguageError):  # a language this checkpoint does not declare
+            logger.info("calibration: %s skipped (the checkpoint has no prompt for it)", language)
+    if not prompts:
+        raise CalibrationError(f"{folder}: no clip in a language of this checkpoint")
+    records, skipped = [], 0
+    for u in (u for u in utterances if u["language"] in prompts):
         audio = load_audio(folder / u["file"], target_rate=front_end.sampling_rate)
         features, n_valid = log_mel(audio, front_end)
         encoded, _ = encode(model, features[:, :n_valid])
         tokens = tokenizer(u["text"], add_special_tokens=False).input_ids
-        tf = teacher_forced_attention(model, encoded, prompt_ids(tokenizer, u["language"]), tokens, eos_id(tokenizer))
+        tf = teacher_forced_attention(model, encoded, prompts[u["language"]], tokens, eos_id(tokenizer))
+        if require_transcribed and not tf.top1.all():
+            skipped += 1
+            continue
         pieces = tokenizer.convert_ids_to_tokens(tokens)
         groups = word_groups(pieces, u["language"])
         words = [group_text(pieces, g) for g in groups]
@@ -276,6 +293,9 @@ def calibration_records(model, processor, folder: str | Path, languages: Sequenc
             meta={"file": u["file"], "kind": u.get("kind"), "text": u["text"]}))
         if progress:
             progress(u["file"])
+    if skipped:
+        logger.info("calibration: %d of %d clips skipped (the model would not transcribe them exactly)", skipped,
+                    skipped + len(records))
     return records
 
 

@@ -30,11 +30,14 @@ class TeacherForcedAttention:
                          frames = the encoder's valid frames
     token_probabilities  (len(tokens) + 1,) float64: each text token's probability, then eos's, at the
                          position that predicts it
+    top1                 (len(tokens) + 1,) bool: that token is the model's first choice there (all True: greedy
+                         decoding gives exactly these tokens)
     prompt_length        tokens of the prompt
     """
 
     attention: np.ndarray
     token_probabilities: np.ndarray
+    top1: np.ndarray
     prompt_length: int
 
     @property
@@ -91,6 +94,7 @@ def teacher_forced_attention(model, encoder_output, prompt: Sequence[int], token
     log_probs = torch.log_softmax(out.logits[0].double(), dim=-1)
     targets = tokens + [int(eos_id)]
     p = len(prompt)
-    probs = torch.exp(log_probs[torch.arange(p - 1, p - 1 + len(targets)), torch.tensor(targets)])
-    return TeacherForcedAttention(attention=attention.float().numpy(), token_probabilities=probs.numpy(),
-                                  prompt_length=p)
+    rows = log_probs[p - 1: p - 1 + len(targets)]
+    chosen = rows[torch.arange(len(targets)), torch.tensor(targets)]
+    return TeacherForcedAttention(attention=attention.float().numpy(), token_probabilities=torch.exp(chosen).numpy(),
+                                  top1=(chosen >= rows.max(dim=-1).values).numpy(), prompt_length=p)
