@@ -57,6 +57,17 @@ def available() -> bool:
         return False
 
 
+def library_version() -> str:
+    """libespeak-ng's version string (`espeak_Info`; loading the library speaks nothing)."""
+    try:
+        lib = ctypes.CDLL(espeak_events.LIBRARY)
+    except OSError:
+        raise SynthError(f"{espeak_events.LIBRARY} (libespeak-ng) was not found: {INSTALL_HINT}") from None
+    lib.espeak_Info.restype = ctypes.c_char_p
+    lib.espeak_Info.argtypes = [ctypes.c_void_p]
+    return (lib.espeak_Info(None) or b"?").decode()
+
+
 def synthesize(text: str, voice: str, *, speed: int = 160, pitch: int = 50,
                variant: str | None = None) -> tuple[np.ndarray, int, list[tuple[int, int, int]]]:
     """(int16 audio at the synthesis rate, that rate, word events as (text_position, length, sample)): the
