@@ -165,10 +165,11 @@ def main(argv=None) -> int:
         heads, lead_rows = check_heads(parse_heads(args.heads), layers, heads_per_layer), args.lead_rows
         choice_text = f"given: heads {format_heads(heads)}, {lead_rows} lead row(s)"
     else:
-        evaluated = {u["text"] for _, u in read_sets(args.data, languages, args.per_kind)}
+        evaluated = {s for _, u in read_sets(args.data, languages, args.per_kind)
+                     for s in u.get("sentences") or [u["text"]]}
         calibration = [r for folder in calibration_folders(args.calibration)
                        for r in calibration_records(model, processor, folder, languages)
-                       if r.meta["text"] not in evaluated]  # a sentence of the evaluated clips is not calibrated on
+                       if not evaluated.intersection(r.meta["sentences"])]  # no evaluated sentence calibrates
         choice, reason = select_heads(calibration)
         print(f"calibration ({len(calibration)} clips the model transcribes, {args.calibration}): {reason}")
         if choice is None:
