@@ -202,10 +202,11 @@ def main(argv=None) -> int:
     print("|---|---|---|")
     multi = [r for r in records if r.meta["kind"] == "multi"]
     per_head = {}
-    candidates = [[(la, h)] for la in range(layers) for h in range(heads_per_layer)] + [heads]
+    every = [(la, h) for la in range(layers) for h in range(heads_per_layer)]
+    candidates = [[h] for h in every] + [every, heads]
     for hs in candidates:
         f_all, f_multi = figures(records, hs, lead_rows), figures(multi, hs, lead_rows) if multi else None
-        label = format_heads(hs) + (" (chosen)" if hs is heads else "")
+        label = "all heads (mean)" if hs is every else format_heads(hs) + (" (chosen)" if hs is heads else "")
         per_head[label] = {"all": f_all, "multi": f_multi}
         multi_text = f"{f_multi['start_median_ms']} / {f_multi['start_p90_ms']}" if f_multi else "-"
         print(f"| {label} | {f_all['start_median_ms']} / {f_all['start_p90_ms']} | {multi_text} |")
