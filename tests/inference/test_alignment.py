@@ -269,6 +269,9 @@ def test_the_pause_vector_is_clipped():
     stop, go, now = case["words"]
     # unclipped, "Go" would start where "Stop." ends (frame 7); clipped: 2 x the median word (0.4 s) before its end
     assert go["start"] == pytest.approx(go["end"] - 0.8) and go["start"] > stop["end"]
+    unclipped = align_words(np.array(case["attention"]), case["pieces"], case["probabilities"], frame_seconds=FRAME,
+                            pause_factor=0)
+    assert unclipped[1].start == pytest.approx(stop["end"]) and unclipped[1].end == pytest.approx(go["end"])
 
 
 def write_vectors(path: Path = VECTORS) -> None:

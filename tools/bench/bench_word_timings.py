@@ -107,6 +107,7 @@ def decode_records(model, processor, clips: list[tuple[Path, dict]], max_new_tok
             probabilities=tf.token_probabilities[:-1], language=u["language"], truth=match_words(words, u["words"]),
             span=truth_span(u["words"], len(audio) / front_end.sampling_rate), frame_seconds=frame,
             meta={"file": u["file"], "kind": u.get("kind"), "correct": normal(hypothesis) == normal(u["text"]),
+                  "sentences": list(u.get("sentences") or [u["text"]]),
                   "truth_words": sum(1 for w in u["words"] if w.get("start") is not None)}))
     return records
 
@@ -119,8 +120,8 @@ def ms(values: np.ndarray, q: float) -> str:
     return f"{1000 * np.percentile(values, q):.0f}" if len(values) else "-"
 
 
-def figures(records: list[AlignmentRecord], heads, lead_rows: int) -> dict:
-    starts = np.concatenate([r.start_errors(heads, lead_rows) for r in records] or [np.zeros(0)])
+def figures(records: list[AlignmentRecord], heads, lead_rows: int, **options) -> dict:
+    starts = np.concatenate([r.start_errors(heads, lead_rows, **options) for r in records] or [np.zeros(0)])
     ends = np.concatenate([r.start_errors(heads, lead_rows, key="end") for r in records] or [np.zeros(0)])
     base = np.concatenate([r.baseline_errors() for r in records] or [np.zeros(0)])
     timed = sum(r.words_with_truth for r in records)
@@ -129,6 +130,26 @@ def figures(records: list[AlignmentRecord], heads, lead_rows: int) -> dict:
             "start_median_ms": ms(starts, 50), "start_p90_ms": ms(starts, 90),
             "end_median_ms": ms(ends, 50), "end_p90_ms": ms(ends, 90), "end_words": len(ends),
             "baseline_median_ms": ms(base, 50), "baseline_p90_ms": ms(base, 90)}
+
+
+def print_variants(records: list[AlignmentRecord], heads, lead_rows: int, what: str) -> None:
+    """The rule's defaults against its options and alternatives, on the same clips and heads (why the defaults)."""
+    frame = records[0].frame_seconds
+    variants = [("the rule", {}), ("1 row before the text", {"lead": 1}),
+                ("a row per input token (not per predicted token)", {"row_shift": 1}),
+                ("frame's left edge (not its centre)", {"time_shift": -frame / 2}),
+                ("per-frame standardisation", {"standardise": True}), ("median filter, 3 frames", {"median_width": 3}),
+                ("median filter, 7 frames", {"median_width": 7}), ("no pause clipping", {"pause_factor": 0.0})]
+    multi = [r for r in records if len(r.meta.get("sentences") or ()) > 1]
+    print(f"\n| variant ({what}, heads {format_heads(heads)}) | start median / p90 ms | multi-sentence clips |")
+    print("|---|---|---|")
+    for name, options in variants:
+        options = dict(options)
+        lead = options.pop("lead", lead_rows)
+        f = figures(records, heads, lead, **options)
+        fm = figures(multi, heads, lead, **options) if multi else None
+        tail = f"{fm['start_median_ms']} / {fm['start_p90_ms']}" if fm else "-"
+        print(f"| {name} | {f['start_median_ms']} / {f['start_p90_ms']} | {tail} |")
 
 
 def print_table(rows: list[tuple[str, str, dict]]) -> None:
@@ -153,6 +174,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write the figures here too")
+    parser.add_argument("--variants", action="store_true", help="also the rule's options and alternatives")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     torch.set_num_threads(args.threads)
@@ -210,6 +232,10 @@ def main(argv=None) -> int:
         per_head[label] = {"all": f_all, "multi": f_multi}
         multi_text = f"{f_multi['start_median_ms']} / {f_multi['start_p90_ms']}" if f_multi else "-"
         print(f"| {label} | {f_all['start_median_ms']} / {f_all['start_p90_ms']} | {multi_text} |")
+    if args.variants:
+        print_variants(records, heads, lead_rows, "measured clips")
+        if not args.heads:
+            print_variants(calibration, heads, lead_rows, "calibration clips")
     print(f"\n{len(records)} clips in {time.perf_counter() - t0:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"choice": choice_text, "rows": [

@@ -80,16 +80,18 @@ class AlignmentRecord:
     offset_seconds: float = 0.0
     meta: dict = field(default_factory=dict)
 
-    def words(self, heads: Sequence[Head], lead_rows: int):
-        """The rule's words for the mean of `heads`."""
-        rows = alignment_rows(self.attention, self.prompt_length, len(self.pieces), lead_rows)
+    def words(self, heads: Sequence[Head], lead_rows: int, row_shift: int = 0, time_shift: float = 0.0, **options):
+        """The rule's words for the mean of `heads` (`options`: `align_words`'s; `row_shift` 1 labels each row by
+        its input token instead of the token it predicts, `time_shift` moves every time: variants to measure)."""
+        rows = alignment_rows(self.attention, self.prompt_length + row_shift, len(self.pieces), lead_rows)
         att = np.stack([rows[layer, head] for layer, head in heads]) if heads else rows[:0, 0]
         return align_words(att, self.pieces, self.probabilities, frame_seconds=self.frame_seconds,
-                           offset_seconds=self.offset_seconds, lead_rows=lead_rows, language=self.language)
+                           offset_seconds=self.offset_seconds + time_shift, lead_rows=lead_rows,
+                           language=self.language, **options)
 
-    def start_errors(self, heads: Sequence[Head], lead_rows: int, key: str = "start") -> np.ndarray:
+    def start_errors(self, heads: Sequence[Head], lead_rows: int, key: str = "start", **options) -> np.ndarray:
         """|predicted - true start| in seconds for every word with a truth (`key="end"`: the ends)."""
-        words = self.words(heads, lead_rows)
+        words = self.words(heads, lead_rows, **options)
         return _errors([getattr(w, key) for w in words], self.truth, key)
 
     def baseline_errors(self) -> np.ndarray:

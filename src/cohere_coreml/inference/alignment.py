@@ -44,7 +44,8 @@ The rule, step by step:
 8. Times: a boundary at frame b (a token's start frame, or its end frame) is the centre of that frame, capped
    at the end of the last frame: time(b) = min(b + 1/2, frames) x frame_seconds + offset_seconds. An encoder
    frame summarises the frame_seconds of audio it covers, so a token entering at frame b began somewhere in
-   it: its centre is the unbiased guess (the left edge is early by half a frame on average). Word start =
+   it: its centre is the unbiased guess (on the default model's calibration clips the left edge was early).
+   Word start =
    time(start frame of its first token); word end = time(end frame of its last token), which is the next
    word's start when no row lies between them.
 9. Pauses: the row after a pause tends to take the pause's frames, so a word that comes first or follows a
@@ -274,8 +275,9 @@ def check_inputs(attention: np.ndarray, pieces: Sequence[str], probabilities: Se
 
 def align_words(attention: np.ndarray, pieces: Sequence[str], probabilities: Sequence[float], *,
                 frame_seconds: float, offset_seconds: float = 0.0, lead_rows: int = DEFAULT_LEAD_ROWS,
-                language: str | None = None, standardise: bool = False, median_width: int = 1) -> list[WordTiming]:
-    """Word timings of one window (the module docstring's rule, steps 1-10)."""
+                language: str | None = None, standardise: bool = False, median_width: int = 1,
+                pause_factor: float = PAUSE_FACTOR) -> list[WordTiming]:
+    """Word timings of one window (the module docstring's rule, steps 1-10; `pause_factor` 0 skips step 9)."""
     att = check_inputs(attention, pieces, probabilities, lead_rows)
     if frame_seconds <= 0:
         raise AlignmentError(f"frame_seconds must be > 0, got {frame_seconds}")
@@ -292,16 +294,19 @@ def align_words(attention: np.ndarray, pieces: Sequence[str], probabilities: Seq
 
     groups = word_groups(pieces, language)
     texts = [group_text(pieces, g) for g in groups]
-    spans = clip_pauses(texts, [(time(starts[lead_rows + g[0]]), time(ends[lead_rows + g[-1]])) for g in groups])
+    spans = [(time(starts[lead_rows + g[0]]), time(ends[lead_rows + g[-1]])) for g in groups]
+    if pause_factor > 0:
+        spans = clip_pauses(texts, spans, pause_factor)
     return [WordTiming(word=text, start=start, end=end, probability=float(probs[group].mean()), tokens=tuple(group))
             for text, group, (start, end) in zip(texts, groups, spans)]
 
 
-def clip_pauses(texts: Sequence[str], spans: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+def clip_pauses(texts: Sequence[str], spans: Sequence[tuple[float, float]],
+                pause_factor: float = PAUSE_FACTOR) -> list[tuple[float, float]]:
     """Step 9: (start, end) of each word with the long words at pauses clipped (whisper's rule)."""
     if not spans:
         return []
-    longest = PAUSE_FACTOR * min(MAX_MEDIAN_WORD_S, float(np.median([end - start for start, end in spans])))
+    longest = pause_factor * min(MAX_MEDIAN_WORD_S, float(np.median([end - start for start, end in spans])))
     out = []
     for k, (text, (start, end)) in enumerate(zip(texts, spans)):
         if end - start > longest:
