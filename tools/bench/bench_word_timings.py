@@ -125,8 +125,8 @@ def figures(records: list[AlignmentRecord], heads, lead_rows: int, **options) ->
     ends = np.concatenate([r.start_errors(heads, lead_rows, key="end") for r in records] or [np.zeros(0)])
     base = np.concatenate([r.baseline_errors() for r in records] or [np.zeros(0)])
     timed = sum(r.words_with_truth for r in records)
-    return {"clips": len(records), "correct": sum(r.meta["correct"] for r in records),
-            "timed": timed, "with_truth": sum(r.meta["truth_words"] for r in records),
+    return {"clips": len(records), "correct": sum(r.meta.get("correct", True) for r in records),
+            "timed": timed, "with_truth": sum(r.meta.get("truth_words", r.words_with_truth) for r in records),
             "start_median_ms": ms(starts, 50), "start_p90_ms": ms(starts, 90),
             "end_median_ms": ms(ends, 50), "end_p90_ms": ms(ends, 90), "end_words": len(ends),
             "baseline_median_ms": ms(base, 50), "baseline_p90_ms": ms(base, 90)}
