@@ -21,11 +21,12 @@ MODEL ?=
 OUT ?= f16
 PRECISION ?= fp16
 
-.PHONY: help bootstrap sync demo test test-fast lint swift-test swift-fixtures export quantize verify bench upload bundle-check clean
+.PHONY: help bootstrap sync system-deps demo test test-fast lint swift-test swift-fixtures export quantize verify bench upload bundle-check clean
 
 help:
 	@echo "make demo      main job on the built-in default checkpoint"
 	@echo "make test      run the test suite (ruff, then pytest and beside it the Swift package: make swift-test)"
+	@echo "make system-deps  espeak-ng for the synthetic-speech tests (apt-get, as root; part of make test)"
 	@echo "make test-fast the inner loop: ruff and the fast Python tests (under 2 minutes)"
 	@echo "make export    MODEL=<hub id|folder> OUT=<dir> PRECISION=fp16|fp32: export Core ML packages"
 	@echo "make verify    MODEL=<hub id|folder> OUT=<bundle dir> AUDIO='a.wav b.wav' LANGUAGES=en,de: parity report"
@@ -84,7 +85,7 @@ demo: sync
 PYTEST_WORKERS ?= auto
 PYTEST_ARGS ?=
 SWIFT_LOG ?= out/swift-test.log
-test: sync lint
+test: sync lint system-deps
 	$(RUN) python -m compileall -q src tools tests exports
 	@mkdir -p $(dir $(SWIFT_LOG)); export OMP_WAIT_POLICY="$${OMP_WAIT_POLICY:-PASSIVE}"; \
 	echo "make test: pytest, and beside it the Swift step (make swift-test; log: $(SWIFT_LOG))"; \
@@ -97,6 +98,20 @@ test: sync lint
 	else grep -m 1 -E "SKIPPED|Build complete" $(SWIFT_LOG); grep -E "Executed [0-9]+ tests" $(SWIFT_LOG) | tail -n 1; fi; \
 	echo "make test: pytest exit $$py, Swift step exit $$sw"; \
 	[ $$py -eq 0 ] && [ $$sw -eq 0 ]
+
+# system-deps: the Debian package espeak-ng (its command line and libespeak-ng), which the synthetic-speech and
+# word-timing tests need (they skip without it): installed where it is missing when this is root with apt-get
+# (CI: .ci/run), else one line saying the tests will skip and how to install it. SYSTEM_DEPS=skip: neither.
+SYSTEM_DEPS ?= install
+system-deps:
+	@if [ "$(SYSTEM_DEPS)" = skip ] || command -v espeak-ng >/dev/null 2>&1; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "make system-deps: installing espeak-ng (apt-get) for the synthetic-speech tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq espeak-ng >/dev/null \
+			|| { echo "make system-deps: apt-get could not install espeak-ng (make test SYSTEM_DEPS=skip runs without it)"; exit 1; }; \
+	else \
+		echo "make system-deps: espeak-ng is not installed, so the synthetic-speech tests will skip (install it: sudo apt-get install espeak-ng, or brew install espeak-ng)"; \
+	fi
 
 # lint: ruff with the rule set in pyproject.toml ([tool.ruff.lint]); part of `make test`
 lint: sync

@@ -91,6 +91,19 @@ def test_a_missing_library_and_a_failing_synthesis_are_one_line_errors(monkeypat
 
 
 @needs_libespeak
+def test_the_event_struct_is_read_as_the_library_writes_it():
+    """Two fields written independently agree: each word event's sample index at the synthesis rate and its
+    time in milliseconds; its text position is a word's first character (read with another layout, neither holds)."""
+    raw, rate, events = word_events.synthesize(TWO_SENTENCES, "en-us", speed=150)
+    assert rate == 22050 and len(events) >= len(TWO_SENTENCES.split()) - 1
+    for position, length, sample, ms in events:
+        assert 0 <= sample <= raw.size and abs(ms - sample * 1000 / rate) <= 1.0, (position, sample, ms)
+        if length > 0:
+            assert position == 1 or TWO_SENTENCES[position - 2] == " ", (position, TWO_SENTENCES[position - 1:])
+            assert TWO_SENTENCES[position - 1: position - 1 + length].isalpha()
+
+
+@needs_libespeak
 def test_every_word_of_a_plain_sentence_starts_in_order_inside_the_voiced_audio():
     wav, words = speak_with_words(PLAIN, "en-us", speed=150, pitch=40)
     assert [w["word"] for w in words] == PLAIN.split()

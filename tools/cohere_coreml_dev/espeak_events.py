@@ -7,7 +7,7 @@ Python process (stdlib only, so it starts fast): its audio is then the espeak-ng
 for sample, and calls from several threads or processes cannot disturb one another.
 
 Protocol: argv voice speed pitch; the text on stdin (UTF-8); on stdout one JSON line {"rate", "events":
-[[text_position, length, sample], ...]} (word events only) and then the audio as int16 little-endian.
+[[text_position, length, sample, audio_position], ...]} (word events only) and then the audio as int16 little-endian.
 A failure is one line on stderr and exit status 3 (no library), 4 (no such voice) or 5 (no audio).
 
 API: espeak-ng's `speak_lib.h` (https://github.com/espeak-ng/espeak-ng/blob/master/src/include/espeak-ng/
@@ -18,6 +18,7 @@ speak_lib.h): `espeak_Initialize`, `espeak_SetSynthCallback`, `espeak_SetVoiceBy
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import json
 import sys
 
@@ -78,6 +79,22 @@ class EspeakVoice(ctypes.Structure):
 CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.POINTER(EspeakEvent))
 
 
+def load_library() -> ctypes.CDLL:
+    """libespeak-ng: LIBRARY (Debian's soname), else where the system's linker finds `espeak-ng` (macOS's
+    Homebrew dylib); NoLibrary when neither loads."""
+    try:
+        return ctypes.CDLL(LIBRARY)
+    except OSError:
+        pass
+    found = ctypes.util.find_library("espeak-ng")
+    try:
+        if found:
+            return ctypes.CDLL(found)
+    except OSError:
+        pass
+    raise NoLibrary(LIBRARY)
+
+
 def set_voice(lib: ctypes.CDLL, voice: str) -> bool:
     """Select `voice` as the espeak-ng command line's `-v` does: by voice name or file ("gmw/en"), else as a
     language ("en-gb", "fr-fr", with any "+variant"): both name the same voices for both."""
@@ -91,10 +108,7 @@ def set_voice(lib: ctypes.CDLL, voice: str) -> bool:
 
 def synthesize_here(text: str, voice: str, speed: int, pitch: int) -> tuple[int, list[list[int]], bytes]:
     """(rate, word events, int16 audio bytes) of one synthesis in this process (a fresh one: see the module)."""
-    try:
-        lib = ctypes.CDLL(LIBRARY)
-    except OSError:
-        raise NoLibrary(LIBRARY) from None
+    lib = load_library()
     rate = lib.espeak_Initialize(AUDIO_OUTPUT_SYNCHRONOUS, 0, None, 0)
     audio: list[bytes] = []
     events: list[list[int]] = []
@@ -106,7 +120,7 @@ def synthesize_here(text: str, voice: str, speed: int, pitch: int) -> tuple[int,
         while event_list[i].type != EVENT_LIST_TERMINATED:
             e = event_list[i]
             if e.type == EVENT_WORD:
-                events.append([e.text_position, e.length, e.sample])
+                events.append([e.text_position, e.length, e.sample, e.audio_position])
             i += 1
         return 0  # go on synthesising
 

@@ -51,17 +51,17 @@ CHILD = Path(espeak_events.__file__)
 def available() -> bool:
     """Whether libespeak-ng can be loaded (tests skip without it); loading it speaks nothing."""
     try:
-        ctypes.CDLL(espeak_events.LIBRARY)
+        espeak_events.load_library()
         return True
-    except OSError:
+    except espeak_events.NoLibrary:
         return False
 
 
 def library_version() -> str:
     """libespeak-ng's version string (`espeak_Info`; loading the library speaks nothing)."""
     try:
-        lib = ctypes.CDLL(espeak_events.LIBRARY)
-    except OSError:
+        lib = espeak_events.load_library()
+    except espeak_events.NoLibrary:
         raise SynthError(f"{espeak_events.LIBRARY} (libespeak-ng) was not found: {INSTALL_HINT}") from None
     lib.espeak_Info.restype = ctypes.c_char_p
     lib.espeak_Info.argtypes = [ctypes.c_void_p]
@@ -69,8 +69,8 @@ def library_version() -> str:
 
 
 def synthesize(text: str, voice: str, *, speed: int = 160, pitch: int = 50,
-               variant: str | None = None) -> tuple[np.ndarray, int, list[tuple[int, int, int]]]:
-    """(int16 audio at the synthesis rate, that rate, word events as (text_position, length, sample)): the
+               variant: str | None = None) -> tuple[np.ndarray, int, list[tuple[int, int, int, int]]]:
+    """(int16 audio at the synthesis rate, that rate, word events as (text_position, length, sample, milliseconds)): the
     library's raw output for `text` spoken by `voice` (+`variant`) at `speed` words per minute and `pitch` 0-99,
     from a fresh process (`espeak_events`: the library carries state from one synthesis to the next)."""
     if not text.strip():
@@ -122,7 +122,7 @@ def map_events(text: str, events: list[tuple[int, int, int]], wav: np.ndarray, r
     """The words of `text` with start/end in samples at `rate` (None where unknown): see the module's doc."""
     spans = word_spans(text, split)
     starts: list[int | None] = [None] * len(spans)
-    for position, length, sample in events:
+    for position, length, sample, *_ in events:
         index = position - 1
         owner = next((k for k, (a, b) in enumerate(spans) if a <= index < b), None)
         if owner is None or length <= 0:  # e.g. the zero-length word event espeak-ng gives at a clause's end

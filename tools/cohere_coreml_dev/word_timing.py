@@ -95,9 +95,9 @@ def make_single(out_dir: Path, languages: list[str], per_language: int, seed: in
     """single/: the planned clips synthesised with their words, and manifest.json."""
     from concurrent.futures import ProcessPoolExecutor
 
+    jobs = plan_single(languages, per_language, seed)  # a bad language or count before anything is written
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    jobs = plan_single(languages, per_language, seed)
     tasks = [(job, str(out_dir / f"{job['id']}.flac")) for job in jobs]
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
