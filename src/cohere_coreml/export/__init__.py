@@ -18,5 +18,6 @@ runtime (and the top-level config and export_errors).
     gate              one gate interface for every component (`stage_gated`, `GateReport`)
     parity            parity arithmetic (PSNR, errors, the near-tie rule)
     memory            the heap a freed model leaves, handed back between stages
+    alignment_heads   the cross-attention heads word timings read: chosen on a calibration set, gated
 """
 

@@ -11,4 +11,5 @@ May import: bundle, model, storage, runtime (and the top-level config, export_er
     engines          one transcriber interface: the PyTorch reference and a bundle
     longform         files longer than a window: checked first, streamed in windows
     streaming        live transcription: partial and final text while audio arrives
+    alignment        word timings from cross-attention: the rule (normalise, DTW, tokens -> words, times)
 """

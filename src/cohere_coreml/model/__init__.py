@@ -7,6 +7,7 @@ May import: storage, runtime (and the top-level config and export_errors).
 
     checkpoint  load and describe a checkpoint (safetensors only, no remote code): `info`, `vocab`
     reference   the PyTorch reference of the cross-attention memory (what the encoder package outputs)
+    alignment_reference  the reference's teacher-forced cross-attention per layer and head (word timings)
     audio       load audio; the features `CohereAsrFeatureExtractor` computes (`mel`)
     shapes      windows, buckets, frames and the length masks, in one place
     tokens      prompts, decoding of generated ids, vocab.json

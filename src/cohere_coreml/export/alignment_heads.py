@@ -1,0 +1,324 @@
+"""Alignment heads: which decoder cross-attention heads the word-timing rule reads, chosen on a calibration set
+with known word start times, and the gate that refuses a choice no better than a naive baseline.
+
+The calibration set is a word-timing set (a folder with 16 kHz audio and `manifest.json`, the held-out sets'
+format with per utterance `words`: [{"word", "char_start", "start", "end"}], `start` in seconds from the speech
+synthesizer's own word events, null where it reported none). For each clip, the reference model is run
+teacher-forced on the manifest's text (`model.alignment_reference`), so the choice needs no decoding and
+depends on no transcription error.
+
+The method (nothing in it depends on one model's shape):
+
+0. Only the clips the model transcribes are evidence: a clip counts when every token of its text (and eos) is
+   the model's first choice in the teacher-forced pass, i.e. greedy decoding would give exactly that text.
+   Where the model cannot recognise the words, its attention says nothing about where they are (a small
+   model trained on a narrow grammar fails on other sentences); without any such clip nothing is chosen.
+1. Per head (every layer x head of the checkpoint): the rule (`inference.alignment`) on that head alone; its
+   error is the median |start error| over every calibration word with a truth.
+2. Rank the heads by that median (ties: the 90th percentile, then layer and head order).
+3. For k = 1 .. all heads and each candidate number of rows before the text (`LEAD_ROW_CHOICES`): the rule
+   on the mean of the top-k heads. Keep the (k, lead rows) of the lowest median error (ties: lower 90th
+   percentile, then fewer heads, then fewer lead rows).
+4. Gate: the chosen set's median error must be strictly below the naive baseline's on the same words (words
+   spread by characters from the first word's start to the last word's end), on the clips of several sentences
+   (pauses between them; all clips when the set has none). The baseline is given the true first start and last
+   end, so on a single sentence it is hard to beat and says little; across pauses it cannot know where they
+   are, which is what an aligner is for. A set that is no better is refused: no head set (None) and the
+   reason, so a bundle carries no alignment rather than a wrong one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..inference.alignment import (
+    AlignmentError,
+    align_words,
+    alignment_rows,
+    group_text,
+    naive_word_starts,
+    word_groups,
+)
+
+logger = logging.getLogger(__name__)
+
+LEAD_ROW_CHOICES = (1, 2, 3)  # rows before the text the choice may use (the prompt's last tokens)
+Head = tuple[int, int]  # (layer, head)
+
+
+class CalibrationError(ValueError):
+    """A calibration set that cannot be read or holds no word with a truth."""
+
+
+@dataclass
+class AlignmentRecord:
+    """One clip: the teacher-forced attention of every head and the truth of its words.
+
+    attention     (layers, heads, positions, frames): prompt + tokens + eos over the valid encoder frames
+    pieces        the text tokens' pieces; probabilities: their probabilities (same pass)
+    truth         per word of `word_groups(pieces)`: the truth word it matches ({"word", "start", "end"}: seconds,
+                  None where the synthesizer gave none), or None (no match: a word recognised wrongly)
+    span          (first word's start, last word's end) of the truth: the naive baseline's ends
+    """
+
+    attention: np.ndarray
+    prompt_length: int
+    pieces: list[str]
+    probabilities: np.ndarray
+    language: str
+    truth: list[dict | None]
+    span: tuple[float, float]
+    frame_seconds: float
+    offset_seconds: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+    def words(self, heads: Sequence[Head], lead_rows: int, row_shift: int = 0, time_shift: float = 0.0, **options):
+        """The rule's words for the mean of `heads` (`options`: `align_words`'s; `row_shift` 1 labels each row by
+        its input token instead of the token it predicts, `time_shift` moves every time: variants to measure)."""
+        rows = alignment_rows(self.attention, self.prompt_length + row_shift, len(self.pieces), lead_rows)
+        att = np.stack([rows[layer, head] for layer, head in heads]) if heads else rows[:0, 0]
+        return align_words(att, self.pieces, self.probabilities, frame_seconds=self.frame_seconds,
+                           offset_seconds=self.offset_seconds + time_shift, lead_rows=lead_rows,
+                           language=self.language, **options)
+
+    def start_errors(self, heads: Sequence[Head], lead_rows: int, key: str = "start", **options) -> np.ndarray:
+        """|predicted - true start| in seconds for every word with a truth (`key="end"`: the ends)."""
+        words = self.words(heads, lead_rows, **options)
+        return _errors([getattr(w, key) for w in words], self.truth, key)
+
+    def baseline_errors(self) -> np.ndarray:
+        texts = [group_text(self.pieces, g) for g in word_groups(self.pieces, self.language)]
+        return _errors(naive_word_starts(texts, self.span[0], self.span[1]), self.truth, "start")
+
+    @property
+    def words_with_truth(self) -> int:
+        """Words of the truth this record's words matched that carry a start."""
+        return sum(1 for t in self.truth if t is not None and t.get("start") is not None)
+
+
+def _errors(predicted: Sequence[float], truth: Sequence[dict | None], key: str) -> np.ndarray:
+    return np.array([abs(p - t[key]) for p, t in zip(predicted, truth) if t is not None and t.get(key) is not None],
+                    dtype=np.float64)
+
+
+@dataclass
+class HeadChoice:
+    """The chosen heads and what they measured on the calibration set (seconds)."""
+
+    heads: list[Head]
+    lead_rows: int
+    median: float
+    p90: float
+    baseline_median: float  # the naive baseline's, on the gate's clips
+    words: int
+    per_head: dict[Head, float]  # single-head median error, every head
+
+    def to_dict(self) -> dict:
+        return {"heads": [list(h) for h in self.heads], "lead_rows": self.lead_rows, "median_s": self.median,
+                "p90_s": self.p90, "baseline_median_s": self.baseline_median, "words": self.words}
+
+
+def _summary(errors: Iterable[np.ndarray]) -> tuple[float, float, int]:
+    values = np.concatenate([np.asarray(e, dtype=np.float64) for e in errors] or [np.zeros(0)])
+    if values.size == 0:
+        return float("inf"), float("inf"), 0
+    return float(np.median(values)), float(np.percentile(values, 90)), int(values.size)
+
+
+def evaluate_heads(records: Sequence[AlignmentRecord], heads: Sequence[Head], lead_rows: int) -> tuple[float, float, int]:
+    """(median, 90th percentile, words) of |start error| of the rule on the mean of `heads`."""
+    return _summary(r.start_errors(heads, lead_rows) for r in records)
+
+
+def baseline(records: Sequence[AlignmentRecord]) -> tuple[float, float, int]:
+    """(median, 90th percentile, words) of the naive baseline's |start error|."""
+    return _summary(r.baseline_errors() for r in records)
+
+
+def gate_records(records: Sequence[AlignmentRecord]) -> list[AlignmentRecord]:
+    """The records the gate compares on: the clips of several sentences, else all."""
+    return [r for r in records if len(r.meta.get("sentences") or ()) > 1] or list(records)
+
+
+def gate(records: Sequence[AlignmentRecord], heads: Sequence[Head], lead_rows: int) -> tuple[bool, str]:
+    """Step 4: (accepted, the reason in one line) for a head set on the calibration records."""
+    if not heads:
+        return False, "no alignment head given"
+    compared = gate_records(records)
+    median, p90, n = evaluate_heads(compared, heads, lead_rows)
+    base, _, _ = baseline(compared)
+    if n == 0:
+        return False, "the calibration set has no word with a true start time"
+    where = "clips of several sentences" if len(compared) < len(records) or all(
+        len(r.meta.get("sentences") or ()) > 1 for r in compared) else "clips"
+    figures = (f"median |start error| {1000 * median:.0f} ms (p90 {1000 * p90:.0f} ms) on {n} words of "
+               f"{len(compared)} {where} vs the naive baseline's {1000 * base:.0f} ms")
+    if median < base:
+        return True, f"heads {format_heads(heads)}: {figures}"
+    return False, f"heads {format_heads(heads)} refused: {figures} (no better than spreading words by characters)"
+
+
+def select_heads(records: Sequence[AlignmentRecord], lead_row_choices: Sequence[int] = LEAD_ROW_CHOICES,
+                 max_heads: int | None = None) -> tuple[HeadChoice | None, str]:
+    """Steps 1-4: (the chosen heads, the reason) or (None, why none is good enough)."""
+    if not records:
+        return None, "no calibration clip the model transcribes: its attention cannot be calibrated"
+    layers, heads_per_layer = records[0].attention.shape[:2]
+    every = [(layer, head) for layer in range(layers) for head in range(heads_per_layer)]
+    if not every:
+        return None, "the model has no cross-attention head"
+    best = None
+    per_head_best: dict[Head, float] = {}
+    for lead in lead_row_choices:
+        single = {h: evaluate_heads(records, [h], lead) for h in every}
+        if lead == lead_row_choices[0]:
+            per_head_best = {h: v[0] for h, v in single.items()}
+        ranked = sorted(every, key=lambda h: (single[h][0], single[h][1], h))
+        for k in range(1, min(len(ranked), max_heads or len(ranked)) + 1):
+            median, p90, n = evaluate_heads(records, ranked[:k], lead)
+            key = (median, p90, k, lead)
+            if n and (best is None or key < best[0]):
+                best = (key, ranked[:k], lead, n)
+    if best is None:
+        return None, "the calibration set has no word with a true start time"
+    (median, p90, _, _), heads, lead, n = best
+    accepted, reason = gate(records, heads, lead)
+    if not accepted:
+        return None, reason
+    base = baseline(gate_records(records))[0]
+    return HeadChoice(heads=sorted(heads), lead_rows=lead, median=median, p90=p90, baseline_median=base, words=n,
+                      per_head=per_head_best), reason
+
+
+def format_heads(heads: Sequence[Head]) -> str:
+    return ",".join(f"{layer}.{head}" for layer, head in heads)
+
+
+# --------------------------------------------------------------------------------------------------
+# Records from a word-timing set and the reference model
+# --------------------------------------------------------------------------------------------------
+
+_WORD = re.compile(r"\w+", re.UNICODE)
+
+
+def normalised_word(text: str) -> str:
+    """A word for matching hypothesis to truth: lower case, letters and digits only."""
+    return "".join(_WORD.findall(text.lower()))
+
+
+def match_words(hypothesis: Sequence[str], truth_words: Sequence[dict]) -> list[dict | None]:
+    """Per hypothesis word, the truth word it matches (difflib on normalised words), else None (a word the
+    recogniser got wrong)."""
+    a = [normalised_word(w) for w in hypothesis]
+    b = [normalised_word(w["word"]) for w in truth_words]
+    out: list[dict | None] = [None] * len(a)
+    for block in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_matching_blocks():
+        for k in range(block.size):
+            out[block.a + k] = truth_words[block.b + k]
+    return out
+
+
+def truth_span(truth_words: Sequence[dict], seconds: float) -> tuple[float, float]:
+    """(first word's start, last word's end) of a clip's truth: the naive baseline's ends. A missing end is the
+    next known value: the last word's start, else the clip's length."""
+    starts = [w["start"] for w in truth_words if w.get("start") is not None]
+    if not starts:
+        return 0.0, float(seconds)
+    last = truth_words[-1]
+    end = last.get("end") if last.get("end") is not None else seconds
+    return float(starts[0]), float(max(end, starts[-1]))
+
+
+def read_word_timing_set(folder: str | Path, languages: Sequence[str] | None = None,
+                         kinds: Sequence[str] | None = None, limit: int | None = None) -> tuple[Path, list[dict]]:
+    """(folder, utterances) of a word-timing set's manifest.json, filtered by language and kind, at most `limit`
+    per (kind, language) in manifest order."""
+    folder = Path(folder)
+    path = folder / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+        utterances = manifest["utterances"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CalibrationError(f"{path}: not a word-timing set ({type(err).__name__}: {err})") from None
+    out, seen = [], {}
+    for u in utterances:
+        if "words" not in u:
+            raise CalibrationError(f"{path}: utterance {u.get('file')!r} has no 'words' (not a word-timing set)")
+        if languages and u["language"] not in languages or kinds and u.get("kind") not in kinds:
+            continue
+        key = (u.get("kind"), u["language"])
+        if limit is not None and seen.get(key, 0) >= limit:
+            continue
+        seen[key] = seen.get(key, 0) + 1
+        out.append(u)
+    return folder, out
+
+
+def calibration_records(model, processor, folder: str | Path, languages: Sequence[str] | None = None,
+                        limit: int | None = None, progress: Callable[[str], None] | None = None,
+                        require_transcribed: bool = True) -> list[AlignmentRecord]:
+    """Records of a word-timing set: the reference model teacher-forced on each clip's text; with
+    `require_transcribed` only the clips it would transcribe exactly (step 0)."""
+    from ..model.alignment_reference import encode, frame_seconds, teacher_forced_attention
+    from ..model.audio import FrontEndConfig, load_audio, log_mel
+    from ..model.tokens import TokenizerError, UnknownLanguageError, eos_id, prompt_ids
+
+    folder, utterances = read_word_timing_set(folder, languages, limit=limit)
+    front_end = FrontEndConfig.from_processor(processor, dither=0.0)
+    tokenizer = processor.tokenizer
+    frame = frame_seconds(model, processor)
+    prompts = {}
+    for language in dict.fromkeys(u["language"] for u in utterances):
+        try:
+            prompts[language] = prompt_ids(tokenizer, language)
+        except (TokenizerError, UnknownLanguageError):  # a language this checkpoint does not declare
+            logger.info("calibration: %s skipped (the checkpoint has no prompt for it)", language)
+    if not prompts:
+        raise CalibrationError(f"{folder}: no clip in a language of this checkpoint")
+    records, skipped = [], 0
+    for u in (u for u in utterances if u["language"] in prompts):
+        audio = load_audio(folder / u["file"], target_rate=front_end.sampling_rate)
+        features, n_valid = log_mel(audio, front_end)
+        encoded, _ = encode(model, features[:, :n_valid])
+        tokens = tokenizer(u["text"], add_special_tokens=False).input_ids
+        tf = teacher_forced_attention(model, encoded, prompts[u["language"]], tokens, eos_id(tokenizer))
+        if require_transcribed and not tf.top1.all():
+            skipped += 1
+            continue
+        pieces = tokenizer.convert_ids_to_tokens(tokens)
+        groups = word_groups(pieces, u["language"])
+        words = [group_text(pieces, g) for g in groups]
+        if len(words) != len(u["words"]):  # a word split differently than by whitespace: match by text
+            logger.info("%s: %d tokenizer words for %d truth words, matched by text", u["file"], len(words),
+                        len(u["words"]))
+        records.append(AlignmentRecord(
+            attention=tf.attention, prompt_length=tf.prompt_length, pieces=pieces,
+            probabilities=tf.token_probabilities[:-1], language=u["language"], truth=match_words(words, u["words"]),
+            span=truth_span(u["words"], len(audio) / front_end.sampling_rate), frame_seconds=frame,
+            meta={"file": u["file"], "kind": u.get("kind"), "text": u["text"],
+                  "sentences": list(u.get("sentences") or [u["text"]])}))
+        if progress:
+            progress(u["file"])
+    if skipped:
+        logger.info("calibration: %d of %d clips skipped (the model would not transcribe them exactly)", skipped,
+                    skipped + len(records))
+    return records
+
+
+def check_heads(heads: Sequence[Head], layers: int, heads_per_layer: int) -> list[Head]:
+    """Heads as (layer, head) pairs inside the model, or AlignmentError."""
+    out = []
+    for layer, head in heads:
+        if not (0 <= layer < layers and 0 <= head < heads_per_layer):
+            raise AlignmentError(f"alignment head {layer}.{head} is outside the model's {layers} layers x "
+                                 f"{heads_per_layer} heads")
+        out.append((int(layer), int(head)))
+    return out
