@@ -265,6 +265,7 @@ class GateLoader:
         self.units = units
         self.beside = Path(beside)
         self._cache = None
+        self._choices: dict[str, tuple[str, str]] = {}  # package -> (backend, compute units)
 
     def __enter__(self) -> GateLoader:
         return self
@@ -279,10 +280,13 @@ class GateLoader:
 
         if self.units == "interpreter":
             return "mil", "all"
-        if self.units == "auto":
+        if self.units != "auto":
+            return "coreml", self.units  # asked for: Core ML or a one-line error saying why not
+        key = str(package)
+        if key not in self._choices:  # the package's spec read once per gate, however often it loads
             ok = coreml_available(package_needs(read_package(package)))[0]
-            return ("coreml", "cpu_only") if ok else ("mil", "all")
-        return "coreml", self.units  # asked for: Core ML or a one-line error saying why not
+            self._choices[key] = ("coreml", "cpu_only") if ok else ("mil", "all")
+        return self._choices[key]
 
     def runtime_options(self, package: str | Path) -> dict[str, Any]:
         """`backend`, `compute_units` and `cache` for `runtime.load_model` / `DecoderRuntime.load`."""

@@ -152,7 +152,8 @@ def _folder_size(path: Path) -> int:
     return total
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists (another user's process counts as alive): a temporary's owner."""
     if pid == os.getpid():
         return True
     try:
@@ -226,7 +227,7 @@ def remove_entry(path: Path) -> bool:
 
 def _removable(entry: CacheEntry) -> bool:
     """A temporary only once its process is gone (a live one is an install or removal under way)."""
-    return not entry.temporary or not _alive(entry.pid)
+    return not entry.temporary or not process_alive(entry.pid)
 
 
 def prune(folder: str | os.PathLike, keep: int | None = None, older_than: float | None = None,

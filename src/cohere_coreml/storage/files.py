@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..export_errors import ExportSettingsError
+from ..runtime.compiled_cache import process_alive
 from . import faults
 from .integrity import invalidate_manifest
 
@@ -198,18 +199,6 @@ def write_text_atomic(path: str | Path, text: str, if_changed: bool = False,
 TEMPORARY_NAME = re.compile(r"^\..+?\.(?:tmp|old)-(\d+)(?:[.-]|$)")
 
 
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
-
-
 def sweep_stale_temporaries(folder: str | Path, prefix: str = "") -> list[Path]:
     """Remove the hidden temporaries (`.<name>.tmp-<pid>...`, `.<name>.old-<pid>...`) in `folder` whose
     process is gone: what a killed export or quantize leaves. Only names starting with `.<prefix>`;
@@ -220,7 +209,7 @@ def sweep_stale_temporaries(folder: str | Path, prefix: str = "") -> list[Path]:
         return removed
     for entry in folder.iterdir():
         m = TEMPORARY_NAME.match(entry.name)
-        if m is None or not entry.name.startswith(f".{prefix}") or entry.is_symlink() or _alive(int(m.group(1))):
+        if m is None or not entry.name.startswith(f".{prefix}") or entry.is_symlink() or process_alive(int(m.group(1))):
             continue
         _remove(entry)
         removed.append(entry)

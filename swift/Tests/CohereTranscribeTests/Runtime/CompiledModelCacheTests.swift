@@ -28,8 +28,10 @@ final class CompiledModelCacheTests: XCTestCase {
         String(decoding: try Data(contentsOf: entry.appendingPathComponent("weights")).prefix { $0 != 0 }, as: UTF8.self)
     }
 
+    /// `<package>-<n as 24 hex digits>.mlmodelc`: the cache's naming shape.
     func entryName(_ package: String, _ n: Int) -> String {
-        "\(package)-\(String(format: "%024x", n)).mlmodelc"
+        let hex = String(n, radix: 16)
+        return "\(package)-\(String(repeating: "0", count: 24 - hex.count))\(hex).mlmodelc"
     }
 
     /// A complete target is kept: the second install of the same content drops its copy (the rule before this
@@ -66,13 +68,13 @@ final class CompiledModelCacheTests: XCTestCase {
         for round in 0..<50 {
             let target = cache.appendingPathComponent(entryName("frontend", round))
             let fresh = try (0..<4).map { try compiled(in: cache, "copy \($0)") }
-            let failures = Locked(0), vanished = Locked(0)
+            let failures = Box(0), vanished = Box(0)
             DispatchQueue.concurrentPerform(iterations: fresh.count) { i in
                 do {
                     _ = try CompiledModelCache.install(fresh[i], at: target, source: nil)
-                    if !CompiledModelCache.isComplete(target) { vanished.update { $0 += 1 } }
+                    if !CompiledModelCache.isComplete(target) { vanished.mutate { $0 += 1 } }
                 } catch {
-                    failures.update { $0 += 1 }
+                    failures.mutate { $0 += 1 }
                 }
             }
             XCTAssertEqual(failures.value, 0, "round \(round)")
@@ -149,13 +151,4 @@ final class CompiledModelCacheTests: XCTestCase {
         XCTAssertNil(CompiledModelCache.temporary("encoder-1.mlmodelc"))
         XCTAssertEqual(CompiledModelCache.packageName(of: "encoder_part2-0123456789abcdef01234567.mlmodelc"), "encoder_part2")
     }
-}
-
-/// A value shared by the threads of one test.
-final class Locked<Value>: @unchecked Sendable {
-    private let lock = NSLock()
-    private var stored: Value
-    init(_ value: Value) { stored = value }
-    var value: Value { lock.lock(); defer { lock.unlock() }; return stored }
-    func update(_ body: (inout Value) -> Void) { lock.lock(); defer { lock.unlock() }; body(&stored) }
 }
