@@ -236,6 +236,21 @@ def vector_cases() -> list[dict]:
     add("a long word after a sentence end", planted(spans_of(pause), sum(pause), seed=4),
         ["\u2581Stop", ".", "\u2581Go", "\u2581now", "."], [0.9, 0.8, 0.7, 0.6, 0.9])
     add("more rows than frames", rng.dirichlet(np.ones(4), size=(1, 9)), PIECES[:7], PROBS[:7])
+    # cases the ports need pinned: every DTW move ties (uniform weights, then all zero: the log floor), so the
+    # path is the tie order's alone; ja with a bare space and an opening quote before the first character
+    # (carried into it) and a character in byte pieces; an inverted question mark as its own first word, a long
+    # first word (start clipped) and a long sentence end (end clipped), with an even count of words (the median
+    # of the two middle durations) in a window at 12.5 s
+    add("uniform attention: every move ties", np.full((2, 7, 9), 1 / 9), PIECES[:5], PROBS[:5])
+    add("zero attention: the log floor ties", np.zeros((1, 6, 4)), PIECES[:4], PROBS[:4])
+    ja = ["\u2581", "\u300c", "\u6771", "<0xE4>", "<0xBA>", "<0xAC>", "\u300d", "\u3002"]
+    jl = [2, 1, 1, 3, 1, 1, 1, 1, 1, 2]  # lead, 8 pieces, eos
+    add("ja, a quote before the first character", planted(spans_of(jl), sum(jl), seed=5), ja,
+        [0.5, 0.6, 0.9, 0.8, 0.7, 0.6, 0.95, 0.99], language="ja")
+    qs = ["\u2581\u00bf", "\u2581Qu\u00e9", "\u2581hora", "\u2581es", "?", "\u2581Son", "\u2581las", "\u2581dos", "."]
+    ql = [2, 1, 14, 3, 2, 1, 4, 2, 12, 1, 3]  # lead, 9 pieces, eos
+    add("inverted question mark first, long first and last words", planted(spans_of(ql), sum(ql), seed=6), qs,
+        [0.3, 0.9, 0.8, 0.7, 0.6, 0.95, 0.85, 0.75, 0.65], language="es", offset_seconds=12.5)
     return cases
 
 
