@@ -243,6 +243,13 @@ def vector_cases() -> list[dict]:
     # of the two middle durations) in a window at 12.5 s
     add("uniform attention: every move ties", np.full((2, 7, 9), 1 / 9), PIECES[:5], PROBS[:5])
     add("zero attention: the log floor ties", np.zeros((1, 6, 4)), PIECES[:4], PROBS[:4])
+    # fp16 attention underflows to exact zeros: the floor sets their cost (this one's path differs with 1e-6,
+    # 1e-9 or 1e-14)
+    add("exact zeros: the floor's value counts", np.random.default_rng(1368).dirichlet(np.full(8, 0.03), size=(1, 6)),
+        PIECES[:4], PROBS[:4])
+    # the last cell's row move and frame move tie below the diagonal (the centre frame is unlikely for the word):
+    # the row move wins, so the word takes the last frame
+    add("row move and frame move tie", [[[0.45, 0.45, 0.1], [0.45, 0.1, 0.45], [0.1, 0.45, 0.45]]], ["\u2581hi"], [0.8])
     ja = ["\u2581", "\u300c", "\u6771", "<0xE4>", "<0xBA>", "<0xAC>", "\u300d", "\u3002"]
     jl = [2, 1, 1, 3, 1, 1, 1, 1, 1, 2]  # lead, 8 pieces, eos
     add("ja, a quote before the first character", planted(spans_of(jl), sum(jl), seed=5), ja,
@@ -251,6 +258,11 @@ def vector_cases() -> list[dict]:
     ql = [2, 1, 14, 3, 2, 1, 4, 2, 12, 1, 3]  # lead, 9 pieces, eos
     add("inverted question mark first, long first and last words", planted(spans_of(ql), sum(ql), seed=6), qs,
         [0.3, 0.9, 0.8, 0.7, 0.6, 0.95, 0.85, 0.75, 0.65], language="es", offset_seconds=12.5)
+    # slow speech: the median word lasts over 0.7 s, so the clip counts 0.7 s (a first word of 2.4 s starts 1.4 s
+    # before its end, not 2 x its median before)
+    slow = [3, 30, 12, 14, 11, 2, 3]  # lead, "▁Slow", "▁and", "▁steady", "▁wins", ".", eos
+    add("slow speech: the median word counted at most 0.7 s", planted(spans_of(slow), sum(slow), seed=7),
+        ["\u2581Slow", "\u2581and", "\u2581steady", "\u2581wins", "."], [0.9, 0.8, 0.7, 0.6, 0.5])
     return cases
 
 
