@@ -228,8 +228,8 @@ def test_example_is_package_data():
     assert "import cohere_coreml" not in packaged and "from cohere_coreml" not in packaged
     imports = {line.split()[1].split(".")[0] for line in packaged.splitlines()
                if line.startswith(("import ", "from "))}
-    assert imports == {"argparse", "hashlib", "json", "os", "shutil", "sys", "tempfile", "uuid", "pathlib",
-                       "coremltools", "numpy", "soundfile"}
+    assert imports == {"argparse", "hashlib", "json", "os", "shutil", "sys", "tempfile", "unicodedata", "uuid",
+                       "pathlib", "coremltools", "numpy", "soundfile"}
 
 
 def test_locked_requirements_pin_the_example_packages():
@@ -293,6 +293,24 @@ def test_example_splits_long_audio_as_the_reference():
         assert example.split_points(x, settings) == split_points(x, config), seconds
     fixed = [(s, min(s + 560000, wave.size)) for s in range(0, wave.size, 560000)]
     assert fixed != expected  # the control: cutting at 35 s would not pass
+
+
+def test_example_word_timings_match_every_vector_case():
+    """The example's copy of the word-timing rule gives the words, token groups, times and probabilities of
+    every case of tests/data/alignment_vectors.json (the rule's Python reference wrote them; Swift reads the
+    same file)."""
+    example = load_example_module()
+    cases = json.loads((ROOT / "tests" / "data" / "alignment_vectors.json").read_text())["cases"]
+    assert len(cases) >= 15
+    for case in cases:
+        got = example.align_words(np.array(case["attention"]), case["pieces"], case["probabilities"],
+                                  case["frame_seconds"], offset_seconds=case["offset_seconds"],
+                                  lead_rows=case["lead_rows"], language=case["language"],
+                                  standardise=case["standardise"], median_width=case["median_width"])
+        want = case["words"]
+        assert [(w["word"], w["tokens"]) for w in got] == [(w["word"], w["tokens"]) for w in want], case["name"]
+        for key in ("start", "end", "probability"):
+            assert [w[key] for w in got] == pytest.approx([w[key] for w in want], abs=1e-9), case["name"]
 
 
 def test_finalize_copies_the_example(finalized_bundle):
@@ -438,3 +456,15 @@ def test_example_errors_are_named(example_python, serve_command, finalized_bundl
     assert proc.returncode != 0 and "ShimError" in proc.stderr and "audio_length" in proc.stderr, proc.stderr[-3000:]
     proc = run_example(example_python, finalized_bundle, clip["path"], "xx", serve=serve_command)
     assert proc.returncode == 1 and "language 'xx' is not in this bundle" in proc.stderr and proc.stdout == ""
+    # word timings from a bundle exported without alignment heads: one line naming the export option
+    bare = tmp_path / "no-alignment"
+    bare.mkdir()
+    for item in finalized_bundle.iterdir():
+        if item.name != "manifest.json":
+            (bare / item.name).symlink_to(item)
+    manifest = json.loads((finalized_bundle / "manifest.json").read_text())
+    manifest["decoder"].update(alignment=None, alignment_note="exported with --alignment-heads none")
+    (bare / "manifest.json").write_text(json.dumps(manifest))
+    proc = run_example(example_python, bare, clip["path"], clip["language"], "--word-timestamps", serve=serve_command)
+    assert proc.returncode == 1 and proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "no word alignment (exported with --alignment-heads none)" in proc.stderr and "--alignment-heads auto" in proc.stderr

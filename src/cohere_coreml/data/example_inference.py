@@ -2,7 +2,7 @@
 """Transcribe an audio file with this bundle's Core ML packages (numpy, soundfile, coremltools only).
 
     pip install numpy soundfile coremltools
-    python example_inference.py audio.wav --language en [--no-punctuation] [--json]
+    python example_inference.py audio.wav --language en [--no-punctuation] [--json] [--word-timestamps]
 
 Runs on macOS 15+ (Core ML with model state). The bundle's packages do all the work:
 
@@ -15,7 +15,9 @@ Runs on macOS 15+ (Core ML with model state). The bundle's packages do all the w
                          "host": the functions only read the state, this program writes the window's
                          memory into it once and each call's new K/V rows (new_k, new_v) at their slots,
                          and passes the mask of the filled slots (cache_mask); "graph": bind_memory writes
-                         a window's memory into a fresh state (once per window), the functions the cache
+                         a window's memory into a fresh state (once per window), the functions the cache;
+                         align (manifest decoder.alignment, optional): a window's final tokens -> the
+                         cross-attention of the alignment heads, turned into word timings (--word-timestamps)
 
 Every name and size below comes from manifest.json. The steps are those of "Decoding loop" in
 docs/bundle.md (cohere-transcribe-coreml): greedy decoding, audio longer than 30 s cut into
@@ -29,6 +31,7 @@ import os
 import shutil
 import sys
 import tempfile
+import unicodedata
 import uuid
 from pathlib import Path
 
@@ -211,8 +214,9 @@ def encode(bundle: Bundle, samples: np.ndarray) -> dict:
     return memory
 
 
-def decode(bundle: Bundle, memory: dict, prompt: list[int], max_new_tokens: int | None) -> list[int]:
-    """Greedy token ids of one window (the eos id included when reached, as generate() returns them)."""
+def decode(bundle: Bundle, memory: dict, prompt: list[int], max_new_tokens: int | None):
+    """Greedy token ids of one window (the eos id included when reached, as generate() returns them), each
+    token's probability (from the log_probs that chose it) and the decoder state (for the align function)."""
     d = bundle.manifest["decoder"]
     host = d.get("state_writes", "graph") == "host"  # who writes the decoder's state (docs/bundle.md)
     step = bundle.function("decoder", d["functions"]["step"])
@@ -255,12 +259,13 @@ def decode(bundle: Bundle, memory: dict, prompt: list[int], max_new_tokens: int 
             log_probs = feed(token, position)
     eos = set(bundle.manifest["tokens"]["eos_token_ids"])
     limit = min(max_new_tokens or d["max_new_tokens"], d["max_new_tokens"])  # what the cache holds, + 1
-    tokens, position = [], len(prompt)
+    tokens, probabilities, position = [], [], len(prompt)
     while True:
         token = int(np.argmax(log_probs))
         tokens.append(token)
+        probabilities.append(float(np.exp(np.float64(log_probs.reshape(-1)[token]))))
         if token in eos or len(tokens) >= limit:  # the last prediction is emitted without being fed
-            return tokens
+            return tokens, probabilities, state
         log_probs = feed(token, position)
         position += 1
 
@@ -277,6 +282,140 @@ def detokenize(vocab: dict, ids: list[int]) -> str:
     return data.decode("utf-8", errors="replace").replace("\u2581", " ").strip()
 
 
+# ------------------------------------------------------------------------------------------------------
+# Word timings (--word-timestamps): the rule of docs/word-timings.md (cohere-transcribe-coreml), the same
+# as the toolkit's `cohere_coreml.inference.alignment.align_words`; its test vectors check this copy too.
+# ------------------------------------------------------------------------------------------------------
+SENTENCE_ENDS = frozenset(".!?\u3002\uff01\uff1f")  # . ! ? and the full-width ones of ja/zh
+
+
+def align_words(attention, pieces, probabilities, frame_seconds, offset_seconds=0.0, lead_rows=1, language=None,
+                standardise=False, median_width=1, pause_factor=2.0) -> list[dict]:
+    """Words of one window from `attention` (heads, rows, frames): the alignment heads' weights over the
+    window's valid encoder frames for `lead_rows` rows before the text, one row per text token (the row
+    predicting it) and the row predicting eos. Returns {"word", "start", "end", "probability", "tokens"}."""
+    att = np.asarray(attention, dtype=np.float64)
+    if att.ndim != 3 or att.shape[0] < 1 or att.shape[1] != lead_rows + len(pieces) + 1 or att.shape[2] < 1:
+        sys.exit(f"attention of shape {att.shape} does not fit {len(pieces)} tokens and {lead_rows} lead rows")
+    if not pieces:
+        return []
+    # log-weights (floored), optionally standardised per frame and median-filtered, then the mean over heads
+    scores = np.log(np.maximum(att, 1e-10))
+    if standardise:
+        std = scores.std(axis=1, keepdims=True)
+        scores = (scores - scores.mean(axis=1, keepdims=True)) / np.where(std > 0, std, 1.0)
+    if median_width > 1:
+        half = median_width // 2
+        padded = np.concatenate([np.repeat(scores[..., :1], half, -1), scores, np.repeat(scores[..., -1:], half, -1)], -1)
+        scores = np.median(np.lib.stride_tricks.sliding_window_view(padded, median_width, axis=-1), axis=-1)
+    cost = (-scores.mean(axis=0)).tolist()
+    # DTW from the first cell to the last; ties go to the diagonal, then the next row, then the next frame
+    n, m = len(cost), len(cost[0])
+    acc = [[0.0] + [np.inf] * m] + [[np.inf] * (m + 1) for _ in range(n)]
+    move = [[0] * (m + 1) for _ in range(n + 1)]
+    for i in range(1, n + 1):
+        for j in range(1, m + 1):
+            options = (acc[i - 1][j - 1], acc[i - 1][j], acc[i][j - 1])
+            move[i][j] = options.index(min(options))
+            acc[i][j] = cost[i - 1][j - 1] + options[move[i][j]]
+    starts, ends, i, j = [-1] * n, [0] * n, n, m
+    while i > 0 and j > 0:  # back from the last cell: each row's first frame and last frame + 1
+        starts[i - 1] = j - 1
+        ends[i - 1] = max(ends[i - 1], j)
+        i, j = (i - 1, j - 1) if move[i][j] == 0 else (i - 1, j) if move[i][j] == 1 else (i, j - 1)
+
+    def time(boundary):  # the centre of the frame, at most the end of the last frame
+        return offset_seconds + min(boundary + 0.5, m) * frame_seconds
+
+    words = []
+    for group in word_groups(pieces, language):
+        words.append({"word": group_text(pieces, group), "start": time(starts[lead_rows + group[0]]),
+                      "end": time(ends[lead_rows + group[-1]]), "tokens": group,
+                      "probability": float(np.mean([probabilities[k] for k in group]))})
+    if pause_factor > 0 and words:  # whisper's rule: long words at sentence boundaries are cut
+        longest = pause_factor * min(0.7, float(np.median([w["end"] - w["start"] for w in words])))
+        for k, w in enumerate(words):
+            if w["end"] - w["start"] > longest:
+                if k == 0 or words[k - 1]["word"][-1:] in SENTENCE_ENDS:
+                    w["start"] = w["end"] - longest
+                elif w["word"][-1:] in SENTENCE_ENDS:
+                    w["end"] = w["start"] + longest
+    return words
+
+
+def piece_bytes(piece: str) -> bytes:
+    """The UTF-8 bytes of a piece: <0xNN> is one byte, "\u2581" a space."""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    return piece.replace("\u2581", " ").encode("utf-8")
+
+
+def group_text(pieces: list[str], group: list[int]) -> str:
+    return b"".join(piece_bytes(pieces[k]) for k in group).decode("utf-8", errors="replace").strip()
+
+
+def word_groups(pieces: list[str], language: str | None) -> list[list[int]]:
+    """Token indices of each word: "\u2581" opens a word (ja, zh: each character is one); a word without a
+    letter or digit (punctuation) joins the word before it, or the next one when it comes first."""
+    groups, pending, buffer = [], [], b""
+    for k, piece in enumerate(pieces):
+        if language not in ("ja", "zh"):
+            if piece.startswith("\u2581") or not groups:
+                groups.append([k])
+            else:
+                groups[-1].append(k)
+            continue
+        pending, buffer = pending + [k], buffer + piece_bytes(piece)
+        try:
+            text = buffer.decode("utf-8")
+        except UnicodeDecodeError:
+            continue  # the first bytes of a character: wait for the rest
+        if text.strip() or not groups:
+            groups.append(pending)
+        else:  # a bare space belongs to the character before it
+            groups[-1].extend(pending)
+        pending, buffer = [], b""
+    if pending:
+        groups.append(pending)
+    merged, carry = [], []
+    for group in groups:
+        if not any(unicodedata.category(ch)[0] in "LN" for ch in group_text(pieces, group)):
+            if merged:
+                merged[-1].extend(group)
+            else:
+                carry.extend(group)
+        else:
+            merged.append(carry + group)
+            carry = []
+    return merged + [carry] if carry else merged
+
+
+def window_words(bundle: Bundle, state, prompt: list[int], text_ids: list[int], probabilities: list[float],
+                 encoder_length: int, start_s: float, end_s: float, language: str) -> list[dict]:
+    """One window's words: the decoder's align function on the window's final tokens (same state, so the
+    window's cross memory), its rows and valid frames cut, the rule above, times clamped to the window."""
+    a = bundle.manifest["decoder"]["alignment"]
+    fit = a["length"] - len(prompt)  # a window that filled the cache: its last token has no slot to be timed by
+    text_ids, probabilities = text_ids[:fit], probabilities[:fit]
+    if not text_ids:
+        return []
+    ids = np.full((1, a["length"]), bundle.manifest["tokens"]["eos_token_id"], np.int32)
+    ids[0, :len(prompt) + len(text_ids)] = prompt + text_ids
+    weights = bundle.function("decoder", a["function"]).predict({"input_ids": ids}, state=state)["cross_attention"]
+    first = len(prompt) - 1 - a["lead_rows"]
+    rows = np.asarray(weights, np.float32)[0, :, first:len(prompt) + len(text_ids), :encoder_length]
+    words = align_words(rows, [bundle.vocab[str(i)] for i in text_ids], probabilities, a["frame_seconds"],
+                        offset_seconds=start_s, lead_rows=a["lead_rows"], language=language)
+    for w in words:
+        del w["tokens"]
+        w["start"], w["end"] = (round(min(max(w[k], start_s), end_s), 3) for k in ("start", "end"))
+        w["probability"] = round(w["probability"], 3)
+    return words
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("audio", help="audio file (wav, flac, ...) at the model's sampling rate (16 kHz)")
@@ -284,6 +423,8 @@ def main() -> None:
     p.add_argument("--no-punctuation", action="store_true", help="the prompt without punctuation and casing")
     p.add_argument("--max-new-tokens", type=int, default=None, help="stop a window after N tokens")
     p.add_argument("--json", action="store_true", help="print text and token ids per window as JSON")
+    p.add_argument("--word-timestamps", action="store_true",
+                   help="each word's start and end (seconds) and probability (the bundle's decoder.alignment)")
     p.add_argument("--bundle", default=str(BUNDLE), help="bundle folder (default: this file's folder)")
     p.add_argument("--compiled-cache", default=None,
                    help="keep the compiled models in this folder, so later runs skip Core ML's compile "
@@ -297,16 +438,32 @@ def main() -> None:
     if args.language not in m["languages"]:
         sys.exit(f"language {args.language!r} is not in this bundle: {' '.join(sorted(m['languages']))}")
     prompt = m["languages"][args.language]["no_punctuation" if args.no_punctuation else "punctuation"]
+    if args.word_timestamps and not m["decoder"].get("alignment"):
+        sys.exit(f"this bundle has no word alignment ({m['decoder'].get('alignment_note') or 'no decoder.alignment'}): "
+                 "export it with `cohere-coreml export --alignment-heads auto`")
     eos = set(m["tokens"]["eos_token_ids"])
-    samples = read_audio(args.audio, m["audio"]["sampling_rate"])
+    rate = m["audio"]["sampling_rate"]
+    samples = read_audio(args.audio, rate)
     windows = []
     for start, end in split_points(samples, m["audio"]):
-        ids = decode(bundle, encode(bundle, samples[start:end]), prompt, args.max_new_tokens)
-        windows.append({"start_s": start / m["audio"]["sampling_rate"], "token_ids": ids,
-                        "text": detokenize(bundle.vocab, [i for i in ids if i not in eos])})
+        memory = encode(bundle, samples[start:end])
+        ids, probabilities, state = decode(bundle, memory, prompt, args.max_new_tokens)
+        text_ids = [i for i in ids if i not in eos]
+        windows.append({"start_s": start / rate, "token_ids": ids, "text": detokenize(bundle.vocab, text_ids)})
+        if args.word_timestamps:
+            windows[-1]["words"] = window_words(bundle, state, prompt, text_ids, probabilities[:len(text_ids)],
+                                                int(memory["encoder_length"][0]), start / rate, end / rate,
+                                                args.language)
     separator = "" if args.language in m["generation"]["no_space_languages"] else " "
     text = separator.join(w["text"] for w in windows if w["text"])
-    print(json.dumps({"text": text, "windows": windows}, ensure_ascii=False) if args.json else text)
+    words = [w for window in windows for w in window.get("words", [])]
+    if args.json:
+        print(json.dumps({"text": text, "windows": windows, **({"words": words} if args.word_timestamps else {})},
+                         ensure_ascii=False))
+    else:
+        print(text)
+        for w in words:
+            print(f"{w['start']:8.3f} {w['end']:8.3f}  {w['probability']:.3f}  {w['word']}")
 
 
 if __name__ == "__main__":
