@@ -7,7 +7,7 @@ if CommandLine.arguments.count > 1, CommandLine.arguments[1] == "bench" {  // th
 }
 
 let usage = """
-usage: cohere-transcribe-swift --bundle DIR --language LANG FILE... [--json] [--no-punctuation]
+usage: cohere-transcribe-swift --bundle DIR --language LANG FILE... [--json] [--no-punctuation] [--word-timestamps]
                                [--max-new-tokens N] [--compute-units all|cpu_only|cpu_and_gpu|cpu_and_ne]
                                [--runtime coreml|interpreter] [--interpreter PATH] [--cache-dir DIR]
        cohere-transcribe-swift --stream --bundle DIR --language LANG FILE... [--json] [--no-pace] [--hop S]
@@ -27,6 +27,8 @@ packages, manifest.json, vocab.json); token for token what `cohere-coreml transc
   --device-choice  FILE: the device-choice.json to use (`bench` writes it); none: ignore any (default: the
                    one `bench` wrote for this bundle in Application Support, else <bundle>/device-choice.json)
   --json           print JSON shaped like `cohere-coreml transcribe --json`
+  --word-timestamps each word's start and end (seconds) and probability: JSON "words" (per window and in all),
+                   else one line per word after the text (the bundle's decoder.alignment, docs/word-timings.md)
   --stream         live transcription (`cohere-coreml transcribe --stream`): the file fed in 0.1 s chunks,
                    paced at real time; partial and final updates (--json: one JSON line per update)
   --no-pace        with --stream: feed the file as fast as possible
@@ -45,6 +47,7 @@ var bundle: String?
 var language: String?
 var files: [String] = []
 var json = false
+var wordTimestamps = false
 var punctuation = true
 var maxNewTokens: Int?
 var units: ComputeUnits?
@@ -69,6 +72,7 @@ while !args.isEmpty {
     case "--bundle": bundle = value(a)
     case "--language": language = value(a)
     case "--json": json = true
+    case "--word-timestamps": wordTimestamps = true
     case "--no-punctuation": punctuation = false
     case "--max-new-tokens":
         guard let n = Int(value(a)), n >= 1 else { fail("--max-new-tokens needs a positive integer") }
@@ -102,6 +106,7 @@ guard let bundle else { fail("--bundle is required\n\(usage)") }
 guard let language else { fail("--language is required\n\(usage)") }
 guard !files.isEmpty else { fail("no audio file given\n\(usage)") }
 if !stream, !pace || hop != nil || stats { fail("--no-pace, --hop and --stats need --stream") }
+if stream, wordTimestamps { fail("--word-timestamps is for files, not --stream") }
 var streamConfig = StreamConfig()
 if let hop { streamConfig.hopSeconds = hop }
 var streamFiles: [(String, [Float])] = []
@@ -114,9 +119,15 @@ if stream {  // every file checked before the bundle loads
     }
 }
 
+/// A word as `cohere-coreml transcribe --word-timestamps --json` writes it (seconds to the millisecond).
+func jsonWord(_ w: WordTiming) -> [String: Any] {
+    func rounded(_ x: Double) -> Double { (x * 1000).rounded() / 1000 }
+    return ["word": w.text, "start": rounded(w.start), "end": rounded(w.end), "probability": rounded(w.probability)]
+}
+
 /// One file's entry, as `cohere-coreml transcribe --json` writes it: "status" ok | silent | error.
 func jsonObject(_ path: String, _ r: TranscriptionResult) -> [String: Any] {
-    [
+    var object: [String: Any] = [
         "audio": path, "status": r.silent ? "silent" : "ok", "seconds": r.seconds, "text": r.text,
         "language": r.language, "punctuation": r.punctuation, "truncated": r.truncated, "silent": r.silent,
         "windows": r.windows.map { w -> [String: Any] in
@@ -128,8 +139,11 @@ func jsonObject(_ path: String, _ r: TranscriptionResult) -> [String: Any] {
                                 "decode_s": t.decodeSeconds, "decoder_calls": t.decoderCalls,
                                 "ms_per_decoder_call": t.msPerDecoderCall],
                     "decoding": ["beams": 1, "repetition": NSNull()]]
+                .merging(w.words.map { ["words": $0.map(jsonWord)] } ?? [:]) { a, _ in a }
         },
     ]
+    if let words = r.words { object["words"] = words.map(jsonWord) }
+    return object
 }
 
 let transcriber: CohereTranscriber
@@ -137,7 +151,8 @@ do {
     let runtime = try RuntimeChoice.make(runtimeName, interpreterPath: interpreterPath, cacheDir: cacheDir)
     transcriber = try await CohereTranscriber(bundle: URL(fileURLWithPath: bundle), runtime: runtime,
                                               computeUnits: units.map { .uniform($0) }, deviceChoice: deviceChoice)
-    _ = try transcriber.manifest.prompt(language: language, punctuation: punctuation)  // unknown language: fail now
+    let prompt = try transcriber.manifest.prompt(language: language, punctuation: punctuation)  // unknown language: fail now
+    if wordTimestamps { _ = try transcriber.manifest.checkedAlignment(promptLength: prompt.count) }  // no alignment: likewise
 } catch {
     fail("\(error)")
 }
@@ -158,12 +173,16 @@ var failures = 0
 for path in files {
     do {
         let r = try await transcriber.transcribe(contentsOf: URL(fileURLWithPath: path), language: language,
-                                                 punctuation: punctuation, maxNewTokens: maxNewTokens)
+                                                 punctuation: punctuation, maxNewTokens: maxNewTokens,
+                                                 wordTimestamps: wordTimestamps)
         if json {
             results.append(jsonObject(path, r))
         } else {
             if files.count > 1 { print("== \(path)") }
             print(r.silent ? "(silent)" : r.text)
+            for w in r.words ?? [] {
+                print(String(format: "%8.3f %8.3f  %.3f  ", w.start, w.end, w.probability) + w.text)
+            }
             for w in r.windows where w.truncated {
                 FileHandle.standardError.write(Data("window \(w.index) stopped without eos (\(w.stopReason))\n".utf8))
             }

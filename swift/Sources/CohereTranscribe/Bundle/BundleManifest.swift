@@ -283,6 +283,59 @@ public struct BundleManifest: Codable, Sendable {
         public var extend: String?
     }
 
+    /// `decoder.alignment` (docs/word-timings.md): the decoder package's `align` function, which returns the
+    /// cross-attention weights of the alignment heads for a window's final tokens (teacher-forced, `length`
+    /// slots), and what the word-timing rule needs with them.
+    public struct Alignment: Codable, Sendable, Equatable {
+        /// The function's name in the decoder package.
+        public var function: String
+        /// Its token slots (the cache capacity): prompt and text tokens, then padding.
+        public var length: Int
+        /// The alignment heads, [layer, head] each, in the order of the output's head axis.
+        public var heads: [[Int]]
+        /// Rows before the text the rule reads (the rows predicting the prompt's last `leadRows` tokens).
+        public var leadRows: Int
+        /// One encoder frame in seconds.
+        public var frameSeconds: Double
+        /// The function's inputs, outputs and states, read from the package at export time.
+        public var io: ModelIO?
+
+        public init(function: String, length: Int, heads: [[Int]], leadRows: Int, frameSeconds: Double,
+                    io: ModelIO? = nil) {
+            (self.function, self.length, self.heads, self.leadRows, self.frameSeconds, self.io) =
+                (function, length, heads, leadRows, frameSeconds, io)
+        }
+
+        enum CodingKeys: String, CodingKey {
+            case function, length, heads, io
+            case leadRows = "lead_rows"
+            case frameSeconds = "frame_seconds"
+        }
+    }
+
+    /// A manifest field read without refusing the manifest (the Python loader does not check it): its value,
+    /// or why it is unreadable, said when it is used.
+    struct Lenient<Value: Codable & Sendable>: Codable, Sendable {
+        var value: Value?
+        var problem: String?
+
+        init(value: Value?) { self.value = value }
+
+        init(from decoder: Swift.Decoder) throws {
+            do {
+                value = try Value(from: decoder)
+            } catch let DecodingError.keyNotFound(key, context) {
+                problem = "has no field '\((context.codingPath.map(\.stringValue) + [key.stringValue]).joined(separator: "."))'"
+            } catch let DecodingError.typeMismatch(_, context) {
+                problem = "has the wrong type at '\(context.codingPath.map(\.stringValue).joined(separator: "."))'"
+            } catch {
+                problem = "is unreadable"
+            }
+        }
+
+        func encode(to encoder: Swift.Encoder) throws { try value.encode(to: encoder) }
+    }
+
     public struct Decoder: Codable, Sendable {
         public var capacity: Int
         public var promptLength: Int
@@ -318,6 +371,13 @@ public struct BundleManifest: Codable, Sendable {
         public var cacheMaskInput: String?
         /// True when the app writes the decoder state (`stateWrites` "host").
         public var hostWritesState: Bool { stateWrites == "host" }
+        var alignmentField: Lenient<Alignment>?
+        var alignmentNoteField: Lenient<String>?
+        /// Word timings: the align function and what the rule needs (nil: the bundle has none, or the block is
+        /// unreadable; `checkedAlignment(promptLength:)` says which).
+        public var alignment: Alignment? { alignmentField?.value }
+        /// Why the bundle has no alignment (e.g. "exported with --alignment-heads none"), nil when it has one.
+        public var alignmentNote: String? { alignmentNoteField?.value }
         enum CodingKeys: String, CodingKey {
             case capacity
             case promptLength = "prompt_length"
@@ -338,6 +398,8 @@ public struct BundleManifest: Codable, Sendable {
             case memoryStates = "memory_states"
             case rowOutputs = "row_outputs"
             case cacheMaskInput = "cache_mask_input"
+            case alignmentField = "alignment"
+            case alignmentNoteField = "alignment_note"
         }
     }
 
@@ -491,6 +553,7 @@ public struct BundleManifest: Codable, Sendable {
             if function == decoder.functions?.prefill { io = decoder.prefillIO }
             else if function == decoder.functions?.extend { io = decoder.extendIO }
             else if function == decoder.functions?.bind { io = decoder.bindIO }
+            else if let a = decoder.alignment, function == a.function { io = a.io }
             else { io = function == (decoder.functions?.step ?? "main") ? decoder.io : nil }
         case "frontend": io = frontend?.functions[function]?.io ?? (function == "main" ? frontend?.io : nil)
         default: io = nil
@@ -596,6 +659,40 @@ public struct BundleManifest: Codable, Sendable {
         var inputs: [String: ArrayDescription] = [:]
         for (input, output) in decoder.bindInputs ?? [:] { inputs[input] = memory[output] }
         return ModelIO(inputs: inputs, outputs: [:], states: decoderStates)
+    }
+
+    /// The align function's output: the alignment heads' weights, (1, heads, length, encoder frames).
+    public static let alignOutput = "cross_attention"
+
+    /// What the align function must take (the `length` slots' token ids) and hold (the decoder state); its
+    /// output (1, heads, length, frames) is checked where it is read.
+    public func expectedAlignIO(_ alignment: Alignment) -> ModelIO {
+        ModelIO(inputs: ["input_ids": .init(shape: [1, alignment.length], dtype: "int32")], states: decoderStates)
+    }
+
+    /// The bundle's alignment for word timings with a prompt of `promptLength` tokens, checked; else a one-line
+    /// error naming the fix (a bundle without alignment, an unreadable or inconsistent `decoder.alignment`).
+    public func checkedAlignment(promptLength: Int) throws -> Alignment {
+        if let problem = decoder.alignmentField?.problem {
+            throw BundleError.invalidField(field: "decoder.alignment", problem: "\(problem): re-export the bundle")
+        }
+        guard let a = decoder.alignment else {
+            throw TranscriptionError.invalidArgument(
+                "word timings: this bundle has no word alignment (\(decoder.alignmentNote ?? "no decoder.alignment in its manifest")): "
+                    + "export it with `cohere-coreml export --alignment-heads auto`")
+        }
+        func invalid(_ field: String, _ problem: String) -> BundleError {
+            .invalidField(field: "decoder.alignment.\(field)", problem: "\(problem): re-export the bundle")
+        }
+        guard a.length == decoder.capacity else { throw invalid("length", "is \(a.length), not the cache capacity \(decoder.capacity)") }
+        guard !a.heads.isEmpty, a.heads.allSatisfy({ $0.count == 2 }) else {
+            throw invalid("heads", "must be a non-empty list of [layer, head] pairs")
+        }
+        guard (0..<max(promptLength, 1)).contains(a.leadRows) else {
+            throw invalid("lead_rows", "is \(a.leadRows), outside 0...\(promptLength - 1) for a prompt of \(promptLength) tokens")
+        }
+        guard a.frameSeconds.isFinite, a.frameSeconds > 0 else { throw invalid("frame_seconds", "must be a positive number") }
+        return a
     }
 
     /// What one front-end function of a window of `samples` samples and `frames` mel frames must take and return.

@@ -22,6 +22,8 @@ public struct WindowResult: Sendable, Codable {
     public var truncated: Bool
     public var stopReason: StopReason
     public var timings: WindowTimings
+    /// The window's words with their times on the audio's timeline and probabilities (nil: not asked).
+    public var words: [WordTiming]? = nil
 }
 
 /// Warm-call timings of one window, in seconds (model loading and compiling are in `loadSeconds`).
@@ -41,6 +43,8 @@ public struct WindowTimings: Sendable, Codable {
     /// Bytes the app wrote into the decoder state (a host-state decoder, `decoder.state_writes` "host": the
     /// window's cross memory once, then each call's new K/V rows; 0 for a graph-state decoder).
     public var decoderStateBytesWritten: Int = 0
+    /// Word timings: the align call and the word-timing rule (0 when not asked).
+    public var alignSeconds: Double = 0
 }
 
 /// One decoder call of a `FeedPlan`: `function` feeding ids [offset, offset + count) of a prefix at cache slot
@@ -85,6 +89,8 @@ public struct TranscriptionResult: Sendable, Codable {
     public var silent: Bool = false
     /// Length of the audio in seconds.
     public var seconds: Double = 0
+    /// Every window's words in order, times on the audio's timeline (nil: not asked; `wordTimestamps: true`).
+    public var words: [WordTiming]? = nil
 
     public var truncated: Bool { windows.contains { $0.truncated } }
     public var tokenIds: [[Int]] { windows.map(\.tokenIds) }
@@ -241,6 +247,12 @@ public actor CohereTranscriber {
         return (step, bind, prefill, extend)
     }
 
+    /// The decoder's align function (word timings), loaded once and checked.
+    private func alignModel(_ alignment: BundleManifest.Alignment) async throws -> RuntimeModel {
+        try await load("decoder/\(alignment.function)", file: manifest.files.decoder, function: alignment.function,
+                       units: computeUnits.decoder, expected: manifest.expectedAlignIO(alignment), component: "decoder")
+    }
+
     /// The plan of a forced prefix of `count` tokens from slot `start` with the functions this transcriber uses.
     public func plan(count: Int, start: Int = 0, rowsFrom: Int? = nil) -> [FeedCall] {
         let d = manifest.decoder
@@ -291,6 +303,9 @@ public actor CohereTranscriber {
         where manifest.files.frontend != nil {
             _ = try await frontEnd(function: function, samples: f.samples, frames: f.frames)
         }
+        if let alignment = try? manifest.checkedAlignment(promptLength: manifest.decoder.promptLength) {
+            _ = try await alignModel(alignment)  // word timings
+        }
     }
 
     /// Releases every loaded model (memory back to the system); the next call loads them again (from
@@ -304,29 +319,35 @@ public actor CohereTranscriber {
 
     // MARK: - whole clips
 
+    /// `wordTimestamps`: each word's start, end and probability (`TranscriptionResult.words`; the bundle's
+    /// `decoder.alignment`: one align call per window after its decoding, docs/word-timings.md).
     public func transcribe(contentsOf url: URL, language: String, punctuation: Bool = true,
-                           maxNewTokens: Int? = nil) async throws -> TranscriptionResult {
+                           maxNewTokens: Int? = nil, wordTimestamps: Bool = false) async throws -> TranscriptionResult {
         try await transcribe(contentsOf: url, language: language, punctuation: punctuation, maxNewTokens: maxNewTokens,
-                             onWindow: nil)
+                             wordTimestamps: wordTimestamps, onWindow: nil)
     }
 
     /// Transcribes mono Float samples at the bundle's sample rate (16 kHz).
     public func transcribe(samples: [Float], language: String, punctuation: Bool = true,
-                           maxNewTokens: Int? = nil) async throws -> TranscriptionResult {
+                           maxNewTokens: Int? = nil, wordTimestamps: Bool = false) async throws -> TranscriptionResult {
         let prompt = try manifest.prompt(language: language, punctuation: punctuation)
+        if wordTimestamps { _ = try manifest.checkedAlignment(promptLength: prompt.count) }  // before any work
         return try await transcribe(samples: samples, language: language, punctuation: punctuation,
-                                    maxNewTokens: maxNewTokens, name: "audio", prompt: prompt, onWindow: nil)
+                                    maxNewTokens: maxNewTokens, wordTimestamps: wordTimestamps, name: "audio",
+                                    prompt: prompt, onWindow: nil)
     }
 
     /// The windows of a file as each is transcribed (long files: one result every 35 s of audio).
     /// Cancelling the consuming task stops the transcription between windows or decoding steps.
     public nonisolated func windows(contentsOf url: URL, language: String, punctuation: Bool = true,
-                                    maxNewTokens: Int? = nil) -> AsyncThrowingStream<WindowResult, Error> {
+                                    maxNewTokens: Int? = nil,
+                                    wordTimestamps: Bool = false) -> AsyncThrowingStream<WindowResult, Error> {
         AsyncThrowingStream { continuation in
             let task = Task {
                 do {
                     _ = try await self.transcribe(contentsOf: url, language: language, punctuation: punctuation,
-                                                  maxNewTokens: maxNewTokens) { continuation.yield($0) }
+                                                  maxNewTokens: maxNewTokens,
+                                                  wordTimestamps: wordTimestamps) { continuation.yield($0) }
                     continuation.finish()
                 } catch {
                     continuation.finish(throwing: error)
@@ -338,18 +359,23 @@ public actor CohereTranscriber {
 
     /// `onWindow` is called with each window as soon as it is decoded.
     public func transcribe(contentsOf url: URL, language: String, punctuation: Bool = true, maxNewTokens: Int? = nil,
+                           wordTimestamps: Bool = false,
                            onWindow: (@Sendable (WindowResult) -> Void)?) async throws -> TranscriptionResult {
         let prompt = try manifest.prompt(language: language, punctuation: punctuation)  // unknown language: before any work
+        if wordTimestamps { _ = try manifest.checkedAlignment(promptLength: prompt.count) }  // no alignment: likewise
         let audio = try AudioInput.load(contentsOf: url, sampleRate: manifest.audio.samplingRate)
         return try await transcribe(samples: audio.samples, language: language, punctuation: punctuation,
-                                    maxNewTokens: maxNewTokens, name: url.path, prompt: prompt, onWindow: onWindow)
+                                    maxNewTokens: maxNewTokens, wordTimestamps: wordTimestamps, name: url.path,
+                                    prompt: prompt, onWindow: onWindow)
     }
 
-    private func transcribe(samples: [Float], language: String, punctuation: Bool, maxNewTokens: Int?, name: String,
-                            prompt: [Int], onWindow: (@Sendable (WindowResult) -> Void)?) async throws -> TranscriptionResult {
+    private func transcribe(samples: [Float], language: String, punctuation: Bool, maxNewTokens: Int?,
+                            wordTimestamps: Bool, name: String, prompt: [Int],
+                            onWindow: (@Sendable (WindowResult) -> Void)?) async throws -> TranscriptionResult {
         if try AudioInput.isSilent(samples, name: name) {
             return TranscriptionResult(text: "", language: language, punctuation: punctuation, windows: [], silent: true,
-                                       seconds: Double(samples.count) / Double(manifest.audio.samplingRate))
+                                       seconds: Double(samples.count) / Double(manifest.audio.samplingRate),
+                                       words: wordTimestamps ? [] : nil)
         }
         let rate = Double(manifest.audio.samplingRate)
         var windows: [WindowResult] = []
@@ -361,7 +387,9 @@ public actor CohereTranscriber {
             let featuresSeconds = Date().timeIntervalSince(start)
             var window = try await transcribeWindow(features: features, validFrames: valid, prompt: prompt,
                                                     maxNewTokens: maxNewTokens, index: i,
-                                                    startSeconds: Double(range.lowerBound) / rate)
+                                                    startSeconds: Double(range.lowerBound) / rate,
+                                                    durationSeconds: Double(piece.count) / rate,
+                                                    language: language, wordTimestamps: wordTimestamps)
             window.durationSeconds = Double(piece.count) / rate
             window.timings.featuresSeconds = featuresSeconds
             windows.append(window)
@@ -370,7 +398,8 @@ public actor CohereTranscriber {
         let text = Detokenizer.joinWindows(windows.map(\.text), language: language,
                                            noSpaceLanguages: manifest.generation.noSpaceLanguages)
         return TranscriptionResult(text: text, language: language, punctuation: punctuation, windows: windows,
-                                   seconds: Double(samples.count) / rate)
+                                   seconds: Double(samples.count) / rate,
+                                   words: wordTimestamps ? windows.flatMap { $0.words ?? [] } : nil)
     }
 
     /// Log-mel features of one piece through the front-end package: ((1, n_mels, frames) float32, valid frames),
@@ -411,8 +440,13 @@ public actor CohereTranscriber {
     /// Greedy decode of one window from its log-mel features ((1, n_mels, F) or (n_mels, F) float32, F the
     /// frames of an encoder function) and valid frame count. `prompt`: the language prompt ids.
     /// `draft`: see `decode(cross:prompt:maxNewTokens:draft:)` (the streaming partials' previous hypothesis).
+    /// `wordTimestamps`: the window's words (`WindowResult.words`) on the audio's timeline (`startSeconds` on),
+    /// each clamped to the window [startSeconds, startSeconds + durationSeconds] (`durationSeconds`: by default
+    /// the valid frames' length); `language` ja or zh: a word per character.
     public func transcribeWindow(features: Tensor, validFrames: Int, prompt: [Int], maxNewTokens: Int? = nil,
-                                 index: Int = 0, startSeconds: Double = 0, draft: [Int] = []) async throws -> WindowResult {
+                                 index: Int = 0, startSeconds: Double = 0, durationSeconds: Double? = nil,
+                                 draft: [Int] = [], language: String? = nil,
+                                 wordTimestamps: Bool = false) async throws -> WindowResult {
         let frames = features.shape.last ?? 0
         guard let bucket = manifest.encoderBuckets.first(where: { $0.frames == frames }) else {
             throw TranscriptionError.invalidArgument(
@@ -437,18 +471,64 @@ public actor CohereTranscriber {
             guard let t = encoded[name] else { throw TranscriptionError.badOutput("the encoder package returned no \(name)") }
             cross[name] = t
         }
-        let decoded = try await decode(cross: cross, prompt: prompt, maxNewTokens: maxNewTokens, draft: draft)
+        let alignment = wordTimestamps ? try manifest.checkedAlignment(promptLength: prompt.count) : nil
+        let decoded = try await decode(cross: cross, prompt: prompt, maxNewTokens: maxNewTokens, draft: draft,
+                                       alignment: alignment)
         let text = try detokenizer.decode(decoded.tokens.filter { !eosIds.contains($0) })
+        let duration = durationSeconds ?? Double(validFrames * manifest.audio.hopLength) / Double(manifest.audio.samplingRate)
+        var words: [WordTiming]?
+        var alignSeconds = 0.0
+        if let alignment {
+            let ta = Date()
+            words = try windowWords(decoded, alignment: alignment, prompt: prompt,
+                                    frames: manifest.encoder.lengthMasks.encoderLength(validFrames: validFrames),
+                                    start: startSeconds, end: startSeconds + duration, language: language)
+            alignSeconds = decoded.alignSeconds + Date().timeIntervalSince(ta)
+        }
         let calls = max(decoded.calls, 1)
         let timings = WindowTimings(featuresSeconds: 0, encoderSeconds: encoderSeconds, encoderFunction: bucket.function,
                                     bindSeconds: decoded.bindSeconds, promptSeconds: decoded.promptSeconds,
                                     decodeSeconds: decoded.decodeSeconds, decoderCalls: decoded.calls,
                                     msPerDecoderCall: 1000 * (decoded.promptSeconds + decoded.decodeSeconds) / Double(calls),
-                                    decoderTokensFed: decoded.tokensFed, decoderStateBytesWritten: decoded.stateBytesWritten)
-        return WindowResult(index: index, startSeconds: startSeconds,
-                            durationSeconds: Double(validFrames * manifest.audio.hopLength) / Double(manifest.audio.samplingRate),
+                                    decoderTokensFed: decoded.tokensFed, decoderStateBytesWritten: decoded.stateBytesWritten,
+                                    alignSeconds: alignSeconds)
+        return WindowResult(index: index, startSeconds: startSeconds, durationSeconds: duration,
                             tokenIds: decoded.tokens, text: text, truncated: decoded.stopReason != .eos,
-                            stopReason: decoded.stopReason, timings: timings)
+                            stopReason: decoded.stopReason, timings: timings, words: words)
+    }
+
+    /// One window's words from its decode's align output: the rows predicting the prompt's last `leadRows`
+    /// tokens, each text token and eos (`WordAlignment.rows`), over the window's `frames` valid encoder frames;
+    /// the rule with each token's probability from decoding; times from `start`, clamped to [start, end].
+    /// A window that filled the cache times the tokens the align function's slots hold (its last one has none).
+    func windowWords(_ decoded: Decoded, alignment: BundleManifest.Alignment, prompt: [Int], frames: Int,
+                     start: Double, end: Double, language: String?) throws -> [WordTiming] {
+        let text = decoded.tokens.filter { !eosIds.contains($0) }
+        let count = min(text.count, alignment.length - prompt.count)
+        guard count > 0 else { return [] }
+        guard let attention = decoded.attention, attention.shape.count == 4, attention.shape[0] == 1,
+              attention.shape[1] == alignment.heads.count, attention.shape[2] == alignment.length,
+              (frames...).contains(attention.shape[3]) else {
+            throw TranscriptionError.badOutput("the decoder's \(alignment.function) function returned no (1, \(alignment.heads.count), "
+                + "\(alignment.length), >= \(frames)) \(BundleManifest.alignOutput)"
+                + (decoded.attention.map { ", but \($0.shape)" } ?? ""))
+        }
+        let rows = try WordAlignment.rows(attention.floats(), heads: attention.shape[1], positions: attention.shape[2],
+                                          totalFrames: attention.shape[3], promptLength: prompt.count, tokens: count,
+                                          leadRows: alignment.leadRows, frames: frames)
+        let pieces = try text.prefix(count).map { id -> String in
+            guard detokenizer.pieces.indices.contains(id) else {
+                throw TranscriptionError.badOutput("token id \(id) is outside the vocabulary (\(detokenizer.pieces.count) pieces)")
+            }
+            return detokenizer.pieces[id]
+        }
+        let probabilities = decoded.tokenLogProbs.prefix(count).map { Foundation.exp($0) }
+        return try WordAlignment.words(attention: rows, pieces: pieces, probabilities: Array(probabilities),
+                                       frameSeconds: alignment.frameSeconds, offsetSeconds: start,
+                                       leadRows: alignment.leadRows, language: language).map {
+            WordTiming(text: $0.text, start: min(max($0.start, start), end), end: min(max($0.end, start), end),
+                       probability: $0.probability)
+        }
     }
 
     struct Decoded {
@@ -460,6 +540,11 @@ public actor CohereTranscriber {
         var promptSeconds: Double
         var decodeSeconds: Double
         var stateBytesWritten = 0
+        /// The log-probability of each emitted token at the call that chose it.
+        var tokenLogProbs: [Double] = []
+        /// The align function's output (1, heads, length, frames) when word timings were asked.
+        var attention: Tensor?
+        var alignSeconds = 0.0
     }
 
     /// The decoding loop of docs/bundle.md: fresh state, the cross memory bound into it once by the bind
@@ -469,7 +554,9 @@ public actor CohereTranscriber {
     /// `draft`: tokens the decode is expected to emit (a streaming partial's previous hypothesis after its
     /// confirmed tokens), verified with the bundle's extend function exactly as Python's `Transcriber.decode`
     /// verifies it (the tokens are greedy's; without extend it is not used).
-    func decode(cross: [String: Tensor], prompt: [Int], maxNewTokens: Int?, draft: [Int] = []) async throws -> Decoded {
+    /// `alignment`: after decoding, the align function on the window's final tokens, same state (its cross memory).
+    func decode(cross: [String: Tensor], prompt: [Int], maxNewTokens: Int?, draft: [Int] = [],
+                alignment: BundleManifest.Alignment? = nil) async throws -> Decoded {
         let capacity = manifest.decoder.capacity
         guard prompt.count < capacity else {
             throw TranscriptionError.invalidArgument("prompt of \(prompt.count) tokens does not fit the cache (\(capacity) slots)")
@@ -579,6 +666,7 @@ public actor CohereTranscriber {
         guard var scores = pending[0] else { throw TranscriptionError.badOutput("internal: no log-probs after the prompt") }
         let t1 = Date()
         var tokens: [Int] = []
+        var tokenLogProbs: [Double] = []
         var position = prompt.count
         var redrafted = false  // the current draft was fed after a refused token and none of it is verified yet
         var stopReason = reasonAtLimit
@@ -591,6 +679,7 @@ public actor CohereTranscriber {
                 if v > scores[best] { best = i }  // first index on ties, as numpy's argmax
             }
             tokens.append(best)
+            tokenLogProbs.append(Double(scores[best]))
             if eosIds.contains(best) { stopReason = .eos; break }
             if tokens.count >= limit { break }
             if let first = draft.first, first == best {  // drafted: already fed at `position`
@@ -621,8 +710,21 @@ public actor CohereTranscriber {
             calls += 1
             tokensFed += 1
         }
+        let decodeSeconds = Date().timeIntervalSince(t1)
+        var attention: Tensor?
+        let ta = Date()
+        if let alignment, tokens.contains(where: { !eosIds.contains($0) }) {
+            // teacher-forced on the final tokens: prompt + text (eos not included) in slots 0..., the eos id after
+            let text = tokens.filter { !eosIds.contains($0) }.prefix(alignment.length - prompt.count)
+            var ids = (prompt + text).map(Int32.init)
+            ids += [Int32](repeating: Int32(manifest.tokens.eosTokenIds[0]), count: alignment.length - ids.count)
+            let align = try await alignModel(alignment)
+            let out = try await align.predict(["input_ids": try Tensor(int32: ids, shape: [1, alignment.length])], state: state)
+            attention = out[BundleManifest.alignOutput]
+        }
         return Decoded(tokens: tokens, stopReason: stopReason, calls: calls, tokensFed: tokensFed, bindSeconds: bindSeconds,
-                       promptSeconds: t1.timeIntervalSince(t0), decodeSeconds: Date().timeIntervalSince(t1),
-                       stateBytesWritten: stateBytesWritten)
+                       promptSeconds: t1.timeIntervalSince(t0), decodeSeconds: decodeSeconds,
+                       stateBytesWritten: stateBytesWritten, tokenLogProbs: tokenLogProbs, attention: attention,
+                       alignSeconds: alignment == nil ? 0 : Date().timeIntervalSince(ta))
     }
 }

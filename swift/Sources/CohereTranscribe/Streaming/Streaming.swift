@@ -219,27 +219,34 @@ public struct StreamUpdate: Sendable, Codable, Equatable {
     public var tokenIds: [Int]
     /// A prefix of `tokenIds` (all of them for a final).
     public var confirmedTokenIds: [Int]
+    /// A final's words, times on the stream's timeline (nil: a partial, or word timings not asked).
+    public var words: [WordTiming]?
 
     enum CodingKeys: String, CodingKey {
-        case type, segment, start, end, text
+        case type, segment, start, end, text, words
         case audioTime = "audio_time"
         case tokenIds = "token_ids"
         case confirmedTokenIds = "confirmed_token_ids"
     }
 
     public init(type: Kind, segment: Int, audioTime: Double, start: Double, end: Double, text: String, tokenIds: [Int],
-                confirmedTokenIds: [Int]) {
+                confirmedTokenIds: [Int], words: [WordTiming]? = nil) {
         (self.type, self.segment, self.audioTime, self.start, self.end) = (type, segment, audioTime, start, end)
-        (self.text, self.tokenIds, self.confirmedTokenIds) = (text, tokenIds, confirmedTokenIds)
+        (self.text, self.tokenIds, self.confirmedTokenIds, self.words) = (text, tokenIds, confirmedTokenIds, words)
     }
 
     /// One JSON line, keys in Python's order (type, segment, audio_time, start, end, text, token_ids,
-    /// confirmed_token_ids), floats as Swift's shortest round-trip representation.
+    /// confirmed_token_ids, then a final's words when asked), floats as Swift's shortest round-trip representation.
     public func jsonLine() -> String {
         func ids(_ a: [Int]) -> String { "[" + a.map(String.init).joined(separator: ", ") + "]" }
+        let words = self.words.map { words in
+            ", \"words\": [" + words.map {
+                "{\"word\": \(JSONValue.quoted($0.text)), \"start\": \($0.start), \"end\": \($0.end), \"probability\": \($0.probability)}"
+            }.joined(separator: ", ") + "]"
+        } ?? ""
         return "{\"type\": \"\(type.rawValue)\", \"segment\": \(segment), \"audio_time\": \(audioTime), "
             + "\"start\": \(start), \"end\": \(end), \"text\": \(JSONValue.quoted(text)), \"token_ids\": \(ids(tokenIds)), "
-            + "\"confirmed_token_ids\": \(ids(confirmedTokenIds))}"
+            + "\"confirmed_token_ids\": \(ids(confirmedTokenIds))\(words)}"
     }
 }
 
@@ -316,6 +323,8 @@ public final class StreamingSession {
     public let language: String
     public let prompt: [Int]
     public let maxNewTokens: Int?
+    /// Finals carry their words (`StreamUpdate.words`).
+    public let wordTimestamps: Bool
     public private(set) var stats: StreamStats
     public let sampleRate: Int
     public let frame: Int
@@ -339,8 +348,9 @@ public final class StreamingSession {
         var confirmed: [Int] = []
     }
 
+    /// `wordTimestamps`: each final with its words (the bundle's `decoder.alignment`; checked now).
     public init(transcriber: CohereTranscriber, language: String, punctuation: Bool = true,
-                config: StreamConfig = StreamConfig(), maxNewTokens: Int? = nil) throws {
+                config: StreamConfig = StreamConfig(), maxNewTokens: Int? = nil, wordTimestamps: Bool = false) throws {
         let m = transcriber.manifest
         let a = m.audio
         self.transcriber = transcriber
@@ -348,6 +358,8 @@ public final class StreamingSession {
         self.language = language
         self.prompt = try m.prompt(language: language, punctuation: punctuation)
         self.maxNewTokens = maxNewTokens
+        self.wordTimestamps = wordTimestamps
+        if wordTimestamps { _ = try m.checkedAlignment(promptLength: prompt.count) }
         sampleRate = a.samplingRate
         frame = a.hopLength
         let windowSamples = m.encoder.windowFrames * frame
@@ -451,7 +463,9 @@ public final class StreamingSession {
         let (features, valid) = try await transcriber.features(of: try slice(start, end))
         let window = try await transcriber.transcribeWindow(features: features, validFrames: valid, prompt: prompt,
                                                             maxNewTokens: maxNewTokens, index: seg.index,
-                                                            startSeconds: Double(start) / sr)
+                                                            startSeconds: Double(start) / sr,
+                                                            durationSeconds: Double(end - start) / sr, language: language,
+                                                            wordTimestamps: wordTimestamps)
         let frames = features.shape.last ?? 0
         stats.encoderCalls += 1
         stats.encoderFrames += frames
@@ -465,7 +479,8 @@ public final class StreamingSession {
         let ids = window.tokenIds.filter { !eosIds.contains($0) }
         segment = nil
         return StreamUpdate(type: .final, segment: seg.index, audioTime: Double(now) / sr, start: Double(start) / sr,
-                            end: Double(end) / sr, text: window.text, tokenIds: ids, confirmedTokenIds: ids)
+                            end: Double(end) / sr, text: window.text, tokenIds: ids, confirmedTokenIds: ids,
+                            words: window.words)
     }
 
     private func slice(_ a: Int, _ b: Int) throws -> [Float] {
@@ -500,16 +515,19 @@ extension CohereTranscriber {
     /// punctuation and configuration are checked now. `onStats` receives the session's counters after the
     /// last update (before `updates` ends).
     public nonisolated func stream(language: String, punctuation: Bool = true, config: StreamConfig = StreamConfig(),
-                                   maxNewTokens: Int? = nil, onStats: (@Sendable (StreamStats) -> Void)? = nil) throws
+                                   maxNewTokens: Int? = nil, wordTimestamps: Bool = false,
+                                   onStats: (@Sendable (StreamStats) -> Void)? = nil) throws
         -> (input: AsyncStream<[Float]>.Continuation, updates: AsyncThrowingStream<StreamUpdate, Error>) {
-        _ = try manifest.prompt(language: language, punctuation: punctuation)
+        let prompt = try manifest.prompt(language: language, punctuation: punctuation)
+        if wordTimestamps { _ = try manifest.checkedAlignment(promptLength: prompt.count) }
         try config.validate()
         let (chunks, input) = AsyncStream<[Float]>.makeStream(bufferingPolicy: .unbounded)
         let (updates, output) = AsyncThrowingStream<StreamUpdate, Error>.makeStream(bufferingPolicy: .unbounded)
         let task = Task {
             do {
                 let session = try StreamingSession(transcriber: self, language: language, punctuation: punctuation,
-                                                   config: config, maxNewTokens: maxNewTokens)
+                                                   config: config, maxNewTokens: maxNewTokens,
+                                                   wordTimestamps: wordTimestamps)
                 for await chunk in chunks {
                     try Task.checkCancellation()
                     for update in try await session.feed(chunk) { output.yield(update) }

@@ -1,0 +1,244 @@
+@testable import CohereTranscribe
+import Foundation
+import XCTest
+
+/// Word timings through the transcriber: the align call after a window's decoding, the rows and frames cut
+/// from its output, the rule, the window offset and clamp, the probabilities from decoding. The test bundle's
+/// decoder runs on the interpreter; its align function is faked (`FakeAlignRuntime`) with known weights, so
+/// the expected words follow from those weights and the window's tokens alone.
+final class WordTimingsTranscriberTests: XCTestCase {
+    static let heads = [[0, 0], [1, 1]]
+
+    /// The fake weight of head h, slot p, encoder frame f: a peak that moves 2 frames per slot, plus a pattern
+    /// that differs from slot to slot and frame to frame (a row or frame cut one off gives other words).
+    static func weight(_ h: Int, _ p: Int, _ f: Int) -> Float {
+        let d = Double(f - 2 * p - h)
+        return Float(Foundation.exp(-d * d / 6) + 0.01 * Double((7 * p + 3 * f + h) % 5))
+    }
+
+    /// Serves every function from `base` but the decoder's align function, which returns `weight` as fp16
+    /// (1, heads, length, frames) and records the input ids of each call.
+    final class FakeAlignRuntime: ModelRuntime, @unchecked Sendable {
+        let base: ModelRuntime
+        let manifest: BundleManifest
+        let lock = NSLock()
+        var calls: [[Int32]] = []
+        var name: String { "fake-align over \(base.name)" }
+
+        init(base: ModelRuntime, manifest: BundleManifest) { (self.base, self.manifest) = (base, manifest) }
+
+        func loadModel(at package: URL, functionName: String?, computeUnits: ComputeUnits) async throws -> RuntimeModel {
+            guard let a = manifest.decoder.alignment, functionName == a.function else {
+                return try await base.loadModel(at: package, functionName: functionName, computeUnits: computeUnits)
+            }
+            return FakeAlign(runtime: self, alignment: a, frames: manifest.decoder.memoryShape[2],
+                             io: manifest.expectedAlignIO(a))
+        }
+    }
+
+    final class FakeAlign: RuntimeModel, @unchecked Sendable {
+        let runtime: FakeAlignRuntime
+        let alignment: BundleManifest.Alignment
+        let frames: Int
+        let io: ModelIO
+        var functionName: String { alignment.function }
+
+        init(runtime: FakeAlignRuntime, alignment: BundleManifest.Alignment, frames: Int, io: ModelIO) {
+            (self.runtime, self.alignment, self.frames, self.io) = (runtime, alignment, frames, io)
+        }
+
+        func makeState() throws -> RuntimeState { throw TranscriptionError.runtime("the fake align function has no state of its own") }
+
+        func predict(_ inputs: [String: Tensor], state: RuntimeState?) async throws -> [String: Tensor] {
+            guard state != nil, let ids = inputs["input_ids"], ids.shape == [1, alignment.length] else {
+                throw TranscriptionError.invalidArgument("fake align: no state or no (1, \(alignment.length)) input_ids")
+            }
+            runtime.lock.withLock { runtime.calls.append(ids.int32s()) }
+            var bits: [UInt16] = []
+            for h in 0..<alignment.heads.count {
+                for p in 0..<alignment.length { for f in 0..<frames { bits.append(floatToFloat16(weight(h, p, f))) } }
+            }
+            let data = bits.withUnsafeBufferPointer { Data(buffer: $0) }
+            return [BundleManifest.alignOutput: try Tensor(dtype: .float16, shape: [1, alignment.heads.count, alignment.length, frames],
+                                                           data: data)]
+        }
+    }
+
+    /// The test bundle with a `decoder.alignment` block naming the (faked) align function.
+    func alignedBundle() throws -> URL {
+        _ = try Fixtures.require()
+        let source = Fixtures.bundle
+        var json = try JSONSerialization.jsonObject(with: Data(contentsOf: source.appendingPathComponent("manifest.json")))
+            as! [String: Any]
+        var decoder = json["decoder"] as! [String: Any]
+        decoder["alignment"] = ["function": "align", "length": decoder["capacity"]!, "heads": Self.heads, "lead_rows": 1,
+                                "frame_seconds": 0.08]
+        decoder["alignment_note"] = NSNull()
+        json["decoder"] = decoder
+        let dir = Fixtures.scratch.appendingPathComponent("cohere-swift-aligned-\(UUID().uuidString)")
+        try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
+        for name in try FileManager.default.contentsOfDirectory(atPath: source.path) where name != "manifest.json" {
+            try FileManager.default.copyItem(at: source.appendingPathComponent(name), to: dir.appendingPathComponent(name))
+        }
+        try JSONSerialization.data(withJSONObject: json).write(to: dir.appendingPathComponent("manifest.json"))
+        return dir
+    }
+
+    /// The first window of the first clip given Python's features (as TranscriberTests reads them).
+    func window() throws -> (features: Tensor, valid: Int, language: String, numMelBins: Int) {
+        let clip = ((try Fixtures.json("transcripts_python.json") as! [String: Any])["clips"] as! [[String: Any]])[0]
+        let w = (clip["windows"] as! [[String: Any]])[0]
+        let m = try BundleManifest.load(bundle: Fixtures.bundle)
+        let features = try Tensor(float32: try Fixtures.floats(w["features"] as! String),
+                                  shape: [1, m.encoder.numMelBins, w["frames"] as! Int])
+        return (features, w["valid_frames"] as! Int, clip["language"] as! String, m.encoder.numMelBins)
+    }
+
+    func testWindowWordsComeFromTheAlignRowsOfTheWindowsTokens() async throws {
+        let bundle = try alignedBundle()
+        let manifest = try BundleManifest.load(bundle: bundle)
+        let runtime = FakeAlignRuntime(base: try Fixtures.interpreter(), manifest: manifest)
+        let transcriber = try await CohereTranscriber(bundle: bundle, runtime: runtime)
+        let (features, valid, language, _) = try window()
+        let prompt = try manifest.prompt(language: language)
+
+        let plain = try await transcriber.transcribeWindow(features: features, validFrames: valid, prompt: prompt)
+        XCTAssertNil(plain.words)  // not asked: no align call
+        XCTAssertTrue(runtime.calls.isEmpty)
+
+        let (start, duration) = (40.0, 3.0)
+        let w = try await transcriber.transcribeWindow(features: features, validFrames: valid, prompt: prompt,
+                                                       startSeconds: start, durationSeconds: duration, language: language,
+                                                       wordTimestamps: true)
+        XCTAssertEqual(w.tokenIds, plain.tokenIds)  // asking for words changes no token
+        let eos = Set(manifest.tokens.eosTokenIds)
+        let text = w.tokenIds.filter { !eos.contains($0) }
+        XCTAssertGreaterThan(text.count, 2)
+        // the align call: prompt + text tokens in slots 0..., the eos id after them
+        XCTAssertEqual(runtime.calls.count, 1)
+        let capacity = manifest.decoder.capacity
+        XCTAssertEqual(runtime.calls[0].map(Int.init),
+                       prompt + text + [Int](repeating: manifest.tokens.eosTokenIds[0], count: capacity - prompt.count - text.count))
+
+        // the expected words: the rows predicting the prompt's last token, each text token and eos, over the
+        // window's valid encoder frames, of the fp16 weights
+        let frames = manifest.encoder.lengthMasks.encoderLength(validFrames: valid)
+        XCTAssertLessThan(frames, manifest.decoder.memoryShape[2])  // padded frames exist and must be cut
+        let rows = (0..<Self.heads.count).map { h in
+            (prompt.count - 2..<prompt.count + text.count).map { p in
+                (0..<frames).map { Double(float16ToFloat(floatToFloat16(Self.weight(h, p, $0)))) }
+            }
+        }
+        let vocabulary = await transcriber.detokenizer.pieces
+        let pieces = text.map { vocabulary[$0] }
+        let words = try XCTUnwrap(w.words)
+        let want = try WordAlignment.words(attention: rows, pieces: pieces, probabilities: [Double](repeating: 0.5, count: pieces.count),
+                                           frameSeconds: 0.08, offsetSeconds: start, language: language)
+            .map { WordTiming(text: $0.text, start: min(max($0.start, start), start + duration),
+                              end: min(max($0.end, start), start + duration), probability: 0) }
+        XCTAssertEqual(words.map(\.text), want.map(\.text))
+        XCTAssertFalse(words.isEmpty)
+        for (g, e) in zip(words, want) {
+            XCTAssertEqual(g.start, e.start, accuracy: 1e-9, g.text)
+            XCTAssertEqual(g.end, e.end, accuracy: 1e-9, g.text)
+            XCTAssertTrue(start <= g.start && g.start <= g.end && g.end <= start + duration, "\(g)")
+            // each token's probability is that of the greedy choice: at least 1 / vocabulary size, at most 1
+            XCTAssertGreaterThanOrEqual(g.probability, 1 / Double(manifest.decoder.vocabSize), g.text)
+            XCTAssertLessThanOrEqual(g.probability, 1, g.text)
+        }
+        XCTAssertGreaterThan(w.timings.alignSeconds, 0)
+    }
+
+    /// Whole files: `TranscriptionResult.words` holds every window's words; a bundle without alignment is a
+    /// one-line error naming the export option, before any work.
+    func testTranscriptionWordsAndTheErrorWithoutAlignment() async throws {
+        let bundle = try alignedBundle()
+        let manifest = try BundleManifest.load(bundle: bundle)
+        guard manifest.files.frontend != nil else { throw XCTSkip("the test bundle has no front-end package") }
+        let clip = ((try Fixtures.json("transcripts_package.json") as! [String: Any])["clips"] as! [[String: Any]])[0]
+        let wav = URL(fileURLWithPath: clip["wav"] as! String)
+        let language = clip["language"] as! String
+        let runtime = FakeAlignRuntime(base: try Fixtures.interpreter(), manifest: manifest)
+        let transcriber = try await CohereTranscriber(bundle: bundle, runtime: runtime)
+        let r = try await transcriber.transcribe(contentsOf: wav, language: language, wordTimestamps: true)
+        let words = try XCTUnwrap(r.words)
+        XCTAssertFalse(words.isEmpty)
+        XCTAssertEqual(words, r.windows.flatMap { $0.words ?? [] })
+        XCTAssertEqual(runtime.calls.count, r.windows.count)
+        XCTAssertTrue(zip(words, words.dropFirst()).allSatisfy { $0.start <= $1.start })
+        let without = try await transcriber.transcribe(contentsOf: wav, language: language)
+        XCTAssertNil(without.words)
+
+        let plain = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: try Fixtures.interpreter())
+        XCTAssertNil(plain.manifest.decoder.alignment)
+        do {
+            _ = try await plain.transcribe(contentsOf: wav, language: language, wordTimestamps: true)
+            XCTFail("word timings from a bundle without alignment")
+        } catch {
+            XCTAssertTrue("\(error)".contains("--alignment-heads auto"), "\(error)")
+            XCTAssertFalse("\(error)".contains("\n"))
+        }
+        XCTAssertThrowsError(try StreamingSession(transcriber: plain, language: language, wordTimestamps: true))
+    }
+
+    /// The manifest's block: read when present, its problems said when word timings are asked (the manifest
+    /// itself is accepted, as the Python loader accepts it).
+    func testTheAlignmentBlockIsCheckedWhenUsed() throws {
+        let source = try JSONSerialization.jsonObject(with: Data(contentsOf: try Fixtures.require()
+            .appendingPathComponent("bundle/manifest.json"))) as! [String: Any]
+        func manifest(_ alignment: Any?, note: Any? = nil) throws -> BundleManifest {
+            var json = source
+            var decoder = json["decoder"] as! [String: Any]
+            decoder["alignment"] = alignment ?? NSNull()
+            decoder["alignment_note"] = note ?? NSNull()
+            json["decoder"] = decoder
+            return try BundleManifest.decode(try JSONSerialization.data(withJSONObject: json))
+        }
+        let capacity = (source["decoder"] as! [String: Any])["capacity"] as! Int
+        let good: [String: Any] = ["function": "align", "length": capacity, "heads": [[1, 0]], "lead_rows": 1,
+                                   "frame_seconds": 0.08, "calibration": ["set": "x"]]
+        let a = try manifest(good).checkedAlignment(promptLength: 10)
+        XCTAssertEqual(a, BundleManifest.Alignment(function: "align", length: capacity, heads: [[1, 0]], leadRows: 1, frameSeconds: 0.08))
+        let cases: [(Any?, String)] = [
+            (nil, "no word alignment (exported with --alignment-heads none)"),
+            (7, "field 'decoder.alignment'"),
+            (good.merging(["length": capacity + 1]) { $1 }, "decoder.alignment.length"),
+            (good.merging(["heads": [[1]]]) { $1 }, "decoder.alignment.heads"),
+            (good.merging(["heads": [] as [Any]]) { $1 }, "decoder.alignment.heads"),
+            (good.merging(["lead_rows": 10]) { $1 }, "decoder.alignment.lead_rows"),
+            (good.merging(["frame_seconds": 0]) { $1 }, "decoder.alignment.frame_seconds"),
+            (good.merging(["heads": "x"]) { $1 }, "wrong type at 'decoder.alignment.heads'"),
+            (good.filter { $0.key != "lead_rows" }, "no field 'decoder.alignment.lead_rows'"),
+        ]
+        for (block, expected) in cases {
+            let m = try manifest(block, note: block == nil ? "exported with --alignment-heads none" : nil)
+            XCTAssertThrowsError(try m.checkedAlignment(promptLength: 10), expected) {
+                XCTAssertTrue("\($0)".contains(expected), "\($0) lacks \(expected)")
+                XCTAssertFalse("\($0)".contains("\n"))
+            }
+        }
+        XCTAssertNil(try manifest(7).decoder.alignment)
+    }
+
+    /// A final's JSON line carries its words after the token ids; without words the line is as before.
+    func testStreamFinalsJSONLineWithWords() throws {
+        var u = StreamUpdate(type: .final, segment: 0, audioTime: 2, start: 0.5, end: 2, text: "hi", tokenIds: [5],
+                             confirmedTokenIds: [5])
+        XCTAssertFalse(u.jsonLine().contains("words"))
+        u.words = [WordTiming(text: "hi \"x\"", start: 0.54, end: 1.25, probability: 0.5)]
+        let object = try JSONSerialization.jsonObject(with: Data(u.jsonLine().utf8)) as! [String: Any]
+        let words = object["words"] as! [[String: Any]]
+        XCTAssertEqual(words[0]["word"] as? String, "hi \"x\"")
+        XCTAssertEqual(words[0]["start"] as? Double, 0.54)
+        XCTAssertEqual(try JSONDecoder().decode(StreamUpdate.self, from: JSONEncoder().encode(u)), u)
+    }
+}
+
+/// docs/swift.md's word-timings snippet, verbatim: compiled with the tests (not run: it needs a bundle), so the
+/// page cannot show an API the package does not have.
+func wordTimingsSnippet(transcriber: CohereTranscriber, audioURL: URL) async throws {
+    let result = try await transcriber.transcribe(contentsOf: audioURL, language: "en", wordTimestamps: true)
+    for word in result.words ?? [] {
+        print(String(format: "%.2f-%.2f", word.start, word.end), word.text, word.probability)
+    }
+}
