@@ -466,5 +466,6 @@ def test_example_errors_are_named(example_python, serve_command, finalized_bundl
     manifest["decoder"].update(alignment=None, alignment_note="exported with --alignment-heads none")
     (bare / "manifest.json").write_text(json.dumps(manifest))
     proc = run_example(example_python, bare, clip["path"], clip["language"], "--word-timestamps", serve=serve_command)
-    assert proc.returncode == 1 and proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "no word alignment (exported with --alignment-heads none)" in proc.stderr and "--alignment-heads auto" in proc.stderr
+    assert proc.returncode == 1 and proc.stdout == "" and "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]  # after coremltools' own import notices on Linux
+    assert "no word alignment (exported with --alignment-heads none)" in last and "--alignment-heads auto" in last

@@ -9,20 +9,25 @@ import XCTest
 final class WordTimingsTranscriberTests: XCTestCase {
     static let heads = [[0, 0], [1, 1]]
 
-    /// The fake weight of head h, slot p, encoder frame f: a peak that moves 2 frames per slot, plus a pattern
-    /// that differs from slot to slot and frame to frame (a row or frame cut one off gives other words).
-    static func weight(_ h: Int, _ p: Int, _ f: Int) -> Float {
-        let d = Double(f - 2 * p - h)
+    /// The fake weight of head h, slot p, encoder frame f: a peak that moves a frame per slot, plus a pattern
+    /// that differs from slot to slot and frame to frame (a row or frame cut one off gives other words); the
+    /// row predicting eos (slot `eosRow`) holds every frame after its own (the audio after the last word).
+    static func weight(_ h: Int, _ p: Int, _ f: Int, eosRow: Int) -> Float {
+        if p == eosRow && f > p { return 1 }
+        let d = Double(f - p - h)
         return Float(Foundation.exp(-d * d / 6) + 0.01 * Double((7 * p + 3 * f + h) % 5))
     }
 
     /// Serves every function from `base` but the decoder's align function, which returns `weight` as fp16
-    /// (1, heads, length, frames) and records the input ids of each call.
+    /// (1, heads, length, frames) and records the input ids of each call. With `validFrames`, the frames after
+    /// them weigh 10 for the rows before the last four text tokens and nearly 0 for the others (uncut, they
+    /// would pull the last words past the window's end: the host must cut them).
     final class FakeAlignRuntime: ModelRuntime, @unchecked Sendable {
         let base: ModelRuntime
         let manifest: BundleManifest
         let lock = NSLock()
         var calls: [[Int32]] = []
+        var validFrames: Int?
         var name: String { "fake-align over \(base.name)" }
 
         init(base: ModelRuntime, manifest: BundleManifest) { (self.base, self.manifest) = (base, manifest) }
@@ -53,10 +58,15 @@ final class WordTimingsTranscriberTests: XCTestCase {
             guard state != nil, let ids = inputs["input_ids"], ids.shape == [1, alignment.length] else {
                 throw TranscriptionError.invalidArgument("fake align: no state or no (1, \(alignment.length)) input_ids")
             }
-            runtime.lock.withLock { runtime.calls.append(ids.int32s()) }
+            let valid = runtime.lock.withLock { runtime.calls.append(ids.int32s()); return runtime.validFrames ?? frames }
+            let eosRow = (ids.int32s().firstIndex(of: Int32(runtime.manifest.tokens.eosTokenIds[0])) ?? alignment.length) - 1
             var bits: [UInt16] = []
             for h in 0..<alignment.heads.count {
-                for p in 0..<alignment.length { for f in 0..<frames { bits.append(floatToFloat16(weight(h, p, f))) } }
+                for p in 0..<alignment.length {
+                    for f in 0..<frames {
+                        bits.append(floatToFloat16(f < valid ? weight(h, p, f, eosRow: eosRow) : p < eosRow - 4 ? 10 : 1e-4))
+                    }
+                }
             }
             let data = bits.withUnsafeBufferPointer { Data(buffer: $0) }
             return [BundleManifest.alignOutput: try Tensor(dtype: .float16, shape: [1, alignment.heads.count, alignment.length, frames],
@@ -106,10 +116,12 @@ final class WordTimingsTranscriberTests: XCTestCase {
         XCTAssertNil(plain.words)  // not asked: no align call
         XCTAssertTrue(runtime.calls.isEmpty)
 
-        let (start, duration) = (40.0, 3.0)
+        let start = 40.0
+        let frames = manifest.encoder.lengthMasks.encoderLength(validFrames: valid)
+        runtime.validFrames = frames
         let w = try await transcriber.transcribeWindow(features: features, validFrames: valid, prompt: prompt,
-                                                       startSeconds: start, durationSeconds: duration, language: language,
-                                                       wordTimestamps: true)
+                                                       startSeconds: start, language: language, wordTimestamps: true)
+        let duration = w.durationSeconds  // the valid frames' length
         XCTAssertEqual(w.tokenIds, plain.tokenIds)  // asking for words changes no token
         let eos = Set(manifest.tokens.eosTokenIds)
         let text = w.tokenIds.filter { !eos.contains($0) }
@@ -122,11 +134,10 @@ final class WordTimingsTranscriberTests: XCTestCase {
 
         // the expected words: the rows predicting the prompt's last token, each text token and eos, over the
         // window's valid encoder frames, of the fp16 weights
-        let frames = manifest.encoder.lengthMasks.encoderLength(validFrames: valid)
         XCTAssertLessThan(frames, manifest.decoder.memoryShape[2])  // padded frames exist and must be cut
         let rows = (0..<Self.heads.count).map { h in
             (prompt.count - 2..<prompt.count + text.count).map { p in
-                (0..<frames).map { Double(float16ToFloat(floatToFloat16(Self.weight(h, p, $0)))) }
+                (0..<frames).map { Double(float16ToFloat(floatToFloat16(Self.weight(h, p, $0, eosRow: prompt.count + text.count - 1)))) }
             }
         }
         let vocabulary = await transcriber.detokenizer.pieces
@@ -147,6 +158,16 @@ final class WordTimingsTranscriberTests: XCTestCase {
             XCTAssertLessThanOrEqual(g.probability, 1, g.text)
         }
         XCTAssertGreaterThan(w.timings.alignSeconds, 0)
+        XCTAssertLessThan(want.last!.end, start + duration)  // no word needed clamping here
+
+        // a window said to be shorter than its words: each word clamped to it
+        let short = want[want.count / 2].start - start
+        let cut = try await transcriber.transcribeWindow(features: features, validFrames: valid, prompt: prompt,
+                                                         startSeconds: start, durationSeconds: short, language: language,
+                                                         wordTimestamps: true)
+        let clamped = try XCTUnwrap(cut.words)
+        XCTAssertEqual(clamped.map(\.start), want.map { min($0.start, start + short) })
+        XCTAssertEqual(clamped.map(\.end), want.map { min($0.end, start + short) })
     }
 
     /// Whole files: `TranscriptionResult.words` holds every window's words; a bundle without alignment is a
