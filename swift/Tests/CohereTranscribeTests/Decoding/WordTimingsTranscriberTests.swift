@@ -202,6 +202,32 @@ final class WordTimingsTranscriberTests: XCTestCase {
         XCTAssertThrowsError(try StreamingSession(transcriber: plain, language: language, wordTimestamps: true))
     }
 
+    /// A stream's finals carry their segment's words, on the stream's timeline and inside the segment, the same
+    /// updates as without words otherwise; partials carry none.
+    func testStreamFinalsCarryTheirSegmentsWords() async throws {
+        let ref = try StreamingTests.reference()
+        let audio = try AudioInput.load(contentsOf: URL(fileURLWithPath: ref.wav), sampleRate: 16000)
+        let bundle = try alignedBundle()
+        let runtime = FakeAlignRuntime(base: try Fixtures.interpreter(), manifest: try BundleManifest.load(bundle: bundle))
+        let transcriber = try await CohereTranscriber(bundle: bundle, runtime: runtime)
+        let session = try StreamingSession(transcriber: transcriber, language: ref.language, punctuation: ref.punctuation,
+                                           wordTimestamps: true)
+        var got: [StreamUpdate] = []
+        for chunk in StreamFileSource.chunks(of: audio.samples, sampleRate: 16000) { got += try await session.feed(Array(chunk)) }
+        got += try await session.finish()
+        XCTAssertEqual(got.map { u -> StreamUpdate in var u = u; u.words = nil; return u }, ref.updates)
+        let finals = got.filter { $0.type == .final }
+        XCTAssertGreaterThanOrEqual(finals.count, 2)
+        XCTAssertEqual(runtime.calls.count, finals.count)  // one align call per final, none for partials
+        XCTAssertTrue(got.filter { $0.type == .partial }.allSatisfy { $0.words == nil })
+        for f in finals {
+            let words = try XCTUnwrap(f.words)
+            XCTAssertFalse(words.isEmpty)
+            XCTAssertTrue(words.allSatisfy { f.start <= $0.start && $0.start <= $0.end && $0.end <= f.end }, "\(f)")
+        }
+        XCTAssertGreaterThan(finals[1].words![0].start, finals[0].end - 1e-9)  // the second segment's own offset
+    }
+
     /// The manifest's block: read when present, its problems said when word timings are asked (the manifest
     /// itself is accepted, as the Python loader accepts it).
     func testTheAlignmentBlockIsCheckedWhenUsed() throws {
