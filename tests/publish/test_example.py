@@ -313,6 +313,55 @@ def test_example_word_timings_match_every_vector_case():
             assert [w[key] for w in got] == pytest.approx([w[key] for w in want], abs=1e-9), case["name"]
 
 
+def test_example_window_words_cut_the_align_rows_and_frames():
+    """The example's `window_words` with a stand-in align function: the call's ids (prompt, text, eos padding),
+    the rows and valid frames it cuts, the window offset, the clamp to the window and the 3-decimal rounding,
+    against the toolkit's `alignment_rows` and `align_words` on the same weights. Frames after the valid ones
+    pull the early rows (uncut, the words would move)."""
+    from cohere_coreml.inference.alignment import align_words, alignment_rows
+
+    example = load_example_module()
+    prompt, text, eos, length, frames, valid = [5, 6, 7, 8], [20, 21, 22, 23, 24], 3, 12, 30, 20
+    rng = np.random.default_rng(5)
+    weights = rng.uniform(0.001, 0.02, (1, 2, length, frames))
+    for p in range(length):
+        weights[0, :, p, min(2 * p - 4, valid - 1) if p >= 2 else 0] = 0.9  # a diagonal over the valid frames
+    weights[0, :, :6, valid:] = 5.0  # what the cut must drop
+    weights = weights.astype(np.float16)
+    calls = []
+
+    class Align:
+        def predict(self, inputs, state):
+            calls.append((inputs["input_ids"].tolist(), state))
+            return {"cross_attention": weights}
+
+    class StandIn:
+        manifest = {"decoder": {"alignment": {"function": "align", "length": length, "heads": [[0, 0], [0, 1]],
+                                              "lead_rows": 1, "frame_seconds": 0.08}},
+                    "tokens": {"eos_token_id": eos}}
+        vocab = {"20": "\u2581One", "21": "\u2581tw", "22": "o", "23": "\u2581three", "24": "."}
+
+        def function(self, component, name):
+            assert (component, name) == ("decoder", "align")
+            return Align()
+
+    probs = [0.9, 0.8, 0.7, 0.6, 0.5]
+    start, end = 35.0, 36.0
+    got = example.window_words(StandIn(), "state", prompt, text, probs, valid, start, end, "en")
+    assert calls == [([prompt + text + [eos] * (length - len(prompt) - len(text))], "state")]
+    rows = alignment_rows(weights[0].astype(np.float32), len(prompt), len(text), lead_rows=1)[..., :valid]
+    want = align_words(rows, [StandIn.vocab[str(i)] for i in text], probs, frame_seconds=0.08, offset_seconds=start)
+    assert [w["word"] for w in got] == [w.word for w in want] == ["One", "two", "three."]
+    assert [(w["start"], w["end"], w["probability"]) for w in got] == [
+        (round(min(max(w.start, start), end), 3), round(min(max(w.end, start), end), 3), round(w.probability, 3))
+        for w in want]
+    uncut = align_words(alignment_rows(weights[0].astype(np.float32), len(prompt), len(text)), [StandIn.vocab[str(i)]
+                        for i in text], probs, frame_seconds=0.08, offset_seconds=start)
+    assert [w.start for w in uncut] != [w.start for w in want]  # the control: the cut matters here
+    short = example.window_words(StandIn(), "state", prompt, text, probs, valid, start, start + 0.5, "en")
+    assert max(w["end"] for w in short) == start + 0.5 and max(w["end"] for w in got) > start + 0.5
+
+
 def test_finalize_copies_the_example(finalized_bundle):
     """`bundle finalize` (also run by `make export` and `quantize`) copies the package file, byte for
     byte, and the manifest's checksums list it."""
