@@ -15,9 +15,11 @@ enum StreamCommand {
 
     /// One JSON line per update with `json` (with several files each line starts with "audio"), else
     /// finals on stdout as `[start-end] text` and partials on stderr as `~ [start-end] text`. With `stats`, one
-    /// JSON line of compute counters per file on stderr after its updates (Python's `--stats` line).
+    /// JSON line of compute counters per file on stderr after its updates (Python's `--stats` line). With
+    /// `wordTimestamps`, each final's words (JSON: its "words"; else one line per word after the final).
     static func run(_ transcriber: CohereTranscriber, files: [(String, [Float])], language: String, punctuation: Bool,
-                    config: StreamConfig, json: Bool, pace: Bool, maxNewTokens: Int?, stats: Bool = false) async throws {
+                    config: StreamConfig, json: Bool, pace: Bool, maxNewTokens: Int?, stats: Bool = false,
+                    wordTimestamps: Bool = false) async throws {
         let rate = transcriber.manifest.audio.samplingRate
         for (path, samples) in files {
             if files.count > 1, !json { print("== \(path)") }
@@ -29,7 +31,8 @@ enum StreamCommand {
                 }
             }
             let (input, updates) = try transcriber.stream(language: language, punctuation: punctuation, config: config,
-                                                          maxNewTokens: maxNewTokens, onStats: onStats)
+                                                          maxNewTokens: maxNewTokens, wordTimestamps: wordTimestamps,
+                                                          onStats: onStats)
             let feeder = Task { try await StreamFileSource.feed(samples: samples, sampleRate: rate, into: input, pace: pace) }
             for try await update in updates {
                 if json {
@@ -40,6 +43,9 @@ enum StreamCommand {
                     print(line)
                 } else if update.type == .final {
                     print("[\(String(format: "%.2f", update.start))-\(String(format: "%.2f", update.end))] \(update.text)")
+                    for w in update.words ?? [] {
+                        print(String(format: "%8.3f %8.3f  %.3f  ", w.start, w.end, w.probability) + w.text)
+                    }
                 } else {
                     FileHandle.standardError.write(Data(
                         "~ [\(String(format: "%.2f", update.start))-\(String(format: "%.2f", update.end))] \(update.text)\n".utf8))

@@ -11,7 +11,7 @@ usage: cohere-transcribe-swift --bundle DIR --language LANG FILE... [--json] [--
                                [--max-new-tokens N] [--compute-units all|cpu_only|cpu_and_gpu|cpu_and_ne]
                                [--runtime coreml|interpreter] [--interpreter PATH] [--cache-dir DIR]
        cohere-transcribe-swift --stream --bundle DIR --language LANG FILE... [--json] [--no-pace] [--hop S]
-                               [--stats]
+                               [--stats] [--word-timestamps]
        cohere-transcribe-swift bench --bundle DIR --data DATASET ...   (device benchmark: bench --help)
 
 Greedy transcription with a bundle written by `cohere-coreml export` (front end, encoder, decoder
@@ -27,8 +27,9 @@ packages, manifest.json, vocab.json); token for token what `cohere-coreml transc
   --device-choice  FILE: the device-choice.json to use (`bench` writes it); none: ignore any (default: the
                    one `bench` wrote for this bundle in Application Support, else <bundle>/device-choice.json)
   --json           print JSON shaped like `cohere-coreml transcribe --json`
-  --word-timestamps each word's start and end (seconds) and probability: JSON "words" (per window and in all),
-                   else one line per word after the text (the bundle's decoder.alignment, docs/word-timings.md)
+  --word-timestamps each word's start and end (seconds) and probability: JSON "words" (per window and in all;
+                   with --stream, each final's), else one line per word after the text (the bundle's
+                   decoder.alignment, docs/word-timings.md)
   --stream         live transcription (`cohere-coreml transcribe --stream`): the file fed in 0.1 s chunks,
                    paced at real time; partial and final updates (--json: one JSON line per update)
   --no-pace        with --stream: feed the file as fast as possible
@@ -106,7 +107,6 @@ guard let bundle else { fail("--bundle is required\n\(usage)") }
 guard let language else { fail("--language is required\n\(usage)") }
 guard !files.isEmpty else { fail("no audio file given\n\(usage)") }
 if !stream, !pace || hop != nil || stats { fail("--no-pace, --hop and --stats need --stream") }
-if stream, wordTimestamps { fail("--word-timestamps is for files, not --stream") }
 var streamConfig = StreamConfig()
 if let hop { streamConfig.hopSeconds = hop }
 var streamFiles: [(String, [Float])] = []
@@ -161,7 +161,7 @@ if stream {
     do {
         try await StreamCommand.run(transcriber, files: streamFiles, language: language, punctuation: punctuation,
                                     config: streamConfig, json: json, pace: pace, maxNewTokens: maxNewTokens,
-                                    stats: stats)
+                                    stats: stats, wordTimestamps: wordTimestamps)
     } catch {
         fail("\(error)")
     }
