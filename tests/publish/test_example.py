@@ -314,32 +314,39 @@ def test_example_word_timings_match_every_vector_case():
 
 
 def test_example_window_words_cut_the_align_rows_and_frames():
-    """The example's `window_words` with a stand-in align function: the call's ids (prompt, text, eos padding),
-    the rows and valid frames it cuts, the window offset, the clamp to the window and the 3-decimal rounding,
-    against the toolkit's `alignment_rows` and `align_words` on the same weights. Frames after the valid ones
-    pull the early rows (uncut, the words would move)."""
+    """The example's `window_words` with a stand-in align function (docs/decoder.md): K tokens a call from the first
+    row the rule reads (the call's ids padded with 0, its position, the mask of the slots before it), the rows and
+    valid frames it keeps, the window offset, the clamp to the window and the 3-decimal rounding, against the
+    toolkit's `alignment_rows` and `align_words` on the same weights. Frames after the valid ones pull the early
+    rows (uncut, the words would move)."""
     from cohere_coreml.inference.alignment import align_words, alignment_rows
 
     example = load_example_module()
-    prompt, text, eos, length, frames, valid = [5, 6, 7, 8], [20, 21, 22, 23, 24], 3, 12, 30, 20
+    prompt, text, capacity, k, frames, valid = [5, 6, 7, 8], [20, 21, 22, 23, 24], 16, 3, 30, 20
+    ids = prompt + text
     rng = np.random.default_rng(5)
-    weights = rng.uniform(0.001, 0.02, (1, 2, length, frames))
-    for p in range(length):
-        weights[0, :, p, min(2 * p - 4, valid - 1) if p >= 2 else 0] = 0.9  # a diagonal over the valid frames
-    weights[0, :, :6, valid:] = 5.0  # what the cut must drop
-    weights = weights.astype(np.float16)
+    full = rng.uniform(0.001, 0.02, (2, capacity, frames))  # (heads, slots, frames): row p is the query at slot p
+    for p in range(capacity):
+        full[:, p, min(2 * p - 4, valid - 1) if p >= 2 else 0] = 0.9  # a diagonal over the valid frames
+    full[:, :6, valid:] = 5.0  # what the cut must drop
+    full = full.astype(np.float16)
     calls = []
 
     class Align:
         def predict(self, inputs, state):
-            calls.append((inputs["input_ids"].tolist(), state))
-            return {"cross_attention": weights}
+            start = int(inputs["position"][0])
+            calls.append((inputs["input_ids"].tolist(), start, state))
+            assert inputs["input_ids"].shape == (1, k) and start + k <= capacity
+            assert inputs["cache_mask"].shape == (1, 1, 1, capacity)
+            assert (inputs["cache_mask"][0, 0, 0] == np.where(np.arange(capacity) < start, 0, -1e4)).all()
+            return {"cross_attention": full[None, :, start:start + k]}
 
     class StandIn:
-        manifest = {"decoder": {"alignment": {"function": "align", "length": length, "heads": [[0, 0], [0, 1]],
-                                              "lead_rows": 1, "frame_seconds": 0.08}},
-                    "tokens": {"eos_token_id": eos}}
-        vocab = {"20": "\u2581One", "21": "\u2581tw", "22": "o", "23": "\u2581three", "24": "."}
+        manifest = {"decoder": {"capacity": capacity, "alignment": {"function": "align", "length": k,
+                                                                     "heads": [[0, 0], [0, 1]], "lead_rows": 1,
+                                                                     "frame_seconds": 0.08}}}
+        vocab = {"20": "\u2581One", "21": "\u2581tw", "22": "o", "23": "\u2581three", "24": ".",
+                 **{str(i): f"\u2581w{i}" for i in range(25, 32)}}
 
         def function(self, component, name):
             assert (component, name) == ("decoder", "align")
@@ -348,18 +355,23 @@ def test_example_window_words_cut_the_align_rows_and_frames():
     probs = [0.9, 0.8, 0.7, 0.6, 0.5]
     start, end = 35.0, 36.0
     got = example.window_words(StandIn(), "state", prompt, text, probs, valid, start, end, "en")
-    assert calls == [([prompt + text + [eos] * (length - len(prompt) - len(text))], "state")]
-    rows = alignment_rows(weights[0].astype(np.float32), len(prompt), len(text), lead_rows=1)[..., :valid]
+    # rows from P - 2 = 2 on: calls at slots 2, 5, 8 (ids 2..8), each K ids padded with 0
+    assert calls == [([ids[2:5]], 2, "state"), ([ids[5:8]], 5, "state"), ([ids[8:9] + [0, 0]], 8, "state")]
+    rows = alignment_rows(full[:, :len(ids)].astype(np.float32), len(prompt), len(text), lead_rows=1)[..., :valid]
     want = align_words(rows, [StandIn.vocab[str(i)] for i in text], probs, frame_seconds=0.08, offset_seconds=start)
     assert [w["word"] for w in got] == [w.word for w in want] == ["One", "two", "three."]
     assert [(w["start"], w["end"], w["probability"]) for w in got] == [
         (round(min(max(w.start, start), end), 3), round(min(max(w.end, start), end), 3), round(w.probability, 3))
         for w in want]
-    uncut = align_words(alignment_rows(weights[0].astype(np.float32), len(prompt), len(text)), [StandIn.vocab[str(i)]
-                        for i in text], probs, frame_seconds=0.08, offset_seconds=start)
+    uncut = align_words(alignment_rows(full[:, :len(ids)].astype(np.float32), len(prompt), len(text)),
+                        [StandIn.vocab[str(i)] for i in text], probs, frame_seconds=0.08, offset_seconds=start)
     assert [w.start for w in uncut] != [w.start for w in want]  # the control: the cut matters here
     short = example.window_words(StandIn(), "state", prompt, text, probs, valid, start, start + 0.5, "en")
     assert max(w["end"] for w in short) == start + 0.5 and max(w["end"] for w in got) > start + 0.5
+    # a window whose rows reach the cache's end: the last call starts at C - K (it recomputes rows)
+    calls.clear()
+    example.window_words(StandIn(), "state", prompt, list(range(20, 32)), [0.5] * 12, valid, start, end, "en")
+    assert [c[1] for c in calls] == [2, 5, 8, 11, 13]
 
 
 def test_finalize_copies_the_example(finalized_bundle):

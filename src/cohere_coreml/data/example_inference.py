@@ -16,8 +16,9 @@ Runs on macOS 15+ (Core ML with model state). The bundle's packages do all the w
                          memory into it once and each call's new K/V rows (new_k, new_v) at their slots,
                          and passes the mask of the filled slots (cache_mask); "graph": bind_memory writes
                          a window's memory into a fresh state (once per window), the functions the cache;
-                         align (manifest decoder.alignment, optional): a window's final tokens -> the
-                         cross-attention of the alignment heads, turned into word timings (--word-timestamps)
+                         align (manifest decoder.alignment, optional): after a window's decoding, on the
+                         same state, K of its tokens a call -> the cross-attention of the alignment heads,
+                         turned into word timings (--word-timestamps)
 
 Every name and size below comes from manifest.json. The steps are those of "Decoding loop" in
 docs/bundle.md (cohere-transcribe-coreml): greedy decoding, audio longer than 30 s cut into
@@ -395,23 +396,41 @@ def word_groups(pieces: list[str], language: str | None) -> list[list[int]]:
 
 def window_words(bundle: Bundle, state, prompt: list[int], text_ids: list[int], probabilities: list[float],
                  encoder_length: int, start_s: float, end_s: float, language: str) -> list[dict]:
-    """One window's words: the decoder's align function on the window's final tokens (same state, so the
-    window's cross memory), its rows and valid frames cut, the rule above, times clamped to the window."""
-    a = bundle.manifest["decoder"]["alignment"]
-    fit = a["length"] - len(prompt)  # a window that filled the cache: its last token has no slot to be timed by
+    """One window's words: the decoder's align function after the window's decoding, on the same state (its
+    self cache holds the window's tokens, its cross memory is the window's), K tokens a call from the first
+    row the rule reads; those rows and the valid frames cut, the rule above, times clamped to the window."""
+    d, a = bundle.manifest["decoder"], bundle.manifest["decoder"]["alignment"]
+    capacity, k = d["capacity"], a["length"]
+    fit = capacity - len(prompt)  # a window that filled the cache: its last token has no slot to be timed by
     text_ids, probabilities = text_ids[:fit], probabilities[:fit]
     if not text_ids:
         return []
-    ids = np.full((1, a["length"]), bundle.manifest["tokens"]["eos_token_id"], np.int32)
-    ids[0, :len(prompt) + len(text_ids)] = prompt + text_ids
-    weights = bundle.function("decoder", a["function"]).predict({"input_ids": ids}, state=state)["cross_attention"]
-    first = len(prompt) - 1 - a["lead_rows"]
-    rows = np.asarray(weights, np.float32)[0, :, first:len(prompt) + len(text_ids), :encoder_length]
+    ids = prompt + text_ids
+    first = len(prompt) - 1 - a["lead_rows"]  # the first row the rule reads (row p predicts token p + 1)
+    rows = None
+    align = bundle.function("decoder", a["function"])
+    start = first
+    while start < len(ids):
+        start = min(start, capacity - k)  # a call never passes the cache
+        padded = np.zeros((1, k), np.int32)  # the call's tokens, then padding (slots causal among themselves)
+        part = ids[start:start + k]
+        padded[0, :len(part)] = part
+        mask = np.full((1, 1, 1, capacity), -1e4, np.float16)  # the decoded tokens' slots before the call: open
+        mask[..., :start] = 0
+        out = align.predict({"input_ids": padded, "position": np.array([start], np.int32), "cache_mask": mask},
+                            state=state)
+        weights = np.asarray(out["cross_attention"], np.float32)[0]  # (heads, K, frames): row i is slot start + i
+        if rows is None:
+            rows = np.zeros((weights.shape[0], len(ids) - first, encoder_length), np.float32)
+        lo = max(start, first)
+        hi = min(start + k, len(ids))
+        rows[:, lo - first:hi - first] = weights[:, lo - start:hi - start, :encoder_length]
+        start += k
     words = align_words(rows, [bundle.vocab[str(i)] for i in text_ids], probabilities, a["frame_seconds"],
                         offset_seconds=start_s, lead_rows=a["lead_rows"], language=language)
     for w in words:
         del w["tokens"]
-        w["start"], w["end"] = (round(min(max(w[k], start_s), end_s), 3) for k in ("start", "end"))
+        w["start"], w["end"] = (round(min(max(w[key], start_s), end_s), 3) for key in ("start", "end"))
         w["probability"] = round(w["probability"], 3)
     return words
 

@@ -283,13 +283,13 @@ public struct BundleManifest: Codable, Sendable {
         public var extend: String?
     }
 
-    /// `decoder.alignment` (docs/word-timings.md): the decoder package's `align` function, which returns the
-    /// cross-attention weights of the alignment heads for a window's final tokens (teacher-forced, `length`
-    /// slots), and what the word-timing rule needs with them.
+    /// `decoder.alignment` (docs/word-timings.md, docs/decoder.md): the decoder package's `align` function, which
+    /// returns the cross-attention weights of the alignment heads for a window's tokens after its decoding
+    /// (`length` tokens a call, on the decoded state), and what the word-timing rule needs with them.
     public struct Alignment: Codable, Sendable, Equatable {
         /// The function's name in the decoder package.
         public var function: String
-        /// Its token slots (the cache capacity): prompt and text tokens, then padding.
+        /// K, the tokens of one call (the extend length): a window's prompt and text tokens go K a call.
         public var length: Int
         /// The alignment heads, [layer, head] each, in the order of the output's head axis.
         public var heads: [[Int]]
@@ -664,10 +664,16 @@ public struct BundleManifest: Codable, Sendable {
     /// The align function's output: the alignment heads' weights, (1, heads, length, encoder frames).
     public static let alignOutput = "cross_attention"
 
-    /// What the align function must take (the `length` slots' token ids) and hold (the decoder state); its
-    /// output (1, heads, length, frames) is checked where it is read.
+    /// What the align function must take (the host-state extend's inputs: `length` token ids, the first one's
+    /// slot, the mask of the slots before it, in either state variant), return (the heads' weights) and hold.
     public func expectedAlignIO(_ alignment: Alignment) -> ModelIO {
-        ModelIO(inputs: ["input_ids": .init(shape: [1, alignment.length], dtype: "int32")], states: decoderStates)
+        ModelIO(inputs: ["input_ids": .init(shape: [1, alignment.length], dtype: "int32"),
+                         "position": .init(shape: [1], dtype: "int32"),
+                         "cache_mask": .init(shape: [1, 1, 1, decoder.capacity], dtype: "float16")],
+                outputs: [Self.alignOutput: .init(shape: [1, alignment.heads.count, alignment.length, encoder.memoryLength],
+                                                  dtype: "float16")],
+                states: ["cross_k": .init(shape: decoder.memoryShape, dtype: "float16"),
+                         "cross_v": .init(shape: decoder.memoryShape, dtype: "float16")])
     }
 
     /// The bundle's alignment for word timings with a prompt of `promptLength` tokens, checked; else a one-line
@@ -684,7 +690,9 @@ public struct BundleManifest: Codable, Sendable {
         func invalid(_ field: String, _ problem: String) -> BundleError {
             .invalidField(field: "decoder.alignment.\(field)", problem: "\(problem): re-export the bundle")
         }
-        guard a.length == decoder.capacity else { throw invalid("length", "is \(a.length), not the cache capacity \(decoder.capacity)") }
+        guard (1...decoder.capacity).contains(a.length) else {
+            throw invalid("length", "is \(a.length), outside [1, \(decoder.capacity)] (the cache capacity)")
+        }
         guard !a.heads.isEmpty, a.heads.allSatisfy({ $0.count == 2 }) else {
             throw invalid("heads", "must be a non-empty list of [layer, head] pairs")
         }

@@ -155,6 +155,60 @@ enum ManifestCheck {
 
     static func shape(_ dims: [Int]) -> JSONValue { .array(dims.map { .int($0) }) }
 
+    /// `decoder.alignment` (word timings; absent in bundles exported before them), Python's `_check_alignment`:
+    /// null with a reason in `decoder.alignment_note`, or the align function's heads, rows, frame length, io and
+    /// calibration figures.
+    static func checkAlignment(_ dec: JSONObject, capacity: Int, layers: Int, memoryShape: [Int], memoryLength: Int) throws {
+        guard dec["alignment"] != nil else { return }
+        let block = try obj(dec, "alignment", "decoder.alignment", optional: true)
+        let note = try str(dec, "alignment_note", "decoder.alignment_note", optional: true)
+        guard let block else {
+            if note == nil {
+                throw fail("decoder.alignment_note", "is missing: a bundle without alignment says why (a non-empty string)")
+            }
+            return
+        }
+        if let note { throw fail("decoder.alignment_note", "is \(JSONValue.string(note).shown) but decoder.alignment is set: null when it is") }
+        _ = try str(block, "function", "decoder.alignment.function", ["align"])
+        let length: Int = try int(block, "length", "decoder.alignment.length", lo: 1, hi: capacity)  // K: tokens a call
+        let headsPerLayer: Int = try int(dec, "num_attention_heads", "decoder.num_attention_heads", lo: 1)
+        let heads = try get(block, "heads", "decoder.alignment.heads", optional: false)!
+        guard case .array(let pairs) = heads, !pairs.isEmpty else {
+            throw fail("decoder.alignment.heads", "must be a non-empty list of [layer, head], got \(heads.shown)")
+        }
+        for (i, pair) in pairs.enumerated() {
+            guard case .array(let items) = pair, items.count == 2, case .int(let layer) = items[0], case .int(let head) = items[1],
+                  (0..<layers).contains(layer), (0..<headsPerLayer).contains(head) else {
+                throw fail("decoder.alignment.heads[\(i)]", "must be [layer, head] inside \(layers) layers x \(headsPerLayer) heads, "
+                           + "got \(pair.shown)")
+            }
+        }
+        _ = try int(block, "lead_rows", "decoder.alignment.lead_rows", lo: 0, hi: capacity - 1)
+        _ = try num(block, "frame_seconds", "decoder.alignment.frame_seconds", 0, 10, loOpen: true)
+        let alignIO: JSONObject = try io(block, "io", "decoder.alignment.io")
+        // the host-state extend's inputs (input_ids (1, K), position, cache_mask) in either state variant
+        let expected: [(kind: String, name: String, shape: [Int], dtype: String, what: String)] = [
+            ("inputs", "input_ids", [1, length], "int32", "[1, decoder.alignment.length]"),
+            ("inputs", "position", [1], "int32", "[1]"),
+            ("inputs", "cache_mask", [1, 1, 1, capacity], "float16", "[1, 1, 1, decoder.capacity]"),
+            ("outputs", BundleManifest.alignOutput, [1, pairs.count, length, memoryLength], "float16",
+             "[1, heads, decoder.alignment.length, encoder.memory_len]"),
+            ("states", "cross_k", memoryShape, "float16", "decoder.memory_shape"),
+            ("states", "cross_v", memoryShape, "float16", "decoder.memory_shape")]
+        for e in expected {
+            let got = try array(alignIO, e.kind, e.name, "decoder.alignment.io")
+            try equal("decoder.alignment.io.\(e.kind).\(e.name).shape", got.shape, e.what, shape(e.shape))
+            try equal("decoder.alignment.io.\(e.kind).\(e.name).dtype", got.dtype, "dtype", .string(e.dtype))
+        }
+        if let calibration = try obj(block, "calibration", "decoder.alignment.calibration", optional: true) {
+            _ = try str(calibration, "set", "decoder.alignment.calibration.set")
+            for key in ["clips", "words"] { _ = try int(calibration, key, "decoder.alignment.calibration.\(key)", lo: 1) }
+            for key in ["median_s", "p90_s", "baseline_median_s"] {
+                _ = try num(calibration, key, "decoder.alignment.calibration.\(key)", 0, 1e6)
+            }
+        }
+    }
+
     // MARK: - Bundle.load: header, files, checksums
 
     /// `encoder.parts` (Python's `bundle._check_encoder_parts`): programs of consecutive layers covering
@@ -597,6 +651,7 @@ enum ManifestCheck {
             try equal("decoder.bind_io.\(e.kind).\(e.name).dtype", got.dtype, "dtype", .string(e.dtype))
         }
         }
+        try checkAlignment(dec, capacity: capacity, layers: layers, memoryShape: memoryShape, memoryLength: memoryLength)
         // every encoder function's io: features of its frames in, the decoder's memory out
         for (name, fn) in encFunctions.entries {
             let path = "encoder.functions.\(name).io"

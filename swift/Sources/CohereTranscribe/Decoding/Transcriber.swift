@@ -497,24 +497,81 @@ public actor CohereTranscriber {
                             stopReason: decoded.stopReason, timings: timings, words: words)
     }
 
+    /// The alignment heads' weights of a window's tokens: `positions` rows (row p the query at slot p, predicting
+    /// token p + 1) of `frames` encoder frames per head, flat; rows before the first the rule reads not computed.
+    struct AlignWeights {
+        var values: [Float]
+        var heads: Int
+        var positions: Int
+        var frames: Int
+    }
+
+    /// The first slots of the align calls covering rows rowsFrom..<count, `length` (K) rows a call; a call that
+    /// would pass the cache starts at capacity - K instead (Python's `decoder_runtime.align_starts`).
+    static func alignStarts(count: Int, rowsFrom: Int, length: Int, capacity: Int) -> [Int] {
+        var starts: [Int] = [], start = rowsFrom
+        while start < count {
+            start = min(start, capacity - length)
+            starts.append(start)
+            start += length
+        }
+        return starts
+    }
+
+    /// The align function over a window's `ids` (prompt + text tokens, no eos) after its decoding, on the same
+    /// state: its self cache holds their K/V (the last token may be missing: a call computes its own tokens'),
+    /// its cross memory is the window's. K rows a call, each the host-state extend's inputs: `input_ids` (the
+    /// tokens of slots start..., then padding: 0, never seen by the real ones), `position` (start) and the mask
+    /// of the slots before it (Python's `DecoderRuntime.align`).
+    func align(_ ids: [Int], rowsFrom: Int, alignment: BundleManifest.Alignment, model: RuntimeModel,
+               state: RuntimeState) async throws -> AlignWeights {
+        let (capacity, k, heads) = (manifest.decoder.capacity, alignment.length, alignment.heads.count)
+        guard (1...capacity).contains(ids.count), (0..<ids.count).contains(rowsFrom), k <= capacity else {
+            throw TranscriptionError.invalidArgument("word timings: \(ids.count) tokens from row \(rowsFrom) do not fit the "
+                + "align function (\(k) tokens a call, \(capacity) cache slots)")
+        }
+        var out: AlignWeights?
+        for start in Self.alignStarts(count: ids.count, rowsFrom: rowsFrom, length: k, capacity: capacity) {
+            try Task.checkCancellation()
+            let part = ids[start..<min(start + k, ids.count)].map(Int32.init)
+            let inputs = ["input_ids": try Tensor(int32: part + [Int32](repeating: 0, count: k - part.count), shape: [1, k]),
+                          "position": try Tensor(int32: [Int32(start)], shape: [1]),
+                          "cache_mask": try Tensor.cacheMask(filled: start, capacity: capacity)]
+            guard let weights = try await model.predict(inputs, state: state)[BundleManifest.alignOutput],
+                  weights.shape.count == 4, weights.shape[0] == 1, weights.shape[1] == heads, weights.shape[2] == k else {
+                throw TranscriptionError.badOutput("the decoder's \(alignment.function) function returned no (1, \(heads), \(k), "
+                    + "frames) \(BundleManifest.alignOutput)")
+            }
+            let frames = weights.shape[3]
+            var o = out ?? AlignWeights(values: [Float](repeating: .nan, count: heads * ids.count * frames), heads: heads,
+                                        positions: ids.count, frames: frames)
+            let values = weights.floats()
+            for h in 0..<heads {
+                for row in max(start, rowsFrom)..<min(start + k, ids.count) {
+                    let from = (h * k + row - start) * frames, to = (h * ids.count + row) * frames
+                    o.values.replaceSubrange(to..<to + frames, with: values[from..<from + frames])
+                }
+            }
+            out = o
+        }
+        return out!
+    }
+
     /// One window's words from its decode's align output: the rows predicting the prompt's last `leadRows`
     /// tokens, each text token and eos (`WordAlignment.rows`), over the window's `frames` valid encoder frames;
     /// the rule with each token's probability from decoding; times from `start`, clamped to [start, end].
-    /// A window that filled the cache times the tokens the align function's slots hold (its last one has none).
+    /// A window that filled the cache times the tokens the cache holds (its last one has no slot).
     func windowWords(_ decoded: Decoded, alignment: BundleManifest.Alignment, prompt: [Int], frames: Int,
                      start: Double, end: Double, language: String?) throws -> [WordTiming] {
         let text = decoded.tokens.filter { !eosIds.contains($0) }
-        let count = min(text.count, alignment.length - prompt.count)
+        let count = min(text.count, manifest.decoder.capacity - prompt.count)
         guard count > 0 else { return [] }
-        guard let attention = decoded.attention, attention.shape.count == 4, attention.shape[0] == 1,
-              attention.shape[1] == alignment.heads.count, attention.shape[2] == alignment.length,
-              (frames...).contains(attention.shape[3]) else {
-            throw TranscriptionError.badOutput("the decoder's \(alignment.function) function returned no (1, \(alignment.heads.count), "
-                + "\(alignment.length), >= \(frames)) \(BundleManifest.alignOutput)"
-                + (decoded.attention.map { ", but \($0.shape)" } ?? ""))
+        guard let attention = decoded.attention, attention.positions == prompt.count + count, attention.frames >= frames else {
+            throw TranscriptionError.badOutput("the decoder's \(alignment.function) function returned no weights over "
+                + "\(frames) encoder frames for \(prompt.count + count) tokens")
         }
-        let rows = try WordAlignment.rows(attention.floats(), heads: attention.shape[1], positions: attention.shape[2],
-                                          totalFrames: attention.shape[3], promptLength: prompt.count, tokens: count,
+        let rows = try WordAlignment.rows(attention.values, heads: attention.heads, positions: attention.positions,
+                                          totalFrames: attention.frames, promptLength: prompt.count, tokens: count,
                                           leadRows: alignment.leadRows, frames: frames)
         let pieces = try text.prefix(count).map { id -> String in
             guard detokenizer.pieces.indices.contains(id) else {
@@ -542,8 +599,8 @@ public actor CohereTranscriber {
         var stateBytesWritten = 0
         /// The log-probability of each emitted token at the call that chose it.
         var tokenLogProbs: [Double] = []
-        /// The align function's output (1, heads, length, frames) when word timings were asked.
-        var attention: Tensor?
+        /// The align function's weights for the window's prompt + text tokens when word timings were asked.
+        var attention: AlignWeights?
         var alignSeconds = 0.0
     }
 
@@ -711,16 +768,13 @@ public actor CohereTranscriber {
             tokensFed += 1
         }
         let decodeSeconds = Date().timeIntervalSince(t1)
-        var attention: Tensor?
+        var attention: AlignWeights?
         let ta = Date()
         if let alignment, tokens.contains(where: { !eosIds.contains($0) }) {
-            // teacher-forced on the final tokens: prompt + text (eos not included) in slots 0..., the eos id after
-            let text = tokens.filter { !eosIds.contains($0) }.prefix(alignment.length - prompt.count)
-            var ids = (prompt + text).map(Int32.init)
-            ids += [Int32](repeating: Int32(manifest.tokens.eosTokenIds[0]), count: alignment.length - ids.count)
-            let align = try await alignModel(alignment)
-            let out = try await align.predict(["input_ids": try Tensor(int32: ids, shape: [1, alignment.length])], state: state)
-            attention = out[BundleManifest.alignOutput]
+            // the window's prompt + text tokens (eos not included; those the cache holds), on the decoded state
+            let text = tokens.filter { !eosIds.contains($0) }.prefix(capacity - prompt.count)
+            attention = try await align(prompt + text, rowsFrom: prompt.count - 1 - alignment.leadRows, alignment: alignment,
+                                        model: try await alignModel(alignment), state: state)
         }
         return Decoded(tokens: tokens, stopReason: stopReason, calls: calls, tokensFed: tokensFed, bindSeconds: bindSeconds,
                        promptSeconds: t1.timeIntervalSince(t0), decodeSeconds: decodeSeconds,

@@ -8,6 +8,7 @@ import XCTest
 /// the expected words follow from those weights and the window's tokens alone.
 final class WordTimingsTranscriberTests: XCTestCase {
     static let heads = [[0, 0], [1, 1]]
+    static let k = 8
 
     /// The fake weight of head h, slot p, encoder frame f: a peak that moves a frame per slot, plus a pattern
     /// that differs from slot to slot and frame to frame (a row or frame cut one off gives other words); the
@@ -18,16 +19,18 @@ final class WordTimingsTranscriberTests: XCTestCase {
         return Float(Foundation.exp(-d * d / 6) + 0.01 * Double((7 * p + 3 * f + h) % 5))
     }
 
-    /// Serves every function from `base` but the decoder's align function, which returns `weight` as fp16
-    /// (1, heads, length, frames) and records the input ids of each call. With `validFrames`, the frames after
-    /// them weigh 10 for the rows before the last four text tokens and nearly 0 for the others (uncut, they
-    /// would pull the last words past the window's end: the host must cut them).
+    /// Serves every function from `base` but the decoder's align function, which returns `weight` of the call's
+    /// slots (position + i) as fp16 (1, heads, K, frames) and records each call's ids and position (its cache mask
+    /// must be that of the position). With `eosRow` (the slot of the row predicting eos) and `validFrames`, the
+    /// frames after the valid ones weigh 10 for the rows before the last four text tokens and nearly 0 for the
+    /// others (uncut, they would pull the last words past the window's end: the host must cut them).
     final class FakeAlignRuntime: ModelRuntime, @unchecked Sendable {
         let base: ModelRuntime
         let manifest: BundleManifest
         let lock = NSLock()
-        var calls: [[Int32]] = []
+        var calls: [(ids: [Int], position: Int)] = []
         var validFrames: Int?
+        var eosRow: Int?
         var name: String { "fake-align over \(base.name)" }
 
         init(base: ModelRuntime, manifest: BundleManifest) { (self.base, self.manifest) = (base, manifest) }
@@ -55,14 +58,20 @@ final class WordTimingsTranscriberTests: XCTestCase {
         func makeState() throws -> RuntimeState { throw TranscriptionError.runtime("the fake align function has no state of its own") }
 
         func predict(_ inputs: [String: Tensor], state: RuntimeState?) async throws -> [String: Tensor] {
-            guard state != nil, let ids = inputs["input_ids"], ids.shape == [1, alignment.length] else {
-                throw TranscriptionError.invalidArgument("fake align: no state or no (1, \(alignment.length)) input_ids")
+            let capacity = runtime.manifest.decoder.capacity
+            guard state != nil, let ids = inputs["input_ids"], ids.shape == [1, alignment.length],
+                  let position = inputs["position"]?.int32s().first.map(Int.init), let mask = inputs["cache_mask"],
+                  mask.data == (try Tensor.cacheMask(filled: position, capacity: capacity)).data else {
+                throw TranscriptionError.invalidArgument("fake align: no state, (1, \(alignment.length)) input_ids, position "
+                    + "or the cache mask of that position")
             }
-            let valid = runtime.lock.withLock { runtime.calls.append(ids.int32s()); return runtime.validFrames ?? frames }
-            let eosRow = (ids.int32s().firstIndex(of: Int32(runtime.manifest.tokens.eosTokenIds[0])) ?? alignment.length) - 1
+            let (valid, eosRow) = runtime.lock.withLock {
+                runtime.calls.append((ids.int32s().map(Int.init), position))
+                return (runtime.validFrames ?? frames, runtime.eosRow ?? Int.max)
+            }
             var bits: [UInt16] = []
             for h in 0..<alignment.heads.count {
-                for p in 0..<alignment.length {
+                for p in position..<position + alignment.length {
                     for f in 0..<frames {
                         bits.append(floatToFloat16(f < valid ? weight(h, p, f, eosRow: eosRow) : p < eosRow - 4 ? 10 : 1e-4))
                     }
@@ -75,14 +84,23 @@ final class WordTimingsTranscriberTests: XCTestCase {
     }
 
     /// The test bundle with a `decoder.alignment` block naming the (faked) align function.
+    /// A `decoder.alignment` block for the test bundle's manifest (its io: what the manifest check expects).
+    static func alignmentBlock(_ source: [String: Any], length: Int = k, heads: [[Int]] = heads) throws -> [String: Any] {
+        let m = try BundleManifest.decode(try JSONSerialization.data(withJSONObject: source))
+        let io = m.expectedAlignIO(BundleManifest.Alignment(function: "align", length: length, heads: heads, leadRows: 1,
+                                                             frameSeconds: 0.08))
+        return ["function": "align", "length": length, "heads": heads, "lead_rows": 1, "frame_seconds": 0.08,
+                "io": try JSONSerialization.jsonObject(with: JSONEncoder().encode(io))]
+    }
+
     func alignedBundle() throws -> URL {
         _ = try Fixtures.require()
         let source = Fixtures.bundle
         var json = try JSONSerialization.jsonObject(with: Data(contentsOf: source.appendingPathComponent("manifest.json")))
             as! [String: Any]
         var decoder = json["decoder"] as! [String: Any]
-        decoder["alignment"] = ["function": "align", "length": decoder["capacity"]!, "heads": Self.heads, "lead_rows": 1,
-                                "frame_seconds": 0.08]
+        // K = 8 tokens a call (the released bundles: the extend length, 32), so a window takes several calls
+        decoder["alignment"] = try Self.alignmentBlock(json)
         decoder["alignment_note"] = NSNull()
         json["decoder"] = decoder
         let dir = Fixtures.scratch.appendingPathComponent("cohere-swift-aligned-\(UUID().uuidString)")
@@ -118,19 +136,23 @@ final class WordTimingsTranscriberTests: XCTestCase {
 
         let start = 40.0
         let frames = manifest.encoder.lengthMasks.encoderLength(validFrames: valid)
+        let eos = Set(manifest.tokens.eosTokenIds)
+        let text = plain.tokenIds.filter { !eos.contains($0) }
         runtime.validFrames = frames
+        runtime.eosRow = prompt.count + text.count - 1
         let w = try await transcriber.transcribeWindow(features: features, validFrames: valid, prompt: prompt,
                                                        startSeconds: start, language: language, wordTimestamps: true)
         let duration = w.durationSeconds  // the valid frames' length
         XCTAssertEqual(w.tokenIds, plain.tokenIds)  // asking for words changes no token
-        let eos = Set(manifest.tokens.eosTokenIds)
-        let text = w.tokenIds.filter { !eos.contains($0) }
         XCTAssertGreaterThan(text.count, 2)
-        // the align call: prompt + text tokens in slots 0..., the eos id after them
-        XCTAssertEqual(runtime.calls.count, 1)
-        let capacity = manifest.decoder.capacity
-        XCTAssertEqual(runtime.calls[0].map(Int.init),
-                       prompt + text + [Int](repeating: manifest.tokens.eosTokenIds[0], count: capacity - prompt.count - text.count))
+        // the align calls: from the first row the rule reads (P - 2), K tokens of prompt + text a call, padded with 0
+        let ids = prompt + text, rowsFrom = prompt.count - 2
+        let starts = Array(stride(from: rowsFrom, to: ids.count, by: Self.k))
+        XCTAssertGreaterThan(starts.count, 1)
+        XCTAssertEqual(runtime.calls.map(\.position), starts)
+        XCTAssertEqual(runtime.calls.map(\.ids), starts.map { s in
+            Array(ids[s..<min(s + Self.k, ids.count)]) + [Int](repeating: 0, count: max(0, s + Self.k - ids.count)) })
+        XCTAssertEqual(CohereTranscriber.alignStarts(count: 20, rowsFrom: 3, length: 8, capacity: 24), [3, 11, 16])  // the last at C - K
 
         // the expected words: the rows predicting the prompt's last token, each text token and eos, over the
         // window's valid encoder frames, of the fp16 weights
@@ -185,7 +207,8 @@ final class WordTimingsTranscriberTests: XCTestCase {
         let words = try XCTUnwrap(r.words)
         XCTAssertFalse(words.isEmpty)
         XCTAssertEqual(words, r.windows.flatMap { $0.words ?? [] })
-        XCTAssertEqual(runtime.calls.count, r.windows.count)
+        let prompt = try manifest.prompt(language: language)
+        XCTAssertEqual(runtime.calls.filter { $0.position == prompt.count - 2 }.count, r.windows.count)  // a pass a window
         XCTAssertTrue(zip(words, words.dropFirst()).allSatisfy { $0.start <= $1.start })
         let without = try await transcriber.transcribe(contentsOf: wav, language: language)
         XCTAssertNil(without.words)
@@ -218,7 +241,9 @@ final class WordTimingsTranscriberTests: XCTestCase {
         XCTAssertEqual(got.map { u -> StreamUpdate in var u = u; u.words = nil; return u }, ref.updates)
         let finals = got.filter { $0.type == .final }
         XCTAssertGreaterThanOrEqual(finals.count, 2)
-        XCTAssertEqual(runtime.calls.count, finals.count)  // one align call per final, none for partials
+        let prompt = try transcriber.manifest.prompt(language: ref.language, punctuation: ref.punctuation)
+        // one align pass per final (its first call at the first row the rule reads), none for partials
+        XCTAssertEqual(runtime.calls.filter { $0.position == prompt.count - 2 }.count, finals.count)
         XCTAssertTrue(got.filter { $0.type == .partial }.allSatisfy { $0.words == nil })
         for f in finals {
             let words = try XCTUnwrap(f.words)
@@ -228,9 +253,9 @@ final class WordTimingsTranscriberTests: XCTestCase {
         XCTAssertGreaterThan(finals[1].words![0].start, finals[0].end - 1e-9)  // the second segment's own offset
     }
 
-    /// The manifest's block: read when present, its problems said when word timings are asked (the manifest
-    /// itself is accepted, as the Python loader accepts it).
-    func testTheAlignmentBlockIsCheckedWhenUsed() throws {
+    /// The manifest's block: checked as the Python loader checks it (`_check_alignment`: the refusal names the
+    /// field); null with the reason in `alignment_note`, which word timings then say in one line.
+    func testTheAlignmentBlockIsChecked() throws {
         let source = try JSONSerialization.jsonObject(with: Data(contentsOf: try Fixtures.require()
             .appendingPathComponent("bundle/manifest.json"))) as! [String: Any]
         func manifest(_ alignment: Any?, note: Any? = nil) throws -> BundleManifest {
@@ -242,29 +267,47 @@ final class WordTimingsTranscriberTests: XCTestCase {
             return try BundleManifest.decode(try JSONSerialization.data(withJSONObject: json))
         }
         let capacity = (source["decoder"] as! [String: Any])["capacity"] as! Int
-        let good: [String: Any] = ["function": "align", "length": capacity, "heads": [[1, 0]], "lead_rows": 1,
-                                   "frame_seconds": 0.08, "calibration": ["set": "x"]]
+        var good = try Self.alignmentBlock(source, length: 4, heads: [[1, 0]])
+        good["calibration"] = ["set": "x", "clips": 2, "words": 9, "median_s": 0.05, "p90_s": 0.2, "baseline_median_s": 0.3]
         let a = try manifest(good).checkedAlignment(promptLength: 10)
-        XCTAssertEqual(a, BundleManifest.Alignment(function: "align", length: capacity, heads: [[1, 0]], leadRows: 1, frameSeconds: 0.08))
-        let cases: [(Any?, String)] = [
-            (nil, "no word alignment (exported with --alignment-heads none)"),
-            (7, "field 'decoder.alignment'"),
-            (good.merging(["length": capacity + 1]) { $1 }, "decoder.alignment.length"),
-            (good.merging(["heads": [[1]]]) { $1 }, "decoder.alignment.heads"),
-            (good.merging(["heads": [] as [Any]]) { $1 }, "decoder.alignment.heads"),
-            (good.merging(["lead_rows": 10]) { $1 }, "decoder.alignment.lead_rows"),
-            (good.merging(["frame_seconds": 0]) { $1 }, "decoder.alignment.frame_seconds"),
-            (good.merging(["heads": "x"]) { $1 }, "wrong type at 'decoder.alignment.heads'"),
-            (good.filter { $0.key != "lead_rows" }, "no field 'decoder.alignment.lead_rows'"),
+        XCTAssertEqual(a.heads, [[1, 0]])
+        XCTAssertEqual([a.length, a.leadRows], [4, 1])
+        XCTAssertEqual(a.frameSeconds, 0.08)
+        XCTAssertEqual(a, try manifest(good).decoder.alignment)
+        // refused by the manifest check, naming Python's field
+        let refused: [(Any?, Any?, String)] = [
+            (nil, nil, "decoder.alignment_note"),
+            (good, "a reason", "decoder.alignment_note"),
+            (7, nil, "decoder.alignment"),
+            (good.merging(["function": "main"]) { $1 }, nil, "decoder.alignment.function"),
+            (good.merging(["length": capacity + 1]) { $1 }, nil, "decoder.alignment.length"),
+            (good.merging(["heads": [[1]]]) { $1 }, nil, "decoder.alignment.heads[0]"),
+            (good.merging(["heads": [[1, 0], [0, 99]]]) { $1 }, nil, "decoder.alignment.heads[1]"),
+            (good.merging(["heads": [["1", 0]]]) { $1 }, nil, "decoder.alignment.heads[0]"),
+            (good.merging(["heads": [] as [Any]]) { $1 }, nil, "decoder.alignment.heads"),
+            (good.merging(["lead_rows": capacity]) { $1 }, nil, "decoder.alignment.lead_rows"),
+            (good.merging(["frame_seconds": 0]) { $1 }, nil, "decoder.alignment.frame_seconds"),
+            (good.filter { $0.key != "io" }, nil, "decoder.alignment.io"),
+            (good.merging(["length": 5]) { $1 }, nil, "decoder.alignment.io.inputs.input_ids.shape"),
+            (good.merging(["calibration": ["set": "x"]]) { $1 }, nil, "decoder.alignment.calibration.clips"),
         ]
-        for (block, expected) in cases {
-            let m = try manifest(block, note: block == nil ? "exported with --alignment-heads none" : nil)
-            XCTAssertThrowsError(try m.checkedAlignment(promptLength: 10), expected) {
-                XCTAssertTrue("\($0)".contains(expected), "\($0) lacks \(expected)")
-                XCTAssertFalse("\($0)".contains("\n"))
+        for (block, note, field) in refused {
+            XCTAssertThrowsError(try manifest(block, note: note), field) {
+                XCTAssertEqual(($0 as? BundleError)?.field, field, "\($0)")
             }
         }
-        XCTAssertNil(try manifest(7).decoder.alignment)
+        // accepted, then said when word timings are asked
+        let none = try manifest(nil, note: "exported with --alignment-heads none")
+        XCTAssertNil(none.decoder.alignment)
+        XCTAssertEqual(none.decoder.alignmentNote, "exported with --alignment-heads none")
+        XCTAssertThrowsError(try none.checkedAlignment(promptLength: 10)) {
+            XCTAssertTrue("\($0)".contains("no word alignment (exported with --alignment-heads none)"), "\($0)")
+            XCTAssertTrue("\($0)".contains("--alignment-heads auto"), "\($0)")
+            XCTAssertFalse("\($0)".contains("\n"))
+        }
+        XCTAssertThrowsError(try manifest(good.merging(["lead_rows": 10]) { $1 }).checkedAlignment(promptLength: 10)) {
+            XCTAssertTrue("\($0)".contains("decoder.alignment.lead_rows"), "\($0)")  // no row before the prompt
+        }
     }
 
     /// A final's JSON line carries its words after the token ids; without words the line is as before.
