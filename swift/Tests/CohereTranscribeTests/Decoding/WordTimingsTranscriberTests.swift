@@ -83,7 +83,6 @@ final class WordTimingsTranscriberTests: XCTestCase {
         }
     }
 
-    /// The test bundle with a `decoder.alignment` block naming the (faked) align function.
     /// A `decoder.alignment` block for the test bundle's manifest (its io: what the manifest check expects).
     static func alignmentBlock(_ source: [String: Any], length: Int = k, heads: [[Int]] = heads) throws -> [String: Any] {
         let m = try BundleManifest.decode(try JSONSerialization.data(withJSONObject: source))
@@ -93,15 +92,17 @@ final class WordTimingsTranscriberTests: XCTestCase {
                 "io": try JSONSerialization.jsonObject(with: JSONEncoder().encode(io))]
     }
 
-    func alignedBundle() throws -> URL {
+    /// The test bundle with a `decoder.alignment` block naming the (faked) align function, K = 8 tokens a call (the
+    /// released bundles: the extend length, 32), so a window takes several calls; `aligned` false: none, and
+    /// the reason in `alignment_note`.
+    func alignedBundle(_ aligned: Bool = true) throws -> URL {
         _ = try Fixtures.require()
         let source = Fixtures.bundle
         var json = try JSONSerialization.jsonObject(with: Data(contentsOf: source.appendingPathComponent("manifest.json")))
             as! [String: Any]
         var decoder = json["decoder"] as! [String: Any]
-        // K = 8 tokens a call (the released bundles: the extend length, 32), so a window takes several calls
-        decoder["alignment"] = try Self.alignmentBlock(json)
-        decoder["alignment_note"] = NSNull()
+        decoder["alignment"] = aligned ? try Self.alignmentBlock(json) : NSNull()
+        decoder["alignment_note"] = aligned ? NSNull() : "exported with --alignment-heads none"
         json["decoder"] = decoder
         let dir = Fixtures.scratch.appendingPathComponent("cohere-swift-aligned-\(UUID().uuidString)")
         try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
@@ -213,12 +214,13 @@ final class WordTimingsTranscriberTests: XCTestCase {
         let without = try await transcriber.transcribe(contentsOf: wav, language: language)
         XCTAssertNil(without.words)
 
-        let plain = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: try Fixtures.interpreter())
+        let plain = try await CohereTranscriber(bundle: try alignedBundle(false), runtime: try Fixtures.interpreter())
         XCTAssertNil(plain.manifest.decoder.alignment)
         do {
             _ = try await plain.transcribe(contentsOf: wav, language: language, wordTimestamps: true)
             XCTFail("word timings from a bundle without alignment")
         } catch {
+            XCTAssertTrue("\(error)".contains("(exported with --alignment-heads none)"), "\(error)")
             XCTAssertTrue("\(error)".contains("--alignment-heads auto"), "\(error)")
             XCTAssertFalse("\(error)".contains("\n"))
         }
