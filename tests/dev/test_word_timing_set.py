@@ -1,6 +1,6 @@
 """Word-timing sets (tools/cohere_coreml_dev/word_timing.py, tools/data/make_word_timing_set.py): the held-out
 timing set's three kinds and its reproducibility, and the committed calibration set
-(tests/data/word-timing-calibration) against its manifest."""
+(src/cohere_coreml/data/word_timing_calibration) against its manifest."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from cohere_coreml.export.alignment_heads import CALIBRATION_SET
 from cohere_coreml.model.tokens import LANGUAGES
 from cohere_coreml_dev import word_events, word_timing
 from cohere_coreml_dev.synth import SynthError
@@ -19,7 +20,7 @@ from cohere_coreml_dev.synth import SynthError
 from ..helpers import load_tool
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-CALIBRATION = DATA / "word-timing-calibration"
+CALIBRATION = CALIBRATION_SET
 HELDOUT_SINGLE = DATA / "heldout-varied" / "single"
 RATE = 16000
 needs_libespeak = pytest.mark.skipif(

@@ -195,7 +195,7 @@ def _timing_readme(command: str | None, counts: dict[str, tuple[int, int]]) -> s
 
 
 # ------------------------------------------------------------------------------------------------------
-# The calibration set (committed: tests/data/word-timing-calibration)
+# The calibration set (committed: src/cohere_coreml/data/word_timing_calibration)
 # ------------------------------------------------------------------------------------------------------
 
 # Cohere Transcribe's 14 languages -> the espeak-ng voice that speaks them
