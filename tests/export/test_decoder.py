@@ -620,6 +620,10 @@ def test_align_function_matches_its_pytorch_twin_and_only_reads_the_state(traine
     assert np.abs(mine - theirs).max() < 5e-3
     package = decoder.align(decoder.new_state(memory), ids)[..., :frames]
     assert np.abs(package - theirs).max() < 1e-2
+    alignment = decoder_package_info(any_package)["alignment"]
+    assert alignment["heads"] == [list(h) for h in ALIGN_HEADS] and alignment["lead_rows"] == 2
+    assert alignment["length"] == 32 and alignment["io"]["inputs"]["input_ids"]["shape"] == [1, 32]
+    assert alignment["io"]["outputs"]["cross_attention"]["shape"] == [1, len(ALIGN_HEADS), 32, 64]
 
 
 def _reference_clip(model, processor, name="en_domain_01.flac"):
@@ -640,10 +644,6 @@ def _reference_clip(model, processor, name="en_domain_01.flac"):
     assert reference.top1.all()  # the model transcribes it
     hidden = encoded.last_hidden_state
     return hidden, prompt + list(tokens), int(hidden.shape[1]), reference
-    alignment = decoder_package_info(any_package)["alignment"]
-    assert alignment["heads"] == [list(h) for h in ALIGN_HEADS] and alignment["lead_rows"] == 2
-    assert alignment["length"] == 32 and alignment["io"]["inputs"]["input_ids"]["shape"] == [1, 32]
-    assert alignment["io"]["outputs"]["cross_attention"]["shape"] == [1, len(ALIGN_HEADS), 32, 64]
 
 
 def _step_program(path):

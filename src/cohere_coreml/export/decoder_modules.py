@@ -182,6 +182,9 @@ class StatefulDecoder(nn.Module):
             if cross_heads:
                 weights[i] = attn_weights
                 if i == last:
+                    # the values are not needed past this point; one of them, times 0, keeps the cross_v state
+                    # read when every selected head lies in the first layer (coremltools refuses unused states)
+                    anchor = cv[0, 0, 0, 0] * 0
                     break
             out = attn.o_proj(out.reshape(1, n, s.num_heads * s.head_dim))
             hidden = residual + out
@@ -191,7 +194,8 @@ class StatefulDecoder(nn.Module):
             hidden = residual + layer.mlp(layer.final_layernorm(hidden))
 
         if cross_heads:  # (1, S_heads, S, Tp): head h of layer l is attention head h (query heads)
-            return torch.stack([weights[li][0, h] for li, h in cross_heads], dim=0).unsqueeze(0).to(STATE_DTYPE)
+            chosen = torch.stack([weights[li][0, h] for li, h in cross_heads], dim=0).unsqueeze(0)
+            return (chosen + anchor).to(STATE_DTYPE)
         if all_rows:
             log_probs = stable_log_softmax(self.proj_out(dec.norm(hidden)))  # (1, S, V)
         else:
