@@ -493,8 +493,7 @@ def _check_alignment(f, dec: dict, capacity: int, layers: int, memory_shape: lis
     if note is not None:
         f.fail("decoder.alignment_note", f"is {show_value(note)} but decoder.alignment is set: null when it is")
     f.str(block, "function", "decoder.alignment.function", (ALIGN_FUNCTION,))
-    f.equal("decoder.alignment.length", f.int(block, "length", "decoder.alignment.length", lo=1), "decoder.capacity",
-            capacity)
+    length = f.int(block, "length", "decoder.alignment.length", lo=1, hi=capacity)  # K: tokens a call
     heads_per_layer = f.int(dec, "num_attention_heads", "decoder.num_attention_heads", lo=1)
     heads = f.get(block, "heads", "decoder.alignment.heads")
     if not isinstance(heads, list) or not heads:
@@ -508,13 +507,17 @@ def _check_alignment(f, dec: dict, capacity: int, layers: int, memory_shape: lis
     f.int(block, "lead_rows", "decoder.alignment.lead_rows", lo=0, hi=capacity - 1)
     f.num(block, "frame_seconds", "decoder.alignment.frame_seconds", 0.0, 10.0, lo_open=True)
     io = f.io(block, "io", "decoder.alignment.io")
-    expected = {("inputs", "input_ids"): ([1, capacity], "int32"),
-                ("outputs", ALIGN_OUTPUT): ([1, len(heads), capacity, memory_len], "float16"),
-                ("states", "cross_k"): (memory_shape, "float16"), ("states", "cross_v"): (memory_shape, "float16")}
-    for (kind, name), (shape, dtype) in expected.items():
-        f.equal(f"decoder.alignment.io.{kind}.{name}.shape", f.shape(io, kind, name, "decoder.alignment.io"),
-                "[1, decoder.capacity]" if name == "input_ids" else "[1, heads, decoder.capacity, encoder.memory_len]"
-                if name == ALIGN_OUTPUT else "decoder.memory_shape", shape)
+    # the host-state extend's inputs (input_ids (1, K), position, cache_mask) in either state variant
+    expected = {("inputs", "input_ids"): ([1, length], "int32", "[1, decoder.alignment.length]"),
+                ("inputs", "position"): ([1], "int32", "[1]"),
+                ("inputs", CACHE_MASK_INPUT): ([1, 1, 1, capacity], "float16", "[1, 1, 1, decoder.capacity]"),
+                ("outputs", ALIGN_OUTPUT): ([1, len(heads), length, memory_len], "float16",
+                                            "[1, heads, decoder.alignment.length, encoder.memory_len]"),
+                ("states", "cross_k"): (memory_shape, "float16", "decoder.memory_shape"),
+                ("states", "cross_v"): (memory_shape, "float16", "decoder.memory_shape")}
+    for (kind, name), (shape, dtype, what) in expected.items():
+        f.equal(f"decoder.alignment.io.{kind}.{name}.shape", f.shape(io, kind, name, "decoder.alignment.io"), what,
+                shape)
         f.equal(f"decoder.alignment.io.{kind}.{name}.dtype", io[kind][name]["dtype"], "dtype", dtype)
     calibration = f.obj(block, "calibration", "decoder.alignment.calibration", optional=True)
     if calibration is not None:

@@ -247,10 +247,11 @@ def alignment_info(path, meta: dict, functions, capacity: int) -> dict:
         raise BundleError(f"{path} has an {ALIGN_FUNCTION!r} function without readable alignment metadata "
                           f"({type(err).__name__}: {err}): re-export it") from None
     inputs, _, outputs = describe(read_package(path, function_name=ALIGN_FUNCTION))
-    length = int(inputs["input_ids"][0][1])
-    if length != int(capacity):
-        raise BundleError(f"{path}: its {ALIGN_FUNCTION} function takes {length} tokens, the cache {capacity}: "
-                          "re-export it")
+    length = int(inputs["input_ids"][0][1])  # K: tokens a call
+    if not 1 <= length <= int(capacity) or "position" not in inputs:
+        raise BundleError(f"{path}: its {ALIGN_FUNCTION} function takes {length} tokens "
+                          f"({'with' if 'position' in inputs else 'without'} a position) for a cache of {capacity}: "
+                          "an align function of an older format; re-export it")
     return {"alignment": {"function": ALIGN_FUNCTION, "length": length, "heads": heads,
                           "lead_rows": int(block["lead_rows"]), "frame_seconds": float(block["frame_seconds"]),
                           "io": package_io(path, function_name=ALIGN_FUNCTION),

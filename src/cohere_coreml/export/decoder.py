@@ -80,13 +80,12 @@ from ..config import (
     PROMPT_LENGTH,
     STEP_FUNCTION,
 )
-from ..inference.decoder_runtime import align_inputs, extend_inputs, host_cache_mask, memory_frames
+from ..inference.decoder_runtime import align_rows, extend_inputs, host_cache_mask, memory_frames
 from ..model.shapes import DecoderShapes, cache_capacity
 from ..storage.files import save_converted, skip_installed
 from .convert import ExportSettings, convert_module, merge_functions, quiet_third_party, validated_per_pipeline
 from .decoder_gate import COMPONENT, prepare_gate
 from .decoder_modules import (
-    MASK_VALUE,
     STATE_DTYPE,
     DecoderAlign,
     DecoderBind,
@@ -121,7 +120,7 @@ def trace_decoder_bind(bind: StatefulDecoder):
 
 def _host_mask_example(module: StatefulDecoder) -> tuple:
     """The cache_mask example input of a host-state function ((), for a graph-state one)."""
-    if isinstance(module, (DecoderStepHost, DecoderExtendHost)):
+    if isinstance(module, (DecoderStepHost, DecoderExtendHost, DecoderAlign)):
         return (torch.zeros((1, 1, 1, module.shapes.capacity), dtype=STATE_DTYPE),)
     return ()
 
@@ -141,7 +140,7 @@ def trace_decoder_extend(extend: DecoderExtend):
 
 
 def trace_decoder_align(align: DecoderAlign):
-    return _trace(align, (torch.zeros((1, align.shapes.capacity), dtype=torch.int32),))
+    return trace_decoder_extend(align)  # the host-state extend's inputs
 
 
 def coreml_states(shapes: DecoderShapes, names=("self_k", "self_v", *MEMORY_NAMES)):
@@ -163,7 +162,9 @@ def coreml_io(shapes: DecoderShapes, function: str = STEP_FUNCTION, prompt_len: 
     if function == ALIGN_FUNCTION:  # the same in both variants: it only reads the state
         if state_writes not in DECODER_STATES:
             raise ValueError(f"state_writes must be one of {DECODER_STATES}, got {state_writes!r}")
-        inputs = [ct.TensorType(name="input_ids", shape=(1, shapes.capacity), dtype=np.int32)]
+        inputs = [ct.TensorType(name="input_ids", shape=(1, extend_len), dtype=np.int32),
+                  ct.TensorType(name="position", shape=(1,), dtype=np.int32),
+                  ct.TensorType(name=CACHE_MASK_INPUT, shape=(1, 1, 1, shapes.capacity), dtype=np.float16)]
         return inputs, coreml_states(shapes), [ct.TensorType(name=ALIGN_OUTPUT, dtype=np.float16)]
     if state_writes == DECODER_STATE_HOST:
         if function == BIND_FUNCTION:
@@ -263,13 +264,16 @@ HOST_DESCRIPTIONS = {
 }
 HOST_EXTEND_DESCRIPTIONS = {k: v for k, v in HOST_DESCRIPTIONS.items() if k not in ("input_ids", "position", "log_probs")}
 ALIGN_DESCRIPTIONS = {
-    "input_ids": "int32 (1, A), A = the cache capacity: the window's prompt then its text tokens (no eos) from slot 0, "
-                 "then padding (any id); causal among themselves",
-    ALIGN_OUTPUT: "fp16 (1, S, A, Tp): softmax cross-attention weights of the S alignment heads (the manifest's "
-                  "decoder.alignment.heads, in order) of every slot over the encoder frames; row p predicts token p+1",
+    "input_ids": "int32 (1, K): the window's tokens for slots position..position+K-1 (its prompt then its text "
+                 "tokens, no eos), real first, then padding (any id); causal among themselves",
+    "position": "int32 (1,): the slot of the first token (position + K <= C)",
+    "cache_mask": "fp16 (1, 1, 1, C): 0 for the slots < position (the window's decoded tokens, already in the self "
+                  "cache), -1e4 for the others",
+    ALIGN_OUTPUT: "fp16 (1, S, K, Tp): softmax cross-attention weights of the S alignment heads (the manifest's "
+                  "decoder.alignment.heads, in order) over the encoder frames; row i is the query at slot position+i",
     **{k: v for k, v in HOST_DESCRIPTIONS.items() if k in MEMORY_NAMES},
-    "self_k": "fp16 (L, Hkv, C, Dh) self-attention keys, behind a constant all-closed mask (no slot attended)",
-    "self_v": "fp16 (L, Hkv, C, Dh) self-attention values, behind a constant all-closed mask (no slot attended)",
+    "self_k": "fp16 (L, Hkv, C, Dh) self-attention keys of the window's decoded tokens (read, never written)",
+    "self_v": "fp16 (L, Hkv, C, Dh) self-attention values of the window's decoded tokens (read, never written)",
 }
 BIND_DESCRIPTIONS = {
     BIND_INPUT_PREFIX + "cross_k": "(L, Hkv, Tp, Dh) encoder.mlpackage's cross_k, unchanged",
@@ -350,16 +354,22 @@ class TorchDecoder:
         rows = self._run(state, padded[0], positions, all_rows=True)[0]  # (K, V)
         return rows[: len(ids)]
 
-    def align(self, state, ids, heads, pad_id: int = EXTEND_PAD_ID) -> np.ndarray:
+    def align(self, state, ids, heads, rows_from: int = 0, pad_id: int = EXTEND_PAD_ID,
+              align_len: int = EXTEND_LENGTH) -> np.ndarray:
         """The `align` function as the package computes it (`DecoderAlign`'s graph on this state, which it only
-        reads): (len(heads), len(ids), Tp) float32 cross-attention weights of `heads` for `ids` (prompt + text
-        tokens) padded to the cache capacity with `pad_id`."""
-        padded = align_inputs(ids, state.shapes.capacity, pad_id)
-        mask = torch.full((1, 1, 1, state.shapes.capacity), MASK_VALUE, dtype=STATE_DTYPE)  # DecoderAlign's
-        with torch.no_grad():
-            out = state.run_tokens(torch.from_numpy(padded), torch.arange(state.shapes.capacity, dtype=torch.int32),
-                                   cache_mask=mask, cross_heads=[(int(a), int(b)) for a, b in heads])
-        return out[0, :, : len(list(ids))].float().numpy()
+        reads), K = `align_len` rows a call (`align_rows`, as `DecoderRuntime.align`): (len(heads), len(ids), Tp)
+        float32 cross-attention weights of `heads` for `ids` (prompt + text tokens), rows < rows_from NaN.
+        Precondition: the state has been fed these ids (their K/V in its self cache), as after decoding."""
+        heads = [(int(a), int(b)) for a, b in heads]
+
+        def call(input_ids, position, cache_mask):
+            positions = torch.from_numpy(position + np.arange(align_len, dtype=np.int32))
+            with torch.no_grad():
+                out = state.run_tokens(torch.from_numpy(input_ids), positions,
+                                       cache_mask=torch.from_numpy(cache_mask), cross_heads=heads)
+            return out[0].float().numpy()
+
+        return align_rows(call, ids, rows_from, align_len, state.shapes.capacity, pad_id)
 
 
 def convert_decoder(model, settings: ExportSettings, capacity: int | None = None, memory_len: int | None = None,
@@ -386,8 +396,9 @@ def convert_decoder(model, settings: ExportSettings, capacity: int | None = None
             host writes; no bind function) or "graph" (the functions write the cache, bind_memory the
             memory). docs/decoder.md says which is the default and why.
         alignment: `alignment_heads.AlignmentPlan` (`plan_alignment`): with heads, also an `align` function
-            (their cross-attention weights for a window's final tokens, docs/word-timings.md), checked against the
-            reference on the calibration clips by the gate; the plan's heads / note go into the package metadata.
+            (their cross-attention weights for a window's decoded tokens, `extend_len` a call, docs/word-timings.md),
+            checked against the reference on the calibration clips by the gate; the plan's heads / note go into
+            the package metadata.
             None: no align function and no note.
 
     Returns a dict: package path, shapes, parity report (`GateReport.to_dict()`, also written to
@@ -461,10 +472,10 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
     def convert(function: str):
         """Trace and convert one function of the package (a single-function model named `main`)."""
         if function == ALIGN_FUNCTION:
-            traced = trace_decoder_align(DecoderAlign(model, capacity, memory_len, align_heads))
+            traced = trace_decoder_align(DecoderAlign(model, capacity, memory_len, align_heads, extend_len))
             descriptions = ALIGN_DESCRIPTIONS
             summary = ("Cohere Transcribe decoder align: the alignment heads' cross-attention weights for a window's "
-                       "final tokens (word timings; reads its state)")
+                       "decoded tokens, K a call (word timings; reads its state)")
         elif function == BIND_FUNCTION:
             traced, descriptions = trace_decoder_bind(DecoderBind(model, capacity, memory_len)), BIND_DESCRIPTIONS
             summary = "Cohere Transcribe decoder: bind one window's cross memory into the state"

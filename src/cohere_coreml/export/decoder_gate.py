@@ -380,7 +380,9 @@ def prepare_gate(model, make_twin: TwinFactory, memory_len: int, capacity: int, 
     package must be a host-state one (its step takes cache_mask) whose programs write no state
     (`state_write_ops`); the bound-memory check then checks the host's writes. `alignment` (an
     `alignment_heads.AlignmentPlan` with heads): the package's `align` function on the plan's calibration clips
-    that fit it, against the reference's weights of the same heads (`alignment_heads.alignment_check`)."""
+    that fit it, each on a state fed the clip's prompt + tokens first (`DecoderRuntime.feed`: align reads their K/V
+    from the self cache, as after decoding), against the reference's weights of the same heads
+    (`alignment_heads.alignment_check`)."""
     align_cases = None
     if alignment is not None:
         from .alignment_heads import alignment_cases  # the word-timing rule's side: only when aligning
@@ -440,7 +442,14 @@ def prepare_gate(model, make_twin: TwinFactory, memory_len: int, capacity: int, 
 
         if decoder.align_model is None:
             raise DecoderGateError("the package has no align function, the export asked for one")
-        weights = [decoder.align(decoder.new_state(c.memory), c.ids) for c in align_cases]
+        weights = []
+        for c in align_cases:  # the precondition: the state has been fed the clip's prompt + tokens (as decoded)
+            state = decoder.new_state(c.memory)
+            decoder.feed(state, c.ids)
+            # from the first row the checks read (the shifted control's, one before the rule's): as a host calls
+            # it, the rows before it are read from the cache, not computed
+            first = max(0, c.record.prompt_length - 2 - alignment.lead_rows)
+            weights.append(decoder.align(state, c.ids, rows_from=first))
         check = alignment_check(align_cases, weights, alignment.heads, alignment.lead_rows)
         if check["words"] == 0:
             logger.warning("decoder gate: the align function was not checked against the reference (no calibration "

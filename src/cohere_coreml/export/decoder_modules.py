@@ -133,17 +133,7 @@ class StatefulDecoder(nn.Module):
         hidden = dec.embedding_layernorm(hidden + dec.pos_emb(positions).unsqueeze(0))  # (1, S, D)
         dtype = hidden.dtype
 
-        # the align function reads one cache slot (closed: its mask is constant) instead of all C, and computes
-        # its causal mask from the positions: no (S, C+S) mask constant in the package, half the keys
-        cache_slots = 1
-        if host and cross_heads:
-            # MASK_VALUE where the key's position is after the query's, else 0: float arithmetic (sub, clip, mul),
-            # no boolean select, so it stays in the fp16 program
-            order = positions.to(dtype).view(1, 1, 1, n) - positions.to(dtype).view(1, 1, n, 1)  # (1, 1, S, S)
-            causal = torch.clamp(order, 0.0, 1.0) * MASK_VALUE
-            self_mask = torch.cat([cache_mask[..., :cache_slots].to(dtype).expand(1, 1, n, cache_slots), causal], dim=-1)
-            new_rows = {"self_k": [], "self_v": []}
-        elif host:
+        if host:
             # the host's slots, then the new tokens' own: causal among themselves (a constant, no position)
             causal = torch.triu(torch.full((n, n), MASK_VALUE, dtype=dtype), diagonal=1).view(1, 1, n, n)
             self_mask = torch.cat([cache_mask.to(dtype).expand(1, 1, n, s.capacity), causal], dim=-1)  # (1, 1, S, C+S)
@@ -170,12 +160,8 @@ class StatefulDecoder(nn.Module):
                 k16, v16 = k.to(STATE_DTYPE), v.to(STATE_DTYPE)
                 new_rows["self_k"].append(k16)
                 new_rows["self_v"].append(v16)
-                if cross_heads:  # the align function: one closed slot
-                    keys = torch.cat([self.self_k[i : i + 1, :, :cache_slots].to(dtype), k16.to(dtype)], dim=2)
-                    values = torch.cat([self.self_v[i : i + 1, :, :cache_slots].to(dtype), v16.to(dtype)], dim=2)
-                else:
-                    keys = torch.cat([self.self_k[i : i + 1].to(dtype), k16.to(dtype)], dim=2)  # (1, Hkv, C+S, Dh)
-                    values = torch.cat([self.self_v[i : i + 1].to(dtype), v16.to(dtype)], dim=2)
+                keys = torch.cat([self.self_k[i : i + 1].to(dtype), k16.to(dtype)], dim=2)  # (1, Hkv, C+S, Dh)
+                values = torch.cat([self.self_v[i : i + 1].to(dtype), v16.to(dtype)], dim=2)
             else:
                 # slice update with a tensor start (index assignment would be dropped by the tracer)
                 self.self_k[i : i + 1, :, p : p + n, :] = k.to(STATE_DTYPE)
@@ -307,14 +293,15 @@ class DecoderExtendHost(DecoderExtend):
         return self.run_tokens(input_ids, position + self.offsets, all_rows=True, cache_mask=cache_mask)
 
 
-class DecoderAlign(StatefulDecoder):
-    """`align` (both state variants): the cross-attention weights of the alignment heads for a window's final
-    tokens, teacher-forced in one call after decoding. It only reads the state: self_k / self_v behind a constant
-    all-closed mask (as `DecoderPrefillHost`'s empty cache: every function must use every state), the window's
-    bound cross memory as every function does. Slots 0..A-1 (A = the cache capacity), causal among themselves."""
+class DecoderAlign(DecoderExtend):
+    """`align` (both state variants): the host-state extend returning the alignment heads' cross-attention weights
+    instead of log-probs (word timings, docs/word-timings.md). K token slots from `position` over the cache slots
+    `cache_mask` leaves open, causal among themselves; it stops after the last layer holding a selected head. It
+    only reads the state, in either variant: the window's decoded self cache (the K/V of its tokens at slots <
+    position: the precondition, true once the host has decoded or fed them) and its bound cross memory."""
 
-    def __init__(self, model, capacity: int, memory_len: int, heads):
-        super().__init__(model, capacity, memory_len)
+    def __init__(self, model, capacity: int, memory_len: int, heads, align_len: int = EXTEND_LENGTH):
+        super().__init__(model, capacity, memory_len, align_len)
         self.heads = [(int(layer), int(head)) for layer, head in heads]
         if not self.heads:
             raise DecoderExportError("the align function needs at least one alignment head")
@@ -323,15 +310,10 @@ class DecoderAlign(StatefulDecoder):
         if bad:
             raise DecoderExportError(f"alignment heads {bad} lie outside the decoder's {s.num_layers} layers x "
                                      f"{s.num_heads} heads")
-        self.register_buffer("empty_mask", torch.full((1, 1, 1, capacity), MASK_VALUE, dtype=STATE_DTYPE),
-                             persistent=False)
-        self.register_buffer("align_positions", torch.arange(capacity, dtype=torch.int32), persistent=False)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (1, A) int32 -> (1, S_heads, A, Tp) fp16
-        # the positions 0..A-1 from the input (+ ids * 0): a constant would be folded with the position table into
-        # an (A, D) constant of this function's own; this way the table's rows are gathered, weights shared
-        positions = self.align_positions + input_ids[0] * 0
-        return self.run_tokens(input_ids, positions, cache_mask=self.empty_mask, cross_heads=self.heads)
+    def forward(self, input_ids: torch.Tensor, position: torch.Tensor, cache_mask: torch.Tensor) -> torch.Tensor:
+        # (1, K) int32, (1,) int32, (1, 1, 1, C) fp16 -> (1, S_heads, K, Tp) fp16
+        return self.run_tokens(input_ids, position + self.offsets, cache_mask=cache_mask, cross_heads=self.heads)
 
 
 class RecomputingStep(StatefulDecoder):

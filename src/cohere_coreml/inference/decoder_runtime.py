@@ -8,6 +8,8 @@
     lp      = decoder.extend(state, ids, start)         # up to K tokens from slot `start` in one call
     lp      = decoder.step(state, token, position)      # (V,) log-probs; binds only input_ids, position
     fed     = decoder.feed(state, ids, start)           # a forced prefix by `feed_plan`: prefill, extend, steps
+    w       = decoder.align(state, ids, rows_from)      # word timings, after decoding `ids` on this state: the
+                                                        # alignment heads' cross-attention, K rows a call
 
 In the default host-state package the token functions only read the state: each call also gets its
 `cache_mask` and returns its tokens' K/V rows (`new_k`, `new_v`), which this class writes at their slots
@@ -104,15 +106,50 @@ def extend_inputs(ids, start: int, extend_len: int, capacity: int) -> tuple[np.n
     return padded, np.array([start], dtype=np.int32)
 
 
-def align_inputs(ids, capacity: int, pad_id: int = EXTEND_PAD_ID) -> np.ndarray:
-    """The align function's input_ids (1, A), A = the cache capacity: `ids` (prompt + text tokens, no eos) from slot
-    0, then `pad_id` (any id: the slots are causal, no real token sees the padding). Refuses what does not fit."""
+def align_starts(count: int, rows_from: int, length: int, capacity: int) -> list[int]:
+    """The first slots of the align calls covering rows rows_from..count-1 of a window's `count` ids, `length`
+    (K) rows a call; a call that would pass the cache starts at capacity - K instead (it recomputes rows)."""
+    if not 1 <= count <= capacity:
+        raise DecoderRuntimeError(f"align takes 1..{capacity} tokens (the cache capacity), got {count}")
+    if not 0 <= rows_from < count:
+        raise DecoderRuntimeError(f"align's rows_from must be 0..{count - 1} for {count} tokens, got {rows_from}")
+    starts, start = [], int(rows_from)
+    while start < count:
+        start = min(start, int(capacity) - int(length))
+        starts.append(start)
+        start += int(length)
+    return starts
+
+
+def align_inputs(ids, start: int, length: int, capacity: int,
+                 pad_id: int = EXTEND_PAD_ID) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One align call's inputs, the host-state extend's: input_ids (1, K) int32 (`ids`, the tokens for slots
+    start.., then `pad_id`: any id, the slots are causal among themselves), position (1,) and cache_mask
+    (`host_cache_mask(start, C)`: the decoded tokens' K/V at slots < start, read from the state)."""
     ids = [int(t) for t in ids]
-    if not 1 <= len(ids) <= capacity:
-        raise DecoderRuntimeError(f"align takes 1..{capacity} tokens (the cache capacity), got {len(ids)}")
-    padded = np.full((1, int(capacity)), int(pad_id), dtype=np.int32)
+    if not 1 <= len(ids) <= length or start < 0 or start + length > capacity:
+        raise DecoderRuntimeError(f"align takes 1..{length} tokens at slots start..start+{length - 1} inside the "
+                                  f"cache ({capacity} slots), got {len(ids)} from slot {start}")
+    padded = np.full((1, int(length)), int(pad_id), dtype=np.int32)
     padded[0, : len(ids)] = ids
-    return padded
+    return padded, np.array([start], dtype=np.int32), host_cache_mask(start, capacity)
+
+
+def align_rows(call, ids, rows_from: int, length: int, capacity: int, pad_id: int = EXTEND_PAD_ID) -> np.ndarray:
+    """The align function over a window's `ids`, K = `length` rows a call (`align_starts`): `call(input_ids,
+    position, cache_mask)` -> (S, K, Tp) weights of one call. Returns (S, len(ids), Tp) float32, rows < rows_from
+    NaN (not computed). Precondition: the state's self cache holds the K/V of ids[p] at every slot p < the last
+    call's start (the window decoded, or fed, first); each call computes its own tokens' K/V."""
+    ids = [int(t) for t in ids]
+    out = None
+    for start in align_starts(len(ids), rows_from, length, capacity):
+        weights = np.asarray(call(*align_inputs(ids[start : start + length], start, length, capacity, pad_id)),
+                             dtype=np.float32)  # (S, K, Tp)
+        if out is None:
+            out = np.full((weights.shape[0], len(ids), weights.shape[-1]), np.nan, dtype=np.float32)
+        lo, hi = max(start, int(rows_from)), min(start + length, len(ids))
+        out[:, lo:hi] = weights[:, lo - start : hi - start]
+    return out
 
 
 @dataclass(frozen=True)
@@ -202,6 +239,9 @@ class DecoderRuntime:
         self.extend_length = None
         if extend is not None:
             self.extend_length = int(extend.input_description["input_ids"][0][1])  # (1, K)
+        self.align_length = None
+        if align is not None:
+            self.align_length = int(align.input_description["input_ids"][0][1])  # (1, K)
         self.capacity = int(step.state_description["self_k"][0][2])  # self_k (L, Hkv, C, Dh)
         self.state_bytes_written = 0  # by the host (host variant): rows, memory; a benchmark's counter
 
@@ -321,18 +361,24 @@ class DecoderRuntime:
         rows = self._call(self.extend_model, {"input_ids": padded, "position": position}, state, int(start))
         return rows.reshape(self.extend_length, -1)[: len(ids)]  # (1, K, V) -> the real tokens' rows
 
-    def align(self, state, ids, pad_id: int = EXTEND_PAD_ID) -> np.ndarray:
-        """The alignment heads' cross-attention weights for `ids` (the window's prompt + text tokens, no eos) on
-        `state` (after decoding: the window's cross memory still bound; the call only reads the state):
-        (heads, len(ids), Tp) float32, row p predicting token p+1 (`alignment.alignment_rows` cuts the rule's)."""
+    def align(self, state, ids, rows_from: int = 0, pad_id: int = EXTEND_PAD_ID) -> np.ndarray:
+        """The alignment heads' cross-attention weights for `ids` (the window's prompt + text tokens, no eos):
+        (heads, len(ids), Tp) float32, row p the query at slot p (predicting token p+1; `alignment.alignment_rows`
+        cuts the rule's), rows < `rows_from` NaN (not computed). K rows a call (`align_rows`); it only reads the
+        state. Precondition: `state` has DECODED (or been fed, `feed`) these ids, so its self cache holds their K/V
+        at their slots (the last token may be missing: a call computes its own tokens' K/V), and it still holds
+        the window's cross memory."""
         if self.align_model is None:
             raise DecoderRuntimeError(f"the decoder package has no {ALIGN_FUNCTION!r} function (exported with "
                                       "--alignment-heads none, or its head choice was refused: see the manifest's "
                                       "decoder.alignment_note); re-export with --alignment-heads auto or a head list")
-        padded = align_inputs(ids, self.capacity, pad_id)
-        out = self.align_model.predict({"input_ids": padded}, state=state)
-        weights = np.asarray(out[ALIGN_OUTPUT], dtype=np.float32)  # (1, S, A, Tp)
-        return weights[0, :, : len(list(ids))]
+
+        def call(input_ids, position, cache_mask):
+            out = self.align_model.predict({"input_ids": input_ids, "position": position,
+                                            CACHE_MASK_INPUT: cache_mask}, state=state)
+            return out[ALIGN_OUTPUT][0]  # (1, S, K, Tp) -> (S, K, Tp)
+
+        return align_rows(call, ids, rows_from, self.align_length, self.capacity, pad_id)
 
     def plan(self, count: int, start: int = 0, rows_from: int | None = None) -> list[FeedCall]:
         """`feed_plan` with this package's functions."""
