@@ -138,7 +138,7 @@ def align_inputs(ids, start: int, length: int, capacity: int,
 def align_rows(call, ids, rows_from: int, length: int, capacity: int, pad_id: int = EXTEND_PAD_ID) -> np.ndarray:
     """The align function over a window's `ids`, K = `length` rows a call (`align_starts`): `call(input_ids,
     position, cache_mask)` -> (S, K, Tp) weights of one call. Returns (S, len(ids), Tp) float32, rows < rows_from
-    NaN (not computed). Precondition: the state's self cache holds the K/V of ids[p] at every slot p < the last
+    NaN (not computed). Precondition: the state's self cache holds the K/V of ids[p] at every slot p below a
     call's start (the window decoded, or fed, first); each call computes its own tokens' K/V."""
     ids = [int(t) for t in ids]
     out = None
