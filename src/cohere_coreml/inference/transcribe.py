@@ -203,7 +203,8 @@ class Transcriber(Engine):
     @_serialized
     def decode(self, encoder_out: dict[str, np.ndarray], prompt: Sequence[int], max_new_tokens: int | None = None,
                return_log_probs: bool = False, beams: int = 1,
-               repetition_guard: RepetitionGuard | None = None, draft: Sequence[int] = ()) -> DecodeResult:
+               repetition_guard: RepetitionGuard | None = None, draft: Sequence[int] = (),
+               token_scores: bool = False, keep_state: bool = False) -> DecodeResult:
         """Greedy (or, with `beams` > 1, beam search) decode of one window from its encoder outputs.
 
         `repetition_guard` stops a looping window (StopReason.REPETITION, the loop kept once).
@@ -217,7 +218,10 @@ class Transcriber(Engine):
         `decode(cross:prompt:maxNewTokens:draft:)` does the same).
         Returns a `decoding.DecodeResult`: token_ids, stop_reason, truncated, bind_s, prompt_s,
         decode_s, steps, calls, repetition, and log_probs (one (V,) array per decoder call) when
-        `return_log_probs` (greedy only).
+        `return_log_probs` (greedy only). `token_scores`: also each generated token's log-prob at the call
+        that chose it (greedy step, prefill / extend row, beam search's best hypothesis), what word
+        confidences are made of (`token_log_probs`); `keep_state`: the window's state after decoding
+        (`state`: its cross memory is still bound, what `DecoderRuntime.align` reads).
         """
         if beams < 1:
             raise TranscriptionError(f"beams must be >= 1, got {beams}")
@@ -256,14 +260,16 @@ class Transcriber(Engine):
             all_log_probs.extend(row.astype(np.float32) for row in fed.rows)
         t1 = time.perf_counter()
         generated: list[int] = []
+        scores: list[float] | None = [] if token_scores else None  # log-prob of each generated token
         position = len(prompt)
         redrafted = False  # the current draft was fed after a refused token and none of it is verified yet
         stop_reason = None
         repetition = None
         if beams > 1:
             searched = beam_search(step, self.decoder, state, log_probs, position, limit, reason_at_limit,
-                                   self.eos_ids, beams, guard=repetition_guard)
+                                   self.eos_ids, beams, guard=repetition_guard, track_tokens=token_scores)
             generated, stop_reason, repetition = searched["token_ids"], searched["stop_reason"], searched["repetition"]
+            scores = searched["token_log_probs"]
             position, calls = searched["steps"], calls + searched["calls"]
             tokens_fed += searched["calls"]
         while beams == 1:
@@ -271,12 +277,15 @@ class Transcriber(Engine):
                 raise TranscriptionError(f"decoder produced non-finite log-probs at position {position - 1}")
             token = int(np.argmax(log_probs))
             generated.append(token)
+            if scores is not None:
+                scores.append(float(log_probs[token]))
             if token in self.eos_ids:
                 stop_reason = StopReason.EOS
                 break
             repetition = repetition_guard.find(generated) if repetition_guard is not None else None
             if repetition is not None:
                 generated, stop_reason = repetition_guard.trim(generated, repetition), StopReason.REPETITION
+                scores = scores[: len(generated)] if scores is not None else None
                 break
             if len(generated) >= limit:
                 stop_reason = reason_at_limit
@@ -303,8 +312,8 @@ class Transcriber(Engine):
         t2 = time.perf_counter()
         return DecodeResult(token_ids=generated, stop_reason=StopReason(stop_reason), bind_s=t0 - t_bind,
                             prompt_s=t1 - t0, decode_s=t2 - t1, steps=position, calls=calls, tokens_fed=tokens_fed,
-                            repetition=repetition,
-                            log_probs=all_log_probs if return_log_probs else None)
+                            repetition=repetition, log_probs=all_log_probs if return_log_probs else None,
+                            token_log_probs=scores, state=state if keep_state else None)
 
     @_serialized
     def features(self, waveform: np.ndarray) -> tuple[np.ndarray, int, str]:
