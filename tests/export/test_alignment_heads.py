@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from cohere_coreml.export.alignment_heads import (
+    CALIBRATION_SET,
     baseline,
     calibration_records,
     evaluate_heads,
@@ -149,7 +150,7 @@ def test_clips_the_model_would_not_transcribe_are_not_calibrated_on(trained_refe
 
 
 def test_the_committed_calibration_set_is_a_word_timing_set():
-    folder, utterances = read_word_timing_set(AUDIO_DIR.parent / "word-timing-calibration", LANGUAGES)
+    folder, utterances = read_word_timing_set(CALIBRATION_SET, LANGUAGES)
     assert {u["language"] for u in utterances} == set(LANGUAGES)
     assert any(len(u.get("sentences") or ()) > 1 for u in utterances)  # clips with pauses for the gate
 

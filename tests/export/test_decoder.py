@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 
 import numpy as np
 import pytest
@@ -221,11 +223,19 @@ def test_fp16_program_keeps_small_log_probs(tiny_reference, tmp_path):
 
 
 _TRAINED_PACKAGES: dict = {}
+ALIGN_HEADS = [(1, 2), (0, 1)]  # an explicit list (in the order given) for the packages below
+
+
+def _align_plan(heads=ALIGN_HEADS, lead_rows=2):
+    from cohere_coreml.export.alignment_heads import AlignmentPlan
+
+    return AlignmentPlan(heads=list(heads), lead_rows=lead_rows, note=None, calibration=None, records=[],
+                         frame_seconds=0.08)
 
 
 def _trained_package(state_writes, trained_reference, tmp_path_factory):
-    """fp16 decoder package of the trained model (C 32, Tp 64, with prefill), gate skipped: the tests
-    below check the state themselves. One per state variant and test run."""
+    """fp16 decoder package of the trained model (C 32, Tp 64, with prefill and an align function on ALIGN_HEADS),
+    gate skipped: the tests below check the state themselves. One per state variant and test run."""
     from cohere_coreml.export.convert import ExportSettings
 
     if state_writes not in _TRAINED_PACKAGES:
@@ -234,7 +244,7 @@ def _trained_package(state_writes, trained_reference, tmp_path_factory):
         settings = ExportSettings(out_dir=out, precision="fp16", skip_verify=True)
         _TRAINED_PACKAGES[state_writes] = convert_decoder(model, settings, capacity=32, memory_len=64,
                                                           prompt=_prompt(processor), prefill=True,
-                                                          state_writes=state_writes)["path"]
+                                                          state_writes=state_writes, alignment=_align_plan())["path"]
     return _TRAINED_PACKAGES[state_writes]
 
 
@@ -570,3 +580,111 @@ def test_serve_runtime_host_writes_the_state(trained_reference, host_package):
     decoder.step(state, case.ids[0], 0)
     want = decoder.step(state, case.ids[1], 1)
     np.testing.assert_array_equal(responses[-3][1]["log_probs"].reshape(-1), want)
+
+
+# --- the align function (word timings): the alignment heads' cross-attention, reading the state only ------------
+
+
+def test_align_function_matches_its_pytorch_twin_and_only_reads_the_state(trained_reference, any_package):
+    """After a window's decoding, `align` on the same state gives the PyTorch twin's cross-attention weights of the
+    exported heads, in their order, for every slot (padding is any id: causal); it leaves the state as it was,
+    and the manifest block names its heads, rows and length."""
+    from cohere_coreml.bundle.packages import decoder_package_info
+    from cohere_coreml.inference.decoder_runtime import DecoderRuntime
+
+    model, processor = trained_reference
+    decoder = DecoderRuntime.load(any_package, backend="mil")
+    case = teacher_forcing_case(model, 64, _prompt(processor), new_tokens=10, seed=0)
+    state = decoder.new_state(case.memory)
+    decoder.feed(state, case.ids)  # decoded first, as the host does
+    before = {name: np.array(state.read_state(name)) for name in decoder.state_description}
+    got = decoder.align(state, case.ids)
+    for name, value in before.items():
+        np.testing.assert_array_equal(np.asarray(state.read_state(name)), value)
+    np.testing.assert_array_equal(decoder.align(state, case.ids, pad_id=3), got)
+    valid = int(np.sum(case.cross_mask > -1))
+    assert got.shape == (len(ALIGN_HEADS), len(case.ids), 64)
+    np.testing.assert_allclose(got[..., :valid].sum(-1), 1.0, atol=5e-3)  # softmax rows over the valid frames
+    assert np.abs(got[..., valid:]).max() < 1e-3  # the padded frames: masked
+    twin = TorchDecoder.of(model, 32, 64, state_writes=decoder.state_writes)
+    want = twin.align(twin.new_state(case.memory), case.ids, ALIGN_HEADS)
+    error = np.abs(got - want).max()
+    assert error < 5e-3
+    swapped = twin.align(twin.new_state(case.memory), case.ids, ALIGN_HEADS[::-1])
+    assert np.abs(got - swapped).max() > 10 * error  # the heads' order is the manifest's
+    # the twin is the reference (`transformers` with its attention weights) on a clip the model transcribes
+    clip, ids, frames, reference = _reference_clip(model, processor)
+    memory = cross_memory(model, clip, frames, 64)
+    mine = twin.align(twin.new_state(memory), ids, ALIGN_HEADS)[..., :frames]
+    theirs = np.stack([reference.attention[layer, head, : len(ids)] for layer, head in ALIGN_HEADS])
+    assert np.abs(mine - theirs).max() < 5e-3
+    package = decoder.align(decoder.new_state(memory), ids)[..., :frames]
+    assert np.abs(package - theirs).max() < 1e-2
+    alignment = decoder_package_info(any_package)["alignment"]
+    assert alignment["heads"] == [list(h) for h in ALIGN_HEADS] and alignment["lead_rows"] == 2
+    assert alignment["length"] == 32 and alignment["io"]["inputs"]["input_ids"]["shape"] == [1, 32]
+    assert alignment["io"]["outputs"]["cross_attention"]["shape"] == [1, len(ALIGN_HEADS), 32, 64]
+
+
+def _reference_clip(model, processor, name="en_domain_01.flac"):
+    """(encoder output, prompt + text ids, frames, `teacher_forced_attention`) of a calibration clip."""
+    from cohere_coreml.export.alignment_heads import CALIBRATION_SET
+    from cohere_coreml.model.alignment_reference import encode, teacher_forced_attention
+    from cohere_coreml.model.audio import FrontEndConfig, load_audio, log_mel
+    from cohere_coreml.model.tokens import eos_id
+
+    text = next(u["text"] for u in json.loads((CALIBRATION_SET / "manifest.json").read_text())["utterances"]
+                if u["file"] == name)
+    front_end = FrontEndConfig.from_processor(processor, dither=0.0)
+    features, n_valid = log_mel(load_audio(CALIBRATION_SET / name, target_rate=front_end.sampling_rate), front_end)
+    encoded, _ = encode(model, features[:, :n_valid])
+    tokens = processor.tokenizer(text, add_special_tokens=False).input_ids
+    prompt = _prompt(processor)
+    reference = teacher_forced_attention(model, encoded, prompt, tokens, eos_id(processor.tokenizer))
+    assert reference.top1.all()  # the model transcribes it
+    hidden = encoded.last_hidden_state
+    return hidden, prompt + list(tokens), int(hidden.shape[1]), reference
+
+
+def _step_program(path):
+    from cohere_coreml.runtime.package import read_package
+
+    fn = read_package(path).spec.mlProgram.functions["main"]
+    return [(op.type, [o.name for o in op.outputs]) for b in fn.block_specializations.values() for op in b.operations]
+
+
+def test_refused_alignment_leaves_the_align_function_out(trained_reference, host_package, tmp_path):
+    """`auto` on a calibration set the model cannot transcribe chooses nothing: the package has no align function,
+    its manifest block is null with the reason, `DecoderRuntime.align` says so in one line; the step's program is
+    the one of a package with an align function. `none` says it was asked for."""
+    from cohere_coreml.bundle.packages import decoder_package_info
+    from cohere_coreml.export.alignment_heads import CALIBRATION_SET, plan_alignment
+    from cohere_coreml.export.convert import ExportSettings
+    from cohere_coreml.inference.decoder_runtime import DecoderRuntime, DecoderRuntimeError
+    from cohere_coreml.runtime.package import read_package
+
+    model, processor = trained_reference
+    everyday = tmp_path / "everyday"  # two of the set's everyday English clips: the default model knows none
+    everyday.mkdir()
+    manifest = json.loads((CALIBRATION_SET / "manifest.json").read_text())
+    manifest["utterances"] = [u for u in manifest["utterances"] if u["file"] in ("en_calibration_00.flac",
+                                                                                  "en_calibration_03.flac")]
+    for u in manifest["utterances"]:
+        shutil.copy(CALIBRATION_SET / u["file"], everyday / u["file"])
+    (everyday / "manifest.json").write_text(json.dumps(manifest))
+    plan = plan_alignment(model, processor, "auto", calibration=everyday)
+    assert plan.heads is None and "no calibration clip the model transcribes" in plan.note
+    settings = ExportSettings(out_dir=tmp_path / "out", precision="fp16", skip_verify=True)
+    path = convert_decoder(model, settings, capacity=32, memory_len=64, prompt=_prompt(processor), prefill=True,
+                           state_writes="host", alignment=plan)["path"]
+    assert set(read_package(path).function_names) == {"main", "prefill"}
+    info = decoder_package_info(path)
+    assert info["alignment"] is None and info["alignment_note"] == plan.note
+    assert _step_program(path) == _step_program(host_package)  # the align function changes no step
+    decoder = DecoderRuntime.load(path, backend="mil")
+    state = decoder.new_state(teacher_forcing_case(model, 64, _prompt(processor), new_tokens=2).memory)
+    with pytest.raises(DecoderRuntimeError, match="no 'align' function.*--alignment-heads") as err:
+        decoder.align(state, _prompt(processor))
+    assert "\n" not in str(err.value)
+    none = plan_alignment(model, processor, "none")
+    assert none.heads is None and none.records == [] and none.note == "exported with --alignment-heads none"

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import (
+    ALIGN_FUNCTION,
+    ALIGN_OUTPUT,
     BIND_FUNCTION,
     BIND_INPUT_PREFIX,
     BIND_OUTPUT,
@@ -102,6 +104,17 @@ def extend_inputs(ids, start: int, extend_len: int, capacity: int) -> tuple[np.n
     return padded, np.array([start], dtype=np.int32)
 
 
+def align_inputs(ids, capacity: int, pad_id: int = EXTEND_PAD_ID) -> np.ndarray:
+    """The align function's input_ids (1, A), A = the cache capacity: `ids` (prompt + text tokens, no eos) from slot
+    0, then `pad_id` (any id: the slots are causal, no real token sees the padding). Refuses what does not fit."""
+    ids = [int(t) for t in ids]
+    if not 1 <= len(ids) <= capacity:
+        raise DecoderRuntimeError(f"align takes 1..{capacity} tokens (the cache capacity), got {len(ids)}")
+    padded = np.full((1, int(capacity)), int(pad_id), dtype=np.int32)
+    padded[0, : len(ids)] = ids
+    return padded
+
+
 @dataclass(frozen=True)
 class FeedCall:
     """One decoder call of a `feed_plan`: `function` ("prefill" | "extend" | "step") feeding ids
@@ -168,8 +181,9 @@ class DecoderRuntime:
             `bind` None for a host-state package.
     """
 
-    def __init__(self, step, bind=None, prefill=None, extend=None):
+    def __init__(self, step, bind=None, prefill=None, extend=None, align=None):
         self.step_model, self.bind_model, self.prefill_model, self.extend_model = step, bind, prefill, extend
+        self.align_model = align
         self.state_writes = (DECODER_STATE_HOST if CACHE_MASK_INPUT in step.input_description
                              else DECODER_STATE_GRAPH)
         if self.host:
@@ -199,9 +213,9 @@ class DecoderRuntime:
     @classmethod
     def load(cls, path: str | os.PathLike, backend: str = "auto", compute_units: str = "all",
              prefill: bool = True, num_threads: int | None = None, extend: bool = True,
-             cache=None) -> DecoderRuntime:
-        """Load a decoder package's functions; `prefill` / `extend`: also its prefill / extend function
-        when it has one; `cache`: Core ML's compiled-model cache (`runtime.load_model`)."""
+             cache=None, align: bool = True) -> DecoderRuntime:
+        """Load a decoder package's functions; `prefill` / `extend` / `align`: also its prefill / extend / align
+        function when it has one; `cache`: Core ML's compiled-model cache (`runtime.load_model`)."""
         from ..runtime import load_model, read_package
 
         functions = read_package(path).function_names
@@ -219,7 +233,8 @@ class DecoderRuntime:
         bind = load(BIND_FUNCTION) if BIND_FUNCTION in functions else None
         pre = load(PREFILL_FUNCTION) if prefill and PREFILL_FUNCTION in functions else None
         ext = load(EXTEND_FUNCTION) if extend and EXTEND_FUNCTION in functions else None
-        return cls(step, bind, pre, ext)
+        ali = load(ALIGN_FUNCTION) if align and ALIGN_FUNCTION in functions else None
+        return cls(step, bind, pre, ext, ali)
 
     @property
     def backend(self) -> str:
@@ -305,6 +320,19 @@ class DecoderRuntime:
         padded, position = extend_inputs(ids, start, self.extend_length, self.capacity)
         rows = self._call(self.extend_model, {"input_ids": padded, "position": position}, state, int(start))
         return rows.reshape(self.extend_length, -1)[: len(ids)]  # (1, K, V) -> the real tokens' rows
+
+    def align(self, state, ids, pad_id: int = EXTEND_PAD_ID) -> np.ndarray:
+        """The alignment heads' cross-attention weights for `ids` (the window's prompt + text tokens, no eos) on
+        `state` (after decoding: the window's cross memory still bound; the call only reads the state):
+        (heads, len(ids), Tp) float32, row p predicting token p+1 (`alignment.alignment_rows` cuts the rule's)."""
+        if self.align_model is None:
+            raise DecoderRuntimeError(f"the decoder package has no {ALIGN_FUNCTION!r} function (exported with "
+                                      "--alignment-heads none, or its head choice was refused: see the manifest's "
+                                      "decoder.alignment_note); re-export with --alignment-heads auto or a head list")
+        padded = align_inputs(ids, self.capacity, pad_id)
+        out = self.align_model.predict({"input_ids": padded}, state=state)
+        weights = np.asarray(out[ALIGN_OUTPUT], dtype=np.float32)  # (1, S, A, Tp)
+        return weights[0, :, : len(list(ids))]
 
     def plan(self, count: int, start: int = 0, rows_from: int | None = None) -> list[FeedCall]:
         """`feed_plan` with this package's functions."""
