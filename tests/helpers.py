@@ -172,60 +172,16 @@ def copy_packages(src: Path, dst: Path, components) -> Path:
     return dst
 
 
-# The default model's alignment heads and rows before the text, as chosen on a held-out grammar set
-# (docs/word-timings.md; the committed calibration set gives it none): head 1.0 alone, 3 lead rows.
-TRAINED_ALIGNMENT_HEADS = ((1, 0),)
-TRAINED_LEAD_ROWS = 3
+
+def without_alignment(transcriber):
+    """`transcriber` as if its bundle had been exported with --alignment-heads none: the manifest's
+    decoder.alignment null with that note (what a bundle without the align function carries)."""
+    m = transcriber.bundle.manifest
+    transcriber.bundle.manifest = {**m, "decoder": {**m["decoder"], "alignment": None,
+                                                    "alignment_note": "exported with --alignment-heads none"}}
+    return transcriber
 
 
-class TorchAlignTwin:
-    """The decoder package's `align` function (`DecoderRuntime.align(state, ids)`) computed by the PyTorch
-    reference, for a bundle exported without one: the reference encoder on the window's features (the last
-    `transcriber.encode` call's, recorded) and one teacher-forced pass over `ids` (`model.alignment_reference`),
-    the `heads`' rows (S, len(ids), Tp), zero past the valid frames as the function's padded frames are.
-    Installed on the transcriber with the manifest's `decoder.alignment` block that names the same heads."""
-
-    def __init__(self, transcriber, model, processor, heads=TRAINED_ALIGNMENT_HEADS, lead_rows=TRAINED_LEAD_ROWS):
-        from cohere_coreml.model.alignment_reference import frame_seconds
-        from cohere_coreml.model.tokens import eos_id
-
-        self.model, self.heads, self.eos = model, [tuple(h) for h in heads], eos_id(processor.tokenizer)
-        self.frames = int(transcriber.decoder.state_description["cross_k"][0][2])  # (L, Hkv, Tp, Dh)
-        self.calls = 0
-        encode = transcriber.encode
-
-        def recording_encode(features, n_valid):
-            self.features = (np.asarray(features, dtype=np.float32).reshape(-1, *np.shape(features)[-2:])[0],
-                             int(n_valid))
-            return encode(features, n_valid)
-
-        transcriber.encode = recording_encode
-        transcriber.decoder.align = self.align
-        m = transcriber.bundle.manifest
-        block = {"function": "align", "length": int(transcriber.capacity), "heads": [list(h) for h in self.heads],
-                 "lead_rows": int(lead_rows), "frame_seconds": frame_seconds(model, processor)}
-        transcriber.bundle.manifest = {**m, "decoder": {**m["decoder"], "alignment": block, "alignment_note": None}}
-
-    @torch.no_grad()
-    def align(self, state, ids):
-        from cohere_coreml.model.alignment_reference import encode, teacher_forced_attention
-
-        self.calls += 1
-        features, n_valid = self.features
-        encoded, _ = encode(self.model, features[:, :n_valid])
-        tf = teacher_forced_attention(self.model, encoded, list(ids), [], self.eos)
-        rows = np.stack([tf.attention[layer, head, : len(ids)] for layer, head in self.heads])
-        out = np.zeros((len(self.heads), len(ids), self.frames), dtype=np.float32)
-        out[..., : rows.shape[-1]] = rows
-        return out
-
-
-def transcriber_with_twin(transcriber_class, model, processor):
-    """A stand-in for the `Transcriber` class whose instances get the `TorchAlignTwin` (for CLI runs)."""
-
-    def make(*args, **kwargs):
-        tr = transcriber_class(*args, **kwargs)
-        TorchAlignTwin(tr, model, processor)
-        return tr
-
-    return make
+def transcriber_without_alignment(transcriber_class):
+    """A stand-in for the `Transcriber` class whose instances have no alignment (`without_alignment`), for CLI runs."""
+    return lambda *args, **kwargs: without_alignment(transcriber_class(*args, **kwargs))

@@ -399,12 +399,10 @@ def test_cli_stream_stats_line(extend_bundle, extend_transcriber, capsys):
 
 
 @pytest.fixture(scope="module")
-def timed_transcriber(trained_bundle, trained_reference):
-    """A Transcriber with word timings (the PyTorch twin of the align function: the session bundle has none)."""
-    from ..helpers import TorchAlignTwin
-
+def timed_transcriber(trained_bundle):
+    """A Transcriber of the session bundle, whose decoder has the align function (export's default)."""
     tr = Transcriber(trained_bundle, backend="mil")
-    TorchAlignTwin(tr, *trained_reference)
+    assert tr.alignment is not None
     return tr
 
 
@@ -433,12 +431,7 @@ def test_finals_carry_words_on_the_streams_timeline(timed_transcriber, dictation
     assert finals[-1].words[0]["start"] > 1.0, "the last segment starts seconds in: its words must too"
 
 
-def test_cli_stream_json_finals_with_words(timed_transcriber, trained_bundle, trained_reference, capsys, monkeypatch):
-    from cohere_coreml.inference import transcribe as module
-
-    from ..helpers import transcriber_with_twin
-
-    monkeypatch.setattr(module, "Transcriber", transcriber_with_twin(module.Transcriber, *trained_reference))
+def test_cli_stream_json_finals_with_words(timed_transcriber, trained_bundle, capsys):
     clip = heldout_utterances(1)[1]["path"]
     assert main(["transcribe", "--stream", "--no-pace", "--json", "--word-timestamps", str(clip), "--bundle",
                  str(trained_bundle), "--language", "en", "--backend", "mil"]) == 0

@@ -22,7 +22,7 @@ from cohere_coreml.inference.words import (
 from cohere_coreml.model.audio import load_audio
 
 from ..fixture_data import AUDIO_DIR, TRAINED_MODEL, heldout_utterances
-from ..helpers import TRAINED_ALIGNMENT_HEADS, TRAINED_LEAD_ROWS, TorchAlignTwin, transcriber_with_twin
+from ..helpers import transcriber_without_alignment, without_alignment
 
 torch.set_num_threads(1)
 
@@ -112,24 +112,38 @@ def test_heads_and_the_no_alignment_message():
     assert clip_words([]) is None
 
 
+class CountingAlign:
+    """The decoder's align function, counted."""
+
+    def __init__(self, decoder):
+        self.align, self.calls = decoder.align, 0
+        decoder.align = self
+
+    def __call__(self, state, ids):
+        self.calls += 1
+        return self.align(state, ids)
+
+
 @pytest.fixture(scope="module")
-def aligned(trained_reference, trained_bundle):
-    """The session bundle's Transcriber with word timings (the PyTorch twin of its align function when the
-    bundle has none) and the reference engine on the same heads."""
-    model, processor = trained_reference
+def aligned(trained_bundle):
+    """The session bundle's Transcriber (its decoder has the align function: export --alignment-heads auto, the
+    default) and the reference engine on the manifest's heads and rows before the text."""
     tr = Transcriber(trained_bundle, backend="mil")
-    twin = TorchAlignTwin(tr, model, processor)
-    reference = PyTorchEngine(TRAINED_MODEL, alignment_heads=TRAINED_ALIGNMENT_HEADS, lead_rows=TRAINED_LEAD_ROWS)
-    return tr, twin, reference
+    assert tr.alignment is not None, tr.bundle.manifest["decoder"].get("alignment_note")
+    counter = CountingAlign(tr.decoder)
+    reference = PyTorchEngine(TRAINED_MODEL, alignment_heads=[tuple(h) for h in tr.alignment["heads"]],
+                              lead_rows=tr.alignment["lead_rows"])
+    return tr, counter, reference
 
 
 def test_bundle_words_match_the_reference_words(aligned):
-    """Held-out clips, 2 per language: the bundle's words (align function on the decoder state, probabilities
-    from decoding) against the reference's (teacher-forced attention): same words, boundaries within one
-    encoder frame, probabilities close. The words are real: most of them cover the manifest's text."""
-    tr, twin, reference = aligned
+    """Held-out clips, 2 per language: the bundle's words (its align function on the decoder state, probabilities
+    from decoding) against the reference's (`transformers`' teacher-forced attention on the same heads): same
+    words, boundaries within one encoder frame, probabilities close. The words are real: most of them are the
+    manifest's text."""
+    tr, counter, reference = aligned
     covered = total = 0
-    calls = twin.calls
+    calls = counter.calls
     for u in heldout_utterances(2):
         wav = load_audio(u["path"])
         got = tr.transcribe(wav, u["language"], word_timestamps=True)
@@ -144,7 +158,7 @@ def test_bundle_words_match_the_reference_words(aligned):
         assert all(0 <= w["start"] <= w["end"] <= seconds for w in got.words)
         covered += sum(w["word"] in u["text"] for w in got.words)
         total += len(u["text"].split())
-    assert twin.calls - calls == len(heldout_utterances(2)), "one align call per window"
+    assert counter.calls - calls == len(heldout_utterances(2)), "one align call per window"
     assert covered >= total // 2
 
 
@@ -172,9 +186,7 @@ def test_beam_search_gives_words_too(aligned):
 
 
 def test_a_bundle_without_alignment_refuses_with_the_fix(trained_bundle):
-    tr = Transcriber(trained_bundle, backend="mil")
-    if tr.alignment is not None:
-        pytest.skip("the session bundle has alignment")
+    tr = without_alignment(Transcriber(trained_bundle, backend="mil"))
     with pytest.raises(WordTimingError, match="re-export it with `cohere-coreml export --alignment-heads auto`"):
         tr.transcribe(load_audio(heldout_utterances(1)[1]["path"]), "en", word_timestamps=True)
 
@@ -220,15 +232,6 @@ def test_long_form_words_are_in_order_and_inside_their_windows(aligned, clip):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def cli_with_alignment(aligned, trained_reference, monkeypatch):
-    """`transcribe` builds its Transcriber with the twin installed (the session bundle has no align function)."""
-    from cohere_coreml.inference import transcribe as module
-
-    monkeypatch.setattr(module, "Transcriber", transcriber_with_twin(module.Transcriber, *trained_reference))
-    return aligned[0]
-
-
 def run_cli(capsys, bundle, *args, clips=None):
     from cohere_coreml.cli import main
 
@@ -238,8 +241,8 @@ def run_cli(capsys, bundle, *args, clips=None):
     return code, out.out, out.err
 
 
-def test_cli_words_json_srt_vtt(cli_with_alignment, trained_bundle, capsys):
-    tr = cli_with_alignment
+def test_cli_words_json_srt_vtt(aligned, trained_bundle, capsys):
+    tr = aligned[0]
     wav = load_audio(heldout_utterances(1)[1]["path"])
     expected = tr.transcribe(wav, "en", word_timestamps=True)
     code, out, _ = run_cli(capsys, trained_bundle, "--word-timestamps", "--json")
@@ -265,15 +268,18 @@ def test_cli_words_json_srt_vtt(cli_with_alignment, trained_bundle, capsys):
     assert code == 0 and "words" not in json.loads(plain)
 
 
-def test_cli_bad_word_timing_requests_are_one_line_errors(trained_bundle, capsys):
+def test_cli_bad_word_timing_requests_are_one_line_errors(trained_bundle, capsys, monkeypatch):
     from cohere_coreml.cli import main
+    from cohere_coreml.inference import transcribe as module
 
     clip = str(heldout_utterances(1)[1]["path"])
-    if Transcriber(trained_bundle, backend="mil").alignment is None:  # the session bundle: no align function
+    with monkeypatch.context() as patch:  # a bundle exported with --alignment-heads none
+        patch.setattr(module, "Transcriber", transcriber_without_alignment(module.Transcriber))
         for args in (["--format", "srt"], ["--word-timestamps"], ["--stream", "--no-pace", "--word-timestamps"]):
             code, out, err = run_cli(capsys, trained_bundle, *args)
             assert code == 2 and out == "", args
-            assert "--alignment-heads auto" in err and len(err.strip().splitlines()) == 1, err
+            assert "exported with --alignment-heads none" in err and "--alignment-heads auto" in err, err
+            assert len(err.strip().splitlines()) == 1, err
     for args, message in ((["--json", "--format", "srt"], "two formats"),
                           (["--format", "srt", "--max-words-per-cue", "0"], "--max-words-per-cue"),
                           (["--stream", "--format", "vtt"], "drop --stream")):
