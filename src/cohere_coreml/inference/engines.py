@@ -32,7 +32,7 @@ from ..model.tokens import decode_ids, join_windows, prompt_ids
 from .alignment import DEFAULT_LEAD_ROWS
 from .decoding import StopReason
 from .longform import check_audio, iter_windows
-from .words import AlignmentSettings, WordTimingError, clip_words, window_words
+from .words import AlignmentSettings, WordTimingError, check_heads, clip_words, window_words
 
 if TYPE_CHECKING:
     import torch
@@ -200,15 +200,11 @@ class PyTorchEngine(Engine):
         self.name = str(model)
         self.alignment = None  # AlignmentSettings when heads are given
         if alignment_heads:
-            from ..export.alignment_heads import check_heads
             from ..model.alignment_reference import frame_seconds
 
             layers = len(self.model.model.decoder.layers)  # the decoder's (the encoder has its own config)
-            try:
-                heads = check_heads(alignment_heads, layers, int(self.model.config.num_attention_heads))
-            except ValueError as err:
-                raise WordTimingError(str(err)) from None
-            self.alignment = AlignmentSettings(heads=tuple(heads), lead_rows=int(lead_rows),
+            heads = check_heads(alignment_heads, layers, int(self.model.config.num_attention_heads))
+            self.alignment = AlignmentSettings(heads=heads, lead_rows=int(lead_rows),
                                                frame_seconds=frame_seconds(self.model, self.processor))
 
     def prompt(self, language: str, punctuation: bool = True) -> list[int]:

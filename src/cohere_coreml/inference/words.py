@@ -57,6 +57,16 @@ def parse_heads(text: str) -> tuple[tuple[int, int], ...]:
     return heads
 
 
+def check_heads(heads, layers: int, heads_per_layer: int) -> tuple[tuple[int, int], ...]:
+    """(layer, head) pairs inside a decoder of `layers` x `heads_per_layer` heads, or WordTimingError."""
+    out = tuple((int(layer), int(head)) for layer, head in heads)
+    for layer, head in out:
+        if not (0 <= layer < layers and 0 <= head < heads_per_layer):
+            raise WordTimingError(f"alignment head {layer}.{head} is outside the decoder's {layers} layers x "
+                                  f"{heads_per_layer} heads")
+    return out
+
+
 def no_alignment_message(manifest: dict) -> str:
     """Why a bundle gives no word timings, with the fix, in one line (the manifest's alignment_note)."""
     note = (manifest.get("decoder") or {}).get("alignment_note")
