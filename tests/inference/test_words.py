@@ -264,8 +264,6 @@ def test_cli_words_json_srt_vtt(aligned, trained_bundle, capsys):
     assert " ".join(b.splitlines()[2] for b in blocks) == expected.text
     code, vtt, _ = run_cli(capsys, trained_bundle, "--format", "vtt")
     assert code == 0 and vtt.startswith("WEBVTT\n\n00:00:0") and "." in vtt.splitlines()[2]
-    code, plain, _ = run_cli(capsys, trained_bundle, "--format", "json")
-    assert code == 0 and "words" not in json.loads(plain)
 
 
 def test_cli_bad_word_timing_requests_are_one_line_errors(trained_bundle, capsys, monkeypatch):
