@@ -133,7 +133,17 @@ class StatefulDecoder(nn.Module):
         hidden = dec.embedding_layernorm(hidden + dec.pos_emb(positions).unsqueeze(0))  # (1, S, D)
         dtype = hidden.dtype
 
-        if host:
+        # the align function reads one cache slot (closed: its mask is constant) instead of all C, and computes
+        # its causal mask from the positions: no (S, C+S) mask constant in the package, half the keys
+        cache_slots = 1
+        if host and cross_heads:
+            # MASK_VALUE where the key's position is after the query's, else 0: float arithmetic (sub, clip, mul),
+            # no boolean select, so it stays in the fp16 program
+            order = positions.to(dtype).view(1, 1, 1, n) - positions.to(dtype).view(1, 1, n, 1)  # (1, 1, S, S)
+            causal = torch.clamp(order, 0.0, 1.0) * MASK_VALUE
+            self_mask = torch.cat([cache_mask[..., :cache_slots].to(dtype).expand(1, 1, n, cache_slots), causal], dim=-1)
+            new_rows = {"self_k": [], "self_v": []}
+        elif host:
             # the host's slots, then the new tokens' own: causal among themselves (a constant, no position)
             causal = torch.triu(torch.full((n, n), MASK_VALUE, dtype=dtype), diagonal=1).view(1, 1, n, n)
             self_mask = torch.cat([cache_mask.to(dtype).expand(1, 1, n, s.capacity), causal], dim=-1)  # (1, 1, S, C+S)
@@ -160,8 +170,12 @@ class StatefulDecoder(nn.Module):
                 k16, v16 = k.to(STATE_DTYPE), v.to(STATE_DTYPE)
                 new_rows["self_k"].append(k16)
                 new_rows["self_v"].append(v16)
-                keys = torch.cat([self.self_k[i : i + 1].to(dtype), k16.to(dtype)], dim=2)  # (1, Hkv, C+S, Dh)
-                values = torch.cat([self.self_v[i : i + 1].to(dtype), v16.to(dtype)], dim=2)
+                if cross_heads:  # the align function: one closed slot
+                    keys = torch.cat([self.self_k[i : i + 1, :, :cache_slots].to(dtype), k16.to(dtype)], dim=2)
+                    values = torch.cat([self.self_v[i : i + 1, :, :cache_slots].to(dtype), v16.to(dtype)], dim=2)
+                else:
+                    keys = torch.cat([self.self_k[i : i + 1].to(dtype), k16.to(dtype)], dim=2)  # (1, Hkv, C+S, Dh)
+                    values = torch.cat([self.self_v[i : i + 1].to(dtype), v16.to(dtype)], dim=2)
             else:
                 # slice update with a tensor start (index assignment would be dropped by the tracer)
                 self.self_k[i : i + 1, :, p : p + n, :] = k.to(STATE_DTYPE)
@@ -314,7 +328,10 @@ class DecoderAlign(StatefulDecoder):
         self.register_buffer("align_positions", torch.arange(capacity, dtype=torch.int32), persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (1, A) int32 -> (1, S_heads, A, Tp) fp16
-        return self.run_tokens(input_ids, self.align_positions, cache_mask=self.empty_mask, cross_heads=self.heads)
+        # the positions 0..A-1 from the input (+ ids * 0): a constant would be folded with the position table into
+        # an (A, D) constant of this function's own; this way the table's rows are gathered, weights shared
+        positions = self.align_positions + input_ids[0] * 0
+        return self.run_tokens(input_ids, positions, cache_mask=self.empty_mask, cross_heads=self.heads)
 
 
 class RecomputingStep(StatefulDecoder):

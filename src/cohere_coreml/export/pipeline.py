@@ -355,6 +355,19 @@ def _encoder_parts(value: str) -> int | str:
     return int(value)
 
 
+def _alignment_heads(value: str) -> str:
+    """--alignment-heads: 'auto', 'none' or a LAYER.HEAD list (checked against the model at export)."""
+    if value in ("auto", "none"):
+        return value
+    from ..inference.alignment import AlignmentError
+    from .alignment_heads import format_heads, parse_heads
+
+    try:
+        return format_heads(parse_heads(value))
+    except AlignmentError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--alignment-heads: ")) from None
+
+
 def add_command(subparsers) -> None:
     """Register `cohere-coreml export`."""
     p = subparsers.add_parser(
@@ -411,7 +424,7 @@ def add_command(subparsers) -> None:
     p.add_argument("--platform", choices=("ios", "macos"), default="ios",
                    help="target whose Neural Engine weight limit --encoder-parts auto keeps every program under: "
                    "ios 1 GiB (default), macos 2 GiB")
-    p.add_argument("--alignment-heads", default="auto", metavar="auto|none|L.H,...",
+    p.add_argument("--alignment-heads", default="auto", metavar="auto|none|L.H,...", type=_alignment_heads,
                    help="the decoder cross-attention heads word timings read (an `align` function in "
                    "decoder.mlpackage): 'auto' (default) chooses them on --alignment-calibration with the PyTorch "
                    "model and leaves them out when no choice beats a naive baseline; 'none' leaves the function out; "
