@@ -67,9 +67,12 @@ class _Decoder:
     def __init__(self, attention):
         self.attention, self.calls = attention, []
 
-    def align(self, state, ids):
-        self.calls.append(list(ids))
-        return self.attention[:, : len(ids)]
+    def align(self, state, ids, rows_from=0):
+        """As `DecoderRuntime.align`: rows before `rows_from` are not computed (NaN)."""
+        self.calls.append((list(ids), rows_from))
+        rows = self.attention[:, : len(ids)].copy()
+        rows[:, :rows_from] = np.nan
+        return rows
 
 
 def test_transcriber_window_words_read_the_valid_frames_and_the_decoding_probabilities():
@@ -94,11 +97,12 @@ def test_transcriber_window_words_read_the_valid_frames_and_the_decoding_probabi
     got = tr.window_words(dec, {"encoder_length": np.array([valid])}, [1, 2, 4, 5], settings, language="en",
                           start_s=2.0, duration_s=5.0)
     expected = window_words(att, 4, PIECES, np.exp(lps[:4]), settings, language="en", start_s=2.0, duration_s=5.0)
-    assert got == expected and tr.decoder.calls == [[1, 2, 4, 5, 10, 11, 12, 13]]
-    tr.bundle.manifest["decoder"]["alignment"]["length"] = 7  # room for 3 of the 4 text tokens
+    # rows from the one predicting the prompt's last lead_rows tokens: the rule never reads the rows before
+    assert got == expected and tr.decoder.calls == [([1, 2, 4, 5, 10, 11, 12, 13], 2)]
+    tr.capacity = 7  # slots for the prompt and 3 of the 4 text tokens
     cut = tr.window_words(dec, {"encoder_length": np.array([valid])}, [1, 2, 4, 5], settings, language="en",
                           start_s=2.0, duration_s=5.0)
-    assert [w["word"] for w in cut] == ["one", "two", "three"] and tr.decoder.calls[-1] == [1, 2, 4, 5, 10, 11, 12]
+    assert [w["word"] for w in cut] == ["one", "two", "three"] and tr.decoder.calls[-1] == ([1, 2, 4, 5, 10, 11, 12], 2)
 
 
 def test_heads_and_the_no_alignment_message():
@@ -119,9 +123,9 @@ class CountingAlign:
         self.align, self.calls = decoder.align, 0
         decoder.align = self
 
-    def __call__(self, state, ids):
+    def __call__(self, state, ids, **options):
         self.calls += 1
-        return self.align(state, ids)
+        return self.align(state, ids, **options)
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +187,25 @@ def test_beam_search_gives_words_too(aligned):
     assert [w["word"] for w in beamed.words] == beamed.text.split()
     if beamed.text == greedy.text:
         assert [w["start"] for w in beamed.words] == [w["start"] for w in greedy.words]
+
+
+def test_beam_search_keeps_the_best_hypothesis_state(aligned):
+    """The align function reads the decoded self cache, and beams share and copy states: the state a beam search
+    keeps must hold the BEST hypothesis's tokens. Its align rows equal those of a fresh state fed with exactly
+    prompt + those tokens, on every clip (a kept state of another beam differs on some)."""
+    tr, _, _ = aligned
+    for u in heldout_utterances(2):
+        features, n_valid, _ = tr.features(load_audio(u["path"]))
+        enc = tr.encode(features, n_valid)
+        prompt = tr.prompt(u["language"])
+        dec = tr.decode(enc, prompt, beams=3, token_scores=True, keep_state=True)
+        ids = list(prompt) + [t for t in dec.token_ids if t not in tr.eos_ids]
+        fresh = tr.decoder.new_state(enc)
+        tr.decoder.feed(fresh, ids)
+        first = len(prompt) - 1 - tr.alignment["lead_rows"]
+        got = tr.decoder.align(dec.state, ids, rows_from=first)[:, first:]
+        want = tr.decoder.align(fresh, ids, rows_from=first)[:, first:]
+        np.testing.assert_allclose(got, want, atol=1e-6, err_msg=u["file"])
 
 
 def test_a_bundle_without_alignment_refuses_with_the_fix(trained_bundle):

@@ -285,6 +285,12 @@ class Transcriber(Engine):
             scores = searched["token_log_probs"]
             position, calls = searched["steps"], calls + searched["calls"]
             tokens_fed += searched["calls"]
+            if keep_state:
+                # the beams share and copy states, so `state` holds some beam's tokens, not necessarily the
+                # best's: the best's prompt + text tokens are fed into a fresh state (what the align function reads)
+                text = [t for t in generated if t not in self.eos_ids][: self.capacity - len(prompt)]
+                state = self.decoder.new_state(encoder_out)
+                self.decoder.feed(state, list(prompt) + text)
         while beams == 1:
             if not np.all(np.isfinite(log_probs)):
                 raise TranscriptionError(f"decoder produced non-finite log-probs at position {position - 1}")
@@ -387,17 +393,20 @@ class Transcriber(Engine):
         state (`dec.state`, its cross memory still bound) over prompt + text tokens, cut to the valid encoder
         frames; each token's probability is the one decoding chose it with (`dec.token_log_probs`).
 
-        The align function takes at most its `length` slots (the cache capacity): a window cut by the cache
-        (no eos, every slot used) has its last token left out of the alignment, and with it its word."""
+        The align function reads the window's decoded self cache (`DecoderRuntime.align`): the state must hold
+        prompt + text tokens at their slots, so only the tokens that had a slot are aligned (a window cut by the
+        cache, no eos and every slot used, leaves its last token and with it its word out)."""
         kept = [(int(t), lp) for t, lp in zip(dec.token_ids, dec.token_log_probs) if t not in self.eos_ids]
-        room = int(self.alignment.get("length", self.capacity)) - len(prompt)
+        room = self.capacity - len(prompt)
         if len(kept) > room:
             logger.warning("window stopped at the cache: its last %d token(s) get no word timing", len(kept) - room)
             kept = kept[: max(room, 0)]
         if not kept:
             return []
         ids = [t for t, _ in kept]
-        weights = np.asarray(self.decoder.align(dec.state, list(prompt) + ids), dtype=np.float32)
+        lead_rows = settings.lead_rows
+        weights = np.asarray(self.decoder.align(dec.state, list(prompt) + ids,
+                                                 rows_from=len(prompt) - 1 - lead_rows), dtype=np.float32)
         frames = int(np.asarray(encoder_out["encoder_length"]).reshape(-1)[0])
         pieces = self.tokenizer.convert_ids_to_tokens(ids)
         return window_words(weights[..., :frames], len(prompt), pieces, [float(np.exp(lp)) for _, lp in kept],
