@@ -61,6 +61,8 @@ empty :=
 space := $(empty) $(empty)
 DEMO_TAGS = $(subst $(space),$(comma),$(strip $(foreach c,$(DEMO_IN_DOMAIN),in-domain) $(foreach c,$(DEMO_CLIPS),out-of-domain)))
 DEMO_MAX_NEW_TOKENS ?= 96
+# words printed with their start, end and probability when the demo bundle has word alignment
+DEMO_WORDS ?= 5
 
 demo: sync
 	@set -e; model=$$($(RUN) cohere-coreml prepare-default | tail -n 1); \
@@ -71,6 +73,12 @@ demo: sync
 		--max-new-tokens $(DEMO_MAX_NEW_TOKENS) --out "$$out.verify.json" \
 		--audio $(DEMO_IN_DOMAIN) $(addprefix tests/data/audio/,$(DEMO_CLIPS)) --languages $(DEMO_IN_DOMAIN_LANGUAGES),$(DEMO_LANGUAGES) \
 		--tags $(DEMO_TAGS); \
+	if grep -q '"function": "align"' "$$out/manifest.json"; then \
+		echo "== word timings (first $(DEMO_WORDS) words of $(firstword $(DEMO_IN_DOMAIN)))"; \
+		$(RUN) cohere-coreml transcribe $(firstword $(DEMO_IN_DOMAIN)) --bundle "$$out" --backend mil \
+			--language $(firstword $(subst $(comma), ,$(DEMO_IN_DOMAIN_LANGUAGES))) --word-timestamps \
+			| sed -n '2,$(shell echo $$(($(DEMO_WORDS) + 1)))p'; \
+	else echo "== no word timings: the bundle has no alignment (manifest decoder.alignment_note)"; fi; \
 	$(RUN) cohere-coreml ane-check "$$out" --summary
 
 # the suite on parallel workers (pytest-xdist; auto = one per CPU), each test file on one worker so its

@@ -170,3 +170,18 @@ def copy_packages(src: Path, dst: Path, components) -> Path:
         if (src / f"{component}.parity.json").is_file():
             shutil.copy2(src / f"{component}.parity.json", dst / f"{component}.parity.json")
     return dst
+
+
+
+def without_alignment(transcriber):
+    """`transcriber` as if its bundle had been exported with --alignment-heads none: the manifest's
+    decoder.alignment null with that note (what a bundle without the align function carries)."""
+    m = transcriber.bundle.manifest
+    transcriber.bundle.manifest = {**m, "decoder": {**m["decoder"], "alignment": None,
+                                                    "alignment_note": "exported with --alignment-heads none"}}
+    return transcriber
+
+
+def transcriber_without_alignment(transcriber_class):
+    """A stand-in for the `Transcriber` class whose instances have no alignment (`without_alignment`), for CLI runs."""
+    return lambda *args, **kwargs: without_alignment(transcriber_class(*args, **kwargs))

@@ -54,6 +54,13 @@ PREFILL_FUNCTION = "prefill"  # optional: the whole prompt in one call
 # confirmed tokens of a streaming partial); input_ids (1, K) padded, position (1,), length (1,)
 EXTEND_FUNCTION = "extend"
 EXTEND_LENGTH = ANE_MULTIPLE  # K: tokens per extend call (the Neural Engine's preferred multiple)
+# optional: the cross-attention weights of the alignment heads for a window's decoded tokens (word timings,
+# docs/word-timings.md), EXTEND_LENGTH a call: the host-state extend's inputs (input_ids (1, K), position (1,),
+# cache_mask (1, 1, 1, C)) over the decoded self cache, output ALIGN_OUTPUT (1, heads, K, Tp) fp16
+ALIGN_FUNCTION = "align"
+ALIGN_OUTPUT = "cross_attention"
+ALIGN_METADATA_KEY = "com.cohere_coreml.alignment"  # decoder package metadata: the alignment block (JSON)
+ALIGN_NOTE_METADATA_KEY = "com.cohere_coreml.alignment_note"  # why a decoder package has no align function
 EXTEND_PAD_ID = 0  # fills input_ids past `length`: never read (causal mask), overwritten before it is visible
 # The cross memory the encoder outputs and the decoder keeps in its state under the same names;
 # bind_memory takes each as input BIND_INPUT_PREFIX + name (a function input cannot share a state's name).

@@ -401,3 +401,31 @@ def test_a_missing_part_package_is_refused(trained_parts_bundle, tmp_path):
     shutil.rmtree(bundle / "encoder_part2.mlpackage")
     with pytest.raises(BundleError, match="encoder_part2.mlpackage"):
         Bundle.load(bundle)
+
+
+def test_alignment_block_takes_k_tokens_a_call(written):
+    """decoder.alignment (word timings): the align function takes the host-state extend's inputs, K = `length`
+    tokens a call (the extend length, not the cache capacity) over the decoded cache; check_manifest refuses a
+    length that disagrees with its io, one past the cache, and an io without position or cache_mask."""
+    from cohere_coreml.bundle.checks import check_manifest
+    from cohere_coreml.config import EXTEND_LENGTH
+
+    manifest = json.loads((written / MANIFEST_NAME).read_text())
+    dec = manifest["decoder"]
+    block, capacity = dec["alignment"], dec["capacity"]
+    assert block["length"] == EXTEND_LENGTH < capacity
+    assert block["io"]["inputs"]["input_ids"]["shape"] == [1, EXTEND_LENGTH]
+    assert block["io"]["inputs"]["cache_mask"]["shape"] == [1, 1, 1, capacity]
+    assert block["io"]["outputs"]["cross_attention"]["shape"][2] == EXTEND_LENGTH
+    check_manifest(manifest, "bundle")  # the control: as written
+
+    def refused(edit, message):
+        bad = copy.deepcopy(manifest)
+        edit(bad["decoder"]["alignment"])
+        with pytest.raises(BundleError, match=message):
+            check_manifest(bad, "bundle")
+
+    refused(lambda b: b.update(length=capacity), r"decoder.alignment.io.inputs.input_ids.shape")
+    refused(lambda b: b.update(length=capacity + 1), r"decoder.alignment.length.*outside")
+    refused(lambda b: b["io"]["inputs"].pop("position"), r"decoder.alignment.io.inputs.*position")
+    refused(lambda b: b["io"]["inputs"].pop("cache_mask"), r"decoder.alignment.io.inputs.*cache_mask")

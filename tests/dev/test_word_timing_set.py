@@ -1,6 +1,6 @@
 """Word-timing sets (tools/cohere_coreml_dev/word_timing.py, tools/data/make_word_timing_set.py): the held-out
 timing set's three kinds and its reproducibility, and the committed calibration set
-(tests/data/word-timing-calibration) against its manifest."""
+(src/cohere_coreml/data/word_timing_calibration) against its manifest."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from cohere_coreml.export.alignment_heads import CALIBRATION_SET
 from cohere_coreml.model.tokens import LANGUAGES
-from cohere_coreml_dev import word_events, word_timing
+from cohere_coreml_dev import synth, word_events, word_timing
 from cohere_coreml_dev.synth import SynthError
 
 from ..helpers import load_tool
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-CALIBRATION = DATA / "word-timing-calibration"
+CALIBRATION = CALIBRATION_SET
 HELDOUT_SINGLE = DATA / "heldout-varied" / "single"
 RATE = 16000
 needs_libespeak = pytest.mark.skipif(
@@ -79,7 +80,9 @@ def test_the_calibration_set_matches_its_files_and_covers_every_declared_languag
         # every clip starts with 0.2 s or more of digital silence
         lead = u["segments"][0][0]
         assert lead >= 0.2 * RATE and not wav[:lead].any()
-    assert total < 3_000_000  # committed: kept small
+    # committed and shipped in the wheel: kept small (the everyday clips under 3 MB, the domain clips under 1.5 MB)
+    domain = sum((CALIBRATION / u["file"]).stat().st_size for u in rows if u.get("domain"))
+    assert total - domain < 3_000_000 and domain < 1_500_000
     for language in LANGUAGES:
         mine = [u for u in rows if u["language"] == language]
         timed, words = word_timing.coverage(mine)
@@ -105,11 +108,28 @@ def test_the_calibration_set_is_what_its_command_makes(tmp_path):
     languages = ["de", "ja", "zh"]
     rows = word_timing.make_calibration_set(tmp_path / "cal", languages, per_language=4, seed=0)
     committed = {u["file"]: u for u in manifest(CALIBRATION)["utterances"]}
-    assert len(rows) == 12
+    assert len(rows) == 16 and sum(1 for u in rows if u.get("domain")) == 4  # de's grammar clips too
     for u in rows:
         mine = committed[u["file"]]
         assert {k: v for k, v in u.items() if k != "sha256"} == {k: v for k, v in mine.items() if k != "sha256"}
         assert np.array_equal(audio(tmp_path / "cal" / u["file"]), audio(CALIBRATION / u["file"]))
+
+
+def test_the_default_models_domain_clips_are_apart_from_the_measured_sets():
+    """en, de, es have clips of the default model's grammar (so it gets heads), one of them of two sentences; none of
+    their sentences is one of the held-out word-timing sets' (made with seed 0: the first 20 per language, and the
+    committed robustness held-out set they share a plan with, tests/data/heldout-varied/single)."""
+    rows = [u for u in manifest(CALIBRATION)["utterances"] if u.get("domain")]
+    assert {u["language"] for u in rows} == {"en", "de", "es"}
+    committed = {s for u in manifest(HELDOUT_SINGLE)["utterances"] for s in u["sentences"]}
+    for language in ("en", "de", "es"):
+        mine = [s for u in rows if u["language"] == language for s in u["sentences"]]
+        assert any(len(u["sentences"]) > 1 for u in rows if u["language"] == language)
+        measured = {s for job in word_timing.plan_single([language], 20, seed=0) for s in job["sentences"]}
+        assert len(set(mine)) == len(mine) >= 4
+        assert not set(mine) & (measured | committed), language
+        # of the grammar's held-out split: sentences the default model never trained on
+        assert all(synth.is_heldout(s, language, 6) for s in mine)
 
 
 def test_calibration_plans_refuse_what_they_cannot_make():

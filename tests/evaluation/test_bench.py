@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from cohere_coreml.evaluation.bench import format_markdown, run_engine, write_outputs
@@ -285,3 +286,94 @@ def test_each_bundle_flag_is_one_bundle_even_over_several_folders(folder, tmp_pa
     assert first["manifest_sha256"] == hashlib.sha256((q8 / "manifest.json").read_bytes()).hexdigest()
     assert first["size_mb"] == 1.5  # f16's encoder + q8's decoder
     assert second["size_mb"] == 3.0 and second["preset"] == "f16" and second["gate"] == "export"
+
+
+# --------------------------------------------------------------------------------------------------
+# Word-timing error on a dataset with word times
+# --------------------------------------------------------------------------------------------------
+
+
+class TimedEngine(ScriptedEngine):
+    """ScriptedEngine that also times words: each clip's words from a table keyed by clip length."""
+
+    alignment = {"heads": [[0, 0]]}
+
+    def __init__(self, answers, words):
+        super().__init__(answers)
+        self.words, self.asked = words, []
+
+    def transcribe_window(self, waveform, prompt, *, index, start_s, max_new_tokens, beams, repetition_guard,
+                          word_timestamps=False, language=None):
+        window = super().transcribe_window(waveform, prompt, index=index, start_s=start_s,
+                                           max_new_tokens=max_new_tokens, beams=beams, repetition_guard=repetition_guard)
+        self.asked.append(word_timestamps)
+        window.words = self.words[len(waveform)] if word_timestamps else None
+        return window
+
+
+def test_word_timing_error_next_to_wer(tmp_path):
+    """Hypothesis words matched to the truth by text (a wrong word has no truth, a truth word without a start
+    counts for nothing): |start error| per matched word, median and p90 over the dataset, words timed / words
+    with a truth; in the report's table next to WER. A dataset without word times reports none."""
+    from cohere_coreml.model.audio import load_audio
+
+    truth = {"en_short.wav": [{"word": "Call", "start": 0.10}, {"word": "Tom", "start": 0.50},
+                              {"word": "now.", "start": 0.90}],
+             "de_short.wav": [{"word": "ruf", "start": 0.20}, {"word": "anna", "start": None},
+                              {"word": "an", "start": 1.00}]}
+    entries = []
+    for name, words in truth.items():
+        (tmp_path / name).write_bytes((AUDIO_DIR / name).read_bytes())
+        entries.append({"audio": name, "text": TEXTS[name], "language": name[:2], "words": words})
+    (tmp_path / "manifest.json").write_text(json.dumps({"utterances": entries}))
+    lengths = {n: load_audio(tmp_path / n).size for n in truth}
+    answers = {lengths["en_short.wav"]: ("Call Tom now.", [5, 6, 3], "eos"),
+               lengths["de_short.wav"]: ("ruf emma an", [5, 6, 7, 3], "eos")}
+    hyp = {lengths["en_short.wav"]: [{"word": "Call", "start": 0.14, "end": 0.4, "probability": 0.9},
+                                     {"word": "Tom", "start": 0.40, "end": 0.8, "probability": 0.9},
+                                     {"word": "uh", "start": 0.95, "end": 1.1, "probability": 0.9},
+                                     {"word": "now.", "start": 1.20, "end": 1.4, "probability": 0.9}],
+           lengths["de_short.wav"]: [{"word": "ruf", "start": 0.22, "end": 0.5, "probability": 0.9},
+                                     {"word": "emma", "start": 0.60, "end": 0.9, "probability": 0.9},
+                                     {"word": "an", "start": 0.90, "end": 1.1, "probability": 0.9}]}
+    dataset = load_folder(tmp_path)
+    engine = TimedEngine(answers, hyp)
+    section = run_engine(lambda: engine, dataset, warmup=False, word_timestamps=True)
+    errors = sorted([0.04, 0.10, 0.30, 0.02, 0.10])  # uh and emma match nothing; anna has no start
+    w = section["word_timing"]
+    assert (w["words_timed"], w["truth_words"], w["clips"]) == (5, 5, 2)
+    assert w["median_s"] == pytest.approx(float(np.median(errors)))
+    assert w["p90_s"] == pytest.approx(float(np.percentile(errors, 90)))
+    report = {"engines": [{"label": "timed", **section}], "tool_version": "x", "tool_git_hash": "0" * 12,
+              "machine": {"platform": "p", "cpus": 1},
+              "dataset": {"name": "d", "manifest_sha256": "0" * 12, "word_times": True}}
+    header, _, row = format_markdown(report).splitlines()[:3]
+    column = header.split(" | ").index("word start error ms: median / p90 (timed / with truth)")
+    assert row.split(" | ")[column] == "100 / 220 (5/5)"
+    plain = run_engine(lambda: TimedEngine(answers, hyp), dataset, warmup=False)
+    assert plain["word_timing"] is None
+
+
+def test_bench_times_words_of_the_bundle_and_the_reference(trained_bundle, tmp_path):
+    """On a word-timing set (three single-sentence clips of the calibration set shipped with the package), the
+    bundle (its align function) and the PyTorch reference (on the bundle's heads, read from its manifest) both
+    report a word-timing error, on the same words, and within one encoder frame of each other."""
+    from cohere_coreml.evaluation.bench import run_bench
+    from cohere_coreml.export.alignment_heads import CALIBRATION_SET
+
+    from ..fixture_data import TRAINED_MODEL
+
+    manifest = json.loads((CALIBRATION_SET / "manifest.json").read_text())
+    picked = [u for u in manifest["utterances"] if "domain_00" in u["file"]]
+    assert len(picked) == 3
+    for u in picked:
+        (tmp_path / u["file"]).write_bytes((CALIBRATION_SET / u["file"]).read_bytes())
+    (tmp_path / "manifest.json").write_text(json.dumps({"utterances": picked}))
+    report = run_bench([str(trained_bundle)], TRAINED_MODEL, tmp_path, backend="mil")
+    reference, bundle = (e["word_timing"] for e in report["engines"])
+    assert report["dataset"]["word_times"]
+    assert reference["truth_words"] == bundle["truth_words"] == sum(
+        1 for u in picked for w in u["words"] if w.get("start") is not None)
+    assert bundle["words_timed"] == reference["words_timed"] >= bundle["truth_words"] - 1
+    assert abs(bundle["median_s"] - reference["median_s"]) <= 0.08 + 1e-9
+    assert "word start error ms" in format_markdown(report)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from cohere_coreml.export.alignment_heads import (
+    CALIBRATION_SET,
     baseline,
     calibration_records,
     evaluate_heads,
@@ -149,7 +150,7 @@ def test_clips_the_model_would_not_transcribe_are_not_calibrated_on(trained_refe
 
 
 def test_the_committed_calibration_set_is_a_word_timing_set():
-    folder, utterances = read_word_timing_set(AUDIO_DIR.parent / "word-timing-calibration", LANGUAGES)
+    folder, utterances = read_word_timing_set(CALIBRATION_SET, LANGUAGES)
     assert {u["language"] for u in utterances} == set(LANGUAGES)
     assert any(len(u.get("sentences") or ()) > 1 for u in utterances)  # clips with pauses for the gate
 
@@ -166,3 +167,46 @@ def test_a_set_without_word_times_is_refused(tmp_path):
     (tmp_path / "manifest.json").write_text('{"utterances": [{"file": "a.flac", "language": "en", "text": "a"}]}')
     with pytest.raises(ValueError, match="no 'words'"):
         read_word_timing_set(tmp_path)
+
+
+def _subset(folder, names):
+    """A word-timing set of some of the shipped calibration set's clips."""
+    manifest = json.loads((CALIBRATION_SET / "manifest.json").read_text())
+    manifest["utterances"] = [u for u in manifest["utterances"] if u["file"] in names]
+    folder.mkdir()
+    for u in manifest["utterances"]:
+        shutil.copy(CALIBRATION_SET / u["file"], folder / u["file"])
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def test_an_explicit_head_list_is_checked_measured_and_kept(trained_reference, tmp_path):
+    """`export --alignment-heads L.H,...`: heads outside the model and rows outside the prompt are one-line errors;
+    a list inside it is measured on the clips the model transcribes and kept (with their figures) whether or not
+    the gate would choose it; on clips it transcribes none of, kept unmeasured, every clip left for the bundle
+    check."""
+    from cohere_coreml.export.alignment_heads import parse_heads, plan_alignment
+    from cohere_coreml.inference.alignment import AlignmentError
+
+    model, processor = trained_reference
+    assert parse_heads("1.0, 0.3") == [(1, 0), (0, 3)]
+    for bad in ("1", "a.b", "1.0,,x", ""):
+        with pytest.raises(AlignmentError, match="--alignment-heads"):
+            parse_heads(bad)
+    domain = _subset(tmp_path / "domain", {"en_domain_00.flac", "en_domain_03.flac", "de_domain_03.flac"})
+    layers = model.config.num_hidden_layers
+    with pytest.raises(AlignmentError, match=f"outside the model's {layers} layers"):
+        plan_alignment(model, processor, f"{layers}.0", calibration=domain)
+    with pytest.raises(AlignmentError, match="--alignment-lead-rows must be 0..9"):
+        plan_alignment(model, processor, "1.0", lead_rows=10, calibration=domain)
+    plan = plan_alignment(model, processor, "0.3,1.0", lead_rows=2, calibration=domain)
+    assert plan.heads == [(0, 3), (1, 0)] and plan.lead_rows == 2 and plan.note is None
+    assert plan.calibration["clips"] == len(plan.records) == 3 and plan.calibration["words"] >= 15
+    assert plan.calibration["median_s"] == pytest.approx(evaluate_heads(plan.records, plan.heads, 2)[0], abs=1e-4)
+    assert plan.metadata()["com.cohere_coreml.alignment"]["heads"] == [[0, 3], [1, 0]]
+    everyday = _subset(tmp_path / "everyday", {"en_calibration_00.flac", "de_calibration_03.flac"})
+    unmeasured = plan_alignment(model, processor, "1.0", calibration=everyday)
+    assert unmeasured.heads == [(1, 0)] and unmeasured.calibration is None and len(unmeasured.records) == 2
+    refused = plan_alignment(model, processor, "auto", calibration=everyday)
+    assert refused.heads is None and refused.records == [] and "transcribes" in refused.note
+    assert refused.metadata() == {"com.cohere_coreml.alignment_note": refused.note}

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 
 import numpy as np
 import pytest
@@ -221,11 +223,21 @@ def test_fp16_program_keeps_small_log_probs(tiny_reference, tmp_path):
 
 
 _TRAINED_PACKAGES: dict = {}
+ALIGN_HEADS = [(1, 2), (0, 1)]  # an explicit list (in the order given) for the packages below
+ALIGN_LENGTH = 8  # their align function's K: fewer than a window's ids, so its later calls read the decoded cache
+
+
+def _align_plan(heads=ALIGN_HEADS, lead_rows=2):
+    from cohere_coreml.export.alignment_heads import AlignmentPlan
+
+    return AlignmentPlan(heads=list(heads), lead_rows=lead_rows, note=None, calibration=None, records=[],
+                         frame_seconds=0.08)
 
 
 def _trained_package(state_writes, trained_reference, tmp_path_factory):
-    """fp16 decoder package of the trained model (C 32, Tp 64, with prefill), gate skipped: the tests
-    below check the state themselves. One per state variant and test run."""
+    """fp16 decoder package of the trained model (C 32, Tp 64, with prefill and an align function on ALIGN_HEADS,
+    ALIGN_LENGTH tokens a call), gate skipped: the tests below check the state themselves. One per state variant
+    and test run."""
     from cohere_coreml.export.convert import ExportSettings
 
     if state_writes not in _TRAINED_PACKAGES:
@@ -234,7 +246,8 @@ def _trained_package(state_writes, trained_reference, tmp_path_factory):
         settings = ExportSettings(out_dir=out, precision="fp16", skip_verify=True)
         _TRAINED_PACKAGES[state_writes] = convert_decoder(model, settings, capacity=32, memory_len=64,
                                                           prompt=_prompt(processor), prefill=True,
-                                                          state_writes=state_writes)["path"]
+                                                          state_writes=state_writes, alignment=_align_plan(),
+                                                          extend_len=ALIGN_LENGTH)["path"]
     return _TRAINED_PACKAGES[state_writes]
 
 
@@ -570,3 +583,151 @@ def test_serve_runtime_host_writes_the_state(trained_reference, host_package):
     decoder.step(state, case.ids[0], 0)
     want = decoder.step(state, case.ids[1], 1)
     np.testing.assert_array_equal(responses[-3][1]["log_probs"].reshape(-1), want)
+
+
+# --- the align function (word timings): the alignment heads' cross-attention, reading the state only ------------
+
+
+def test_align_starts():
+    """The align calls covering rows rows_from..count-1, K a call: the last one moved back to C - K rather than
+    past the cache; what cannot be covered is a one-line error."""
+    from cohere_coreml.inference.decoder_runtime import DecoderRuntimeError, align_starts
+
+    assert align_starts(5, 0, 8, 32) == [0]
+    assert align_starts(32, 0, 8, 32) == [0, 8, 16, 24]
+    assert align_starts(30, 3, 8, 32) == [3, 11, 19, 24]
+    assert align_starts(30, 29, 8, 32) == [24]
+    for count, rows_from in ((0, 0), (33, 0), (10, 10), (10, -1)):
+        with pytest.raises(DecoderRuntimeError, match="align"):
+            align_starts(count, rows_from, 8, 32)
+
+
+def test_align_function_reads_the_decoded_cache(trained_reference, any_package):
+    """On a state fed a window's prompt + tokens (as decoding leaves it), `align`, K rows a call, gives the PyTorch
+    twin's cross-attention weights of the exported heads in their order, and on a calibration clip the reference's
+    teacher-forced rows (`transformers` attention); it leaves the state as it was. On a state NOT fed (fresh:
+    the cache empty) the rows past its first call differ: the function reads the cache. With rows_from, the
+    rows before it are NaN and the others the same (the last call moved back to C - K)."""
+    from cohere_coreml.bundle.packages import decoder_package_info
+    from cohere_coreml.inference.decoder_runtime import DecoderRuntime
+
+    model, processor = trained_reference
+    decoder = DecoderRuntime.load(any_package, backend="mil")
+    assert decoder.align_length == ALIGN_LENGTH
+    k = ALIGN_LENGTH
+    prompt = _prompt(processor)
+    case = teacher_forcing_case(model, 64, prompt, new_tokens=30 - len(prompt), seed=0)
+    ids = (case.ids + case.ids[len(prompt) :] * 3)[:30]  # greedy stops at eos: its tokens again, forced
+    assert len(ids) == 30  # four calls from row 0, the last from C - K with rows_from=3
+    state = decoder.new_state(case.memory)
+    decoder.feed(state, ids)  # decoded first, as the host does
+    before = {name: np.array(state.read_state(name)) for name in decoder.state_description}
+    got = decoder.align(state, ids)
+    for name, value in before.items():
+        np.testing.assert_array_equal(np.asarray(state.read_state(name)), value)
+    np.testing.assert_array_equal(decoder.align(state, ids, pad_id=3), got)  # padding: any id (causal)
+    valid = int(np.sum(case.cross_mask > -1))
+    assert got.shape == (len(ALIGN_HEADS), len(ids), 64)
+    np.testing.assert_allclose(got[..., :valid].sum(-1), 1.0, atol=5e-3)  # softmax rows over the valid frames
+    assert np.abs(got[..., valid:]).max() < 1e-3  # the padded frames: masked
+    twin = TorchDecoder.of(model, 32, 64, state_writes=decoder.state_writes)
+
+    def twin_align(memory, ids, heads=ALIGN_HEADS):
+        fed = twin.new_state(memory)
+        twin.prefill(fed, ids)  # the twin's state fed the same ids
+        return twin.align(fed, ids, heads, align_len=k)
+
+    want = twin_align(case.memory, ids)
+    error = np.abs(got - want).max()
+    assert error < 5e-3
+    assert np.abs(got - twin_align(case.memory, ids, ALIGN_HEADS[::-1])).max() > 10 * error  # manifest order
+    # the control: a state NOT fed. Its first call reads no cache slot (it starts at slot 0), the others do
+    unfed = decoder.align(decoder.new_state(case.memory), ids)
+    assert np.abs(unfed[:, :k] - want[:, :k]).max() < 5e-3
+    assert np.abs(unfed[:, k:] - want[:, k:]).max() > 10 * error
+    part = decoder.align(state, ids, rows_from=3)
+    assert np.isnan(part[:, :3]).all() and not np.isnan(part[:, 3:]).any()
+    assert np.abs(part[:, 3:] - want[:, 3:]).max() < 5e-3
+    # the twin is the reference (`transformers` with its attention weights) on a clip the model transcribes
+    clip, ids, frames, reference = _reference_clip(model, processor)
+    assert len(ids) > k  # so the package's later calls read the cache
+    memory = cross_memory(model, clip, frames, 64)
+    theirs = np.stack([reference.attention[layer, head, : len(ids)] for layer, head in ALIGN_HEADS])
+    assert np.abs(twin_align(memory, ids)[..., :frames] - theirs).max() < 5e-3
+    fed = decoder.new_state(memory)
+    decoder.feed(fed, ids)
+    package = decoder.align(fed, ids)[..., :frames]
+    assert np.abs(package - theirs).max() < 1e-2
+    fresh = decoder.align(decoder.new_state(memory), ids)[..., :frames]
+    assert np.abs(fresh - theirs).max() > 1e-1  # not fed: not the reference's rows
+    alignment = decoder_package_info(any_package)["alignment"]
+    assert alignment["heads"] == [list(h) for h in ALIGN_HEADS] and alignment["lead_rows"] == 2
+    io = alignment["io"]
+    assert alignment["length"] == k and io["inputs"]["input_ids"]["shape"] == [1, k]
+    assert io["inputs"]["position"]["shape"] == [1] and io["inputs"]["cache_mask"]["shape"] == [1, 1, 1, 32]
+    assert io["outputs"]["cross_attention"]["shape"] == [1, len(ALIGN_HEADS), k, 64]
+
+
+def _reference_clip(model, processor, name="en_domain_01.flac"):
+    """(encoder output, prompt + text ids, frames, `teacher_forced_attention`) of a calibration clip."""
+    from cohere_coreml.export.alignment_heads import CALIBRATION_SET
+    from cohere_coreml.model.alignment_reference import encode, teacher_forced_attention
+    from cohere_coreml.model.audio import FrontEndConfig, load_audio, log_mel
+    from cohere_coreml.model.tokens import eos_id
+
+    text = next(u["text"] for u in json.loads((CALIBRATION_SET / "manifest.json").read_text())["utterances"]
+                if u["file"] == name)
+    front_end = FrontEndConfig.from_processor(processor, dither=0.0)
+    features, n_valid = log_mel(load_audio(CALIBRATION_SET / name, target_rate=front_end.sampling_rate), front_end)
+    encoded, _ = encode(model, features[:, :n_valid])
+    tokens = processor.tokenizer(text, add_special_tokens=False).input_ids
+    prompt = _prompt(processor)
+    reference = teacher_forced_attention(model, encoded, prompt, tokens, eos_id(processor.tokenizer))
+    assert reference.top1.all()  # the model transcribes it
+    hidden = encoded.last_hidden_state
+    return hidden, prompt + list(tokens), int(hidden.shape[1]), reference
+
+
+def _step_program(path, function="main"):
+    from cohere_coreml.runtime.package import read_package
+
+    fn = read_package(path).spec.mlProgram.functions[function]
+    return [(op.type, [o.name for o in op.outputs]) for b in fn.block_specializations.values() for op in b.operations]
+
+
+def test_refused_alignment_leaves_the_align_function_out(trained_reference, host_package, tmp_path):
+    """`auto` on a calibration set the model cannot transcribe chooses nothing: the package has no align function,
+    its manifest block is null with the reason, `DecoderRuntime.align` says so in one line; the step's and the
+    prefill's programs are those of a package with an align function. `none` says it was asked for."""
+    from cohere_coreml.bundle.packages import decoder_package_info
+    from cohere_coreml.export.alignment_heads import CALIBRATION_SET, plan_alignment
+    from cohere_coreml.export.convert import ExportSettings
+    from cohere_coreml.inference.decoder_runtime import DecoderRuntime, DecoderRuntimeError
+    from cohere_coreml.runtime.package import read_package
+
+    model, processor = trained_reference
+    everyday = tmp_path / "everyday"  # two of the set's everyday English clips: the default model knows none
+    everyday.mkdir()
+    manifest = json.loads((CALIBRATION_SET / "manifest.json").read_text())
+    manifest["utterances"] = [u for u in manifest["utterances"] if u["file"] in ("en_calibration_00.flac",
+                                                                                  "en_calibration_03.flac")]
+    for u in manifest["utterances"]:
+        shutil.copy(CALIBRATION_SET / u["file"], everyday / u["file"])
+    (everyday / "manifest.json").write_text(json.dumps(manifest))
+    plan = plan_alignment(model, processor, "auto", calibration=everyday)
+    assert plan.heads is None and "no calibration clip the model transcribes" in plan.note
+    settings = ExportSettings(out_dir=tmp_path / "out", precision="fp16", skip_verify=True)
+    path = convert_decoder(model, settings, capacity=32, memory_len=64, prompt=_prompt(processor), prefill=True,
+                           state_writes="host", alignment=plan)["path"]
+    assert set(read_package(path).function_names) == {"main", "prefill"}
+    info = decoder_package_info(path)
+    assert info["alignment"] is None and info["alignment_note"] == plan.note
+    for function in ("main", "prefill"):  # the align function changes no other program
+        assert _step_program(path, function) == _step_program(host_package, function)
+    decoder = DecoderRuntime.load(path, backend="mil")
+    state = decoder.new_state(teacher_forcing_case(model, 64, _prompt(processor), new_tokens=2).memory)
+    with pytest.raises(DecoderRuntimeError, match="no 'align' function.*--alignment-heads") as err:
+        decoder.align(state, _prompt(processor))
+    assert "\n" not in str(err.value)
+    none = plan_alignment(model, processor, "none")
+    assert none.heads is None and none.records == [] and none.note == "exported with --alignment-heads none"

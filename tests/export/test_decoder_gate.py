@@ -272,3 +272,44 @@ def test_argmax_flips_tolerate_near_ties_and_refuse_decisive_flips():
     assert "beyond what the measured error explains" in teacher_forcing_gate(report).text
     assert argmax_flips(case.log_probs, case.log_probs)["flips"] == 0
 
+
+
+def test_gate_checks_the_align_function_against_the_reference(trained_reference, tmp_path, monkeypatch):
+    """The align function through the real export path (trace, convert, interpreter): its word boundaries agree
+    with the reference's (`transformers` attention on the same heads and rows) within one encoder frame on at least
+    99 % of the calibration words, recorded in the parity report with negative controls that would fail; a package
+    whose align function reads other heads than the plan's is refused, no package written."""
+    import cohere_coreml.export.decoder as decoder_module
+    from cohere_coreml.export.alignment_heads import (
+        AGREEMENT_REQUIRED,
+        CALIBRATION_SET,
+        AlignmentPlan,
+        calibration_records,
+    )
+    from cohere_coreml.export.convert import ExportSettings, ParityError
+    from cohere_coreml.export.decoder_modules import DecoderAlign
+
+    model, processor = trained_reference
+    records = calibration_records(model, processor, CALIBRATION_SET, languages=["en"])
+    assert records, "the default model transcribes its own domain's calibration clips"
+    heads = [(1, 0), (1, 1)]
+    plan = AlignmentPlan(heads=heads, lead_rows=1, note=None, calibration=None, records=records, frame_seconds=0.08)
+    # K = 8 tokens a call: the gate's calls from the first row it reads take the rows before from the cache
+    good = convert_decoder(model, ExportSettings(out_dir=tmp_path / "good", precision="fp16"), capacity=32,
+                           memory_len=64, prompt=_prompt(processor), state_writes="host", alignment=plan,
+                           extend_len=8)
+    check = good["parity"]["alignment"]
+    assert check["passed"] and check["fraction"] >= AGREEMENT_REQUIRED and check["words"] >= 15
+    assert check["discriminates"] and max(check["controls"].values()) < AGREEMENT_REQUIRED
+    assert "within one frame of the reference" in good["parity"]["headline"]
+
+    original = decoder_module.trace_decoder_align
+    monkeypatch.setattr(decoder_module, "trace_decoder_align", lambda align: original(
+        DecoderAlign(model, align.shapes.capacity, align.shapes.memory_len, [(0, 2), (0, 3)], align.extend_len)))
+    out = tmp_path / "other-heads"
+    with pytest.raises(ParityError, match="align function's word boundaries agree"):
+        convert_decoder(model, ExportSettings(out_dir=out, precision="fp16"), capacity=32, memory_len=64,
+                        prompt=_prompt(processor), state_writes="host", alignment=plan, extend_len=8)
+    assert sorted(p.name for p in out.iterdir()) == ["decoder.parity-failed.json"]
+    failed = json.loads((out / "decoder.parity-failed.json").read_text())
+    assert failed["alignment"]["passed"] is False and failed["alignment"]["fraction"] < AGREEMENT_REQUIRED

@@ -283,3 +283,48 @@ def test_beam_candidates_per_beam_leave_room_for_eos_ones():
                       length_penalty=1.0)
     assert got["token_ids"] == [a, b, eos]
     assert got["normalised_score"] == pytest.approx((-0.1 - 0.7 - 0.01) / 3)
+
+
+def token_scores(decoder, tokens):
+    """Each token's log-prob after PROMPT and the tokens before it, recomputed without any state object."""
+    h = 0.0
+    for t in PROMPT:
+        h = decoder.fold(h, t)
+    lp = decoder.log_probs_for(h, len(PROMPT) - 1)
+    out = []
+    for i, t in enumerate(tokens):
+        out.append(float(lp[t]))
+        h = decoder.fold(h, t)
+        lp = decoder.log_probs_for(h, len(PROMPT) + i)
+    return out
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_token_log_probs_are_each_tokens_log_prob_where_it_was_chosen(beams):
+    """Word confidences are made of these: per generated token (eos included), its log-prob at the call that
+    chose it (the prompt's last call for the first token, then steps; for beams the best hypothesis'
+    own path), recomputed without states. Not asked, nothing is kept."""
+    checked = 0
+    for seed in range(6):
+        decoder = ToyDecoder(seed=seed, eos_bias=1.0)
+        tr = toy_transcriber(decoder)
+        out = tr.decode(ENC, PROMPT, beams=beams, token_scores=True)
+        assert len(out.token_log_probs) == len(out.token_ids)
+        assert out.token_log_probs == pytest.approx(token_scores(decoder, out.token_ids), abs=1e-5)
+        checked += len(set(out.token_log_probs)) > 1
+        assert tr.decode(ENC, PROMPT, beams=beams).token_log_probs is None
+    assert checked, "every token had the same log-prob: the check cannot tell tokens apart"
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_token_log_probs_follow_a_repetition_trim(beams):
+    tr = toy_transcriber(ToyDecoder(loop=[3, 4, 5]), capacity=64)
+    out = tr.decode(ENC, PROMPT, beams=beams, repetition_guard=RepetitionGuard(), token_scores=True)
+    assert out.token_ids == [3, 4, 5] and len(out.token_log_probs) == 3
+
+
+def test_keep_state_returns_the_windows_state():
+    tr = toy_transcriber(ToyDecoder())
+    assert tr.decode(ENC, PROMPT).state is None
+    state = tr.decode(ENC, PROMPT, keep_state=True).state
+    assert isinstance(state, ToyState) and state.read_state("h")[0] != 0.0

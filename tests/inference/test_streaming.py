@@ -391,3 +391,55 @@ def test_cli_stream_stats_line(extend_bundle, extend_transcriber, capsys):
     assert stats_lines[0]["decoder_tokens"] >= stats_lines[0]["decoder_calls"] > 0
     assert set(stats_lines[0]["per_audio_second"]) == {"encoder_calls", "encoder_audio_s", "encoder_valid_audio_s",
                                                        "decoder_calls", "decoder_tokens"}
+
+
+# --------------------------------------------------------------------------------------------------
+# Word timings of the finals
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def timed_transcriber(trained_bundle):
+    """A Transcriber of the session bundle, whose decoder has the align function (export's default)."""
+    tr = Transcriber(trained_bundle, backend="mil")
+    assert tr.alignment is not None
+    return tr
+
+
+def test_finals_carry_words_on_the_streams_timeline(timed_transcriber, dictation, streamed):
+    """Asked for word timings, each final carries its segment's words: the offline words of the segment's samples
+    moved by the segment's start, inside the segment, in time order across finals; partials carry none, and the
+    text and tokens are those of the stream without word timings."""
+    updates, _ = stream_array(timed_transcriber, dictation, 1600, "en", word_timestamps=True)
+    plain, _ = streamed
+    assert [(u.type, u.text, u.token_ids) for u in updates] == [(u.type, u.text, u.token_ids) for u in plain]
+    finals = [u for u in updates if u.type == "final"]
+    assert all(u.words is None and "words" not in u.to_dict() for u in updates if u.type == "partial")
+    previous_end = 0.0
+    for f in finals:
+        assert f.words, f.text
+        samples = dictation[int(round(f.start * SR)): int(round(f.end * SR))]
+        offline = timed_transcriber.transcribe(samples, "en", word_timestamps=True).words
+        assert [w["word"] for w in f.words] == [w["word"] for w in offline]
+        for got, alone in zip(f.words, offline):
+            assert got["start"] == pytest.approx(alone["start"] + f.start, abs=1e-6)
+            assert got["end"] == pytest.approx(alone["end"] + f.start, abs=1e-6)
+            assert f.start <= got["start"] <= got["end"] <= f.end + 1e-9
+            assert got["start"] >= previous_end - 1e-9
+            previous_end = got["end"]
+        jsonschema.validate(f.to_dict(), UPDATE_SCHEMA)
+    assert finals[-1].words[0]["start"] > 1.0, "the last segment starts seconds in: its words must too"
+
+
+def test_cli_stream_json_finals_with_words(timed_transcriber, trained_bundle, capsys):
+    clip = heldout_utterances(1)[1]["path"]
+    assert main(["transcribe", "--stream", "--no-pace", "--json", "--word-timestamps", str(clip), "--bundle",
+                 str(trained_bundle), "--language", "en", "--backend", "mil"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    for line in lines:
+        jsonschema.validate(line, UPDATE_SCHEMA)
+        assert ("words" in line) == (line["type"] == "final")
+    final = lines[-1]
+    assert final["words"] and " ".join(w["word"] for w in final["words"]) == final["text"]
+    with pytest.raises(jsonschema.ValidationError):  # a word without its probability is not the format
+        jsonschema.validate({**final, "words": [{"word": "a", "start": 0.1, "end": 0.2}]}, UPDATE_SCHEMA)

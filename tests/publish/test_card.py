@@ -103,3 +103,22 @@ def test_card_says_what_changes_the_computation(tmp_path):
             assert "2,091,216 -> 866,496 encoder parameters" in note
         assert activations_note(d) == act, name
     assert low_rank_note(tmp_path) == "" and activations_note(tmp_path) == "fp16 activations"  # an f16 export
+
+
+def test_card_states_the_bundles_word_timing_figures(finalized):
+    """With alignment in the manifest the card names its heads and the calibration figures recorded at export;
+    without, it says why there are none (the manifest's note), never figures of another bundle."""
+    from cohere_coreml.publish.card import word_timings_section
+
+    manifest = json.loads((finalized / "manifest.json").read_text())
+    decoder = dict(manifest["decoder"])
+    decoder["alignment"] = {"function": "align", "heads": [[1, 0], [1, 3]], "lead_rows": 2,
+                            "calibration": {"set": "word_timing_calibration", "clips": 12, "words": 97,
+                                            "median_s": 0.0612, "p90_s": 0.2409, "baseline_median_s": 0.2}}
+    card = model_card(finalized, manifest={**manifest, "decoder": decoder})
+    section = card[card.index("## Word timings"):].split("\n## ")[0]
+    assert "heads 1.0, 1.3" in section and "2 row(s)" in section
+    assert "| `word_timing_calibration` | 12 | 97 | 61 ms | 241 ms | 200 ms |" in section
+    decoder.update(alignment=None, alignment_note="exported with --alignment-heads none")
+    section = word_timings_section({**manifest, "decoder": decoder})
+    assert "Not available: exported with --alignment-heads none." in section[2] and "ms" not in "".join(section)

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from cohere_coreml.export.alignment_heads import (
+    CALIBRATION_SET,
     AlignmentRecord,
     calibration_records,
     check_heads,
@@ -49,7 +50,7 @@ from cohere_coreml.model.checkpoint import load_reference
 from cohere_coreml.model.tokens import eos_id, prompt_ids
 
 ROOT = Path(__file__).resolve().parents[2]
-CALIBRATION = ROOT / "tests" / "data" / "word-timing-calibration"
+CALIBRATION = CALIBRATION_SET
 KINDS = ("single", "padded", "multi")
 logger = logging.getLogger("bench_word_timings")
 

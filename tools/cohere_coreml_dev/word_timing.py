@@ -195,7 +195,7 @@ def _timing_readme(command: str | None, counts: dict[str, tuple[int, int]]) -> s
 
 
 # ------------------------------------------------------------------------------------------------------
-# The calibration set (committed: tests/data/word-timing-calibration)
+# The calibration set (committed: src/cohere_coreml/data/word_timing_calibration)
 # ------------------------------------------------------------------------------------------------------
 
 # Cohere Transcribe's 14 languages -> the espeak-ng voice that speaks them
@@ -274,6 +274,48 @@ def plan_calibration(languages: list[str] = CALIBRATION_LANGUAGES, per_language:
     return jobs
 
 
+# The default model's own domain (its training grammar, `synth.GRAMMAR`): a small model trained on a narrow
+# grammar transcribes none of the everyday sentences above, so without these clips it gets no heads. Per grammar
+# language, held-out sentences of the grammar (never trained on) drawn with their own seed, none of them a
+# sentence of the held-out word-timing sets that measure the aligner (`measured_sentences`): three single
+# sentences and one clip of two with a pause, as above.
+DOMAIN_SEED_OFFSET = 5700  # the domain clips' seed: the set's seed + this (the held-out sets use small seeds)
+DOMAIN_LANGUAGES = DEFAULT_LANGUAGES  # the grammar languages
+DOMAIN_CLIPS = 4
+MEASURED_PER_LANGUAGE = (20, 200)  # the held-out timing sets' sizes (make_word_timing_set's default; the
+# robustness held-out set's, tests/data/heldout-varied, whose plan the timing sets share)
+
+
+def measured_sentences(language: str, seeds=(0,)) -> set[str]:
+    """The sentences of the held-out word-timing sets of `language` (seed 0, every size in MEASURED_PER_LANGUAGE):
+    the domain calibration clips never use one."""
+    out = set()
+    for seed in seeds:
+        for n in MEASURED_PER_LANGUAGE:
+            for job in plan_single([language], n, seed):
+                out.update(job["sentences"])
+    return out
+
+
+def plan_domain_calibration(languages: list[str] = DOMAIN_LANGUAGES, seed: int = 0) -> list[dict]:
+    """The domain clips' jobs (`synth_calibration`'s form) for the grammar languages among `languages`."""
+    jobs = []
+    for language in (x for x in languages if x in synth.GRAMMAR and x in DOMAIN_LANGUAGES):
+        domain_seed = seed + DOMAIN_SEED_OFFSET
+        drawn = synth.plan_corpus([language], DOMAIN_CLIPS + 1, split="heldout", seed=domain_seed, recipe="commands",
+                                  exclude=frozenset(measured_sentences(language)))
+        rng = np.random.default_rng([domain_seed, zlib.crc32(language.encode()), 57])
+        texts = [j["text"] for j in drawn]
+        groups = [[t] for t in texts[: DOMAIN_CLIPS - 1]] + [texts[DOMAIN_CLIPS - 1:]]
+        for i, (group, voice) in enumerate(zip(groups, drawn)):
+            jobs.append({"id": f"{language}_domain_{i:02d}", "language": language, "sentences": group,
+                         "voice": voice["voice"], "variant": voice["variant"], "speed": voice["speed"],
+                         "pitch": voice["pitch"], "lead_s": round(float(rng.uniform(*CALIBRATION_LEAD_S)), 3),
+                         "trail_s": round(float(rng.uniform(*CALIBRATION_TRAIL_S)), 3),
+                         "pauses_s": [round(float(rng.uniform(*CALIBRATION_PAUSE_S)), 3) for _ in group[1:]]})
+    return jobs
+
+
 def synth_calibration(job: dict, path: Path) -> dict:
     """One calibration clip (digital silence around and between the sentences, peak CALIBRATION_PEAK) and its row."""
     rate = SAMPLE_RATE
@@ -310,16 +352,18 @@ def make_calibration_set(out_dir: Path, languages: list[str] = CALIBRATION_LANGU
                          seed: int = 0, command: str | None = None) -> list[dict]:
     """The calibration set in out_dir: FLAC clips, manifest.json (with each file's sha256) and README.md."""
     out_dir = Path(out_dir)
-    jobs = plan_calibration(list(languages), per_language, seed)
+    jobs = plan_calibration(list(languages), per_language, seed) + plan_domain_calibration(list(languages), seed)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     rows = []
     for job in jobs:
-        rows.append(synth_calibration(job, tmp / f"{job['id']}.flac"))
+        rows.append({**synth_calibration(job, tmp / f"{job['id']}.flac"),
+                     **({"domain": "grammar"} if "_domain_" in job["id"] else {})})
         logger.info("%s: %d of %d words with a start time", job["id"], *coverage(rows[-1:]))
-    manifest = {"split": "calibration", "seed": seed, "sample_rate": SAMPLE_RATE, "languages": list(languages),
-                "per_language": per_language, "utterances": rows}
+    manifest = {"split": "calibration", "seed": seed, "domain_seed": seed + DOMAIN_SEED_OFFSET,
+                "sample_rate": SAMPLE_RATE, "languages": list(languages), "per_language": per_language,
+                "utterances": rows}
     _write_manifest(tmp, manifest)
     write_text_atomic(tmp / "README.md", _calibration_readme(command, rows, list(languages)))
     if out_dir.exists():
@@ -345,6 +389,16 @@ def _calibration_readme(command: str | None, rows: list[dict], languages: list[s
         "this set (`CALIBRATION_SENTENCES`), never a recogniser's output. `manifest.json` has per clip its text, "
         "voice, `sentences`, `segments` ([start, end) samples of each sentence), `kind` (single or multi), "
         "`words` and the file's `sha256` (tests/dev/test_word_timing_set.py checks them).",
+        "",
+        f"Plus {sum(1 for r in rows if r.get('domain'))} clips in the default model's own domain (`domain`: "
+        f"\"grammar\", files `<language>_domain_NN`), for {', '.join(sorted({r['language'] for r in rows if r.get('domain')}))}: "
+        "held-out sentences of the synthetic-speech grammar the default model (models/cohere-tiny-synth) was "
+        f"trained on (never trained on), drawn with their own seed (the set's seed + {DOMAIN_SEED_OFFSET}) and none "
+        "of them a sentence of the held-out word-timing sets that measure the aligner (seed 0; "
+        "tests/dev/test_word_timing_set.py checks it); voices as the grammar's own, three single sentences and one "
+        "clip of two with a pause, the same silences. The default model transcribes none of the everyday sentences "
+        "above, so these are the clips its heads are chosen on; a checkpoint of the released model's languages "
+        "transcribes (and is calibrated on) all of them.",
         "",
         ENDS_NOTE,
         "",

@@ -7,7 +7,7 @@ with 0-2 s more silence (padded/) and 2-4 of them joined with pauses (multi/), e
 utterances carry `kind` and `words` ([{word, char_start, start, end}], seconds; `end` is an estimate):
   uv run --frozen python tools/data/make_word_timing_set.py --out out/word-timing --per-language 20
 
-The calibration set for choosing alignment heads (committed as tests/data/word-timing-calibration): a few
+The calibration set for choosing alignment heads (committed as src/cohere_coreml/data/word_timing_calibration): a few
 clips in each of the 14 languages Cohere Transcribe declares, of sentences written for it:
   uv run --frozen python tools/data/make_word_timing_set.py --calibration
 
@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROOT = Path(__file__).resolve().parents[2]
-CALIBRATION_DIR = "tests/data/word-timing-calibration"
+CALIBRATION_DIR = "src/cohere_coreml/data/word_timing_calibration"
 
 
 def _list(value: str) -> list[str]:

@@ -10,6 +10,8 @@ import math
 from collections.abc import Sequence
 
 from ..config import (
+    ALIGN_FUNCTION,
+    ALIGN_OUTPUT,
     BIND_INPUT_PREFIX,
     BIND_OUTPUT,
     CACHE_MASK_INPUT,
@@ -315,6 +317,7 @@ def check_manifest(manifest, where: str, vocab: dict | None = None, processor: d
             f.equal(f"decoder.bind_io.{kind}.{name}.shape", f.shape(bind_io, kind, name, "decoder.bind_io"),
                     "the shape of " + ("the encoder's " + want_inputs[name] if kind == "inputs" else name), shape)
             f.equal(f"decoder.bind_io.{kind}.{name}.dtype", bind_io[kind][name]["dtype"], "dtype", dtype)
+    _check_alignment(f, dec, capacity, layers, memory_shape, memory_len)
     # every encoder function's io: features of its frames in, the decoder's memory out
     for name, fn in enc_functions.items():
         path = f"encoder.functions.{name}.io"
@@ -474,3 +477,52 @@ def _check_encoder_parts(f: _Fields, manifest: dict, enc: dict, enc_functions: d
             if nxt != want:
                 f.fail(f"encoder.parts[{i + 1}].functions.{fn}.io.inputs", f"are {show_value(nxt)}; the part after "
                        f"part {i + 1} takes {show_value(want)}")
+
+
+def _check_alignment(f, dec: dict, capacity: int, layers: int, memory_shape: list, memory_len: int) -> None:
+    """decoder.alignment (word timings; absent in bundles exported before them): null with a reason in
+    decoder.alignment_note, or the align function's heads, rows, frame length, io and calibration figures."""
+    if "alignment" not in dec:
+        return
+    block = f.obj(dec, "alignment", "decoder.alignment", optional=True)
+    note = f.str(dec, "alignment_note", "decoder.alignment_note", optional=True)
+    if block is None:
+        if note is None:
+            f.fail("decoder.alignment_note", "is missing: a bundle without alignment says why (a non-empty string)")
+        return
+    if note is not None:
+        f.fail("decoder.alignment_note", f"is {show_value(note)} but decoder.alignment is set: null when it is")
+    f.str(block, "function", "decoder.alignment.function", (ALIGN_FUNCTION,))
+    length = f.int(block, "length", "decoder.alignment.length", lo=1, hi=capacity)  # K: tokens a call
+    heads_per_layer = f.int(dec, "num_attention_heads", "decoder.num_attention_heads", lo=1)
+    heads = f.get(block, "heads", "decoder.alignment.heads")
+    if not isinstance(heads, list) or not heads:
+        f.fail("decoder.alignment.heads", f"must be a non-empty list of [layer, head], got {show_value(heads)}")
+    for i, pair in enumerate(heads):
+        if (not isinstance(pair, list) or len(pair) != 2 or any(isinstance(x, bool) or not isinstance(x, int)
+                                                                   for x in pair)
+                or not (0 <= pair[0] < layers and 0 <= pair[1] < heads_per_layer)):
+            f.fail(f"decoder.alignment.heads[{i}]", f"must be [layer, head] inside {layers} layers x {heads_per_layer} "
+                   f"heads, got {show_value(pair)}")
+    f.int(block, "lead_rows", "decoder.alignment.lead_rows", lo=0, hi=capacity - 1)
+    f.num(block, "frame_seconds", "decoder.alignment.frame_seconds", 0.0, 10.0, lo_open=True)
+    io = f.io(block, "io", "decoder.alignment.io")
+    # the host-state extend's inputs (input_ids (1, K), position, cache_mask) in either state variant
+    expected = {("inputs", "input_ids"): ([1, length], "int32", "[1, decoder.alignment.length]"),
+                ("inputs", "position"): ([1], "int32", "[1]"),
+                ("inputs", CACHE_MASK_INPUT): ([1, 1, 1, capacity], "float16", "[1, 1, 1, decoder.capacity]"),
+                ("outputs", ALIGN_OUTPUT): ([1, len(heads), length, memory_len], "float16",
+                                            "[1, heads, decoder.alignment.length, encoder.memory_len]"),
+                ("states", "cross_k"): (memory_shape, "float16", "decoder.memory_shape"),
+                ("states", "cross_v"): (memory_shape, "float16", "decoder.memory_shape")}
+    for (kind, name), (shape, dtype, what) in expected.items():
+        f.equal(f"decoder.alignment.io.{kind}.{name}.shape", f.shape(io, kind, name, "decoder.alignment.io"), what,
+                shape)
+        f.equal(f"decoder.alignment.io.{kind}.{name}.dtype", io[kind][name]["dtype"], "dtype", dtype)
+    calibration = f.obj(block, "calibration", "decoder.alignment.calibration", optional=True)
+    if calibration is not None:
+        f.str(calibration, "set", "decoder.alignment.calibration.set")
+        for key in ("clips", "words"):
+            f.int(calibration, key, f"decoder.alignment.calibration.{key}", lo=1)
+        for key in ("median_s", "p90_s", "baseline_median_s"):
+            f.num(calibration, key, f"decoder.alignment.calibration.{key}", 0.0, 1e6)

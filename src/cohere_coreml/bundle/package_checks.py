@@ -47,6 +47,8 @@ def check_packages(bundle: Bundle, where: str) -> None:
         listed["decoder"][dec["functions"]["prefill"]] = (dec["prefill_io"], "decoder.functions.prefill")
     if dec["functions"].get("extend") is not None:
         listed["decoder"][dec["functions"]["extend"]] = (dec["extend_io"], "decoder.functions.extend")
+    if dec.get("alignment") is not None:  # word timings' align function (null / absent without it)
+        listed["decoder"][dec["alignment"]["function"]] = (dec["alignment"]["io"], "decoder.alignment.function")
     if m.get("frontend") is not None:
         listed["frontend"] = {name: (fn["io"], f"frontend.functions.{name}")
                               for name, fn in m["frontend"]["functions"].items()}

@@ -13,6 +13,9 @@ from typing import Any
 import numpy as np
 
 from ..config import (
+    ALIGN_FUNCTION,
+    ALIGN_METADATA_KEY,
+    ALIGN_NOTE_METADATA_KEY,
     BIND_FUNCTION,
     BIND_INPUT_PREFIX,
     BUCKETS_METADATA_KEY,
@@ -221,4 +224,36 @@ def decoder_package_info(path: str | os.PathLike) -> dict:
     if extend:  # optional, and absent (not null) without it: manifests of older exports stay as they were
         info["functions"]["extend"] = extend
         info.update(extend_length=extend_length, extend_io=package_io(path, function_name=extend))
+    info.update(alignment_info(path, meta, functions, shapes["capacity"]))
     return info
+
+
+def alignment_info(path, meta: dict, functions, capacity: int) -> dict:
+    """The manifest's `alignment` block (None without an align function) and `alignment_note` (why there is
+    none, None when there is one) of a decoder package, from its metadata and its align function."""
+    from ..runtime.package import describe, read_package  # as decoder_package_info
+
+    raw = meta.get(ALIGN_METADATA_KEY)
+    if ALIGN_FUNCTION not in functions:
+        if raw:
+            raise BundleError(f"{path}: its metadata names alignment heads but it has no {ALIGN_FUNCTION!r} function: "
+                              "re-export it with `cohere-coreml export --force`")
+        return {"alignment": None, "alignment_note": meta.get(ALIGN_NOTE_METADATA_KEY)
+                or "exported before word timings (no align function): re-export for word timings"}
+    try:
+        block = json.loads(raw)
+        heads = [[int(layer), int(head)] for layer, head in block["heads"]]
+    except (TypeError, ValueError, KeyError) as err:
+        raise BundleError(f"{path} has an {ALIGN_FUNCTION!r} function without readable alignment metadata "
+                          f"({type(err).__name__}: {err}): re-export it") from None
+    inputs, _, outputs = describe(read_package(path, function_name=ALIGN_FUNCTION))
+    length = int(inputs["input_ids"][0][1])  # K: tokens a call
+    if not 1 <= length <= int(capacity) or "position" not in inputs:
+        raise BundleError(f"{path}: its {ALIGN_FUNCTION} function takes {length} tokens "
+                          f"({'with' if 'position' in inputs else 'without'} a position) for a cache of {capacity}: "
+                          "an align function of an older format; re-export it")
+    return {"alignment": {"function": ALIGN_FUNCTION, "length": length, "heads": heads,
+                          "lead_rows": int(block["lead_rows"]), "frame_seconds": float(block["frame_seconds"]),
+                          "io": package_io(path, function_name=ALIGN_FUNCTION),
+                          "calibration": block.get("calibration")},
+            "alignment_note": None}

@@ -482,7 +482,7 @@ def main() -> None:
     else:
         print(text)
         for w in words:
-            print(f"{w['start']:8.3f} {w['end']:8.3f}  {w['probability']:.3f}  {w['word']}")
+            print(f"[{w['start']:.3f}-{w['end']:.3f}] {w['word']} ({w['probability']:.3f})")  # as cohere-coreml
 
 
 if __name__ == "__main__":

@@ -13,6 +13,11 @@ stage totals (front end, encoder, prompt, decode) and decode tokens per second; 
 RSS of the process (ru_maxrss: cumulative over the engines run so far, in run order) and the
 RSS after loading; loop rate (windows stopped by the repetition guard, or whose tokens end in an
 n-gram run by `decoding.loop_in`) and truncation rate (windows that hit the token limit).
+On a dataset whose manifest has word times (a word-timing set: tools/data/make_word_timing_set.py), each engine
+that can time words (a bundle with alignment; the PyTorch reference with heads: --alignment-heads, or the first
+bundle's) also reports the word-timing error: its words matched to the truth's by text
+(`export.alignment_heads.match_words`, as the head choice matches them), median and 90th percentile |start
+error|, and words timed / words with a true start.
 
 Device runs (`--merge-engine FILE.json`, repeatable): the JSON of `cohere-transcribe-swift bench` (the
 Swift package on a Mac, an iOS device, or Linux through the interpreter) becomes a row too. It is refused
@@ -38,14 +43,19 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from .. import __version__, git_hash
+from ..bundle.load import Bundle
 from ..cli_options import HelpFormatter, add_bundle_arg, add_decoding_args
+from ..export.alignment_heads import match_words
+from ..inference.alignment import DEFAULT_LEAD_ROWS
 from ..inference.decoding import TOKEN_LIMITS, RepetitionGuard, StopReason, loop_in
 from ..inference.engines import PyTorchEngine
 from ..inference.longform import check_audio
 from ..inference.transcribe import Transcriber
+from ..inference.words import parse_heads
 from ..model.audio import AudioError
 from ..storage.files import write_json_atomic
 from .datasets import load_dataset
@@ -123,15 +133,39 @@ def agreement_with(reference: dict, engine: dict) -> dict:
     return {"reference": reference["label"], **token_agreement([a for a, _ in pairs], [b for _, b in pairs])}
 
 
+def word_timing_errors(words: Sequence[dict], truth: Sequence[dict]) -> dict:
+    """One clip's |start error| (seconds) of every hypothesis word matched by text to a truth word with a start,
+    and how many truth words have one."""
+    matched = match_words([w["word"] for w in words], truth)
+    errors = [abs(w["start"] - t["start"]) for w, t in zip(words, matched) if t is not None and t.get("start") is not None]
+    return {"start_errors": [round(e, 4) for e in errors],
+            "truth_words": sum(1 for t in truth if t.get("start") is not None)}
+
+
+def word_timing_summary(clips: list[dict]) -> dict | None:
+    """Median / 90th percentile |start error| over the clips' timed words, words timed / words with a truth."""
+    rows = [c["word_timing"] for c in clips if c.get("word_timing")]
+    if not rows:
+        return None
+    errors = np.array([e for r in rows for e in r["start_errors"]], dtype=np.float64)
+    return {"clips": len(rows), "words_timed": int(errors.size), "truth_words": sum(r["truth_words"] for r in rows),
+            "median_s": float(np.median(errors)) if errors.size else None,
+            "p90_s": float(np.percentile(errors, 90)) if errors.size else None}
+
+
 def run_engine(make_engine, dataset, *, max_new_tokens=None, beams=1, repetition_guard=None, warmup=True,
-               progress=False) -> dict:
-    """Load one engine and run every clip of `dataset`; returns the engine's section of the report."""
+               progress=False, word_timestamps=False) -> dict:
+    """Load one engine and run every clip of `dataset`; returns the engine's section of the report.
+    `word_timestamps`: time the words of the clips with a truth (when the engine has alignment)."""
     rss_before = current_rss_mb()
     t0 = time.perf_counter()
     engine = make_engine()
     load_s = time.perf_counter() - t0
     rss_loaded = current_rss_mb()
     options = dict(max_new_tokens=max_new_tokens, beams=beams, repetition_guard=repetition_guard)
+    timed = bool(word_timestamps) and getattr(engine, "alignment", None) is not None
+    if word_timestamps and not timed:
+        logger.warning("%s %s has no word alignment: no word-timing error for it", engine.kind, engine.name)
     first_run_s = None
     clips = []
     items = dataset.clips
@@ -158,7 +192,8 @@ def run_engine(make_engine, dataset, *, max_new_tokens=None, beams=1, repetition
             first_run_s = time.perf_counter() - t
         t = time.perf_counter()
         try:
-            result = engine.transcribe(clip.audio, clip.language, **options)
+            result = engine.transcribe(clip.audio, clip.language, **options,
+                                       **({"word_timestamps": True} if timed and clip.words else {}))
         except (AudioError, ValueError, RuntimeError) as err:
             if not type(err).__module__.startswith(__name__.split(".")[0]):  # the package's own errors
                 raise
@@ -167,6 +202,8 @@ def run_engine(make_engine, dataset, *, max_new_tokens=None, beams=1, repetition
         row["processing_s"] = time.perf_counter() - t
         row["hypothesis"] = result.text
         row["token_ids"] = [t for w in result.windows for t in w.token_ids]
+        if timed and clip.words:
+            row["word_timing"] = word_timing_errors(result.words, clip.words)
         row["windows"] = [window_row(w.index, w.start_s, w.start_s + w.duration_s, w.token_ids, w.stop_reason,
                                      w.timings, engine.eos_ids) for w in result.windows]
     return {
@@ -227,6 +264,7 @@ def summarise(clips: list[dict], dataset_name: str) -> dict:
         "loop_rate": sum(w["loop"] for w in windows) / len(windows) if windows else 0.0,
         "truncation_rate": (sum(w["stop_reason"] in TOKEN_LIMITS for w in windows) / len(windows)
                             if windows else 0.0),
+        "word_timing": word_timing_summary(scored),
         "clips": clips,
     }
 
@@ -334,9 +372,24 @@ def merge_engine(path: str | os.PathLike, dataset, every_index: set[int] | None 
     return {"label": _swift_label(data, len(clips), len(dataset.clips)), "bundle": info, **section}
 
 
+def reference_alignment(bundles, alignment_heads: str | None, lead_rows: int | None) -> tuple[tuple, int] | None:
+    """The PyTorch reference's alignment heads and rows before the text: --alignment-heads (and
+    --alignment-lead-rows), else the first bundle's manifest (so its words are compared on the same heads)."""
+    if alignment_heads:
+        return parse_heads(alignment_heads), int(lead_rows if lead_rows is not None else DEFAULT_LEAD_ROWS)
+    for b in bundles or []:
+        block = (Bundle.load(bundle_folders(b)).manifest.get("decoder") or {}).get("alignment")
+        if block:
+            return tuple(tuple(h) for h in block["heads"]), int(lead_rows if lead_rows is not None else block["lead_rows"])
+    return None
+
+
 def run_bench(bundles, pytorch, data, *, backend="auto", compute_units="all", max_new_tokens=None, beams=1,
-              repetition_guard=None, limit_per_language=None, progress=False, merge=()) -> dict:
-    """`bundles`: one entry per bundle, a folder or the list of its folders (searched in order)."""
+              repetition_guard=None, limit_per_language=None, progress=False, merge=(), alignment_heads=None,
+              alignment_lead_rows=None) -> dict:
+    """`bundles`: one entry per bundle, a folder or the list of its folders (searched in order).
+    `alignment_heads` ("L.H,..."): the PyTorch reference's heads for the word-timing error (default: the first
+    bundle's)."""
     if not bundles and not pytorch and not merge:
         raise BenchError("nothing to bench: give --bundle DIR[,DIR...] (repeatable: one bundle each), --pytorch MODEL and/or --merge-engine FILE")
     dataset = load_dataset(str(data), limit_per_language)
@@ -346,11 +399,16 @@ def run_bench(bundles, pytorch, data, *, backend="auto", compute_units="all", ma
               "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(),
               "dataset": {"name": dataset.name, "manifest": dataset.manifest_path,
                           "manifest_sha256": dataset.manifest_sha256, "clips": len(dataset.clips),
-                          "languages": dataset.languages()},
+                          "languages": dataset.languages(), "word_times": any(c.words for c in dataset.clips)},
               "engines": []}
-    opts = dict(max_new_tokens=max_new_tokens, beams=beams, repetition_guard=repetition_guard, progress=progress)
+    timed = any(c.words for c in dataset.clips)  # a word-timing set: the engines' word-timing error too
+    opts = dict(max_new_tokens=max_new_tokens, beams=beams, repetition_guard=repetition_guard, progress=progress,
+                word_timestamps=timed)
     if pytorch:
-        section = run_engine(lambda: PyTorchEngine(pytorch), dataset, **opts)
+        heads = reference_alignment(bundles, alignment_heads, alignment_lead_rows) if timed else None
+        section = run_engine(lambda: PyTorchEngine(pytorch, alignment_heads=heads[0] if heads else None,
+                                                   lead_rows=heads[1] if heads else DEFAULT_LEAD_ROWS),
+                             dataset, **opts)
         report["engines"].append({"label": f"pytorch {Path(str(pytorch)).name}", **section})
     for b in bundles or []:
         dirs = bundle_folders(b)
@@ -413,12 +471,24 @@ def format_placement(placement, reason=None) -> str:
     return "; ".join(cells) or "no function"
 
 
+def format_word_timing(w: dict | None) -> str:
+    """"55 / 149 (80/84)": median and p90 |start error| in ms, words timed / words with a true start."""
+    if not w:
+        return "-"
+    if w["median_s"] is None:
+        return f"- (0/{w['truth_words']})"
+    return f"{1000 * w['median_s']:.0f} / {1000 * w['p90_s']:.0f} ({w['words_timed']}/{w['truth_words']})"
+
+
 def format_markdown(report: dict) -> str:
     langs = sorted({l for e in report["engines"] for l in e["languages"]})
     head = ["engine", "size MB"] + [f"{l} {report['engines'][0]['languages'].get(l, {}).get('metric', 'wer').upper()} % [95 % CI]"
                                     for l in langs]
     head += ["S/D/I", "same as reference (clips, tokens)", "loops %", "trunc %", "RTFx", "tokens/s", "load s",
              "first run s", "peak RSS MB"]
+    timed = any("word_timing" in e for e in report["engines"]) and report["dataset"].get("word_times")
+    if timed:
+        head.insert(2 + len(langs), "word start error ms: median / p90 (timed / with truth)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in report["engines"]:
         size = e.get("bundle", {}).get("size_mb")
@@ -429,6 +499,8 @@ def format_markdown(report: dict) -> str:
                   percent(e["truncation_rate"]), f"{e['rtfx']:.2f}",
                   f"{e['tokens_per_s']:.1f}", f"{e['load_s']:.1f}",
                   f"{e['first_run_s']:.2f}" if e["first_run_s"] is not None else "-", f"{e['peak_rss_mb']:.0f}"]
+        if timed:
+            cells.insert(2 + len(langs), format_word_timing(e.get("word_timing")))
         lines.append("| " + " | ".join(cells) + " |")
     stage_head = ["engine"] + [s.replace("_s", "") + " s" for s in STAGES] + ["audio s", "clips", "windows", "problems"]
     lines += ["", "| " + " | ".join(stage_head) + " |", "|" + "---|" * len(stage_head)]
@@ -541,7 +613,8 @@ def cmd_bench(args) -> int:
     report = run_bench(args.bundle, args.pytorch, args.data, backend=args.backend, compute_units=args.compute_units,
                        max_new_tokens=args.max_new_tokens, beams=args.beams,
                        repetition_guard=RepetitionGuard() if args.repetition_guard else None,
-                       limit_per_language=args.limit_per_language, progress=True, merge=args.merge_engine)
+                       limit_per_language=args.limit_per_language, progress=True, merge=args.merge_engine,
+                       alignment_heads=args.alignment_heads, alignment_lead_rows=args.alignment_lead_rows)
     paths = write_outputs(report, args.out)
     print(format_markdown(report))
     for e in report["engines"]:
@@ -576,5 +649,10 @@ def add_command(subparsers) -> None:
     add_decoding_args(p)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (PyTorch and the interpreter); 1 is steadier on a shared machine (default: torch's)")
+    p.add_argument("--alignment-heads", default=None, metavar="L.H,...",
+                   help="on a dataset with word times: the PyTorch reference's alignment heads (layer.head, 0-based) "
+                   "for its word-timing error (default: the first bundle's manifest heads)")
+    p.add_argument("--alignment-lead-rows", type=int, default=None, metavar="N",
+                   help="with --alignment-heads: rows before the text (default: the bundle's, else 1)")
     p.add_argument("--out", default="out/bench", help="output folder (default: %(default)s)")
     p.set_defaults(func=cmd_bench)

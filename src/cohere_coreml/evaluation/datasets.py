@@ -2,9 +2,10 @@
 
 Folder manifests (the first that exists): `manifest.jsonl` (one JSON object per line) or
 `manifest.json` (a list, or {"utterances": [...]} / {"clips": [...]}, as tests/data/heldout).
-Each entry: "file" or "audio" (path relative to the folder), "text", "language". An entry
-with a missing file or an empty text is kept and reported as a per-clip problem by the bench;
-the rest is still scored.
+Each entry: "file" or "audio" (path relative to the folder), "text", "language", and optionally
+"words" (word-timing sets: the true words with "start" / "end" seconds; the bench then reports the
+word-timing error). An entry with a missing file or an empty text is kept and reported as a
+per-clip problem by the bench; the rest is still scored.
 
 Hugging Face names ("librispeech_asr", "google/fleurs", optionally "name:config:split") need the
 `datasets` package and the Hub; both are checked up front and a missing one is reported in one
@@ -36,6 +37,9 @@ class Clip:
     language: str
     problem: str | None = None  # why this clip cannot be scored (missing file, empty text)
     index: int | None = None  # position of its entry in a folder's manifest (ids need not be unique)
+    # word-timing sets (tools/data/make_word_timing_set.py): the truth's words, {"word", "start", "end"} in seconds
+    # (start null where the synthesizer reported no word event); None for a manifest without word times
+    words: list[dict] | None = None
 
 
 @dataclass
@@ -99,8 +103,12 @@ def load_folder(directory: str | os.PathLike, limit_per_language: int | None = N
             problem = f"audio file not found: {audio}"
         elif not text.strip():
             problem = "empty reference transcript"
+        words = entry.get("words")
+        if words is not None and not (isinstance(words, list) and all(isinstance(w, dict) and "word" in w
+                                                                      for w in words)):
+            raise DatasetError(f"{path}: entry {i}: 'words' must be a list of {{\"word\", \"start\", ...}} objects")
         clips.append(Clip(id=str(entry.get("id") or name or i), audio=audio, text=text, language=language,
-                          problem=problem, index=i))
+                          problem=problem, index=i, words=words))
     if not clips:
         raise DatasetError(f"{path} lists no clips")
     sha = hashlib.sha256(path.read_bytes()).hexdigest()

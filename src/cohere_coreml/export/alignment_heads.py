@@ -50,6 +50,9 @@ from ..inference.alignment import (
 
 logger = logging.getLogger(__name__)
 
+# the calibration set shipped with the package (data/word_timing_calibration, its README says how it is made):
+# what `export --alignment-heads auto` chooses on unless --alignment-calibration names another
+CALIBRATION_SET = Path(__file__).resolve().parents[1] / "data" / "word_timing_calibration"
 LEAD_ROW_CHOICES = (1, 2, 3)  # rows before the text the choice may use (the prompt's last tokens)
 Head = tuple[int, int]  # (layer, head)
 
@@ -290,7 +293,8 @@ def calibration_records(model, processor, folder: str | Path, languages: Sequenc
         encoded, _ = encode(model, features[:, :n_valid])
         tokens = tokenizer(u["text"], add_special_tokens=False).input_ids
         tf = teacher_forced_attention(model, encoded, prompts[u["language"]], tokens, eos_id(tokenizer))
-        if require_transcribed and not tf.top1.all():
+        transcribed = bool(tf.top1.all())
+        if require_transcribed and not transcribed:
             skipped += 1
             continue
         pieces = tokenizer.convert_ids_to_tokens(tokens)
@@ -304,7 +308,9 @@ def calibration_records(model, processor, folder: str | Path, languages: Sequenc
             probabilities=tf.token_probabilities[:-1], language=u["language"], truth=match_words(words, u["words"]),
             span=truth_span(u["words"], len(audio) / front_end.sampling_rate), frame_seconds=frame,
             meta={"file": u["file"], "kind": u.get("kind"), "text": u["text"],
-                  "sentences": list(u.get("sentences") or [u["text"]])}))
+                  "sentences": list(u.get("sentences") or [u["text"]]), "transcribed": transcribed,
+                  # what the bundle-vs-reference check feeds the package (`alignment_cases`)
+                  "encoded": encoded.last_hidden_state, "ids": list(prompts[u["language"]]) + list(tokens)}))
         if progress:
             progress(u["file"])
     if skipped:
@@ -322,3 +328,182 @@ def check_heads(heads: Sequence[Head], layers: int, heads_per_layer: int) -> lis
                                  f"{heads_per_layer} heads")
         out.append((int(layer), int(head)))
     return out
+
+
+def parse_heads(text: str) -> list[Head]:
+    """`--alignment-heads` "L.H,L.H,..." -> [(L, H), ...], or AlignmentError naming the form."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        layer, _, head = item.partition(".")
+        if not (layer.isdigit() and head.isdigit()):
+            raise AlignmentError(f"--alignment-heads: {item!r} is not LAYER.HEAD (e.g. 3.1); give auto, none or a "
+                                 "comma-separated list like 2.0,3.1")
+        out.append((int(layer), int(head)))
+    if not out:
+        raise AlignmentError("--alignment-heads: empty list; give auto, none or a list like 2.0,3.1")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The export's choice (`export --alignment-heads`) and the bundle-vs-reference check
+# --------------------------------------------------------------------------------------------------
+
+AGREEMENT_REQUIRED = 0.99  # share of words whose package and reference boundaries agree within one encoder frame
+
+
+@dataclass
+class AlignmentPlan:
+    """What the decoder export does about alignment.
+
+    heads / lead_rows   the align function's heads (None: no align function) and the rows before the text
+    note                why there is none (None when there are heads): the manifest's `alignment_note`
+    calibration         the manifest's `calibration` block (None: the heads were not measured)
+    records             the calibration clips the bundle-vs-reference check runs (`alignment_check`)
+    frame_seconds       one encoder frame (the configs')
+    """
+
+    heads: list[Head] | None
+    lead_rows: int
+    note: str | None
+    calibration: dict | None
+    records: list[AlignmentRecord]
+    frame_seconds: float
+
+    def metadata(self) -> dict:
+        """The decoder package's metadata entries (`bundle.packages.decoder_package_info` reads them back)."""
+        from ..config import ALIGN_METADATA_KEY, ALIGN_NOTE_METADATA_KEY
+
+        if self.heads is None:
+            return {ALIGN_NOTE_METADATA_KEY: self.note}
+        return {ALIGN_METADATA_KEY: {"heads": [list(h) for h in self.heads], "lead_rows": self.lead_rows,
+                                     "frame_seconds": self.frame_seconds, "calibration": self.calibration}}
+
+
+def _calibration_block(name: str, records: Sequence[AlignmentRecord], heads: Sequence[Head], lead_rows: int) -> dict:
+    median, p90, words = evaluate_heads(records, heads, lead_rows)
+    return {"set": name, "clips": len(records), "words": words, "median_s": round(median, 4), "p90_s": round(p90, 4),
+            "baseline_median_s": round(baseline(gate_records(records))[0], 4)}
+
+
+def plan_alignment(model, processor, heads: str = "auto", lead_rows: int = 1,
+                   calibration: str | Path | None = None) -> AlignmentPlan:
+    """`export --alignment-heads`: "none" (no align function), "auto" (`select_heads` on the calibration set
+    with the reference model; a refusal gives no align function and says why in one warning line) or an explicit
+    "L.H,..." list (checked against the model; measured on the calibration set and recorded, kept even when the
+    gate would refuse it: the user asked for these heads, and the warning line and the manifest's figures say how
+    they fare). Raises AlignmentError / CalibrationError (one line) on a bad list or an unreadable set."""
+    from ..config import PROMPT_LENGTH
+    from ..model.alignment_reference import frame_seconds
+
+    frame = frame_seconds(model, processor)
+    if heads == "none":
+        return AlignmentPlan(None, lead_rows, "exported with --alignment-heads none", None, [], frame)
+    folder = Path(calibration) if calibration is not None else CALIBRATION_SET
+    config = model.config
+    explicit = None if heads == "auto" else check_heads(parse_heads(heads), config.num_hidden_layers,
+                                                        config.num_attention_heads)
+    if not 0 <= lead_rows < PROMPT_LENGTH:
+        raise AlignmentError(f"--alignment-lead-rows must be 0..{PROMPT_LENGTH - 1} (rows before the text within the "
+                             f"prompt), got {lead_rows}")
+    every = calibration_records(model, processor, folder, require_transcribed=False)
+    counted = [r for r in every if r.meta.get("transcribed")]
+    name = folder.name
+    if explicit is None:
+        choice, reason = select_heads(counted)
+        if choice is None:
+            logger.warning("alignment heads: none chosen on %s (%d of %d clips transcribed): %s; the bundle has no "
+                           "word timings", name, len(counted), len(every), reason)
+            return AlignmentPlan(None, lead_rows, reason, None, [], frame)
+        logger.info("alignment heads: %s", reason)
+        return AlignmentPlan(choice.heads, choice.lead_rows, None,
+                             _calibration_block(name, counted, choice.heads, choice.lead_rows), counted, frame)
+    if not counted:
+        logger.warning("alignment heads %s: not measured (the model transcribes none of the %d clips of %s)",
+                       format_heads(explicit), len(every), name)
+        return AlignmentPlan(explicit, lead_rows, None, None, every, frame)
+    accepted, reason = gate(counted, explicit, lead_rows)
+    (logger.info if accepted else logger.warning)("alignment heads (as given): %s", reason)
+    return AlignmentPlan(explicit, lead_rows, None, _calibration_block(name, counted, explicit, lead_rows), counted,
+                         frame)
+
+
+@dataclass
+class AlignmentCase:
+    """One calibration clip as the package's align function sees it: the cross memory, the ids (prompt + text)
+    and the reference's weights (every layer and head)."""
+
+    record: AlignmentRecord
+    memory: dict
+    ids: list[int]
+    frames: int
+
+
+def alignment_cases(model, records: Sequence[AlignmentRecord], memory_len: int, capacity: int) -> list[AlignmentCase]:
+    """The records whose clip fits the package (encoder frames <= memory_len, prompt + text <= capacity), with their
+    cross memory computed by the reference (`model.reference.cross_memory`)."""
+    import torch
+
+    from ..model.reference import cross_memory
+
+    cases = []
+    with torch.no_grad():
+        for r in records:
+            hidden, ids = r.meta.get("encoded"), r.meta.get("ids")
+            if hidden is None or ids is None:
+                continue
+            frames = int(hidden.shape[1])
+            if frames > memory_len or len(ids) > capacity:
+                continue
+            memory = cross_memory(model, hidden, frames, memory_len)
+            cases.append(AlignmentCase(r, {k: memory[k] for k in ("cross_k", "cross_v", "cross_mask")}, list(ids),
+                                       frames))
+    return cases
+
+
+def boundary_agreement(cases: Sequence[AlignmentCase], weights: Sequence[np.ndarray], heads: Sequence[Head],
+                       lead_rows: int, row_shift: int = 0,
+                       reference_heads: Sequence[Head] | None = None) -> tuple[int, int]:
+    """(words whose start and end agree within one encoder frame, words) between the rule on the package's
+    `weights` (per case (len(heads), len(ids), frames)) and on the reference's weights of the same heads and rows.
+    `row_shift` / `reference_heads`: the negative controls (the package's rows cut one slot early, -1: each row
+    labelled by its input token; the reference read on other heads)."""
+    agree = total = 0
+    reference_heads = list(heads if reference_heads is None else reference_heads)
+    for case, w in zip(cases, weights):
+        r = case.record
+        mine = alignment_rows(np.asarray(w)[..., : case.frames], r.prompt_length + row_shift, len(r.pieces), lead_rows)
+        ref_rows = alignment_rows(r.attention, r.prompt_length, len(r.pieces), lead_rows)
+        ref = np.stack([ref_rows[layer, head] for layer, head in reference_heads])
+        options = dict(frame_seconds=r.frame_seconds, lead_rows=lead_rows, language=r.language)
+        got = align_words(mine, r.pieces, r.probabilities, **options)
+        want = align_words(ref, r.pieces, r.probabilities, **options)
+        tolerance = r.frame_seconds * (1 + 1e-6)
+        agree += sum(abs(a.start - b.start) <= tolerance and abs(a.end - b.end) <= tolerance for a, b in zip(got, want))
+        total += len(want)
+    return agree, total
+
+
+def alignment_check(cases: Sequence[AlignmentCase], weights: Sequence[np.ndarray], heads: Sequence[Head],
+                    lead_rows: int) -> dict:
+    """The bundle-vs-reference check: word boundaries identical within one encoder frame on at least
+    AGREEMENT_REQUIRED of the words, with its negative controls (the package's rows shifted by one slot; the
+    reference read on other heads, when the model has any) and whether they would fail it."""
+    agree, words = boundary_agreement(cases, weights, heads, lead_rows)
+    fraction = agree / words if words else None
+    controls = {}
+    if words:
+        if all(c.record.prompt_length - 2 - lead_rows >= 0 for c in cases):  # room for one row earlier
+            a, n = boundary_agreement(cases, weights, heads, lead_rows, row_shift=-1)
+            controls["shifted_rows"] = a / n
+        layers, per_layer = cases[0].record.attention.shape[:2]
+        others = [(layer, head) for layer in range(layers) for head in range(per_layer) if (layer, head) not in heads]
+        if others:  # the heads ranked farthest from the chosen ones: the last ones of another layer if any
+            wrong = [others[-1 - k % len(others)] for k in range(len(heads))]
+            a, n = boundary_agreement(cases, weights, heads, lead_rows, reference_heads=wrong)
+            controls["other_heads"] = a / n
+    passed = fraction is not None and fraction >= AGREEMENT_REQUIRED
+    return {"clips": len(cases), "words": words, "agree": agree, "fraction": fraction,
+            "required": AGREEMENT_REQUIRED, "passed": passed if words else None,
+            "controls": controls,
+            "discriminates": all(v is not None and v < AGREEMENT_REQUIRED for v in controls.values()) if controls
+            else None}

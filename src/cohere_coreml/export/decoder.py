@@ -60,6 +60,8 @@ import numpy as np
 import torch
 
 from ..config import (
+    ALIGN_FUNCTION,
+    ALIGN_OUTPUT,
     ANE_MULTIPLE,
     BIND_FUNCTION,
     BIND_INPUT_PREFIX,
@@ -71,19 +73,21 @@ from ..config import (
     DECODER_STATES,
     EXTEND_FUNCTION,
     EXTEND_LENGTH,
+    EXTEND_PAD_ID,
     MEMORY_NAMES,
     NEW_ROWS_OUTPUTS,
     PREFILL_FUNCTION,
     PROMPT_LENGTH,
     STEP_FUNCTION,
 )
-from ..inference.decoder_runtime import extend_inputs, host_cache_mask, memory_frames
+from ..inference.decoder_runtime import align_rows, extend_inputs, host_cache_mask, memory_frames
 from ..model.shapes import DecoderShapes, cache_capacity
 from ..storage.files import save_converted, skip_installed
 from .convert import ExportSettings, convert_module, merge_functions, quiet_third_party, validated_per_pipeline
 from .decoder_gate import COMPONENT, prepare_gate
 from .decoder_modules import (
     STATE_DTYPE,
+    DecoderAlign,
     DecoderBind,
     DecoderExportError,
     DecoderExtend,
@@ -116,7 +120,7 @@ def trace_decoder_bind(bind: StatefulDecoder):
 
 def _host_mask_example(module: StatefulDecoder) -> tuple:
     """The cache_mask example input of a host-state function ((), for a graph-state one)."""
-    if isinstance(module, (DecoderStepHost, DecoderExtendHost)):
+    if isinstance(module, (DecoderStepHost, DecoderExtendHost, DecoderAlign)):
         return (torch.zeros((1, 1, 1, module.shapes.capacity), dtype=STATE_DTYPE),)
     return ()
 
@@ -135,6 +139,10 @@ def trace_decoder_extend(extend: DecoderExtend):
                            *_host_mask_example(extend)))
 
 
+def trace_decoder_align(align: DecoderAlign):
+    return trace_decoder_extend(align)  # the host-state extend's inputs
+
+
 def coreml_states(shapes: DecoderShapes, names=("self_k", "self_v", *MEMORY_NAMES)):
     """The package's state declarations (fp16, static shapes), shared by every function."""
     import coremltools as ct  # heavy: the PyTorch side (decoder_gate, tests) needs none
@@ -151,6 +159,13 @@ def coreml_io(shapes: DecoderShapes, function: str = STEP_FUNCTION, prompt_len: 
     returns `new_k` / `new_v` (fp16 (L, Hkv, S, Dh)); there is no bind function."""
     import coremltools as ct  # heavy: the PyTorch side (decoder_gate, tests) needs none
 
+    if function == ALIGN_FUNCTION:  # the same in both variants: it only reads the state
+        if state_writes not in DECODER_STATES:
+            raise ValueError(f"state_writes must be one of {DECODER_STATES}, got {state_writes!r}")
+        inputs = [ct.TensorType(name="input_ids", shape=(1, extend_len), dtype=np.int32),
+                  ct.TensorType(name="position", shape=(1,), dtype=np.int32),
+                  ct.TensorType(name=CACHE_MASK_INPUT, shape=(1, 1, 1, shapes.capacity), dtype=np.float16)]
+        return inputs, coreml_states(shapes), [ct.TensorType(name=ALIGN_OUTPUT, dtype=np.float16)]
     if state_writes == DECODER_STATE_HOST:
         if function == BIND_FUNCTION:
             raise ValueError("the host-state decoder has no bind function (the host writes the cross memory)")
@@ -248,6 +263,18 @@ HOST_DESCRIPTIONS = {
     "cross_mask": "fp16 (1, 1, 1, Tp) additive cross mask of the window (0 valid, -1e4 padding), written by the host",
 }
 HOST_EXTEND_DESCRIPTIONS = {k: v for k, v in HOST_DESCRIPTIONS.items() if k not in ("input_ids", "position", "log_probs")}
+ALIGN_DESCRIPTIONS = {
+    "input_ids": "int32 (1, K): the window's tokens for slots position..position+K-1 (its prompt then its text "
+                 "tokens, no eos), real first, then padding (any id); causal among themselves",
+    "position": "int32 (1,): the slot of the first token (position + K <= C)",
+    "cache_mask": "fp16 (1, 1, 1, C): 0 for the slots < position (the window's decoded tokens, already in the self "
+                  "cache), -1e4 for the others",
+    ALIGN_OUTPUT: "fp16 (1, S, K, Tp): softmax cross-attention weights of the S alignment heads (the manifest's "
+                  "decoder.alignment.heads, in order) over the encoder frames; row i is the query at slot position+i",
+    **{k: v for k, v in HOST_DESCRIPTIONS.items() if k in MEMORY_NAMES},
+    "self_k": "fp16 (L, Hkv, C, Dh) self-attention keys of the window's decoded tokens (read, never written)",
+    "self_v": "fp16 (L, Hkv, C, Dh) self-attention values of the window's decoded tokens (read, never written)",
+}
 BIND_DESCRIPTIONS = {
     BIND_INPUT_PREFIX + "cross_k": "(L, Hkv, Tp, Dh) encoder.mlpackage's cross_k, unchanged",
     BIND_INPUT_PREFIX + "cross_v": "(L, Hkv, Tp, Dh) encoder.mlpackage's cross_v, unchanged",
@@ -327,11 +354,29 @@ class TorchDecoder:
         rows = self._run(state, padded[0], positions, all_rows=True)[0]  # (K, V)
         return rows[: len(ids)]
 
+    def align(self, state, ids, heads, rows_from: int = 0, pad_id: int = EXTEND_PAD_ID,
+              align_len: int = EXTEND_LENGTH) -> np.ndarray:
+        """The `align` function as the package computes it (`DecoderAlign`'s graph on this state, which it only
+        reads), K = `align_len` rows a call (`align_rows`, as `DecoderRuntime.align`): (len(heads), len(ids), Tp)
+        float32 cross-attention weights of `heads` for `ids` (prompt + text tokens), rows < rows_from NaN.
+        Precondition: the state has been fed these ids (their K/V in its self cache), as after decoding."""
+        heads = [(int(a), int(b)) for a, b in heads]
+
+        def call(input_ids, position, cache_mask):
+            positions = torch.from_numpy(position + np.arange(align_len, dtype=np.int32))
+            with torch.no_grad():
+                out = state.run_tokens(torch.from_numpy(input_ids), positions,
+                                       cache_mask=torch.from_numpy(cache_mask), cross_heads=heads)
+            return out[0].float().numpy()
+
+        return align_rows(call, ids, rows_from, align_len, state.shapes.capacity, pad_id)
+
 
 def convert_decoder(model, settings: ExportSettings, capacity: int | None = None, memory_len: int | None = None,
                     prompt: list[int] | None = None, prefill: bool = False,
                     control_prompt: list[int] | None = None, extend: bool = False,
-                    extend_len: int = EXTEND_LENGTH, state_writes: str = DECODER_STATE_DEFAULT) -> dict:
+                    extend_len: int = EXTEND_LENGTH, state_writes: str = DECODER_STATE_DEFAULT,
+                    alignment=None) -> dict:
     """Export `decoder.mlpackage` into `settings.out_dir` with a teacher-forcing parity gate.
 
     Args:
@@ -350,13 +395,18 @@ def convert_decoder(model, settings: ExportSettings, capacity: int | None = None
         state_writes: "host" (the functions only read the state and return the new K/V rows, which the
             host writes; no bind function) or "graph" (the functions write the cache, bind_memory the
             memory). docs/decoder.md says which is the default and why.
+        alignment: `alignment_heads.AlignmentPlan` (`plan_alignment`): with heads, also an `align` function
+            (their cross-attention weights for a window's decoded tokens, `extend_len` a call, docs/word-timings.md),
+            checked against the reference on the calibration clips by the gate; the plan's heads / note go into
+            the package metadata.
+            None: no align function and no note.
 
     Returns a dict: package path, shapes, parity report (`GateReport.to_dict()`, also written to
     `decoder.parity.json`; None when skipped or unchecked), written (False: the package existed).
     Raises `ParityError` (package not written) when the gate fails.
     """
     staged, result = stage_decoder(model, settings, capacity, memory_len, prompt, prefill, control_prompt,
-                                   extend, extend_len, state_writes)
+                                   extend, extend_len, state_writes, alignment)
     if staged is None:
         return result
     report = staged.finish()
@@ -369,7 +419,8 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
                   prompt: list[int] | None = None, prefill: bool = False,
                   control_prompt: list[int] | None = None, extend: bool = False,
                   extend_len: int = EXTEND_LENGTH,
-                  state_writes: str = DECODER_STATE_DEFAULT) -> tuple[StagedPackage | None, dict]:
+                  state_writes: str = DECODER_STATE_DEFAULT,
+                  alignment=None) -> tuple[StagedPackage | None, dict]:
     """`convert_decoder` up to the gate: the package at its temporary path (traced and converted
     inside the writer, so no program object outlives it), the teacher-forcing reference and the
     negative controls computed with PyTorch. Returns (staged package or None when skipped, the
@@ -403,6 +454,9 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
     if extend:  # absent without it (as in the manifest)
         result["functions"]["extend"] = EXTEND_FUNCTION
         result["extend_length"] = int(extend_len)
+    align_heads = alignment.heads if alignment is not None else None
+    if align_heads:
+        result["functions"]["align"] = ALIGN_FUNCTION
     if skip_installed(settings, COMPONENT):
         return None, result
     meta = {
@@ -412,11 +466,17 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
         "com.cohere_coreml.memory_len": str(shapes.memory_len),
         "com.cohere_coreml.eos_token_id": str(model.config.eos_token_id),
         "com.cohere_coreml.decoder_state": state_writes,
+        **(alignment.metadata() if alignment is not None else {}),
     }
 
     def convert(function: str):
         """Trace and convert one function of the package (a single-function model named `main`)."""
-        if function == BIND_FUNCTION:
+        if function == ALIGN_FUNCTION:
+            traced = trace_decoder_align(DecoderAlign(model, capacity, memory_len, align_heads, extend_len))
+            descriptions = ALIGN_DESCRIPTIONS
+            summary = ("Cohere Transcribe decoder align: the alignment heads' cross-attention weights for a window's "
+                       "decoded tokens, K a call (word timings; reads its state)")
+        elif function == BIND_FUNCTION:
             traced, descriptions = trace_decoder_bind(DecoderBind(model, capacity, memory_len)), BIND_DESCRIPTIONS
             summary = "Cohere Transcribe decoder: bind one window's cross memory into the state"
         elif function == PREFILL_FUNCTION:
@@ -438,7 +498,7 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
             summary = "Cohere Transcribe decoder step (stateful KV cache + bound cross memory, log-softmax output)"
         inputs, states, outputs = coreml_io(shapes, function, prompt_len=len(gate_prompt), extend_len=extend_len,
                                             state_writes=state_writes)
-        if host:
+        if host and function != ALIGN_FUNCTION:
             summary = summary.replace("stateful KV cache", "reads its state, returns new K/V rows for the host")
         return convert_module(traced, inputs, outputs, settings, states=states,
                               metadata={**meta, "com.cohere_coreml.function": function},
@@ -447,7 +507,7 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
                               short_description=summary)
 
     functions = ([STEP_FUNCTION] + ([] if host else [BIND_FUNCTION]) + ([PREFILL_FUNCTION] if prefill else [])
-                 + ([EXTEND_FUNCTION] if extend else []))
+                 + ([EXTEND_FUNCTION] if extend else []) + ([ALIGN_FUNCTION] if align_heads else []))
 
     def write(tmp: Path) -> None:
         save_multifunction({fn: (lambda fn=fn: convert(fn)) for fn in functions}, tmp)
@@ -455,7 +515,8 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
     def prepare():  # the gate's PyTorch side (reference, negative controls), once the package is written
         return prepare_gate(model, partial(TorchDecoder.of, model, state_writes=state_writes), shapes.memory_len,
                             shapes.capacity, gate_prompt, control_prompt, settings.precision, settings.min_psnr_db,
-                            settings.gate_units, prefill, extend_len if extend else None, state_writes=state_writes)
+                            settings.gate_units, prefill, extend_len if extend else None, state_writes=state_writes,
+                            alignment=alignment if align_heads else None)
 
     return stage_gated(COMPONENT, settings, write, prepare, installed=lambda: False), result  # checked above
 

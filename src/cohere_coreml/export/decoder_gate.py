@@ -341,6 +341,9 @@ def teacher_forcing_gate(report: dict) -> GateReport:
     headline = (f"worst PSNR {report['worst_psnr_db']:.1f} dB, mean KL {report['mean_kl']:.3g}, "
                 f"argmax {report['argmax_agree']}/{report['argmax_steps']} decoding steps"
                 + (f" ({near} near-tie flip{'s' * (near != 1)}, tolerated)" if near else ""))
+    align = report.get("alignment")
+    if align is not None and align["words"]:
+        headline += f"; align: {align['agree']}/{align['words']} words within one frame of the reference"
     text = "" if report["passed"] else (
         f"decoder.mlpackage does not match PyTorch under teacher forcing: worst PSNR "
         f"{report['worst_psnr_db']:.1f} dB (need {report['min_psnr_db_required']}), mean KL "
@@ -351,6 +354,10 @@ def teacher_forcing_gate(report: dict) -> GateReport:
     if report.get("state_writes") == DECODER_STATE_HOST and writes:
         text += (f"; the host-state decoder's programs write their state ({writes}): its functions must only "
                  "read it")
+    if align is not None and align["passed"] is False:
+        text += (f"{'; ' if text else ''}the align function's word boundaries agree with the reference's within one "
+                 f"encoder frame on {align['agree']}/{align['words']} words of {align['clips']} calibration clips "
+                 f"(need {100 * align['required']:.0f} %)")
     memory = report.get("memory")
     if memory is not None and not memory["passed"]:
         text += (f"; {BIND_FUNCTION} did not bind the memory it was given (states differing from it: "
@@ -364,14 +371,23 @@ def prepare_gate(model, make_twin: TwinFactory, memory_len: int, capacity: int, 
                  control_prompt: list[int] | None, precision: str, min_psnr_db: float | None = None,
                  units: str = "auto", prefill: bool = False,
                  extend_len: int | None = None,
-                 state_writes: str = DECODER_STATE_GRAPH) -> Callable[[Path], GateReport]:
+                 state_writes: str = DECODER_STATE_GRAPH, alignment=None) -> Callable[[Path], GateReport]:
     """The PyTorch side of the decoder gate, computed before the package is loaded: the teacher-forcing
     reference (`prompt` + up to 16 greedy tokens, within `capacity`) and the negative controls. Returns
     `gate(package_path) -> GateReport`, which loads the package (`DecoderRuntime` on `units`: `gate.GateLoader`) and scores
     the step, the bound memory and (with `prefill`) the prefill function and (with `extend_len`) the
     extend function (`run_extend_teacher_forcing`) against that reference. `state_writes` "host": the
     package must be a host-state one (its step takes cache_mask) whose programs write no state
-    (`state_write_ops`); the bound-memory check then checks the host's writes."""
+    (`state_write_ops`); the bound-memory check then checks the host's writes. `alignment` (an
+    `alignment_heads.AlignmentPlan` with heads): the package's `align` function on the plan's calibration clips
+    that fit it, each on a state fed the clip's prompt + tokens first (`DecoderRuntime.feed`: align reads their K/V
+    from the self cache, as after decoding), against the reference's weights of the same heads
+    (`alignment_heads.alignment_check`)."""
+    align_cases = None
+    if alignment is not None:
+        from .alignment_heads import alignment_cases  # the word-timing rule's side: only when aligning
+
+        align_cases = alignment_cases(model, alignment.records, memory_len, capacity)
     case = teacher_forcing_case(model, memory_len, prompt, new_tokens=min(16, capacity - len(prompt)))
     # negative controls: would this case refuse a broken package? (warns when it cannot)
     controls = negative_controls(make_twin, case, precision, min_psnr_db, control_prompt=control_prompt)
@@ -379,7 +395,7 @@ def prepare_gate(model, make_twin: TwinFactory, memory_len: int, capacity: int, 
     def gate(tmp_path: Path) -> GateReport:
         with GateLoader(units, tmp_path.parent) as loader:
             decoder = DecoderRuntime.load(tmp_path, prefill=prefill, extend=extend_len is not None,
-                                          **loader.runtime_options(tmp_path))
+                                          align=alignment is not None, **loader.runtime_options(tmp_path))
             report = score(tmp_path, decoder)
             report.details["runs_on"] = loader.describe(tmp_path)
             return report
@@ -416,6 +432,31 @@ def prepare_gate(model, make_twin: TwinFactory, memory_len: int, capacity: int, 
             report["passed"] = bool(report["passed"] and not writes)
         report["controls"] = controls
         report["discriminates"] = all(c["discriminates"] for c in controls.values() if c["applicable"])
+        if alignment is not None:
+            report["alignment"] = align_report(decoder)
+            report["passed"] = bool(report["passed"] and report["alignment"]["passed"] is not False)
         return teacher_forcing_gate(report)
+
+    def align_report(decoder: DecoderRuntime) -> dict:
+        from .alignment_heads import alignment_check
+
+        if decoder.align_model is None:
+            raise DecoderGateError("the package has no align function, the export asked for one")
+        weights = []
+        for c in align_cases:  # the precondition: the state has been fed the clip's prompt + tokens (as decoded)
+            state = decoder.new_state(c.memory)
+            decoder.feed(state, c.ids)
+            # from the first row the checks read (the shifted control's, one before the rule's): as a host calls
+            # it, the rows before it are read from the cache, not computed
+            first = max(0, c.record.prompt_length - 2 - alignment.lead_rows)
+            weights.append(decoder.align(state, c.ids, rows_from=first))
+        check = alignment_check(align_cases, weights, alignment.heads, alignment.lead_rows)
+        if check["words"] == 0:
+            logger.warning("decoder gate: the align function was not checked against the reference (no calibration "
+                           "clip fits the package's window and cache)")
+        elif check["discriminates"] is False:
+            logger.warning("decoder gate: the alignment check's negative controls %s would pass it: these clips "
+                           "cannot tell a broken align function from a right one", check["controls"])
+        return check
 
     return gate

@@ -103,9 +103,14 @@ class StatefulDecoder(nn.Module):
         cross_mask: torch.Tensor | None = None,  # (1, 1, 1, Tp) additive; default: the state's
         all_rows: bool = False,
         cache_mask: torch.Tensor | None = None,  # (1, 1, 1, C) additive: the host-state variant
+        cross_heads: list[tuple[int, int]] | None = None,  # the alignment function's (layer, head)s
     ):
         """Feed S consecutive tokens; returns the log-probs after the last one, (1, V), or with `all_rows`
         after each of them, (1, S, V).
+
+        With `cross_heads` (the `align` function) it returns instead the softmax cross-attention weights of
+        those heads, in that order, (1, len(cross_heads), S, Tp) fp16, and stops after the cross attention of
+        the last layer holding one of them (no later layer, no LM head).
 
         Without `cache_mask` (the "graph" variant) the new K/V rows are written into the state at
         `positions` and the causal mask is built from `positions`. With `cache_mask` (the "host" variant)
@@ -141,7 +146,9 @@ class StatefulDecoder(nn.Module):
                 torch.full((), MASK_VALUE, dtype=dtype),
             )  # (1, 1, S, C)
 
-        for i, layer in enumerate(dec.layers):
+        weights = {}  # layer -> (1, H, S, Tp) cross-attention weights (the align function's)
+        last = max(layer for layer, _ in cross_heads) if cross_heads else len(dec.layers) - 1
+        for i, layer in enumerate(dec.layers[: last + 1]):
             # --- self attention with the static cache ---
             residual = hidden
             x = layer.input_layernorm(hidden)
@@ -171,7 +178,14 @@ class StatefulDecoder(nn.Module):
             attn = layer.encoder_attn
             q = attn.q_proj(x).view(1, n, s.num_heads, s.head_dim).transpose(1, 2)  # (1, H, S, Dh)
             ck, cv = memory(i)  # (1, Hkv, Tp, Dh)
-            out, _ = eager_attention_forward(attn, q, ck, cv, cross_mask, scaling=attn.scaling)
+            out, attn_weights = eager_attention_forward(attn, q, ck, cv, cross_mask, scaling=attn.scaling)
+            if cross_heads:
+                weights[i] = attn_weights
+                if i == last:
+                    # the values are not needed past this point; one of them, times 0, keeps the cross_v state
+                    # read when every selected head lies in the first layer (coremltools refuses unused states)
+                    anchor = cv[0, 0, 0, 0] * 0
+                    break
             out = attn.o_proj(out.reshape(1, n, s.num_heads * s.head_dim))
             hidden = residual + out
 
@@ -179,6 +193,9 @@ class StatefulDecoder(nn.Module):
             residual = hidden
             hidden = residual + layer.mlp(layer.final_layernorm(hidden))
 
+        if cross_heads:  # (1, S_heads, S, Tp): head h of layer l is attention head h (query heads)
+            chosen = torch.stack([weights[li][0, h] for li, h in cross_heads], dim=0).unsqueeze(0)
+            return (chosen + anchor).to(STATE_DTYPE)
         if all_rows:
             log_probs = stable_log_softmax(self.proj_out(dec.norm(hidden)))  # (1, S, V)
         else:
@@ -274,6 +291,29 @@ class DecoderExtendHost(DecoderExtend):
 
     def forward(self, input_ids: torch.Tensor, position: torch.Tensor, cache_mask: torch.Tensor):
         return self.run_tokens(input_ids, position + self.offsets, all_rows=True, cache_mask=cache_mask)
+
+
+class DecoderAlign(DecoderExtend):
+    """`align` (both state variants): the host-state extend returning the alignment heads' cross-attention weights
+    instead of log-probs (word timings, docs/word-timings.md). K token slots from `position` over the cache slots
+    `cache_mask` leaves open, causal among themselves; it stops after the last layer holding a selected head. It
+    only reads the state, in either variant: the window's decoded self cache (the K/V of its tokens at slots <
+    position: the precondition, true once the host has decoded or fed them) and its bound cross memory."""
+
+    def __init__(self, model, capacity: int, memory_len: int, heads, align_len: int = EXTEND_LENGTH):
+        super().__init__(model, capacity, memory_len, align_len)
+        self.heads = [(int(layer), int(head)) for layer, head in heads]
+        if not self.heads:
+            raise DecoderExportError("the align function needs at least one alignment head")
+        s = self.shapes
+        bad = [h for h in self.heads if not (0 <= h[0] < s.num_layers and 0 <= h[1] < s.num_heads)]
+        if bad:
+            raise DecoderExportError(f"alignment heads {bad} lie outside the decoder's {s.num_layers} layers x "
+                                     f"{s.num_heads} heads")
+
+    def forward(self, input_ids: torch.Tensor, position: torch.Tensor, cache_mask: torch.Tensor) -> torch.Tensor:
+        # (1, K) int32, (1,) int32, (1, 1, 1, C) fp16 -> (1, S_heads, K, Tp) fp16
+        return self.run_tokens(input_ids, position + self.offsets, cache_mask=cache_mask, cross_heads=self.heads)
 
 
 class RecomputingStep(StatefulDecoder):

@@ -77,6 +77,9 @@ class ExportJob:
     decoder_state: str = DECODER_STATE_DEFAULT  # who writes the decoder state: "host" | "graph" (docs/decoder.md)
     encoder_parts: int | str = "auto"  # programs of consecutive encoder layers: N, or "auto" (under `platform`'s limit)
     platform: str = "ios"  # whose per-program weight limit "auto" keeps the parts under (docs/ane.md)
+    alignment_heads: str = "auto"  # the decoder's align function: "auto" | "none" | "L.H,..." (docs/word-timings.md)
+    alignment_lead_rows: int = 1  # rows before the text, for an explicit head list ("auto" chooses its own)
+    alignment_calibration: str | Path | None = None  # the word-timing set "auto" chooses on (default: the package's)
 
 
 @dataclass(frozen=True)
@@ -128,11 +131,31 @@ def _stage_decoder(job: ExportJob) -> StagedPackage | None:
         if info["state_writes"] != job.decoder_state:
             raise ExportError(f"{path} is a {info['state_writes']}-state decoder, the export asks for "
                               f"--decoder-state {job.decoder_state}; use --force to re-export")
+    if job.settings.force or not path.exists() or stale_reason(job.settings, "decoder") is not None:
+        alignment = _plan_alignment(job)
+    else:
+        alignment = None  # the package is present and skipped: no calibration
     staged, _ = decoder.stage_decoder(job.model, job.settings, capacity=shapes.capacity, memory_len=shapes.memory_len,
                                       prompt=job.prompt, prefill=job.prefill,
                                       control_prompt=job.control_prompt, extend=job.extend,
-                                      state_writes=job.decoder_state)
+                                      state_writes=job.decoder_state, alignment=alignment)
     return staged
+
+
+def _plan_alignment(job: ExportJob):
+    """The decoder's alignment heads (`alignment_heads.plan_alignment`); a bad list or set: ExportError (one line)."""
+    from ..inference.alignment import AlignmentError
+    from .alignment_heads import CalibrationError, plan_alignment
+
+    t0 = time.perf_counter()
+    try:
+        plan = plan_alignment(job.model, job.processor, job.alignment_heads, job.alignment_lead_rows,
+                              job.alignment_calibration)
+    except (AlignmentError, CalibrationError) as err:
+        raise ExportError(str(err)) from None
+    if job.alignment_heads != "none":
+        logger.info("alignment heads: calibration took %.1f s", time.perf_counter() - t0)
+    return plan
 
 
 # Export order: no component reads another (all take their shapes from the plan), but gating the
@@ -210,7 +233,8 @@ def stage_export(model, processor, settings: ExportSettings, components: Sequenc
                  gate_audio=None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, buckets=(), prefill: bool = False,
                  extend: bool = False,
                  decoder_state: str = DECODER_STATE_DEFAULT, encoder_parts: int | str = "auto",
-                 platform: str = "ios") -> StagedExport:
+                 platform: str = "ios", alignment_heads: str = "auto", alignment_lead_rows: int = 1,
+                 alignment_calibration=None) -> StagedExport:
     """The PyTorch half of an export: convert every component and compute its gate's references.
 
     After this returns the model is no longer needed (the caller may free it), so the gates'
@@ -227,7 +251,9 @@ def stage_export(model, processor, settings: ExportSettings, components: Sequenc
     job = ExportJob(model=model, processor=processor, settings=settings, plan=plan, prompt=prompt,
                     control_prompt=control_prompt,
                     gate_audio=gate_audio, buckets=tuple(buckets), prefill=prefill,
-                    extend=extend, decoder_state=decoder_state, encoder_parts=encoder_parts, platform=platform)
+                    extend=extend, decoder_state=decoder_state, encoder_parts=encoder_parts, platform=platform,
+                    alignment_heads=alignment_heads, alignment_lead_rows=alignment_lead_rows,
+                    alignment_calibration=alignment_calibration)
     result = StagedExport(settings=settings, model_info=ModelInfo.of(model), processor=processor, staged={})
     try:
         for name in (c for c in COMPONENTS if c in components):
@@ -246,7 +272,8 @@ def export_model(model, processor, settings: ExportSettings, components: Sequenc
                  gate_audio=None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, buckets=(), prefill: bool = False,
                  extend: bool = False,
                  decoder_state: str = DECODER_STATE_DEFAULT, encoder_parts: int | str = "auto",
-                 platform: str = "ios") -> ExportResult:
+                 platform: str = "ios", alignment_heads: str = "auto", alignment_lead_rows: int = 1,
+                 alignment_calibration=None) -> ExportResult:
     """Export `components` of a loaded checkpoint into `settings.out_dir`, then write the bundle.
 
     Each component is parity gated unless `settings.skip_verify`; a failing gate raises
@@ -257,7 +284,8 @@ def export_model(model, processor, settings: ExportSettings, components: Sequenc
     return stage_export(model, processor, settings, components, gate_audio=gate_audio,
                         max_new_tokens=max_new_tokens, buckets=buckets, prefill=prefill,
                         extend=extend, decoder_state=decoder_state, encoder_parts=encoder_parts,
-                        platform=platform).finish()
+                        platform=platform, alignment_heads=alignment_heads, alignment_lead_rows=alignment_lead_rows,
+                        alignment_calibration=alignment_calibration).finish()
 
 
 def export_checkpoint(model_ref: str, settings: ExportSettings, revision: str | None = None,
@@ -301,7 +329,9 @@ def cmd_export(args) -> int:
                                gate_audio=args.gate_audio, max_new_tokens=args.max_tokens,
                                buckets=tuple(args.buckets or ()), prefill=args.prefill,
                                extend=args.extend, decoder_state=args.decoder_state,
-                               encoder_parts=args.encoder_parts, platform=args.platform)
+                               encoder_parts=args.encoder_parts, platform=args.platform,
+                               alignment_heads=args.alignment_heads, alignment_lead_rows=args.alignment_lead_rows,
+                               alignment_calibration=args.alignment_calibration)
     for name, package in result.packages.items():  # one line per package (its gate's cases: <name>.parity.json)
         line = f"{name}: {package['path'] if package['written'] else 'exists, skipped (use --force)'}"
         report = package["report"]
@@ -323,6 +353,19 @@ def _encoder_parts(value: str) -> int | str:
     if not value.isdigit() or int(value) < 1:
         raise argparse.ArgumentTypeError(f"must be 'auto' or a positive number of parts, got {value!r}")
     return int(value)
+
+
+def _alignment_heads(value: str) -> str:
+    """--alignment-heads: 'auto', 'none' or a LAYER.HEAD list (checked against the model at export)."""
+    if value in ("auto", "none"):
+        return value
+    from ..inference.alignment import AlignmentError
+    from .alignment_heads import format_heads, parse_heads
+
+    try:
+        return format_heads(parse_heads(value))
+    except AlignmentError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--alignment-heads: ")) from None
 
 
 def add_command(subparsers) -> None:
@@ -381,6 +424,17 @@ def add_command(subparsers) -> None:
     p.add_argument("--platform", choices=("ios", "macos"), default="ios",
                    help="target whose Neural Engine weight limit --encoder-parts auto keeps every program under: "
                    "ios 1 GiB (default), macos 2 GiB")
+    p.add_argument("--alignment-heads", default="auto", metavar="auto|none|L.H,...", type=_alignment_heads,
+                   help="the decoder cross-attention heads word timings read (an `align` function in "
+                   "decoder.mlpackage): 'auto' (default) chooses them on --alignment-calibration with the PyTorch "
+                   "model and leaves them out when no choice beats a naive baseline; 'none' leaves the function out; "
+                   "or a list of LAYER.HEAD (0-based), measured and kept as given. docs/word-timings.md")
+    p.add_argument("--alignment-lead-rows", type=int, default=1, metavar="N",
+                   help="rows before the text the word-timing rule reads, with an explicit --alignment-heads list "
+                   "('auto' chooses its own; default: %(default)s)")
+    p.add_argument("--alignment-calibration", default=None, metavar="DIR",
+                   help="word-timing set (manifest.json with word times) --alignment-heads auto chooses on and the "
+                   "gate checks the align function with (default: the set shipped with the package)")
     p.add_argument("--force", action="store_true", help="overwrite packages that already exist")
     p.add_argument("--skip-verify", action="store_true",
                    help="do not run the parity gates (packages are written unchecked)")

@@ -1,7 +1,7 @@
 """Inference: transcribe with a bundle (or the PyTorch reference behind the same interface).
 
 Takes: a `Bundle` and audio (files, arrays, or live chunks).
-Gives: transcripts, per window and per file; streaming partials and finals.
+Gives: transcripts, per window and per file, with word timings when asked; streaming partials and finals.
 May import: bundle, model, storage, runtime (and the top-level config, export_errors and cli_options).
 
     transcribe       `Transcriber`: audio -> windows -> encoder -> stateful decoder -> text (`transcribe`)
@@ -12,4 +12,6 @@ May import: bundle, model, storage, runtime (and the top-level config, export_er
     longform         files longer than a window: checked first, streamed in windows
     streaming        live transcription: partial and final text while audio arrives
     alignment        word timings from cross-attention: the rule (normalise, DTW, tokens -> words, times)
+    words            a window's words on the audio's timeline (the rule on its attention, clamped to it)
+    subtitles        SRT / WebVTT cues from word timings
 """

@@ -8,6 +8,8 @@
     lp      = decoder.extend(state, ids, start)         # up to K tokens from slot `start` in one call
     lp      = decoder.step(state, token, position)      # (V,) log-probs; binds only input_ids, position
     fed     = decoder.feed(state, ids, start)           # a forced prefix by `feed_plan`: prefill, extend, steps
+    w       = decoder.align(state, ids, rows_from)      # word timings, after decoding `ids` on this state: the
+                                                        # alignment heads' cross-attention, K rows a call
 
 In the default host-state package the token functions only read the state: each call also gets its
 `cache_mask` and returns its tokens' K/V rows (`new_k`, `new_v`), which this class writes at their slots
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import (
+    ALIGN_FUNCTION,
+    ALIGN_OUTPUT,
     BIND_FUNCTION,
     BIND_INPUT_PREFIX,
     BIND_OUTPUT,
@@ -102,6 +106,52 @@ def extend_inputs(ids, start: int, extend_len: int, capacity: int) -> tuple[np.n
     return padded, np.array([start], dtype=np.int32)
 
 
+def align_starts(count: int, rows_from: int, length: int, capacity: int) -> list[int]:
+    """The first slots of the align calls covering rows rows_from..count-1 of a window's `count` ids, `length`
+    (K) rows a call; a call that would pass the cache starts at capacity - K instead (it recomputes rows)."""
+    if not 1 <= count <= capacity:
+        raise DecoderRuntimeError(f"align takes 1..{capacity} tokens (the cache capacity), got {count}")
+    if not 0 <= rows_from < count:
+        raise DecoderRuntimeError(f"align's rows_from must be 0..{count - 1} for {count} tokens, got {rows_from}")
+    starts, start = [], int(rows_from)
+    while start < count:
+        start = min(start, int(capacity) - int(length))
+        starts.append(start)
+        start += int(length)
+    return starts
+
+
+def align_inputs(ids, start: int, length: int, capacity: int,
+                 pad_id: int = EXTEND_PAD_ID) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One align call's inputs, the host-state extend's: input_ids (1, K) int32 (`ids`, the tokens for slots
+    start.., then `pad_id`: any id, the slots are causal among themselves), position (1,) and cache_mask
+    (`host_cache_mask(start, C)`: the decoded tokens' K/V at slots < start, read from the state)."""
+    ids = [int(t) for t in ids]
+    if not 1 <= len(ids) <= length or start < 0 or start + length > capacity:
+        raise DecoderRuntimeError(f"align takes 1..{length} tokens at slots start..start+{length - 1} inside the "
+                                  f"cache ({capacity} slots), got {len(ids)} from slot {start}")
+    padded = np.full((1, int(length)), int(pad_id), dtype=np.int32)
+    padded[0, : len(ids)] = ids
+    return padded, np.array([start], dtype=np.int32), host_cache_mask(start, capacity)
+
+
+def align_rows(call, ids, rows_from: int, length: int, capacity: int, pad_id: int = EXTEND_PAD_ID) -> np.ndarray:
+    """The align function over a window's `ids`, K = `length` rows a call (`align_starts`): `call(input_ids,
+    position, cache_mask)` -> (S, K, Tp) weights of one call. Returns (S, len(ids), Tp) float32, rows < rows_from
+    NaN (not computed). Precondition: the state's self cache holds the K/V of ids[p] at every slot p below a
+    call's start (the window decoded, or fed, first); each call computes its own tokens' K/V."""
+    ids = [int(t) for t in ids]
+    out = None
+    for start in align_starts(len(ids), rows_from, length, capacity):
+        weights = np.asarray(call(*align_inputs(ids[start : start + length], start, length, capacity, pad_id)),
+                             dtype=np.float32)  # (S, K, Tp)
+        if out is None:
+            out = np.full((weights.shape[0], len(ids), weights.shape[-1]), np.nan, dtype=np.float32)
+        lo, hi = max(start, int(rows_from)), min(start + length, len(ids))
+        out[:, lo:hi] = weights[:, lo - start : hi - start]
+    return out
+
+
 @dataclass(frozen=True)
 class FeedCall:
     """One decoder call of a `feed_plan`: `function` ("prefill" | "extend" | "step") feeding ids
@@ -168,8 +218,9 @@ class DecoderRuntime:
             `bind` None for a host-state package.
     """
 
-    def __init__(self, step, bind=None, prefill=None, extend=None):
+    def __init__(self, step, bind=None, prefill=None, extend=None, align=None):
         self.step_model, self.bind_model, self.prefill_model, self.extend_model = step, bind, prefill, extend
+        self.align_model = align
         self.state_writes = (DECODER_STATE_HOST if CACHE_MASK_INPUT in step.input_description
                              else DECODER_STATE_GRAPH)
         if self.host:
@@ -188,6 +239,9 @@ class DecoderRuntime:
         self.extend_length = None
         if extend is not None:
             self.extend_length = int(extend.input_description["input_ids"][0][1])  # (1, K)
+        self.align_length = None
+        if align is not None:
+            self.align_length = int(align.input_description["input_ids"][0][1])  # (1, K)
         self.capacity = int(step.state_description["self_k"][0][2])  # self_k (L, Hkv, C, Dh)
         self.state_bytes_written = 0  # by the host (host variant): rows, memory; a benchmark's counter
 
@@ -199,9 +253,9 @@ class DecoderRuntime:
     @classmethod
     def load(cls, path: str | os.PathLike, backend: str = "auto", compute_units: str = "all",
              prefill: bool = True, num_threads: int | None = None, extend: bool = True,
-             cache=None) -> DecoderRuntime:
-        """Load a decoder package's functions; `prefill` / `extend`: also its prefill / extend function
-        when it has one; `cache`: Core ML's compiled-model cache (`runtime.load_model`)."""
+             cache=None, align: bool = True) -> DecoderRuntime:
+        """Load a decoder package's functions; `prefill` / `extend` / `align`: also its prefill / extend / align
+        function when it has one; `cache`: Core ML's compiled-model cache (`runtime.load_model`)."""
         from ..runtime import load_model, read_package
 
         functions = read_package(path).function_names
@@ -219,7 +273,8 @@ class DecoderRuntime:
         bind = load(BIND_FUNCTION) if BIND_FUNCTION in functions else None
         pre = load(PREFILL_FUNCTION) if prefill and PREFILL_FUNCTION in functions else None
         ext = load(EXTEND_FUNCTION) if extend and EXTEND_FUNCTION in functions else None
-        return cls(step, bind, pre, ext)
+        ali = load(ALIGN_FUNCTION) if align and ALIGN_FUNCTION in functions else None
+        return cls(step, bind, pre, ext, ali)
 
     @property
     def backend(self) -> str:
@@ -305,6 +360,25 @@ class DecoderRuntime:
         padded, position = extend_inputs(ids, start, self.extend_length, self.capacity)
         rows = self._call(self.extend_model, {"input_ids": padded, "position": position}, state, int(start))
         return rows.reshape(self.extend_length, -1)[: len(ids)]  # (1, K, V) -> the real tokens' rows
+
+    def align(self, state, ids, rows_from: int = 0, pad_id: int = EXTEND_PAD_ID) -> np.ndarray:
+        """The alignment heads' cross-attention weights for `ids` (the window's prompt + text tokens, no eos):
+        (heads, len(ids), Tp) float32, row p the query at slot p (predicting token p+1; `alignment.alignment_rows`
+        cuts the rule's), rows < `rows_from` NaN (not computed). K rows a call (`align_rows`); it only reads the
+        state. Precondition: `state` has DECODED (or been fed, `feed`) these ids, so its self cache holds their K/V
+        at their slots (the last token may be missing: a call computes its own tokens' K/V), and it still holds
+        the window's cross memory."""
+        if self.align_model is None:
+            raise DecoderRuntimeError(f"the decoder package has no {ALIGN_FUNCTION!r} function (exported with "
+                                      "--alignment-heads none, or its head choice was refused: see the manifest's "
+                                      "decoder.alignment_note); re-export with --alignment-heads auto or a head list")
+
+        def call(input_ids, position, cache_mask):
+            out = self.align_model.predict({"input_ids": input_ids, "position": position,
+                                            CACHE_MASK_INPUT: cache_mask}, state=state)
+            return out[ALIGN_OUTPUT][0]  # (1, S, K, Tp) -> (S, K, Tp)
+
+        return align_rows(call, ids, rows_from, self.align_length, self.capacity, pad_id)
 
     def plan(self, count: int, start: int = 0, rows_from: int | None = None) -> list[FeedCall]:
         """`feed_plan` with this package's functions."""

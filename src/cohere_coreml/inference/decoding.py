@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import numpy as np
@@ -72,6 +72,9 @@ class DecodeResult:
     tokens_fed: int = 0  # token slots the calls computed (padding of extend calls included)
     repetition: dict | None = None  # {"ngram", "repeats", "start"} when the guard stopped a loop
     log_probs: list[np.ndarray] | None = None  # with return_log_probs: one (V,) float32 array per call
+    # with token_scores: per token of token_ids, its log-prob at the call that chose it (word confidences)
+    token_log_probs: list[float] | None = None
+    state: object = field(default=None, repr=False)  # with keep_state: the window's state (its cross memory)
 
     @property
     def truncated(self) -> bool:
@@ -165,6 +168,7 @@ class Hypothesis:
     length: int  # tokens scored (normalisation length)
     stop_reason: StopReason
     repetition: dict | None = None
+    token_log_probs: list[float] | None = None  # per token of `tokens` (with track_tokens)
 
     def normalised(self, length_penalty: float) -> float:
         return self.score / (max(self.length, 1) ** length_penalty)
@@ -176,6 +180,7 @@ class _Beam:
     score: float
     state: object
     log_probs: np.ndarray  # (V,) prediction for the next token
+    token_log_probs: list[float] | None = None  # per token of `tokens` (with track_tokens)
 
 
 def beam_search(
@@ -190,6 +195,7 @@ def beam_search(
     beams: int,
     length_penalty: float = LENGTH_PENALTY,
     guard: RepetitionGuard | None = None,
+    track_tokens: bool = False,
 ) -> dict:
     """Beam search from a state that has consumed the prompt.
 
@@ -202,14 +208,17 @@ def beam_search(
         reason_at_limit: stop reason of a hypothesis that reaches `limit` (CAPACITY | MAX_NEW_TOKENS).
         eos_ids: ids that finish a hypothesis.
         beams: hypotheses kept per step (>= 1).
+        track_tokens: also carry each hypothesis' per-token log-probs (the log-prob of each token at the
+            step that chose it: what a word's confidence is made of); off, nothing extra is kept.
     Returns:
         {"token_ids", "stop_reason", "score", "normalised_score", "repetition", "calls", "steps",
-         "hypotheses": [(tokens, normalised score, stop reason)] best first}
+         "hypotheses": [(tokens, normalised score, stop reason)] best first,
+         "token_log_probs": the best hypothesis' per-token log-probs (None without track_tokens)}
     """
     if beams < 1:
         raise DecodingError(f"beams must be >= 1, got {beams}")
     eos = set(int(e) for e in eos_ids)
-    live = [_Beam([], 0.0, state, np.asarray(log_probs, dtype=np.float64).reshape(-1))]
+    live = [_Beam([], 0.0, state, np.asarray(log_probs, dtype=np.float64).reshape(-1), [] if track_tokens else None)]
     finished: list[Hypothesis] = []
     calls = 0
     width = 2 * beams  # candidates per beam: enough to keep `beams` live after eos ones leave
@@ -222,20 +231,24 @@ def beam_search(
             top = np.argsort(-lp, kind="stable")[:width]  # first index on ties, as argmax
             candidates.extend((beam.score + float(lp[t]), bi, int(t)) for t in top)
         candidates.sort(key=lambda c: -c[0])  # stable: beam order, then token rank, on ties
-        chosen = []  # (score, parent index, tokens)
+        chosen = []  # (score, parent index, tokens, per-token log-probs or None)
         for rank, (score, bi, token) in enumerate(candidates):
-            tokens = live[bi].tokens + [token]
+            parent = live[bi]
+            tokens = parent.tokens + [token]
+            scores = parent.token_log_probs + [float(parent.log_probs[token])] if track_tokens else None
             if token in eos:
                 if rank < beams:
-                    finished.append(Hypothesis(tokens, score, len(tokens), StopReason.EOS))
+                    finished.append(Hypothesis(tokens, score, len(tokens), StopReason.EOS, token_log_probs=scores))
                 continue
             hit = guard.find(tokens) if guard is not None else None
             if hit is not None:
-                finished.append(Hypothesis(guard.trim(tokens, hit), score, len(tokens), StopReason.REPETITION, hit))
+                kept = guard.trim(tokens, hit)
+                finished.append(Hypothesis(kept, score, len(tokens), StopReason.REPETITION, hit,
+                                           scores[: len(kept)] if track_tokens else None))
             elif len(tokens) >= limit:
-                finished.append(Hypothesis(tokens, score, len(tokens), StopReason(reason_at_limit)))
+                finished.append(Hypothesis(tokens, score, len(tokens), StopReason(reason_at_limit), token_log_probs=scores))
             else:
-                chosen.append((score, bi, tokens))
+                chosen.append((score, bi, tokens, scores))
             if len(chosen) >= beams:
                 break
         if not chosen:
@@ -249,17 +262,17 @@ def beam_search(
         # before any child feeds its token
         taken: set[int] = set()
         states = []
-        for _, bi, _ in chosen:
+        for _, bi, _, _ in chosen:
             if bi in taken:
                 states.append(copy_state(model, live[bi].state))
             else:
                 taken.add(bi)
                 states.append(live[bi].state)
         new_live = []
-        for (score, _, tokens), st in zip(chosen, states):
+        for (score, _, tokens, scores), st in zip(chosen, states):
             lp = np.asarray(step(tokens[-1], position, st), dtype=np.float64).reshape(-1)
             calls += 1
-            new_live.append(_Beam(tokens, score, st, lp))
+            new_live.append(_Beam(tokens, score, st, lp, scores))
         position += 1
         live = new_live
     finished.sort(key=lambda h: -h.normalised(length_penalty))
@@ -273,4 +286,5 @@ def beam_search(
         "calls": calls,
         "steps": position,
         "hypotheses": [(h.tokens, h.normalised(length_penalty), h.stop_reason) for h in finished[:beams]],
+        "token_log_probs": best.token_log_probs,
     }

@@ -29,8 +29,10 @@ from ..config import DEFAULT_MAX_NEW_TOKENS, LENGTH_PENALTY
 from ..model.audio import AudioError, FrontEndConfig, log_mel
 from ..model.checkpoint import load_reference
 from ..model.tokens import decode_ids, join_windows, prompt_ids
+from .alignment import DEFAULT_LEAD_ROWS
 from .decoding import StopReason
 from .longform import check_audio, iter_windows
+from .words import AlignmentSettings, WordTimingError, check_heads, clip_words, window_words
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +51,13 @@ class WindowResult:
     stop_reason: StopReason  # a str: "eos" | "max_new_tokens" | "capacity" | "repetition" in JSON
     timings: dict = field(default_factory=dict)  # seconds, call counts, encoder function used
     decoding: dict = field(default_factory=dict)  # beams, repetition found by the guard
+    words: list[dict] | None = None  # word timings ({"word", "start", "end", "probability"}); None: not asked
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        if self.words is None:  # not asked: the JSON of a window stays as it was
+            del out["words"]
+        return out
 
 
 @dataclass
@@ -58,10 +67,12 @@ class TranscriptionResult:
     punctuation: bool
     windows: list[WindowResult]
     silent: bool = False  # digital silence (`longform.check_audio`): empty text, no window, no model call
+    word_timestamps: bool = False  # words were asked (a silent clip then has none: [])
 
     @classmethod
-    def of_silence(cls, language: str, punctuation: bool = True) -> TranscriptionResult:
-        return cls(text="", language=language, punctuation=punctuation, windows=[], silent=True)
+    def of_silence(cls, language: str, punctuation: bool = True, word_timestamps: bool = False) -> TranscriptionResult:
+        return cls(text="", language=language, punctuation=punctuation, windows=[], silent=True,
+                   word_timestamps=word_timestamps)
 
     @property
     def token_ids(self) -> list[list[int]]:
@@ -71,15 +82,25 @@ class TranscriptionResult:
     def truncated(self) -> bool:
         return any(w.truncated for w in self.windows)
 
+    @property
+    def words(self) -> list[dict] | None:
+        """Every window's words in order, on the clip's timeline (None when word timings were not asked)."""
+        words = clip_words(self.windows)
+        return [] if words is None and self.word_timestamps else words
+
     def to_dict(self) -> dict:
-        return {
+        out = {
             "text": self.text,
             "language": self.language,
             "punctuation": self.punctuation,
             "truncated": self.truncated,
             "silent": self.silent,
-            "windows": [asdict(w) for w in self.windows],
+            "windows": [w.to_dict() for w in self.windows],
         }
+        words = self.words
+        if words is not None:
+            out["words"] = words
+        return out
 
 
 def features_batch(features: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,8 +141,10 @@ class Engine(abc.ABC):
         return {"kind": self.kind, "name": self.name, "load_s": self.load_s}
 
     def transcribe(self, audio, language: str = "en", punctuation: bool = True, *, max_new_tokens: int | None = None,
-                   beams: int = 1, repetition_guard=None, progress: bool = False) -> TranscriptionResult:
-        """Transcribe a file (streamed window by window) or a float32 mono array at the model rate.
+                   beams: int = 1, repetition_guard=None, progress: bool = False,
+                   word_timestamps: bool = False) -> TranscriptionResult:
+        """Transcribe a file (streamed window by window) or a float32 mono array at the model rate;
+        `word_timestamps`: each window's words with start, end and probability (`words`).
 
         The audio is checked first (`longform.check_audio`, the one place that decides silence):
         digital silence gives an empty transcript marked `silent` with no model call; empty, NaN/inf
@@ -131,18 +154,21 @@ class Engine(abc.ABC):
         if check_audio(audio, self.front_end).status == "silent":
             logger.warning("%s is digitally silent: empty transcript, no model call",
                            audio if isinstance(audio, (str, os.PathLike)) else "audio array")
-            return TranscriptionResult.of_silence(language, punctuation)
+            return TranscriptionResult.of_silence(language, punctuation, word_timestamps)
         sr = self.front_end.sampling_rate
         windows = []
+        # word options only when asked: an engine without word timings keeps its transcribe_window signature
+        word_options = {"word_timestamps": True, "language": language} if word_timestamps else {}
         pieces = iter_windows(audio, self.front_end)
         if progress:
             pieces = tqdm(pieces, desc="windows", unit="window", leave=False)
         for i, (start, _end, piece) in enumerate(pieces):
             windows.append(self.transcribe_window(piece, prompt, index=i, start_s=start / sr,
                                                   max_new_tokens=max_new_tokens, beams=beams,
-                                                  repetition_guard=repetition_guard))
+                                                  repetition_guard=repetition_guard, **word_options))
         text = join_windows([w.text for w in windows], language)
-        return TranscriptionResult(text=text, language=language, punctuation=punctuation, windows=windows)
+        return TranscriptionResult(text=text, language=language, punctuation=punctuation, windows=windows,
+                                   word_timestamps=word_timestamps)
 
 
 class PyTorchEngine(Engine):
@@ -152,11 +178,18 @@ class PyTorchEngine(Engine):
     the two engines see the same input. The encoder runs on its own so that its time is measured;
     `generate()` receives its output. With no `max_new_tokens`, a window stops after
     config.DEFAULT_MAX_NEW_TOKENS (upstream's default).
+
+    Word timings (`transcribe(..., word_timestamps=True)`) need `alignment_heads` ((layer, head) pairs, e.g. a
+    bundle's manifest heads, `words.parse_heads("1.0,1.2")`): the reference attention of one teacher-forced pass
+    (`model.alignment_reference`) over each window's prompt + tokens, on those heads, through the same rule as
+    the bundle (`words.window_words`): the bundle's words are checked against these. The tokens' probabilities
+    are the same pass's (greedy decoding chose exactly those tokens there).
     """
 
     kind = "pytorch"
 
-    def __init__(self, model: str | os.PathLike, revision: str | None = None, margins: bool = False):
+    def __init__(self, model: str | os.PathLike, revision: str | None = None, margins: bool = False,
+                 alignment_heads: Sequence[tuple[int, int]] | None = None, lead_rows: int = DEFAULT_LEAD_ROWS):
         t0 = time.perf_counter()
         self.model, self.processor = load_reference(model, revision=revision)
         self.load_s = time.perf_counter() - t0
@@ -165,6 +198,14 @@ class PyTorchEngine(Engine):
         self.eos_ids = set(checkpoint_eos_ids(self.model))
         self.margins = margins  # keep top-1 minus top-2 log-prob per greedy token (evaluate)
         self.name = str(model)
+        self.alignment = None  # AlignmentSettings when heads are given
+        if alignment_heads:
+            from ..model.alignment_reference import frame_seconds
+
+            layers = len(self.model.model.decoder.layers)  # the decoder's (the encoder has its own config)
+            heads = check_heads(alignment_heads, layers, int(self.model.config.num_attention_heads))
+            self.alignment = AlignmentSettings(heads=heads, lead_rows=int(lead_rows),
+                                               frame_seconds=frame_seconds(self.model, self.processor))
 
     def prompt(self, language: str, punctuation: bool = True) -> list[int]:
         return prompt_ids(self.tokenizer, language, punctuation)
@@ -172,12 +213,16 @@ class PyTorchEngine(Engine):
     def describe(self) -> dict:
         return {**super().describe(), "backend": "pytorch", "precision": str(self.model.dtype).replace("torch.", "")}
 
-    def transcribe_window(self, waveform, prompt, *, index, start_s, max_new_tokens, beams, repetition_guard):
+    def transcribe_window(self, waveform, prompt, *, index, start_s, max_new_tokens, beams, repetition_guard,
+                          word_timestamps: bool = False, language: str | None = None):
         import torch  # the reference only (see __init__)
         from transformers import StoppingCriteria, StoppingCriteriaList  # the reference only (as torch)
 
         if beams < 1:
             raise ValueError(f"beams must be >= 1, got {beams}")
+        if word_timestamps and self.alignment is None:
+            raise WordTimingError("the PyTorch reference gives word timings only with alignment heads: pass "
+                                  "alignment_heads (e.g. a bundle's manifest heads)")
         limit = int(max_new_tokens) if max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS
         if limit < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {limit}")
@@ -223,9 +268,29 @@ class PyTorchEngine(Engine):
         timings = {"features_s": t1 - t0, "encoder_s": t2 - t1, "encoder_function": "pytorch",
                    "prompt_s": 0.0, "decode_s": t3 - t2,  # generate(): prompt and steps together
                    "decoder_calls": steps, "ms_per_decoder_call": 1000.0 * (t3 - t2) / steps}
-        return WindowResult(index=index, start_s=start_s, duration_s=len(waveform) / self.front_end.sampling_rate,
+        duration_s = len(waveform) / self.front_end.sampling_rate
+        words = None
+        if word_timestamps:
+            t4 = time.perf_counter()
+            words = self.window_words(enc, prompt, [t for t in ids if t not in self.eos_ids], language=language,
+                                      start_s=start_s, duration_s=duration_s)
+            timings["align_s"] = time.perf_counter() - t4
+        return WindowResult(index=index, start_s=start_s, duration_s=duration_s,
                             token_ids=ids, text=text, truncated=stop_reason.truncated, stop_reason=stop_reason,
-                            timings=timings, decoding=decoding)
+                            timings=timings, decoding=decoding, words=words)
+
+    def window_words(self, encoder_output, prompt: Sequence[int], tokens: Sequence[int], *, language: str | None,
+                     start_s: float, duration_s: float) -> list[dict]:
+        """One window's words from the reference attention (teacher-forced on prompt + tokens + eos)."""
+        from ..model.alignment_reference import teacher_forced_attention
+
+        if not tokens:
+            return []
+        tf = teacher_forced_attention(self.model, encoder_output, prompt, tokens, min(self.eos_ids))
+        attention = np.stack([tf.attention[layer, head] for layer, head in self.alignment.heads])
+        pieces = self.tokenizer.convert_ids_to_tokens([int(t) for t in tokens])
+        return window_words(attention, len(prompt), pieces, tf.token_probabilities[: len(tokens)], self.alignment,
+                            language=language, start_s=start_s, duration_s=duration_s)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -254,7 +319,8 @@ def transcribe_files(paths: Sequence[str | os.PathLike], make_engine, language: 
     engine = None
     for entry in entries:
         if entry["status"] == "silent":
-            entry.update(TranscriptionResult.of_silence(language, punctuation).to_dict())
+            entry.update(TranscriptionResult.of_silence(language, punctuation,
+                                                        bool(options.get("word_timestamps"))).to_dict())
             logger.warning("%s is digitally silent: empty transcript, no model call", entry["audio"])
             continue
         if entry["status"] != "ok":

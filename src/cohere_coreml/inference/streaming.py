@@ -34,6 +34,7 @@ from ..config import SILENCE_PEAK
 from ..model.audio import AudioError, FrontEndConfig, check_waveform, load_audio, quietest_window, valid_frames
 from ..model.tokens import decode_ids
 from .longform import check_audio
+from .words import rounded
 
 logger = logging.getLogger(__name__)
 
@@ -260,9 +261,15 @@ class Update:
     text: str
     token_ids: list[int]
     confirmed_token_ids: list[int]
+    # a final's words when the session was asked for word timings ({"word", "start", "end", "probability"},
+    # seconds on the stream's timeline); None otherwise (partials never carry words)
+    words: list[dict] | None = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if self.words is None:
+            del out["words"]
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), ensure_ascii=False)
@@ -282,6 +289,11 @@ UPDATE_SCHEMA = {
         "text": {"type": "string"},
         "token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
         "confirmed_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "words": {"type": "array", "items": {  # finals with word timings only
+            "type": "object", "required": ["word", "start", "end", "probability"], "additionalProperties": False,
+            "properties": {"word": {"type": "string"}, "start": {"type": "number", "minimum": 0},
+                           "end": {"type": "number", "minimum": 0},
+                           "probability": {"type": "number", "minimum": 0, "maximum": 1}}}},
         "audio": {"type": "string"},  # `transcribe --stream --json` with several files: the file's path
     },
 }
@@ -346,10 +358,17 @@ class StreamingSession:
         updates = session.finish()       # the open segment's final
 
     `max_new_tokens` bounds every decode (partials and finals) as in `Transcriber.transcribe_window`.
+    `word_timestamps`: each final carries its words (`Update.words`), timed by the offline rule on the
+    segment's samples and offset by the segment's start, so on the stream's timeline and inside the segment
+    (segments do not overlap: the words of successive finals are in time order). Partials carry none.
     """
 
     def __init__(self, transcriber, language: str = "en", punctuation: bool = True,
-                 config: StreamConfig | None = None, max_new_tokens: int | None = None):
+                 config: StreamConfig | None = None, max_new_tokens: int | None = None,
+                 word_timestamps: bool = False):
+        if word_timestamps:
+            transcriber.check_word_timestamps()  # a bundle without alignment: refused before any audio
+        self.word_timestamps = bool(word_timestamps)
         self.transcriber = transcriber
         self.config = config or StreamConfig()
         self.language = language
@@ -471,8 +490,9 @@ class StreamingSession:
         seg = self._segment
         t = self.transcriber
         samples = self._slice(start, end)
+        word_options = {"word_timestamps": True, "language": self.language} if self.word_timestamps else {}
         window = t.transcribe_window(samples, self.prompt, self.max_new_tokens, index=seg.index,
-                                     start_s=start / self.sr)
+                                     start_s=start / self.sr, **word_options)
         timings = window.timings
         frames = int(self.bucket_frames.get(timings.get("encoder_function"), t.window_frames))
         calls = int(timings.get("decoder_calls", 0))
@@ -488,7 +508,8 @@ class StreamingSession:
         self.stats.finals += 1
         ids = [int(tok) for tok in window.token_ids if tok not in t.eos_ids]
         self._segment = None
-        return Update("final", seg.index, now / self.sr, start / self.sr, end / self.sr, window.text, ids, list(ids))
+        return Update("final", seg.index, now / self.sr, start / self.sr, end / self.sr, window.text, ids, list(ids),
+                      words=window.words)
 
     # -- buffer --------------------------------------------------------------------------------
     def _slice(self, a: int, b: int) -> np.ndarray:
@@ -509,10 +530,11 @@ class StreamingSession:
 
 
 def stream_array(transcriber, samples: np.ndarray, chunk: int, language: str = "en", punctuation: bool = True,
-                 config: StreamConfig | None = None, max_new_tokens: int | None = None
+                 config: StreamConfig | None = None, max_new_tokens: int | None = None, word_timestamps: bool = False
                  ) -> tuple[list[Update], StreamStats]:
     """All updates of `samples` fed in chunks of `chunk` samples (the virtual clock), and the counters."""
-    session = StreamingSession(transcriber, language, punctuation, config, max_new_tokens)
+    session = StreamingSession(transcriber, language, punctuation, config, max_new_tokens,
+                               word_timestamps=word_timestamps)
     updates: list[Update] = []
     for i in range(0, samples.shape[0], chunk):
         updates.extend(session.feed(samples[i : i + chunk]))
@@ -523,14 +545,15 @@ def stream_array(transcriber, samples: np.ndarray, chunk: int, language: str = "
 def iter_file(transcriber, path, language: str = "en", punctuation: bool = True, config: StreamConfig | None = None,
               pace: bool = True, chunk_s: float = FILE_CHUNK_S, max_new_tokens: int | None = None,
               clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-              stats_out: list | None = None) -> Iterator[Update]:
+              stats_out: list | None = None, word_timestamps: bool = False) -> Iterator[Update]:
     """Updates of an audio file fed in chunks of `chunk_s`, paced at real time (`pace`: chunk i is fed
     no earlier than i * chunk_s after the first) or as fast as possible. The file is loaded and
     resampled to the bundle's rate first (`audio.load_audio`). `stats_out`: the session's
     `StreamStats` is appended to it (final once the iterator is exhausted)."""
     sr = int(transcriber.front_end.sampling_rate)
     wav = load_audio(path, target_rate=sr)
-    session = StreamingSession(transcriber, language, punctuation, config, max_new_tokens)
+    session = StreamingSession(transcriber, language, punctuation, config, max_new_tokens,
+                               word_timestamps=word_timestamps)
     if stats_out is not None:
         stats_out.append(session.stats)
     chunk = max(1, int(round(chunk_s * sr)))
@@ -566,14 +589,19 @@ def run_cli(args, make_transcriber: Callable[[], object]) -> int:
             print(f"== {path}", flush=True)
         stats: list[StreamStats] = []
         for update in iter_file(transcriber, path, args.language, not args.no_punctuation, config,
-                                pace=not args.no_pace, max_new_tokens=args.max_new_tokens, stats_out=stats):
+                                pace=not args.no_pace, max_new_tokens=args.max_new_tokens, stats_out=stats,
+                                word_timestamps=getattr(args, "word_timestamps", False)):
             if args.json:
                 line = update.to_dict()
+                if update.words is not None:  # printed to the millisecond (probabilities to 3 decimals)
+                    line["words"] = rounded(update.words)
                 if len(paths) > 1:
                     line = {"audio": str(path), **line}
                 print(json.dumps(line, ensure_ascii=False), flush=True)
             elif update.type == "final":
                 print(f"[{update.start:.2f}-{update.end:.2f}] {update.text}", flush=True)
+                for w in update.words or ():
+                    print(f"  [{w['start']:.3f}-{w['end']:.3f}] {w['word']} ({w['probability']:.3f})", flush=True)
             else:
                 print(f"~ [{update.start:.2f}-{update.end:.2f}] {update.text}", file=sys.stderr, flush=True)
         if args.stats:

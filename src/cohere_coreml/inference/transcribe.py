@@ -45,6 +45,8 @@ from .decoder_runtime import DecoderRuntime
 from .decoding import DecodeResult, RepetitionGuard, StopReason, beam_search
 from .encoder_runtime import EncoderRuntime
 from .engines import Engine, TranscriptionResult, WindowResult, transcribe_files
+from .subtitles import DEFAULT_MAX_SECONDS, DEFAULT_MAX_WORDS, FORMATS, SUBTITLE_FORMATS, build_cues, write_subtitles
+from .words import AlignmentSettings, WordTimingError, no_alignment_message, rounded, window_words
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +145,17 @@ class Transcriber(Engine):
         """The bundle's prompt ids for `language` (raises `UnknownLanguageError`)."""
         return self.bundle.prompt(language, punctuation)
 
+    @property
+    def alignment(self) -> dict | None:
+        """The manifest's `decoder.alignment` block (heads, lead_rows, frame_seconds, ...), None without one."""
+        return (self.bundle.manifest.get("decoder") or {}).get("alignment")
+
+    def check_word_timestamps(self) -> AlignmentSettings:
+        """The alignment settings, or WordTimingError naming why this bundle has none and the fix."""
+        if self.alignment is None:
+            raise WordTimingError(no_alignment_message(self.bundle.manifest))
+        return AlignmentSettings.from_manifest(self.alignment)
+
     def describe(self) -> dict:
         m = self.bundle.manifest
         backend = self.decoder.backend
@@ -203,7 +216,8 @@ class Transcriber(Engine):
     @_serialized
     def decode(self, encoder_out: dict[str, np.ndarray], prompt: Sequence[int], max_new_tokens: int | None = None,
                return_log_probs: bool = False, beams: int = 1,
-               repetition_guard: RepetitionGuard | None = None, draft: Sequence[int] = ()) -> DecodeResult:
+               repetition_guard: RepetitionGuard | None = None, draft: Sequence[int] = (),
+               token_scores: bool = False, keep_state: bool = False) -> DecodeResult:
         """Greedy (or, with `beams` > 1, beam search) decode of one window from its encoder outputs.
 
         `repetition_guard` stops a looping window (StopReason.REPETITION, the loop kept once).
@@ -217,7 +231,10 @@ class Transcriber(Engine):
         `decode(cross:prompt:maxNewTokens:draft:)` does the same).
         Returns a `decoding.DecodeResult`: token_ids, stop_reason, truncated, bind_s, prompt_s,
         decode_s, steps, calls, repetition, and log_probs (one (V,) array per decoder call) when
-        `return_log_probs` (greedy only).
+        `return_log_probs` (greedy only). `token_scores`: also each generated token's log-prob at the call
+        that chose it (greedy step, prefill / extend row, beam search's best hypothesis), what word
+        confidences are made of (`token_log_probs`); `keep_state`: the window's state after decoding
+        (`state`: its cross memory is still bound, what `DecoderRuntime.align` reads).
         """
         if beams < 1:
             raise TranscriptionError(f"beams must be >= 1, got {beams}")
@@ -256,27 +273,38 @@ class Transcriber(Engine):
             all_log_probs.extend(row.astype(np.float32) for row in fed.rows)
         t1 = time.perf_counter()
         generated: list[int] = []
+        scores: list[float] | None = [] if token_scores else None  # log-prob of each generated token
         position = len(prompt)
         redrafted = False  # the current draft was fed after a refused token and none of it is verified yet
         stop_reason = None
         repetition = None
         if beams > 1:
             searched = beam_search(step, self.decoder, state, log_probs, position, limit, reason_at_limit,
-                                   self.eos_ids, beams, guard=repetition_guard)
+                                   self.eos_ids, beams, guard=repetition_guard, track_tokens=token_scores)
             generated, stop_reason, repetition = searched["token_ids"], searched["stop_reason"], searched["repetition"]
+            scores = searched["token_log_probs"]
             position, calls = searched["steps"], calls + searched["calls"]
             tokens_fed += searched["calls"]
+            if keep_state:
+                # the beams share and copy states, so `state` holds some beam's tokens, not necessarily the
+                # best's: the best's prompt + text tokens are fed into a fresh state (what the align function reads)
+                text = [t for t in generated if t not in self.eos_ids][: self.capacity - len(prompt)]
+                state = self.decoder.new_state(encoder_out)
+                self.decoder.feed(state, list(prompt) + text)
         while beams == 1:
             if not np.all(np.isfinite(log_probs)):
                 raise TranscriptionError(f"decoder produced non-finite log-probs at position {position - 1}")
             token = int(np.argmax(log_probs))
             generated.append(token)
+            if scores is not None:
+                scores.append(float(log_probs[token]))
             if token in self.eos_ids:
                 stop_reason = StopReason.EOS
                 break
             repetition = repetition_guard.find(generated) if repetition_guard is not None else None
             if repetition is not None:
                 generated, stop_reason = repetition_guard.trim(generated, repetition), StopReason.REPETITION
+                scores = scores[: len(generated)] if scores is not None else None
                 break
             if len(generated) >= limit:
                 stop_reason = reason_at_limit
@@ -303,8 +331,8 @@ class Transcriber(Engine):
         t2 = time.perf_counter()
         return DecodeResult(token_ids=generated, stop_reason=StopReason(stop_reason), bind_s=t0 - t_bind,
                             prompt_s=t1 - t0, decode_s=t2 - t1, steps=position, calls=calls, tokens_fed=tokens_fed,
-                            repetition=repetition,
-                            log_probs=all_log_probs if return_log_probs else None)
+                            repetition=repetition, log_probs=all_log_probs if return_log_probs else None,
+                            token_log_probs=scores, state=state if keep_state else None)
 
     @_serialized
     def features(self, waveform: np.ndarray) -> tuple[np.ndarray, int, str]:
@@ -320,14 +348,18 @@ class Transcriber(Engine):
 
     def transcribe_window(self, waveform: np.ndarray, prompt: Sequence[int], max_new_tokens: int | None = None,
                           index: int = 0, start_s: float = 0.0, beams: int = 1,
-                          repetition_guard: RepetitionGuard | None = None) -> WindowResult:
-        """One window (at most one `split_long_audio` piece): features -> encoder -> decode -> text."""
+                          repetition_guard: RepetitionGuard | None = None, word_timestamps: bool = False,
+                          language: str | None = None) -> WindowResult:
+        """One window (at most one `split_long_audio` piece): features -> encoder -> decode -> text; with
+        `word_timestamps`, its words (`window_words`; `language`: ja / zh give a word per character)."""
+        settings = self.check_word_timestamps() if word_timestamps else None
         t0 = time.perf_counter()
         feats, n_valid, encoder_function = self.features(waveform)
         t1 = time.perf_counter()
         enc = self.encode(feats, n_valid)
         t2 = time.perf_counter()
-        dec = self.decode(enc, prompt, max_new_tokens, beams=beams, repetition_guard=repetition_guard)
+        dec = self.decode(enc, prompt, max_new_tokens, beams=beams, repetition_guard=repetition_guard,
+                          token_scores=word_timestamps, keep_state=word_timestamps)
         text = decode_ids(self.tokenizer, [t for t in dec.token_ids if t not in self.eos_ids])
         timings = {
             "features_s": t1 - t0,
@@ -345,26 +377,63 @@ class Transcriber(Engine):
         if dec.truncated:
             logger.warning("window %d stopped without eos (%s) after %d tokens", index, dec.stop_reason,
                            len(dec.token_ids))
+        words = None
+        if settings is not None:
+            t3 = time.perf_counter()
+            words = self.window_words(dec, enc, prompt, settings, language=language, start_s=start_s,
+                                      duration_s=len(waveform) / sr)
+            timings["align_s"] = time.perf_counter() - t3
         return WindowResult(index=index, start_s=start_s, duration_s=len(waveform) / sr, token_ids=dec.token_ids,
                             text=text, truncated=dec.truncated, stop_reason=dec.stop_reason, timings=timings,
-                            decoding={"beams": beams, "repetition": dec.repetition})
+                            decoding={"beams": beams, "repetition": dec.repetition}, words=words)
+
+    def window_words(self, dec: DecodeResult, encoder_out: dict, prompt: Sequence[int], settings: AlignmentSettings,
+                     *, language: str | None, start_s: float, duration_s: float) -> list[dict]:
+        """One decoded window's words (`words.window_words`): the decoder's align function on the window's
+        state (`dec.state`, its cross memory still bound) over prompt + text tokens, cut to the valid encoder
+        frames; each token's probability is the one decoding chose it with (`dec.token_log_probs`).
+
+        The align function reads the window's decoded self cache (`DecoderRuntime.align`): the state must hold
+        prompt + text tokens at their slots, so only the tokens that had a slot are aligned (a window cut by the
+        cache, no eos and every slot used, leaves its last token and with it its word out)."""
+        kept = [(int(t), lp) for t, lp in zip(dec.token_ids, dec.token_log_probs) if t not in self.eos_ids]
+        room = self.capacity - len(prompt)
+        if len(kept) > room:
+            logger.warning("window stopped at the cache: its last %d token(s) get no word timing", len(kept) - room)
+            kept = kept[: max(room, 0)]
+        if not kept:
+            return []
+        ids = [t for t, _ in kept]
+        lead_rows = settings.lead_rows
+        weights = np.asarray(self.decoder.align(dec.state, list(prompt) + ids,
+                                                 rows_from=len(prompt) - 1 - lead_rows), dtype=np.float32)
+        frames = int(np.asarray(encoder_out["encoder_length"]).reshape(-1)[0])
+        pieces = self.tokenizer.convert_ids_to_tokens(ids)
+        return window_words(weights[..., :frames], len(prompt), pieces, [float(np.exp(lp)) for _, lp in kept],
+                            settings, language=language, start_s=start_s, duration_s=duration_s)
 
     # -- whole clips ----------------------------------------------------------------------------
     @_serialized
     def transcribe(self, audio, language: str = "en", punctuation: bool = True, *,
                    max_new_tokens: int | None = None, beams: int = 1, repetition_guard: RepetitionGuard | None = None,
-                   progress: bool = False) -> TranscriptionResult:
+                   progress: bool = False, word_timestamps: bool = False) -> TranscriptionResult:
         """Transcribe a file path (streamed window by window) or a float32 mono array at the bundle's
         sample rate: `engines.Engine.transcribe` (shared with `cohere-coreml transcribe` and `bench`),
         here under the instance's lock. Digital silence gives an empty transcript marked `silent` (no
-        model call); empty or NaN/inf audio raises `AudioError`."""
+        model call); empty or NaN/inf audio raises `AudioError`. `word_timestamps`: each window's words
+        (`TranscriptionResult.words`); a bundle without alignment raises `WordTimingError` (one line, the fix)."""
+        if word_timestamps:
+            self.check_word_timestamps()
         return super().transcribe(audio, language, punctuation, max_new_tokens=max_new_tokens, beams=beams,
-                                  repetition_guard=repetition_guard, progress=progress)
+                                  repetition_guard=repetition_guard, progress=progress,
+                                  word_timestamps=word_timestamps)
 
     def stream(self, language: str = "en", punctuation: bool = True, config: streaming.StreamConfig | None = None,
-               max_new_tokens: int | None = None) -> streaming.StreamingSession:
-        """A live-transcription session: `feed(samples) -> [Update]`, then `finish()` (docs/streaming.md)."""
-        return streaming.StreamingSession(self, language, punctuation, config, max_new_tokens)
+               max_new_tokens: int | None = None, word_timestamps: bool = False) -> streaming.StreamingSession:
+        """A live-transcription session: `feed(samples) -> [Update]`, then `finish()` (docs/streaming.md);
+        `word_timestamps`: the finals carry their words on the stream's timeline."""
+        return streaming.StreamingSession(self, language, punctuation, config, max_new_tokens,
+                                          word_timestamps=word_timestamps)
 
 
 # --------------------------------------------------------------------------------------------
@@ -378,33 +447,55 @@ def cmd_transcribe(args) -> int:
     transcribed; the exit status is 1 when any file failed.
 
     stdout holds results only: in text mode each transcript (after a `== FILE` line when several files
-    are given), with --json one object per transcribed file (an object for one input file, a list for
-    several; a failed file has no entry)."""
+    are given; with --word-timestamps one `[start-end] word (probability)` line per word after it), with
+    --json / --format json one object per transcribed file (an object for one input file, a list for
+    several; a failed file has no entry), with --format srt / vtt the subtitles (after a `== FILE` line
+    when several files are given)."""
     check_language(args.language)
+    fmt = output_format(args)
+    words = args.word_timestamps or fmt in SUBTITLE_FORMATS
+    build_cues([], args.language, args.max_words_per_cue, args.max_cue_seconds)  # the cue limits, checked early
+
+    def make_transcriber() -> Transcriber:
+        tr = Transcriber(args.bundle, backend=args.backend, use_prefill=not args.no_prefill,
+                         use_extend=not args.no_extend, front_end=args.front_end, compute_units=args.compute_units)
+        if words:
+            tr.check_word_timestamps()  # a bundle without alignment: one line naming the fix, before any audio
+        return tr
+
     if args.stream:
         if args.beams != 1 or args.repetition_guard:
             raise TranscriptionError("--stream decodes greedily: --beams and --repetition-guard do not apply")
-        return streaming.run_cli(args, lambda: Transcriber(args.bundle, backend=args.backend,
-                                                           use_prefill=not args.no_prefill,
-                                                           use_extend=not args.no_extend,
-                                                           front_end=args.front_end,
-                                                           compute_units=args.compute_units))
+        if fmt in SUBTITLE_FORMATS:
+            raise TranscriptionError(f"--format {fmt} writes a whole file's subtitles: drop --stream (its finals "
+                                     "carry words with --stream --json --word-timestamps)")
+        args.json, args.word_timestamps = fmt == "json", words
+        return streaming.run_cli(args, make_transcriber)
     if args.beams < 1:
         raise TranscriptionError(f"--beams must be >= 1, got {args.beams}")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise TranscriptionError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     entries, failed = transcribe_files(
-        args.audio,
-        lambda: Transcriber(args.bundle, backend=args.backend, use_prefill=not args.no_prefill,
-                            use_extend=not args.no_extend, front_end=args.front_end,
-                            compute_units=args.compute_units),
-        args.language, punctuation=not args.no_punctuation, progress=not args.json,
+        args.audio, make_transcriber, args.language, punctuation=not args.no_punctuation, progress=fmt == "text",
         max_new_tokens=args.max_new_tokens, beams=args.beams,
-        repetition_guard=RepetitionGuard() if args.repetition_guard else None)
+        repetition_guard=RepetitionGuard() if args.repetition_guard else None,
+        **({"word_timestamps": True} if words else {}))
     results = [e for e in entries if e["status"] != "error"]  # failures: logged on stderr by transcribe_files
-    if args.json:
+    for entry in results:
+        if "words" in entry:  # printed: seconds and probabilities to the millisecond / 3 decimals
+            entry["words"] = rounded(entry["words"])
+            for w in entry["windows"]:
+                w["words"] = rounded(w["words"])
+    if fmt == "json":
         if len(args.audio) > 1 or results:
             print(json.dumps(results if len(args.audio) > 1 else results[0], indent=2, ensure_ascii=False))
+        return 1 if failed else 0
+    if fmt in SUBTITLE_FORMATS:
+        for entry in results:
+            if len(args.audio) > 1:
+                print(f"== {entry['audio']}")
+            print(write_subtitles(fmt, entry["words"], args.language, args.max_words_per_cue, args.max_cue_seconds),
+                  end="")
         return 1 if failed else 0
     for entry in results:
         if len(args.audio) > 1:
@@ -413,6 +504,8 @@ def cmd_transcribe(args) -> int:
             print("(silent)")
             continue
         print(entry["text"])
+        for w in entry.get("words") or ():
+            print(f"[{w['start']:.3f}-{w['end']:.3f}] {w['word']} ({w['probability']:.3f})")
         for w in entry["windows"]:
             t = w["timings"]
             flag = f"  STOPPED ({w['stop_reason']})" if w["truncated"] else ""
@@ -422,6 +515,14 @@ def cmd_transcribe(args) -> int:
     if failed:
         logger.error("%d of %d file(s) failed (named above)", len(entries) - len(results), len(entries))
     return 1 if failed else 0
+
+
+def output_format(args) -> str:
+    """--format, with --json its alias (`--json --format srt` is refused: two formats)."""
+    fmt = getattr(args, "format", None)
+    if args.json and fmt not in (None, "json"):
+        raise TranscriptionError(f"--json and --format {fmt} ask for two formats: keep one")
+    return "json" if args.json else fmt or "text"
 
 
 def add_command(subparsers) -> None:
@@ -454,7 +555,19 @@ def add_command(subparsers) -> None:
     p.add_argument("--compute-units", default="all", choices=("all", "cpu_only", "cpu_and_gpu", "cpu_and_ne"),
                    help="Core ML compute units (macOS; ignored by the interpreter) (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON: text, token ids, timings, truncation per window "
-                   "(with --stream: one JSON line per update)")
+                   "(with --stream: one JSON line per update); the same as --format json")
+    p.add_argument("--format", default=None, choices=FORMATS,
+                   help="text: the transcript; json: as --json; srt / vtt: subtitles from word timings (cues of "
+                   "--max-words-per-cue words / --max-cue-seconds at most; needs a bundle with alignment) "
+                   "(default: text)")
+    p.add_argument("--word-timestamps", action="store_true",
+                   help="each word's start, end (seconds on the audio's timeline) and probability (docs/word-timings.md): "
+                   "in JSON a `words` list, in text one `[start-end] word (probability)` line per word; with --stream "
+                   "the finals carry them. Needs a bundle exported with alignment heads")
+    p.add_argument("--max-words-per-cue", type=int, default=DEFAULT_MAX_WORDS,
+                   help="srt / vtt: at most N words per cue (default: %(default)s)")
+    p.add_argument("--max-cue-seconds", type=float, default=DEFAULT_MAX_SECONDS,
+                   help="srt / vtt: at most S seconds per cue, a longer word whole in its own cue (default: %(default)s)")
     p.add_argument("--stream", action="store_true",
                    help="live transcription (docs/streaming.md): the file fed in 0.1 s chunks, partial and final "
                    "updates while it arrives")

@@ -121,6 +121,32 @@ def low_rank_note(root: Path) -> str:
             f"{params.get('before', 0):,} -> {params.get('after', 0):,} encoder parameters")
 
 
+def word_timings_section(manifest: dict) -> list[str]:
+    """The card's word-timing section: the bundle's alignment heads and their error on the calibration set
+    (manifest `decoder.alignment`, measured at export), or why the bundle has none (`alignment_note`)."""
+    decoder = manifest.get("decoder") or {}
+    lines = ["## Word timings", ""]
+    alignment = decoder.get("alignment")
+    if not alignment:
+        note = decoder.get("alignment_note") or "this bundle was exported without alignment heads"
+        return [*lines, f"Not available: {note}. `transcribe --word-timestamps` and `--format srt|vtt` need them "
+                        "(docs/word-timings.md)."]
+    heads = ", ".join(f"{layer}.{head}" for layer, head in alignment["heads"])
+    lines += [f"Each word's start and end come from the decoder's cross-attention on heads {heads} (layer.head), "
+              f"{alignment['lead_rows']} row(s) before the text, one `{alignment['function']}` call per window "
+              "(`transcribe --word-timestamps`, `--format srt|vtt`; Swift `TranscriptionResult.words`)."]
+    cal = alignment.get("calibration")
+    if cal:
+        lines += ["", "| calibration set | clips | words timed | median abs start error | p90 | naive baseline median |",
+                  "|---|---|---|---|---|---|",
+                  f"| `{cal['set']}` | {cal['clips']} | {cal['words']} | {1000 * cal['median_s']:.0f} ms | "
+                  f"{1000 * cal['p90_s']:.0f} ms | {1000 * cal['baseline_median_s']:.0f} ms |", "",
+                  "Measured at export through the PyTorch reference on synthetic speech whose word times come from the "
+                  "synthesizer (the heads are chosen on the same clips). The baseline spreads the words by characters "
+                  "between the true first start and last end."]
+    return lines
+
+
 def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None, manifest: dict | None = None) -> str:
     """README.md of a bundle: Hub metadata header, files and sizes, gate figures, usage; with a
     `cohere-coreml bench` report, the presets compared on its dataset. `manifest`: the manifest to
@@ -210,6 +236,8 @@ def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None, manifes
         lines += ["", "Held-out WER: not measured for this bundle."]
     if bench:
         lines += ["", *presets_table(bench)]
+    if m.get("decoder"):
+        lines += ["", *word_timings_section(m)]
     ane = ane_check.read_summary(root)
     if ane:
         lines += ["", "## Neural Engine check (static, `cohere-coreml ane-check`)", "",

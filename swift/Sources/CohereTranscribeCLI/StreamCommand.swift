@@ -44,7 +44,8 @@ enum StreamCommand {
                 } else if update.type == .final {
                     print("[\(String(format: "%.2f", update.start))-\(String(format: "%.2f", update.end))] \(update.text)")
                     for w in update.words ?? [] {
-                        print(String(format: "%8.3f %8.3f  %.3f  ", w.start, w.end, w.probability) + w.text)
+                        print("  [\(String(format: "%.3f", w.start))-\(String(format: "%.3f", w.end))] \(w.text) "
+                              + "(\(String(format: "%.3f", w.probability)))")
                     }
                 } else {
                     FileHandle.standardError.write(Data(

@@ -181,7 +181,8 @@ for path in files {
             if files.count > 1 { print("== \(path)") }
             print(r.silent ? "(silent)" : r.text)
             for w in r.words ?? [] {
-                print(String(format: "%8.3f %8.3f  %.3f  ", w.start, w.end, w.probability) + w.text)
+                print("[\(String(format: "%.3f", w.start))-\(String(format: "%.3f", w.end))] \(w.text) "
+                      + "(\(String(format: "%.3f", w.probability)))")  // as `cohere-coreml transcribe` prints it
             }
             for w in r.windows where w.truncated {
                 FileHandle.standardError.write(Data("window \(w.index) stopped without eos (\(w.stopReason))\n".utf8))

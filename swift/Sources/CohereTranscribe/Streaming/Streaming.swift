@@ -236,12 +236,15 @@ public struct StreamUpdate: Sendable, Codable, Equatable {
     }
 
     /// One JSON line, keys in Python's order (type, segment, audio_time, start, end, text, token_ids,
-    /// confirmed_token_ids, then a final's words when asked), floats as Swift's shortest round-trip representation.
+    /// confirmed_token_ids, then a final's words when asked: times and probabilities to 3 decimals, as Python
+    /// prints them), floats as Swift's shortest round-trip representation.
     public func jsonLine() -> String {
         func ids(_ a: [Int]) -> String { "[" + a.map(String.init).joined(separator: ", ") + "]" }
+        func r(_ x: Double) -> Double { (x * 1000).rounded() / 1000 }
         let words = self.words.map { words in
             ", \"words\": [" + words.map {
-                "{\"word\": \(JSONValue.quoted($0.text)), \"start\": \($0.start), \"end\": \($0.end), \"probability\": \($0.probability)}"
+                "{\"word\": \(JSONValue.quoted($0.text)), \"start\": \(r($0.start)), \"end\": \(r($0.end)), "
+                    + "\"probability\": \(r($0.probability))}"
             }.joined(separator: ", ") + "]"
         } ?? ""
         return "{\"type\": \"\(type.rawValue)\", \"segment\": \(segment), \"audio_time\": \(audioTime), "

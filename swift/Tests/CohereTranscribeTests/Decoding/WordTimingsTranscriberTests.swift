@@ -317,11 +317,14 @@ final class WordTimingsTranscriberTests: XCTestCase {
         var u = StreamUpdate(type: .final, segment: 0, audioTime: 2, start: 0.5, end: 2, text: "hi", tokenIds: [5],
                              confirmedTokenIds: [5])
         XCTAssertFalse(u.jsonLine().contains("words"))
-        u.words = [WordTiming(text: "hi \"x\"", start: 0.54, end: 1.25, probability: 0.5)]
+        u.words = [WordTiming(text: "hi \"x\"", start: 0.54, end: 1.2504, probability: 0.49961)]
         let object = try JSONSerialization.jsonObject(with: Data(u.jsonLine().utf8)) as! [String: Any]
         let words = object["words"] as! [[String: Any]]
         XCTAssertEqual(words[0]["word"] as? String, "hi \"x\"")
         XCTAssertEqual(words[0]["start"] as? Double, 0.54)
+        XCTAssertEqual(words[0]["end"] as? Double, 1.25)  // to the millisecond, as Python prints it
+        XCTAssertEqual(words[0]["probability"] as? Double, 0.5)
+        XCTAssertTrue(u.jsonLine().hasSuffix(#""confirmed_token_ids": [5], "words": [{"word": "hi \"x\"", "start": 0.54, "end": 1.25, "probability": 0.5}]}"#))
         XCTAssertEqual(try JSONDecoder().decode(StreamUpdate.self, from: JSONEncoder().encode(u)), u)
     }
 }
