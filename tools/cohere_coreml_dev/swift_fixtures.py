@@ -27,6 +27,9 @@ tools/data/make_swift_fixtures.py. Writes into one folder (default out/swift-fix
                              and the updates of `cohere-coreml transcribe --stream --no-pace --json --stats`
                              (0.1 s chunks, package front end, interpreter) for it, with its stats line
                              (the compute counters, stderr) and the counters without extend (--no-extend)
+    words_package.json       when the bundle has alignment (manifest decoder.alignment): per demo clip and the
+                             first held-out clip of each language, the words of `cohere-coreml transcribe --json
+                             --word-timestamps --front-end package` (the Swift words must be the same)
     compiled_names.json      per package of bundle/, the name the Python Core ML backend's compiled-model
                              cache gives it (`CompiledCache.location`): the Swift `CoreMLRuntime` must agree
     READY                    written last
@@ -370,6 +373,43 @@ def transcripts(bundle: Path, out: Path, cases: list[dict], front_end: str, thre
     return data
 
 
+def word_timings(bundle: Path, out: Path, cases: list[dict], threads: int) -> dict | None:
+    """words_package.json (skipped when made from the same bundle): the Python CLI's words per clip and window;
+    None, and no file, when the bundle has no alignment or no front-end package."""
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    path = out / "words_package.json"
+    if not manifest["decoder"].get("alignment") or "frontend" not in manifest["files"]:
+        path.unlink(missing_ok=True)
+        logger.warning("the bundle has no alignment (decoder.alignment) or no front end: no word-timing reference")
+        return None
+    key = reference_key(bundle)
+    if path.is_file() and json.loads(path.read_text()).get("reference_key") == key:
+        return json.loads(path.read_text())
+    picked = [c for c in cases if c["group"] == "demo"]
+    for language in sorted({c["language"] for c in cases}):
+        picked += [next(c for c in cases if c["group"] == "heldout" and c["language"] == language)]
+    clips = []
+    for language in sorted({c["language"] for c in picked}):
+        wavs = [c["wav"] for c in picked if c["language"] == language]
+        cmd = _cli("transcribe", "--json", "--word-timestamps", "--backend", "mil", "--front-end", "package",
+                   "--bundle", str(bundle), "--language", language, *wavs)
+        logger.info("python words: cohere-coreml transcribe --word-timestamps --language %s (%d files)", language,
+                    len(wavs))
+        proc = subprocess.run(cmd, env=_env(threads), stdout=subprocess.PIPE)
+        data = json.loads(proc.stdout) if proc.stdout.strip() else []
+        items = {item["audio"]: item for item in (data if isinstance(data, list) else [data])}
+        if proc.returncode != 0 or not all(items.get(w, {}).get("status") == "ok" for w in wavs):
+            raise FixtureError(f"cohere-coreml transcribe --word-timestamps --language {language} failed "
+                               f"(exit {proc.returncode})")
+        clips += [{"wav": w, "language": language, "words": items[w]["words"],
+                   "windows": [{"index": x["index"], "token_ids": x["token_ids"], "words": x["words"]}
+                               for x in items[w]["windows"]]} for w in wavs]
+    data = {"bundle": str(bundle), "reference_key": key, "clips": clips,
+            "command": "cohere-coreml transcribe --json --word-timestamps --backend mil --front-end package"}
+    _write_json(path, data)
+    return data
+
+
 def compare_front_ends(package: dict | None, python: dict) -> dict | None:
     """Windows whose token ids are equal with the package and the Python front end (the figure the
     issue reports; the Swift tests assert equality with the package front end)."""
@@ -499,9 +539,10 @@ def make_fixtures(out: Path, root: Path, model: Path, demo_clips: list[tuple[str
                    pool.submit(parts_references),
                    pool.submit(transcripts, bundle, out, cases, "package", threads),
                    pool.submit(transcripts, bundle, out, cases, "python", threads),
-                   pool.submit(streaming_cases, bundle, out, root, threads)]
+                   pool.submit(streaming_cases, bundle, out, root, threads),
+                   pool.submit(word_timings, bundle, out, cases, threads)]
         try:
-            _, _, package, python, stream = [job.result() for job in running]
+            _, _, package, python, stream, _ = [job.result() for job in running]
         except BaseException:
             pool.shutdown(cancel_futures=True)  # the jobs not started are dropped; the running ones end first
             raise

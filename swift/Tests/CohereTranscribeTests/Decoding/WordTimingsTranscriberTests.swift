@@ -227,6 +227,40 @@ final class WordTimingsTranscriberTests: XCTestCase {
         XCTAssertThrowsError(try StreamingSession(transcriber: plain, language: language, wordTimestamps: true))
     }
 
+    /// Through the test bundle's own align function, on the interpreter (when its export chose heads: the fixture
+    /// words_package.json holds `cohere-coreml transcribe --word-timestamps --json` for the demo clips and a
+    /// held-out clip per language): every clip's tokens, words and times as the Python CLI prints them (to the
+    /// millisecond); probabilities too, up to the last digit's rounding (Python rounds half to even).
+    func testWordsEqualThePythonCLIs() async throws {
+        let url = try Fixtures.require().appendingPathComponent("words_package.json")
+        guard FileManager.default.fileExists(atPath: url.path) else {
+            throw XCTSkip("the test bundle has no alignment (its export chose no heads): no word-timing reference")
+        }
+        let clips = (try JSONSerialization.jsonObject(with: Data(contentsOf: url)) as! [String: Any])["clips"] as! [[String: Any]]
+        let transcriber = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: try Fixtures.interpreter())
+        func ms(_ x: Double) -> Double { (x * 1000).rounded() / 1000 }
+        var words = 0, windows = 0
+        for clip in clips {
+            let wav = clip["wav"] as! String
+            let r = try await transcriber.transcribe(contentsOf: URL(fileURLWithPath: wav), language: clip["language"] as! String,
+                                                     wordTimestamps: true)
+            XCTAssertEqual(r.windows.map(\.tokenIds), (clip["windows"] as! [[String: Any]]).map { $0["token_ids"] as! [Int] }, wav)
+            let want = clip["words"] as! [[String: Any]]
+            let got = try XCTUnwrap(r.words)
+            XCTAssertEqual(got.map(\.text), want.map { $0["word"] as! String }, wav)
+            XCTAssertEqual(got.map { [ms($0.start), ms($0.end)] },
+                           want.map { [($0["start"] as! NSNumber).doubleValue, ($0["end"] as! NSNumber).doubleValue] }, wav)
+            for (g, w) in zip(got, want) {
+                XCTAssertEqual(ms(g.probability), (w["probability"] as! NSNumber).doubleValue, accuracy: 0.001 + 1e-9, "\(wav): \(g.text)")
+            }
+            words += got.count
+            windows += r.windows.count
+        }
+        XCTAssertGreaterThan(words, 20)
+        XCTAssertGreaterThan(windows, clips.count)  // a long clip's windows: words offset by each window's start
+        print("WordTimingsTranscriberTests: \(clips.count) clips, \(windows) windows, \(words) words as the Python CLI's")
+    }
+
     /// A stream's finals carry their segment's words, on the stream's timeline and inside the segment, the same
     /// updates as without words otherwise; partials carry none.
     func testStreamFinalsCarryTheirSegmentsWords() async throws {
