@@ -417,14 +417,21 @@ def test_example_transcribes_as_the_transcriber(example_python, serve_command, f
     """Token ids and text per window equal `Transcriber` (front end = the bundle's package, prefill as
     the bundle has it) on the same clip and bundle: a clip in the 2 s bucket and one in the main window."""
     transcriber = Transcriber(finalized_bundle, backend="mil", front_end="package")
+    # with alignment in the bundle, the same run times the words (--word-timestamps): as the Transcriber's
+    aligned = json.loads((finalized_bundle / "manifest.json").read_text())["decoder"].get("alignment") is not None
     for clip in clips():
-        expected = transcriber.transcribe(clip["path"], clip["language"])
-        proc = run_example(example_python, finalized_bundle, clip["path"], clip["language"], serve=serve_command)
+        expected = transcriber.transcribe(clip["path"], clip["language"], word_timestamps=aligned)
+        proc = run_example(example_python, finalized_bundle, clip["path"], clip["language"],
+                           *(["--word-timestamps"] if aligned else []), serve=serve_command)
         assert proc.returncode == 0, proc.stderr[-3000:]
         got = json.loads(proc.stdout)
         assert [w["token_ids"] for w in got["windows"]] == expected.token_ids, clip["file"]
         assert got["text"] == expected.text and expected.text, clip["file"]
         assert len(expected.token_ids[0]) > 3  # a transcript, not an immediate eos
+        if aligned:  # words and times to the millisecond, as both print them
+            assert [(w["word"], w["start"], w["end"]) for w in got["words"]] == [
+                (w["word"], round(w["start"], 3), round(w["end"], 3)) for w in expected.words], clip["file"]
+            assert got["words"], clip["file"]
 
 
 @pytest.mark.slow
