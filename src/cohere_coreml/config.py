@@ -61,6 +61,7 @@ ALIGN_FUNCTION = "align"
 ALIGN_OUTPUT = "cross_attention"
 ALIGN_METADATA_KEY = "com.cohere_coreml.alignment"  # decoder package metadata: the alignment block (JSON)
 ALIGN_NOTE_METADATA_KEY = "com.cohere_coreml.alignment_note"  # why a decoder package has no align function
+ALIGN_REQUEST_METADATA_KEY = "com.cohere_coreml.alignment_request"  # what the export asked (`alignment_request`)
 EXTEND_PAD_ID = 0  # fills input_ids past `length`: never read (causal mask), overwritten before it is visible
 # The cross memory the encoder outputs and the decoder keeps in its state under the same names;
 # bind_memory takes each as input BIND_INPUT_PREFIX + name (a function input cannot share a state's name).

@@ -386,3 +386,45 @@ def test_manifest_io_of_every_function(trained_bundle):
     # the host writes the encoder's outputs into the memory states: same shapes
     for name, source in dec["memory_states"].items():
         assert dec["io"]["states"][name]["shape"] == enc["io"]["outputs"][source]["shape"], name
+
+
+@pytest.mark.slow
+def test_a_decoder_exported_for_another_alignment_request_is_exported_again(tiny_reference, tmp_path, caplog):
+    """The decoder package records what the export asked of its alignment (`alignment_request`): a resumed export
+    skips it only for the same request. Another --alignment-heads, another calibration set or a package that
+    predates the align function is exported again (else `make demo` after an upgrade kept a decoder without word
+    timings and said nothing); the same request is skipped."""
+    import shutil
+
+    from cohere_coreml.bundle.packages import package_metadata
+    from cohere_coreml.config import ALIGN_REQUEST_METADATA_KEY
+    from cohere_coreml.export.alignment_heads import CALIBRATION_SET, alignment_request
+    from cohere_coreml.export.convert import ExportSettings
+    from cohere_coreml.export.pipeline import export_model
+
+    # a two-clip calibration set: what is recorded is its content, so a copy with one clip less is another set
+    small = tmp_path / "cal"
+    small.mkdir()
+    manifest = json.loads((CALIBRATION_SET / "manifest.json").read_text())
+    manifest["utterances"] = manifest["utterances"][:2]
+    for u in manifest["utterances"]:
+        shutil.copy(CALIBRATION_SET / u["file"], small / u["file"])
+    (small / "manifest.json").write_text(json.dumps(manifest))
+    model, processor = tiny_reference
+    settings = ExportSettings(out_dir=tmp_path / "out", precision="fp32", window_seconds=2.0)
+    package = settings.package_path("decoder")
+
+    def export(heads: str):
+        caplog.clear()
+        export_model(model, processor, settings, components=("decoder",), max_new_tokens=22, alignment_heads=heads,
+                     alignment_calibration=small)
+        return package_metadata(package).get(ALIGN_REQUEST_METADATA_KEY), package.stat().st_mtime_ns
+
+    assert export("none")[0] == "none"
+    request, first = export("auto")  # the random model transcribes no clip: no heads, but the request is recorded
+    assert request == alignment_request("auto", 1, small) != "none" and "exporting it again" in caplog.text
+    assert export("auto") == (request, first) and "exporting it again" not in caplog.text  # same request: skipped
+    manifest["utterances"] = manifest["utterances"][:1]
+    (small / "manifest.json").write_text(json.dumps(manifest))
+    request2, second = export("auto")
+    assert request2 != request and second != first and "exporting it again" in caplog.text

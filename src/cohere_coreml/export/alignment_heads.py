@@ -30,6 +30,7 @@ The method (nothing in it depends on one model's shape):
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import logging
 import re
@@ -301,8 +302,8 @@ def calibration_records(model, processor, folder: str | Path, languages: Sequenc
         groups = word_groups(pieces, u["language"])
         words = [group_text(pieces, g) for g in groups]
         if len(words) != len(u["words"]):  # a word split differently than by whitespace: match by text
-            logger.info("%s: %d tokenizer words for %d truth words, matched by text", u["file"], len(words),
-                        len(u["words"]))
+            logger.debug("%s: %d tokenizer words for %d truth words, matched by text", u["file"], len(words),
+                         len(u["words"]))
         records.append(AlignmentRecord(
             attention=tf.attention, prompt_length=tf.prompt_length, pieces=pieces,
             probabilities=tf.token_probabilities[:-1], language=u["language"], truth=match_words(words, u["words"]),
@@ -368,14 +369,16 @@ class AlignmentPlan:
     calibration: dict | None
     records: list[AlignmentRecord]
     frame_seconds: float
+    request: str | None = None  # `alignment_request`: what the export asked, recorded beside the outcome
 
     def metadata(self) -> dict:
         """The decoder package's metadata entries (`bundle.packages.decoder_package_info` reads them back)."""
-        from ..config import ALIGN_METADATA_KEY, ALIGN_NOTE_METADATA_KEY
+        from ..config import ALIGN_METADATA_KEY, ALIGN_NOTE_METADATA_KEY, ALIGN_REQUEST_METADATA_KEY
 
+        asked = {ALIGN_REQUEST_METADATA_KEY: self.request} if self.request else {}
         if self.heads is None:
-            return {ALIGN_NOTE_METADATA_KEY: self.note}
-        return {ALIGN_METADATA_KEY: {"heads": [list(h) for h in self.heads], "lead_rows": self.lead_rows,
+            return {ALIGN_NOTE_METADATA_KEY: self.note, **asked}
+        return {**asked, ALIGN_METADATA_KEY: {"heads": [list(h) for h in self.heads], "lead_rows": self.lead_rows,
                                      "frame_seconds": self.frame_seconds, "calibration": self.calibration}}
 
 
@@ -383,6 +386,22 @@ def _calibration_block(name: str, records: Sequence[AlignmentRecord], heads: Seq
     median, p90, words = evaluate_heads(records, heads, lead_rows)
     return {"set": name, "clips": len(records), "words": words, "median_s": round(median, 4), "p90_s": round(p90, 4),
             "baseline_median_s": round(baseline(gate_records(records))[0], 4)}
+
+
+def alignment_request(heads: str = "auto", lead_rows: int = 1, calibration: str | Path | None = None) -> str:
+    """What an export asks of the decoder's alignment, in one line recorded in the decoder package's metadata:
+    "none", "auto on <set>" or "L.H,... lead N on <set>", the set named by the sha256 of its manifest (its
+    content, never a local path: the package is published). A present package that records another request, or
+    none (exported before the align function existed), is exported again rather than skipped."""
+    if heads == "none":
+        return "none"
+    manifest = (Path(calibration) if calibration is not None else CALIBRATION_SET) / "manifest.json"
+    try:
+        digest = hashlib.sha256(manifest.read_bytes()).hexdigest()[:12]
+    except OSError as err:
+        raise CalibrationError(f"calibration set {manifest.parent.name}: cannot read its manifest.json "
+                               f"({err.strerror or err})") from None
+    return f"auto on {digest}" if heads == "auto" else f"{heads} lead {int(lead_rows)} on {digest}"
 
 
 def plan_alignment(model, processor, heads: str = "auto", lead_rows: int = 1,

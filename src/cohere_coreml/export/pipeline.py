@@ -35,8 +35,9 @@ from typing import Any
 
 from ..bundle import ane_check
 from ..bundle.manifest import write_bundle
-from ..bundle.packages import decoder_package_info
+from ..bundle.packages import decoder_package_info, package_metadata
 from ..config import (
+    ALIGN_REQUEST_METADATA_KEY,
     CONTROL_LANGUAGE,
     DECODER_STATE_DEFAULT,
     DECODER_STATES,
@@ -121,8 +122,10 @@ def _stage_decoder(job: ExportJob) -> StagedPackage | None:
     from . import decoder  # loads transformers (seconds): the cli imports this module for every command
 
     shapes = job.plan.decoder
-    path = job.settings.package_path("decoder")
-    if path.exists() and not job.settings.force and stale_reason(job.settings, "decoder") is None:  # to be skipped
+    settings = job.settings
+    path = settings.package_path("decoder")
+    request = _alignment_request(job)
+    if path.exists() and not settings.force and stale_reason(settings, "decoder") is None:  # to be skipped
         info = decoder_package_info(path)
         present = info["shapes"]
         if (present["capacity"], present["memory_len"]) != (shapes.capacity, shapes.memory_len):
@@ -131,15 +134,31 @@ def _stage_decoder(job: ExportJob) -> StagedPackage | None:
         if info["state_writes"] != job.decoder_state:
             raise ExportError(f"{path} is a {info['state_writes']}-state decoder, the export asks for "
                               f"--decoder-state {job.decoder_state}; use --force to re-export")
-    if job.settings.force or not path.exists() or stale_reason(job.settings, "decoder") is not None:
+        recorded = package_metadata(path).get(ALIGN_REQUEST_METADATA_KEY)
+        if recorded != request:  # another --alignment-heads / calibration set, or a package from before them
+            logger.warning("%s: its alignment was exported for %r, this export asks for %r: exporting it again",
+                           path, recorded or "nothing (an export that predates the align function)", request)
+            settings = dataclasses.replace(settings, force=True)
+    if settings.force or not path.exists() or stale_reason(settings, "decoder") is not None:
         alignment = _plan_alignment(job)
+        alignment.request = request
     else:
         alignment = None  # the package is present and skipped: no calibration
-    staged, _ = decoder.stage_decoder(job.model, job.settings, capacity=shapes.capacity, memory_len=shapes.memory_len,
+    staged, _ = decoder.stage_decoder(job.model, settings, capacity=shapes.capacity, memory_len=shapes.memory_len,
                                       prompt=job.prompt, prefill=job.prefill,
                                       control_prompt=job.control_prompt, extend=job.extend,
                                       state_writes=job.decoder_state, alignment=alignment)
     return staged
+
+
+def _alignment_request(job: ExportJob) -> str:
+    """`alignment_heads.alignment_request` of the job; an unreadable calibration set: ExportError (one line)."""
+    from .alignment_heads import CalibrationError, alignment_request
+
+    try:
+        return alignment_request(job.alignment_heads, job.alignment_lead_rows, job.alignment_calibration)
+    except CalibrationError as err:
+        raise ExportError(str(err)) from None
 
 
 def _plan_alignment(job: ExportJob):
