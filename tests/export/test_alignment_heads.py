@@ -185,8 +185,8 @@ def test_an_explicit_head_list_is_checked_measured_and_kept(trained_reference, t
     a list inside it is measured on the clips the model transcribes and kept (with their figures) whether or not
     the gate would choose it; on clips it transcribes none of, kept unmeasured, every clip left for the bundle
     check."""
-    from cohere_coreml.export.alignment_heads import parse_heads, plan_alignment
-    from cohere_coreml.inference.alignment import AlignmentError
+    from cohere_coreml.export.alignment_heads import plan_alignment
+    from cohere_coreml.inference.alignment import AlignmentError, parse_heads
 
     model, processor = trained_reference
     assert parse_heads("1.0, 0.3") == [(1, 0), (0, 3)]

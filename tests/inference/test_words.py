@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from cohere_coreml.inference.alignment import AlignmentError, parse_heads
 from cohere_coreml.inference.engines import PyTorchEngine
 from cohere_coreml.inference.transcribe import Transcriber
 from cohere_coreml.inference.words import (
@@ -16,7 +17,6 @@ from cohere_coreml.inference.words import (
     WordTimingError,
     clip_words,
     no_alignment_message,
-    parse_heads,
     window_words,
 )
 from cohere_coreml.model.audio import load_audio
@@ -106,9 +106,9 @@ def test_transcriber_window_words_read_the_valid_frames_and_the_decoding_probabi
 
 
 def test_heads_and_the_no_alignment_message():
-    assert parse_heads("1.0, 1.2") == ((1, 0), (1, 2))
+    assert parse_heads("1.0, 1.2") == [(1, 0), (1, 2)]
     for bad in ("", "1", "a.b", "1.0,x"):
-        with pytest.raises(WordTimingError, match="layer.head"):
+        with pytest.raises(AlignmentError, match="--alignment-heads: "):
             parse_heads(bad)
     manifest = {"decoder": {"alignment": None, "alignment_note": "exported with --alignment-heads none"}}
     message = no_alignment_message(manifest)

@@ -36,14 +36,19 @@ from cohere_coreml.export.alignment_heads import (
     CALIBRATION_SET,
     AlignmentRecord,
     calibration_records,
-    check_heads,
-    format_heads,
     match_words,
     read_word_timing_set,
     select_heads,
     truth_span,
 )
-from cohere_coreml.inference.alignment import group_text, word_groups
+from cohere_coreml.inference.alignment import (
+    AlignmentError,
+    check_heads,
+    format_heads,
+    group_text,
+    parse_heads,
+    word_groups,
+)
 from cohere_coreml.model.alignment_reference import encode, frame_seconds, teacher_forced_attention
 from cohere_coreml.model.audio import FrontEndConfig, load_audio, log_mel
 from cohere_coreml.model.checkpoint import load_reference
@@ -55,12 +60,12 @@ KINDS = ("single", "padded", "multi")
 logger = logging.getLogger("bench_word_timings")
 
 
-def parse_heads(text: str) -> list[tuple[int, int]]:
-    """"1.0,1.2" -> [(1, 0), (1, 2)]."""
+def _heads(text: str, layers: int, heads_per_layer: int) -> list[tuple[int, int]]:
+    """--heads: the toolkit's head list, inside the model; a bad one exits with its one-line reason."""
     try:
-        return [(int(a), int(b)) for a, b in (item.split(".") for item in text.split(",") if item)]
-    except ValueError:
-        raise SystemExit(f"--heads: expected layer.head,layer.head (e.g. 1.0,1.2), got {text!r}") from None
+        return check_heads(parse_heads(text), layers, heads_per_layer)
+    except AlignmentError as err:
+        raise SystemExit(f"--heads: {str(err).removeprefix('--alignment-heads: ')}") from None
 
 
 def read_sets(path: str | Path, languages: list[str], limit: int) -> list[tuple[Path, dict]]:
@@ -185,7 +190,7 @@ def main(argv=None) -> int:
     layers, heads_per_layer = model.config.num_hidden_layers, model.config.num_attention_heads
 
     if args.heads:
-        heads, lead_rows = check_heads(parse_heads(args.heads), layers, heads_per_layer), args.lead_rows
+        heads, lead_rows = _heads(args.heads, layers, heads_per_layer), args.lead_rows
         choice_text = f"given: heads {format_heads(heads)}, {lead_rows} lead row(s)"
     else:
         evaluated = {s for _, u in read_sets(args.data, languages, args.per_kind)

@@ -50,12 +50,11 @@ from .. import __version__, git_hash
 from ..bundle.load import Bundle
 from ..cli_options import HelpFormatter, add_bundle_arg, add_decoding_args
 from ..export.alignment_heads import match_words
-from ..inference.alignment import DEFAULT_LEAD_ROWS
+from ..inference.alignment import DEFAULT_LEAD_ROWS, parse_heads
 from ..inference.decoding import TOKEN_LIMITS, RepetitionGuard, StopReason, loop_in
 from ..inference.engines import PyTorchEngine
 from ..inference.longform import check_audio
 from ..inference.transcribe import Transcriber
-from ..inference.words import parse_heads
 from ..model.audio import AudioError
 from ..storage.files import write_json_atomic
 from .datasets import load_dataset

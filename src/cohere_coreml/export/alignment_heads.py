@@ -44,8 +44,11 @@ from ..inference.alignment import (
     AlignmentError,
     align_words,
     alignment_rows,
+    check_heads,
+    format_heads,
     group_text,
     naive_word_starts,
+    parse_heads,
     word_groups,
 )
 
@@ -202,10 +205,6 @@ def select_heads(records: Sequence[AlignmentRecord], lead_row_choices: Sequence[
                       per_head=per_head_best), reason
 
 
-def format_heads(heads: Sequence[Head]) -> str:
-    return ",".join(f"{layer}.{head}" for layer, head in heads)
-
-
 # --------------------------------------------------------------------------------------------------
 # Records from a word-timing set and the reference model
 # --------------------------------------------------------------------------------------------------
@@ -318,31 +317,6 @@ def calibration_records(model, processor, folder: str | Path, languages: Sequenc
         logger.info("calibration: %d of %d clips skipped (the model would not transcribe them exactly)", skipped,
                     skipped + len(records))
     return records
-
-
-def check_heads(heads: Sequence[Head], layers: int, heads_per_layer: int) -> list[Head]:
-    """Heads as (layer, head) pairs inside the model, or AlignmentError."""
-    out = []
-    for layer, head in heads:
-        if not (0 <= layer < layers and 0 <= head < heads_per_layer):
-            raise AlignmentError(f"alignment head {layer}.{head} is outside the model's {layers} layers x "
-                                 f"{heads_per_layer} heads")
-        out.append((int(layer), int(head)))
-    return out
-
-
-def parse_heads(text: str) -> list[Head]:
-    """`--alignment-heads` "L.H,L.H,..." -> [(L, H), ...], or AlignmentError naming the form."""
-    out = []
-    for item in (x.strip() for x in text.split(",") if x.strip()):
-        layer, _, head = item.partition(".")
-        if not (layer.isdigit() and head.isdigit()):
-            raise AlignmentError(f"--alignment-heads: {item!r} is not LAYER.HEAD (e.g. 3.1); give auto, none or a "
-                                 "comma-separated list like 2.0,3.1")
-        out.append((int(layer), int(head)))
-    if not out:
-        raise AlignmentError("--alignment-heads: empty list; give auto, none or a list like 2.0,3.1")
-    return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -378,8 +378,7 @@ def _alignment_heads(value: str) -> str:
     """--alignment-heads: 'auto', 'none' or a LAYER.HEAD list (checked against the model at export)."""
     if value in ("auto", "none"):
         return value
-    from ..inference.alignment import AlignmentError
-    from .alignment_heads import format_heads, parse_heads
+    from ..inference.alignment import AlignmentError, format_heads, parse_heads
 
     try:
         return format_heads(parse_heads(value))

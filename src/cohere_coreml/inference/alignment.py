@@ -327,3 +327,39 @@ def naive_word_starts(words: Sequence[str], first_start: float, last_end: float)
         return [float(first_start)] * len(words)
     before = np.concatenate([[0.0], np.cumsum(lengths)[:-1]])
     return [float(first_start + (last_end - first_start) * b / total) for b in before]
+
+
+# --------------------------------------------------------------------------------------------------
+# Head lists (`--alignment-heads L.H,...` of export, transcribe and bench)
+# --------------------------------------------------------------------------------------------------
+
+
+def format_heads(heads: Sequence[tuple[int, int]]) -> str:
+    """[(1, 0), (1, 2)] -> "1.0,1.2" (what `parse_heads` reads)."""
+    return ",".join(f"{layer}.{head}" for layer, head in heads)
+
+
+
+def check_heads(heads: Sequence[tuple[int, int]], layers: int, heads_per_layer: int) -> list[tuple[int, int]]:
+    """Heads as (layer, head) pairs inside the model, or AlignmentError."""
+    out = []
+    for layer, head in heads:
+        if not (0 <= layer < layers and 0 <= head < heads_per_layer):
+            raise AlignmentError(f"alignment head {layer}.{head} is outside the model's {layers} layers x "
+                                 f"{heads_per_layer} heads")
+        out.append((int(layer), int(head)))
+    return out
+
+
+def parse_heads(text: str) -> list[tuple[int, int]]:
+    """`--alignment-heads` "L.H,L.H,..." -> [(L, H), ...], or AlignmentError naming the form."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        layer, _, head = item.partition(".")
+        if not (layer.isdigit() and head.isdigit()):
+            raise AlignmentError(f"--alignment-heads: {item!r} is not LAYER.HEAD (e.g. 3.1); give auto, none or a "
+                                 "comma-separated list like 2.0,3.1")
+        out.append((int(layer), int(head)))
+    if not out:
+        raise AlignmentError("--alignment-heads: empty list; give auto, none or a list like 2.0,3.1")
+    return out

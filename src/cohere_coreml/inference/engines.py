@@ -29,10 +29,10 @@ from ..config import DEFAULT_MAX_NEW_TOKENS, LENGTH_PENALTY
 from ..model.audio import AudioError, FrontEndConfig, log_mel
 from ..model.checkpoint import load_reference
 from ..model.tokens import decode_ids, join_windows, prompt_ids
-from .alignment import DEFAULT_LEAD_ROWS
+from .alignment import DEFAULT_LEAD_ROWS, check_heads
 from .decoding import StopReason
 from .longform import check_audio, iter_windows
-from .words import AlignmentSettings, WordTimingError, check_heads, clip_words, window_words
+from .words import AlignmentSettings, WordTimingError, clip_words, window_words
 
 if TYPE_CHECKING:
     import torch
@@ -180,7 +180,7 @@ class PyTorchEngine(Engine):
     config.DEFAULT_MAX_NEW_TOKENS (upstream's default).
 
     Word timings (`transcribe(..., word_timestamps=True)`) need `alignment_heads` ((layer, head) pairs, e.g. a
-    bundle's manifest heads, `words.parse_heads("1.0,1.2")`): the reference attention of one teacher-forced pass
+    bundle's manifest heads, `alignment.parse_heads("1.0,1.2")`): the reference attention of one teacher-forced pass
     (`model.alignment_reference`) over each window's prompt + tokens, on those heads, through the same rule as
     the bundle (`words.window_words`): the bundle's words are checked against these. The tokens' probabilities
     are the same pass's (greedy decoding chose exactly those tokens there).

@@ -46,27 +46,6 @@ class AlignmentSettings:
                    lead_rows=int(block["lead_rows"]), frame_seconds=float(block["frame_seconds"]))
 
 
-def parse_heads(text: str) -> tuple[tuple[int, int], ...]:
-    """"1.0,1.2" (layer.head, comma-separated) -> ((1, 0), (1, 2)); WordTimingError naming the form."""
-    try:
-        heads = tuple((int(a), int(b)) for a, b in (item.strip().split(".") for item in text.split(",") if item.strip()))
-    except ValueError:
-        heads = ()
-    if not heads:
-        raise WordTimingError(f"alignment heads must be layer.head[,layer.head...] (e.g. 1.0,1.2), got {text!r}")
-    return heads
-
-
-def check_heads(heads, layers: int, heads_per_layer: int) -> tuple[tuple[int, int], ...]:
-    """(layer, head) pairs inside a decoder of `layers` x `heads_per_layer` heads, or WordTimingError."""
-    out = tuple((int(layer), int(head)) for layer, head in heads)
-    for layer, head in out:
-        if not (0 <= layer < layers and 0 <= head < heads_per_layer):
-            raise WordTimingError(f"alignment head {layer}.{head} is outside the decoder's {layers} layers x "
-                                  f"{heads_per_layer} heads")
-    return out
-
-
 def no_alignment_message(manifest: dict) -> str:
     """Why a bundle gives no word timings, with the fix, in one line (the manifest's alignment_note)."""
     note = (manifest.get("decoder") or {}).get("alignment_note")
