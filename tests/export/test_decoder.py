@@ -602,6 +602,22 @@ def test_align_starts():
             align_starts(count, rows_from, 8, 32)
 
 
+def test_align_function_loads_on_first_use(any_package, monkeypatch):
+    """`DecoderRuntime.load` defers the align function to the first `align` call (a device compiles each function
+    on its first load: a transcription without word timings must not pay for it); loaded once."""
+    from cohere_coreml import runtime
+    from cohere_coreml.config import ALIGN_FUNCTION
+    from cohere_coreml.inference.decoder_runtime import DecoderRuntime
+
+    loaded = []
+    real = runtime.load_model
+    monkeypatch.setattr(runtime, "load_model", lambda *a, **k: loaded.append(k["function_name"]) or real(*a, **k))
+    decoder = DecoderRuntime.load(any_package, backend="mil")
+    assert ALIGN_FUNCTION not in loaded and loaded
+    assert decoder.align_length == ALIGN_LENGTH and decoder.align_model is decoder.align_model
+    assert loaded.count(ALIGN_FUNCTION) == 1
+
+
 def test_align_function_reads_the_decoded_cache(trained_reference, any_package):
     """On a state fed a window's prompt + tokens (as decoding leaves it), `align`, K rows a call, gives the PyTorch
     twin's cross-attention weights of the exported heads in their order, and on a calibration clip the reference's

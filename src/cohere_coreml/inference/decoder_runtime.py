@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -219,8 +220,11 @@ class DecoderRuntime:
     """
 
     def __init__(self, step, bind=None, prefill=None, extend=None, align=None):
+        """`align`: the align function's model, or a callable that loads it (`load` defers it to the first
+        `align` call: on a device the first load of a function compiles it, which a transcription without word
+        timings should not pay)."""
         self.step_model, self.bind_model, self.prefill_model, self.extend_model = step, bind, prefill, extend
-        self.align_model = align
+        self._align = align
         self.state_writes = (DECODER_STATE_HOST if CACHE_MASK_INPUT in step.input_description
                              else DECODER_STATE_GRAPH)
         if self.host:
@@ -239,9 +243,6 @@ class DecoderRuntime:
         self.extend_length = None
         if extend is not None:
             self.extend_length = int(extend.input_description["input_ids"][0][1])  # (1, K)
-        self.align_length = None
-        if align is not None:
-            self.align_length = int(align.input_description["input_ids"][0][1])  # (1, K)
         self.capacity = int(step.state_description["self_k"][0][2])  # self_k (L, Hkv, C, Dh)
         self.state_bytes_written = 0  # by the host (host variant): rows, memory; a benchmark's counter
 
@@ -273,8 +274,21 @@ class DecoderRuntime:
         bind = load(BIND_FUNCTION) if BIND_FUNCTION in functions else None
         pre = load(PREFILL_FUNCTION) if prefill and PREFILL_FUNCTION in functions else None
         ext = load(EXTEND_FUNCTION) if extend and EXTEND_FUNCTION in functions else None
-        ali = load(ALIGN_FUNCTION) if align and ALIGN_FUNCTION in functions else None
+        ali = partial(load, ALIGN_FUNCTION) if align and ALIGN_FUNCTION in functions else None
         return cls(step, bind, pre, ext, ali)
+
+    @property
+    def align_model(self):
+        """The align function's model (loaded on first use), or None when the package has none."""
+        if callable(self._align) and not hasattr(self._align, "predict"):
+            self._align = self._align()
+        return self._align
+
+    @property
+    def align_length(self) -> int | None:
+        """K: tokens per align call (None without an align function)."""
+        model = self.align_model
+        return None if model is None else int(model.input_description["input_ids"][0][1])  # (1, K)
 
     @property
     def backend(self) -> str:
