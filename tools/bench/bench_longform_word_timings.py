@@ -8,9 +8,9 @@ with a bundle (`Transcriber`, interpreter by default):
     stream    `streaming.stream_array(..., word_timestamps=True)`: the finals' words (speech segments)
 
 and prints per language and way: words timed / words with a truth, median and 90th percentile |start error|
-(words matched to the truth by text, as `bench` does). The issue's claim: the same error figures as single clips
-(BENCHMARKS.md "Word timings"), word times in order and inside their windows / segments (tested in
-tests/inference/test_words.py and test_streaming.py).
+(words matched to the truth by text, as `bench` does): whether long audio gets the single clips' error figures
+(BENCHMARKS.md "Word timings"). That word times are in order and inside their windows / segments is tested in
+tests/inference/test_words.py and test_streaming.py.
 
 Usage: uv run --frozen python tools/bench/bench_longform_word_timings.py --bundle out/demo/cohere-tiny-synth-fp16 \\
            --data out/word-timing/multi [--seconds 75] [--languages en,de,es]

@@ -34,7 +34,7 @@ from ..config import SILENCE_PEAK
 from ..model.audio import AudioError, FrontEndConfig, check_waveform, load_audio, quietest_window, valid_frames
 from ..model.tokens import decode_ids
 from .longform import check_audio
-from .words import rounded
+from .words import rounded, word_line
 
 logger = logging.getLogger(__name__)
 
@@ -601,7 +601,7 @@ def run_cli(args, make_transcriber: Callable[[], object]) -> int:
             elif update.type == "final":
                 print(f"[{update.start:.2f}-{update.end:.2f}] {update.text}", flush=True)
                 for w in update.words or ():
-                    print(f"  [{w['start']:.3f}-{w['end']:.3f}] {w['word']} ({w['probability']:.3f})", flush=True)
+                    print(f"  {word_line(w)}", flush=True)
             else:
                 print(f"~ [{update.start:.2f}-{update.end:.2f}] {update.text}", file=sys.stderr, flush=True)
         if args.stats:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..model.tokens import NO_SPACE_LANGUAGES
+from ..model.tokens import join_windows
 
 DEFAULT_MAX_WORDS = 7  # words per cue: about one subtitle line
 DEFAULT_MAX_SECONDS = 5.0  # seconds per cue (first word's start to last word's end)
@@ -38,9 +38,8 @@ class Cue:
 
 
 def join_words(words: Sequence[str], language: str | None) -> str:
-    """Words as the language writes them: no space between them for ja and zh."""
-    separator = "" if language in NO_SPACE_LANGUAGES else " "
-    return separator.join(w.strip() for w in words if w.strip())
+    """Words as the language writes them (`tokens.join_windows`' rule: no space between them for ja and zh)."""
+    return join_windows([w.strip() for w in words], language)
 
 
 def build_cues(words: Sequence[dict], language: str | None = None, max_words: int = DEFAULT_MAX_WORDS,

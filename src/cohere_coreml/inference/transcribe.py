@@ -46,7 +46,7 @@ from .decoding import DecodeResult, RepetitionGuard, StopReason, beam_search
 from .encoder_runtime import EncoderRuntime
 from .engines import Engine, TranscriptionResult, WindowResult, transcribe_files
 from .subtitles import DEFAULT_MAX_SECONDS, DEFAULT_MAX_WORDS, FORMATS, SUBTITLE_FORMATS, build_cues, write_subtitles
-from .words import AlignmentSettings, WordTimingError, no_alignment_message, rounded, window_words
+from .words import AlignmentSettings, WordTimingError, no_alignment_message, rounded, window_words, word_line
 
 logger = logging.getLogger(__name__)
 
@@ -478,8 +478,7 @@ def cmd_transcribe(args) -> int:
     entries, failed = transcribe_files(
         args.audio, make_transcriber, args.language, punctuation=not args.no_punctuation, progress=fmt == "text",
         max_new_tokens=args.max_new_tokens, beams=args.beams,
-        repetition_guard=RepetitionGuard() if args.repetition_guard else None,
-        **({"word_timestamps": True} if words else {}))
+        repetition_guard=RepetitionGuard() if args.repetition_guard else None, word_timestamps=words)
     results = [e for e in entries if e["status"] != "error"]  # failures: logged on stderr by transcribe_files
     for entry in results:
         if "words" in entry:  # printed: seconds and probabilities to the millisecond / 3 decimals
@@ -505,7 +504,7 @@ def cmd_transcribe(args) -> int:
             continue
         print(entry["text"])
         for w in entry.get("words") or ():
-            print(f"[{w['start']:.3f}-{w['end']:.3f}] {w['word']} ({w['probability']:.3f})")
+            print(word_line(w))
         for w in entry["windows"]:
             t = w["timings"]
             flag = f"  STOPPED ({w['stop_reason']})" if w["truncated"] else ""

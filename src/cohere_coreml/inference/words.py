@@ -83,3 +83,9 @@ def rounded(words: Sequence[dict], digits: int = 3) -> list[dict]:
     """Words as printed: times and probabilities rounded to `digits` decimals."""
     return [{"word": w["word"], "start": round(w["start"], digits), "end": round(w["end"], digits),
              "probability": round(w["probability"], digits)} for w in words]
+
+
+def word_line(word: dict) -> str:
+    """A word as the CLI prints it: `[start-end] word (probability)`, seconds and probability to 3 decimals
+    (`example_inference.py` and the Swift CLI print the same line)."""
+    return f"[{word['start']:.3f}-{word['end']:.3f}] {word['word']} ({word['probability']:.3f})"
