@@ -14,4 +14,5 @@ May import: bundle, model, storage, runtime (and the top-level config, export_er
     alignment        word timings from cross-attention: the rule (normalise, DTW, tokens -> words, times)
     words            a window's words on the audio's timeline (the rule on its attention, clamped to it)
     subtitles        SRT / WebVTT cues from word timings
+    vad              speech probabilities per 32 ms chunk: the bundle's vad.mlpackage or the PyTorch module
 """

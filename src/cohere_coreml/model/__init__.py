@@ -11,4 +11,5 @@ May import: storage, runtime (and the top-level config and export_errors).
     audio       load audio; the features `CohereAsrFeatureExtractor` computes (`mel`)
     shapes      windows, buckets, frames and the length masks, in one place
     tokens      prompts, decoding of generated ids, vocab.json
+    silero      Silero VAD's network from the pinned silero-vad package's weights; the package's model as oracle
 """

@@ -9,7 +9,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from cohere_coreml.model import vad
+from cohere_coreml.model import silero as vad
 
 CLIP = Path(__file__).resolve().parents[1] / "data" / "audio" / "en_medium.wav"
 
