@@ -12,9 +12,10 @@ out per call; it runs on every OS the other packages run on, needs no per-thread
 interpreter and the Swift loop treat it as plain arrays. Both functions share their weights (one
 `merge_functions`). The program computes in the bundle's precision; its inputs and outputs are float32.
 
-The traced module writes the LSTM cell out as matrix products and slices (coremltools has no
-conversion of `aten::lstm_cell`'s `unsafe_chunk`): the input projection of all N rows is one matmul,
-then one recurrent step per row, unrolled (N is static).
+The traced module computes what `SileroVad` computes, in ops the converter and the Neural Engine take:
+the STFT as a matmul over 256-sample windows (not a 256-wide convolution), and the LSTM cell written out
+as matrix products and slices (coremltools has no conversion of `aten::lstm_cell`'s `unsafe_chunk`): the
+input projection of all N rows is one matmul, then one recurrent step per row, unrolled (N is static).
 
 The weights come from `silero.load_weights` (the package's ONNX file, the tensors of its TorchScript
 model), never from the package's safetensors file, which holds another checkpoint.
@@ -57,10 +58,10 @@ BLOCK_CHUNKS = 32
 OUTPUT_NAMES = ("probability", "h_out", "c_out")
 # the units it is meant for: small convolutions and a recurrent cell (the manifest's compute_units)
 COMPUTE_UNITS = "all"
-# max |probability diff| per chunk vs the package's model, per program precision (measured margins: the
-# fp16 program's worst chunk on the committed clips is several times below the fp16 bound; fp32's far
-# below its own)
-MAX_ABS_DIFF = {"fp16": 0.05, "fp32": 1e-3}
+# max |probability diff| per chunk vs the package's model, per program precision: a few times what each
+# program gives on the committed clips (docs/export.md), far below what a perturbed weight or a lost state
+# gives (the negative controls of the tests), and inside the margin the 0.5 / 0.35 thresholds leave
+MAX_ABS_DIFF = {"fp16": 0.05, "fp32": 1e-4}
 
 
 def vad_request(settings: ExportSettings, chunks: int = BLOCK_CHUNKS) -> str:
@@ -82,11 +83,25 @@ class VadForCoreML(torch.nn.Module):
         self.vad = vad
         self.carry_state = carry_state  # False: every call from a zero state (a gate's negative control)
 
+    def features(self, frames):
+        """`SileroVad.features` with the STFT as a matmul over 256-sample windows (hop 128) instead of a
+        256-wide strided convolution: the Neural Engine caps a convolution's kernel width far below 256."""
+        vad, hop = self.vad, 128
+        x = torch.nn.functional.pad(frames.unsqueeze(1), (0, silero.CONTEXT_SAMPLES), mode="reflect")  # (N, 1, 640)
+        blocks = x.reshape(frames.shape[0], -1, hop)  # (N, 5, 128)
+        windows = torch.cat([blocks[:, :-1], blocks[:, 1:]], dim=2)  # (N, 4, 256): window j = samples 128j ...
+        spectrum = torch.matmul(windows, vad.stft_basis.squeeze(1).t())  # (N, 4, 258)
+        bins = spectrum.shape[-1] // 2
+        x = torch.sqrt(spectrum[..., :bins] ** 2 + spectrum[..., bins:] ** 2).transpose(1, 2)  # (N, 129, 4)
+        for conv in (vad.conv1, vad.conv2, vad.conv3, vad.conv4):
+            x = torch.relu(conv(x))
+        return x.squeeze(-1)
+
     def forward(self, frames, h, c):
         vad, hidden = self.vad, silero.HIDDEN
         if not self.carry_state:
             h, c = h * 0.0, c * 0.0
-        feats = vad.features(frames)  # (N, 128)
+        feats = self.features(frames)  # (N, 128)
         lstm = vad.lstm
         inputs = torch.nn.functional.linear(feats, lstm.weight_ih, lstm.bias_ih + lstm.bias_hh)  # (N, 4H)
         hs = []

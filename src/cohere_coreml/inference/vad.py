@@ -132,3 +132,12 @@ class PackageVad:
 
     def stream(self) -> ProbabilityStream:
         return _ChunkStream(self._score)
+
+
+def vad_for(bundle, backend: str = "auto", compute_units: str = "all") -> PackageVad | None:
+    """The bundle's vad.mlpackage as a `PackageVad` (N from the manifest's `vad.functions.block.chunks`), or
+    None when the bundle has no VAD (`vad` absent or null: exported before it, or with `export --no-vad`)."""
+    chunks = bundle.vad_chunks
+    if chunks is None:
+        return None
+    return PackageVad.load(bundle.paths["vad"], chunks, backend=backend, compute_units=compute_units)
