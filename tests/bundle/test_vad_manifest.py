@@ -81,6 +81,8 @@ def test_a_missing_or_altered_package_is_named(trained_bundle, tmp_path):
     shutil.rmtree(missing / VAD_FILE)
     with pytest.raises(BundleError, match="bundle is missing vad.mlpackage"):
         Bundle.load(missing)
+    with pytest.raises(Exception, match=r"vad\.mlpackage/"):
+        check_bundle(missing)  # `bundle check`: the files the checksums list
     altered = _copy(trained_bundle, tmp_path / "altered")
     weights = next((altered / VAD_FILE).rglob("weight.bin"))
     data = bytearray(weights.read_bytes())

@@ -110,3 +110,28 @@ def test_a_package_of_another_request_is_exported_again(tmp_path, caplog):
     assert staged is not None and "exporting it again" in caplog.text
     staged.discard()
     assert (tmp_path / f"{COMPONENT}.mlpackage").is_dir()  # the present package stays until a new one passes
+
+
+def test_vad_and_no_vad_change_the_components():
+    from cohere_coreml.export.pipeline import COMPONENTS, ExportError, export_components
+
+    default = ",".join(COMPONENTS)
+    assert export_components(default, None) == ("encoder", "frontend", "decoder", "vad")  # on by default
+    assert export_components(default, False) == ("encoder", "frontend", "decoder")
+    assert export_components("encoder", None) == ("encoder",)
+    assert export_components("encoder", True) == ("encoder", "vad")
+    assert export_components("vad,encoder", True) == ("encoder", "vad")
+    with pytest.raises(ExportError, match="nothing to export"):
+        export_components("vad", False)
+
+
+def test_the_cli_reads_vad_flags():
+    import argparse
+
+    from cohere_coreml.export.pipeline import add_command
+
+    parser = argparse.ArgumentParser()
+    add_command(parser.add_subparsers())
+    assert parser.parse_args(["export"]).vad is None
+    assert parser.parse_args(["export", "--vad"]).vad is True
+    assert parser.parse_args(["export", "--no-vad"]).vad is False

@@ -354,11 +354,7 @@ def cmd_export(args) -> int:
     settings = ExportSettings(out_dir=Path(args.out), precision=args.precision, deployment_target=args.deployment_target,
                               window_seconds=args.window_seconds, force=args.force, skip_verify=args.skip_verify,
                               gate_units=args.gate_units)
-    components = tuple(c.strip() for c in args.components.split(",") if c.strip())
-    if args.vad is not None:  # --vad adds the VAD to --components, --no-vad removes it
-        components = tuple(c for c in components if c != "vad") + (("vad",) if args.vad else ())
-    if not components:
-        raise ExportError("nothing to export: --components names none (with --no-vad, name a model component)")
+    components = export_components(args.components, args.vad)
     result = export_checkpoint(args.model, settings, revision=args.revision, base_model=args.base_model,
                                components=components,
                                gate_audio=args.gate_audio, max_new_tokens=args.max_tokens,
@@ -379,6 +375,18 @@ def cmd_export(args) -> int:
         print(line)
     print(f"manifest: {result.manifest}")
     return 0
+
+
+def export_components(components: str, vad: bool | None) -> tuple[str, ...]:
+    """The components of `--components` (comma-separated) with `--vad` (True: added), `--no-vad` (False:
+    removed) or neither (None: as listed; the default list holds the VAD)."""
+    names = tuple(c.strip() for c in components.split(",") if c.strip())
+    if vad is not None:
+        names = tuple(c for c in names if c != "vad") + (("vad",) if vad else ())
+    if not names:
+        raise ExportError("nothing to export: --components names no component (with --no-vad, name one of "
+                          f"{', '.join(MODEL_COMPONENTS)})")
+    return names
 
 
 def _encoder_parts(value: str) -> int | str:
