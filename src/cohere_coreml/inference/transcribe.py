@@ -44,7 +44,8 @@ from . import streaming
 from .decoder_runtime import DecoderRuntime
 from .decoding import DecodeResult, RepetitionGuard, StopReason, beam_search
 from .encoder_runtime import EncoderRuntime
-from .engines import Engine, TranscriptionResult, WindowResult, transcribe_files
+from .engines import Engine, TranscriptionResult, VadUnavailableError, WindowResult, check_vad_mode, transcribe_files
+from .speech_regions import VadOptions
 from .subtitles import DEFAULT_MAX_SECONDS, DEFAULT_MAX_WORDS, FORMATS, SUBTITLE_FORMATS, build_cues, write_subtitles
 from .words import AlignmentSettings, WordTimingError, no_alignment_message, rounded, window_words, word_line
 
@@ -57,6 +58,29 @@ DEFAULT_FRONT_END = "python"
 
 class TranscriptionError(RuntimeError):
     """The packages produced something the loop cannot use (missing outputs, bad shapes, NaN)."""
+
+
+def no_vad_message(bundle: Bundle) -> str:
+    return (f"bundle {','.join(str(d) for d in bundle.dirs)} has no vad.mlpackage: re-export with "
+            "`cohere-coreml export --vad` (the default)")
+
+
+def bundle_vad(bundle: Bundle, backend: str = "auto", compute_units: str = "all"):
+    """The bundle's voice-activity model behind `inference.vad.SpeechProbabilities`, or None when its manifest
+    has no `vad` entry: the one place a bundle's VAD is obtained (the Transcriber and the stream ask here)."""
+    entry = bundle.manifest.get("vad")
+    name = (bundle.manifest.get("files") or {}).get("vad")
+    if not entry or not name:
+        return None
+    path = bundle.paths.get("vad") or next((d / name for d in bundle.dirs if (d / name).exists()), None)
+    if path is None:
+        raise BundleError(f"bundle is missing {name} (looked in {', '.join(map(str, bundle.dirs))})")
+    from . import vad as vad_module
+
+    package_vad = getattr(vad_module, "PackageVad", None)
+    if package_vad is None:  # the package runtime is not built yet: the same network and weights in PyTorch
+        return vad_module.TorchVad()
+    return package_vad.from_bundle(bundle, backend=backend, compute_units=compute_units)
 
 
 def _serialized(method):
@@ -138,12 +162,24 @@ class Transcriber(Engine):
         self.window_frames = self.bundle.window_frames
         self.eos_ids = self.bundle.eos_ids
         self.name = ",".join(str(d) for d in self.bundle.dirs)
+        self._vad = None  # the bundle's VAD, loaded on first use (`speech_probabilities`)
         self._lock = threading.RLock()  # calls run one at a time (see the class docstring)
 
     # -- the Engine interface -------------------------------------------------------------------
     def prompt(self, language: str, punctuation: bool = True) -> list[int]:
         """The bundle's prompt ids for `language` (raises `UnknownLanguageError`)."""
         return self.bundle.prompt(language, punctuation)
+
+    def speech_probabilities(self, vad: str = "auto"):
+        """The bundle's VAD (`bundle_vad`) for `vad` "on" or "auto", None for "off" or ("auto") a bundle
+        without one; "on" with a bundle without one raises `VadUnavailableError` naming the fix."""
+        if check_vad_mode(vad) == "off":
+            return None
+        if self.__dict__.get("_vad") is None:
+            self._vad = bundle_vad(self.bundle, self.backend, self.compute_units)
+        if self._vad is None and vad == "on":
+            raise VadUnavailableError(no_vad_message(self.bundle))
+        return self._vad
 
     @property
     def alignment(self) -> dict | None:
@@ -416,17 +452,20 @@ class Transcriber(Engine):
     @_serialized
     def transcribe(self, audio, language: str = "en", punctuation: bool = True, *,
                    max_new_tokens: int | None = None, beams: int = 1, repetition_guard: RepetitionGuard | None = None,
-                   progress: bool = False, word_timestamps: bool = False) -> TranscriptionResult:
+                   progress: bool = False, word_timestamps: bool = False, vad: str = "auto",
+                   vad_options: VadOptions | None = None) -> TranscriptionResult:
         """Transcribe a file path (streamed window by window) or a float32 mono array at the bundle's
         sample rate: `engines.Engine.transcribe` (shared with `cohere-coreml transcribe` and `bench`),
         here under the instance's lock. Digital silence gives an empty transcript marked `silent` (no
         model call); empty or NaN/inf audio raises `AudioError`. `word_timestamps`: each window's words
-        (`TranscriptionResult.words`); a bundle without alignment raises `WordTimingError` (one line, the fix)."""
+        (`TranscriptionResult.words`); a bundle without alignment raises `WordTimingError` (one line, the fix).
+        `vad`: "auto" (the bundle's vad.mlpackage when it has one), "on" (a bundle without one: one line naming
+        the fix) or "off"; `vad_options`: the speech-region rule's options (docs/vad.md)."""
         if word_timestamps:
             self.check_word_timestamps()
         return super().transcribe(audio, language, punctuation, max_new_tokens=max_new_tokens, beams=beams,
                                   repetition_guard=repetition_guard, progress=progress,
-                                  word_timestamps=word_timestamps)
+                                  word_timestamps=word_timestamps, vad=vad, vad_options=vad_options)
 
     def stream(self, language: str = "en", punctuation: bool = True, config: streaming.StreamConfig | None = None,
                max_new_tokens: int | None = None, word_timestamps: bool = False) -> streaming.StreamingSession:
