@@ -15,28 +15,13 @@ from cohere_coreml.inference.engines import Engine, VadUnavailableError, WindowR
 from cohere_coreml.inference.longform import iter_ranges, plan_speech, speech_probabilities
 from cohere_coreml.inference.speech_regions import VadOptions, pack_windows, speech_regions
 from cohere_coreml.inference.transcribe import Transcriber, bundle_vad
-from cohere_coreml.inference.vad import TorchVad, _ChunkStream
-from cohere_coreml.model import silero
+from cohere_coreml.inference.vad import TorchVad
 from cohere_coreml.model.audio import FrontEndConfig, load_audio
 
 from ..fixture_data import AUDIO_DIR, heldout_utterances
+from ..helpers import EnergyVad, tones
 
 SR = 16000
-
-
-class EnergyVad:
-    """A stand-in VAD (no model): 0.95 for a chunk whose RMS is above 0.01, else 0.05 (stateless, so its
-    stream and its whole-signal probabilities agree exactly)."""
-
-    def _score(self, frames, h, c):
-        rms = np.sqrt(np.mean(frames[:, silero.CONTEXT_SAMPLES:] ** 2, axis=1))
-        return np.where(rms > 0.01, 0.95, 0.05).astype(np.float32), h, c
-
-    def probabilities(self, wav):
-        return self._score(silero.chunk_frames(wav), None, None)[0]
-
-    def stream(self):
-        return _ChunkStream(self._score)
 
 
 class FakeEngine(Engine):
@@ -62,16 +47,6 @@ class FakeEngine(Engine):
         return WindowResult(index=index, start_s=start_s, duration_s=len(waveform) / SR, token_ids=[5],
                             text=f"w{index}", truncated=False, stop_reason="eos",
                             words=words if word_timestamps else None)
-
-
-def tones(spans, seconds, seed=0) -> np.ndarray:
-    """Low noise with a 0.3-amplitude tone over each (start_s, end_s) span."""
-    rng = np.random.default_rng(seed)
-    wav = rng.normal(0, 1e-4, int(seconds * SR)).astype(np.float32)
-    for a, b in spans:
-        t = np.arange(int(a * SR), int(b * SR))
-        wav[t] += (0.3 * np.sin(2 * np.pi * 440 * t / SR)).astype(np.float32)
-    return wav
 
 
 SPANS = [(1.0, 2.0), (2.5, 3.0), (8.0, 9.0), (9.5, 50.0), (52.5, 53.0)]

@@ -468,11 +468,13 @@ class Transcriber(Engine):
                                   word_timestamps=word_timestamps, vad=vad, vad_options=vad_options)
 
     def stream(self, language: str = "en", punctuation: bool = True, config: streaming.StreamConfig | None = None,
-               max_new_tokens: int | None = None, word_timestamps: bool = False) -> streaming.StreamingSession:
+               max_new_tokens: int | None = None, word_timestamps: bool = False, vad: str = "auto",
+               vad_options: VadOptions | None = None) -> streaming.StreamingSession:
         """A live-transcription session: `feed(samples) -> [Update]`, then `finish()` (docs/streaming.md);
-        `word_timestamps`: the finals carry their words on the stream's timeline."""
+        `word_timestamps`: the finals carry their words on the stream's timeline; `vad`: segments from the
+        bundle's voice-activity model ("auto": when it has one) instead of frame energy (docs/vad.md)."""
         return streaming.StreamingSession(self, language, punctuation, config, max_new_tokens,
-                                          word_timestamps=word_timestamps)
+                                          word_timestamps=word_timestamps, vad=vad, vad_options=vad_options)
 
 
 # --------------------------------------------------------------------------------------------
