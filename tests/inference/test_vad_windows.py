@@ -3,6 +3,7 @@ regions packed into windows, only those windows transcribed, every time on the o
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -180,3 +181,81 @@ def test_word_timings_with_leading_silence_are_on_the_original_timeline(demo_tra
             assert a["start"] >= window.start_s - 1e-6
         checked += len(on.words)
     assert checked >= 2
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI and bench
+# --------------------------------------------------------------------------------------------------
+
+
+def run_cli(capsys, *args):
+    from cohere_coreml.cli import main
+
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def padded_clip(tmp_path_factory):
+    """A held-out English clip between 6 s of low noise and 3 s more (16 kHz FLAC)."""
+    rng = np.random.default_rng(4)
+    wav = np.concatenate([rng.normal(0, 1e-3, 6 * SR).astype(np.float32),
+                          load_audio(heldout_utterances(2)[3]["path"]),
+                          rng.normal(0, 1e-3, 3 * SR).astype(np.float32)])
+    path = tmp_path_factory.mktemp("vad-cli") / "padded.flac"
+    sf.write(path, wav, SR, subtype="PCM_24")
+    return path
+
+
+def test_cli_vad_errors_are_one_line(trained_bundle, padded_clip, capsys):
+    base = [str(padded_clip), "--bundle", str(trained_bundle), "--language", "en", "--backend", "mil"]
+    for extra in ([], ["--stream", "--no-pace"]):
+        code, out, err = run_cli(capsys, "transcribe", *base, "--vad", "on", *extra)
+        assert code != 0 and out == ""
+        assert err.strip().splitlines()[-1].endswith(
+            f"bundle {trained_bundle} has no vad.mlpackage: re-export with `cohere-coreml export --vad` (the default)")
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    for flag, value, words in (("--vad-threshold", "1.5", "VAD threshold must be between 0 and 1"),
+                               ("--vad-min-speech-ms", "-5", "VAD min_speech_ms must be a whole number"),
+                               ("--vad-max-gap-s", "-1", "VAD max_gap_s must be >= 0")):
+        code, out, err = run_cli(capsys, "transcribe", *base, flag, value)
+        assert code != 0 and out == "" and words in err and "Traceback" not in err, err
+    data = tmp_dataset(padded_clip)
+    code, out, err = run_cli(capsys, "bench", "--bundle", str(trained_bundle), "--data", str(data), "--vad", "on",
+                             "--out", str(data / "out"))
+    assert code != 0 and out == "" and "has no vad.mlpackage" in err and "Traceback" not in err
+
+
+def tmp_dataset(clip: Path) -> Path:
+    folder = clip.parent / "data"
+    folder.mkdir(exist_ok=True)
+    (folder / clip.name).write_bytes(clip.read_bytes())
+    entry = {"audio": clip.name, "text": heldout_utterances(2)[3]["text"], "language": "en"}
+    (folder / "manifest.jsonl").write_text(json.dumps(entry) + "\n")
+    return folder
+
+
+def test_cli_transcribes_the_speech_windows_only(trained_bundle, padded_clip, capsys, monkeypatch):
+    """With a VAD (the PyTorch module standing in for the bundle's package) the JSON names the windows decoded,
+    on the file's timeline; text output is the transcript alone; bench reports the share of audio decoded."""
+    vad = TorchVad()
+    monkeypatch.setattr(Transcriber, "speech_probabilities",
+                        lambda self, mode="auto": None if mode == "off" else vad)
+    base = [str(padded_clip), "--bundle", str(trained_bundle), "--language", "en", "--backend", "mil"]
+    code, out, _ = run_cli(capsys, "transcribe", *base, "--json")
+    data = json.loads(out)
+    assert code == 0 and data["vad"]["windows"] == len(data["windows"]) == 1
+    window = data["windows"][0]
+    assert 5.5 <= window["start_s"] and window["start_s"] + window["duration_s"] <= 6.0 + 4.0
+    assert data["vad"]["decoded_share"] < 0.5
+    code, out, _ = run_cli(capsys, "transcribe", *base)
+    assert code == 0 and out == data["text"] + "\n"
+    folder = tmp_dataset(padded_clip)
+    code, out, _ = run_cli(capsys, "bench", "--bundle", str(trained_bundle), "--data", str(folder),
+                           "--backend", "mil", "--out", str(folder / "out"))
+    report = json.loads((folder / "out" / "bench.json").read_text())
+    engine = report["engines"][0]
+    assert code == 0 and engine["vad"]["on"] and engine["windows"] == 1
+    assert engine["decoded_share"] == pytest.approx(data["vad"]["decoded_share"], abs=1e-3)
+    assert "(VAD)" in out

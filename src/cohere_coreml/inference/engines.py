@@ -165,6 +165,10 @@ class Engine(abc.ABC):
             raise VadUnavailableError(f"{self.name} has no voice-activity model: use --vad off or auto")
         return None
 
+    def window_s(self) -> float:
+        """The longest window this engine transcribes, seconds: what speech windows are packed up to."""
+        return float(self.front_end.max_audio_clip_s)
+
     def transcribe(self, audio, language: str = "en", punctuation: bool = True, *, max_new_tokens: int | None = None,
                    beams: int = 1, repetition_guard=None, progress: bool = False,
                    word_timestamps: bool = False, vad: str = "auto",
@@ -195,7 +199,7 @@ class Engine(abc.ABC):
         if speech is None:
             pieces = iter_windows(audio, self.front_end)
         else:
-            plan = plan_speech(audio, speech, vad_options, self.front_end)
+            plan = plan_speech(audio, speech, vad_options, self.front_end, self.window_s())
             summary = plan.summary()
             pieces = iter_ranges(audio, plan, self.front_end)
         if progress:

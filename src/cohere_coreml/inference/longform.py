@@ -241,11 +241,12 @@ def speech_probabilities(blocks, vad) -> tuple[np.ndarray, int]:
     return probs, total
 
 
-def plan_speech(source, vad, options: VadOptions | None = None, config: FrontEndConfig | None = None) -> SpeechPlan:
+def plan_speech(source, vad, options: VadOptions | None = None, config: FrontEndConfig | None = None,
+                window_s: float | None = None) -> SpeechPlan:
     """Speech regions and windows of `source` (a path or a float32 mono array at the model's rate) from the
     speech probabilities of `vad` (`inference.vad.SpeechProbabilities`): regions of at most the model's
-    window (`options.max_speech_s` when shorter), packed greedily with pauses of at most `options.max_gap_s`
-    inside a window (docs/vad.md)."""
+    window (`window_s`, default `config.max_audio_clip_s`; `options.max_speech_s` when shorter), packed
+    greedily with pauses of at most `options.max_gap_s` inside a window (docs/vad.md)."""
     config = config or FrontEndConfig()
     options = options or VadOptions()
     if config.sampling_rate != SAMPLE_RATE:
@@ -254,7 +255,7 @@ def plan_speech(source, vad, options: VadOptions | None = None, config: FrontEnd
     probs, total = speech_probabilities(blocks, vad)
     if total == 0:
         raise AudioError(f"{source if isinstance(source, (str, os.PathLike)) else 'audio array'} is empty (0 samples)")
-    window_s = float(config.max_audio_clip_s)
+    window_s = float(config.max_audio_clip_s if window_s is None else window_s)
     window = int(round(window_s * config.sampling_rate))
     regions = speech_regions(probs, total, options, options.max_speech_for(window_s))
     windows = [_at_least(w, 2 * config.hop_length, total)

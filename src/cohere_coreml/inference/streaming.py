@@ -678,7 +678,8 @@ def run_cli(args, make_transcriber: Callable[[], object]) -> int:
         stats: list[StreamStats] = []
         for update in iter_file(transcriber, path, args.language, not args.no_punctuation, config,
                                 pace=not args.no_pace, max_new_tokens=args.max_new_tokens, stats_out=stats,
-                                word_timestamps=getattr(args, "word_timestamps", False)):
+                                word_timestamps=getattr(args, "word_timestamps", False),
+                                vad=getattr(args, "vad", "auto"), vad_options=getattr(args, "vad_options", None)):
             if args.json:
                 line = update.to_dict()
                 if update.words is not None:  # printed to the millisecond (probabilities to 3 decimals)

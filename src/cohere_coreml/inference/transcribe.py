@@ -35,7 +35,7 @@ import numpy as np
 
 from ..bundle.format import BundleError
 from ..bundle.load import Bundle
-from ..cli_options import HelpFormatter, add_bundle_arg, add_decoding_args
+from ..cli_options import HelpFormatter, add_bundle_arg, add_decoding_args, add_vad_args, vad_options_of
 from ..model.audio import AudioError, FrontEndConfig, check_waveform, log_mel, pad_to_window, valid_frames
 from ..model.shapes import ShapeError, choose_bucket, choose_frontend_function
 from ..model.tokens import check_language, decode_ids
@@ -180,6 +180,12 @@ class Transcriber(Engine):
         if self._vad is None and vad == "on":
             raise VadUnavailableError(no_vad_message(self.bundle))
         return self._vad
+
+    def window_s(self) -> float:
+        """The encoder's window in seconds: audio.max_audio_clip_s, or less when the encoder's frames hold less
+        (valid frames = samples // hop)."""
+        fe = self.front_end
+        return min(float(fe.max_audio_clip_s), int(self.window_frames) * fe.hop_length / fe.sampling_rate)
 
     @property
     def alignment(self) -> dict | None:
@@ -496,12 +502,14 @@ def cmd_transcribe(args) -> int:
     fmt = output_format(args)
     words = args.word_timestamps or fmt in SUBTITLE_FORMATS
     build_cues([], args.language, args.max_words_per_cue, args.max_cue_seconds)  # the cue limits, checked early
+    args.vad_options = vad_options_of(args)  # bad --vad-* values: one line, before any audio
 
     def make_transcriber() -> Transcriber:
         tr = Transcriber(args.bundle, backend=args.backend, use_prefill=not args.no_prefill,
                          use_extend=not args.no_extend, front_end=args.front_end, compute_units=args.compute_units)
         if words:
             tr.check_word_timestamps()  # a bundle without alignment: one line naming the fix, before any audio
+        tr.speech_probabilities(args.vad)  # --vad on with a bundle without vad.mlpackage: one line, the fix
         return tr
 
     if args.stream:
@@ -519,7 +527,8 @@ def cmd_transcribe(args) -> int:
     entries, failed = transcribe_files(
         args.audio, make_transcriber, args.language, punctuation=not args.no_punctuation, progress=fmt == "text",
         max_new_tokens=args.max_new_tokens, beams=args.beams,
-        repetition_guard=RepetitionGuard() if args.repetition_guard else None, word_timestamps=words)
+        repetition_guard=RepetitionGuard() if args.repetition_guard else None, word_timestamps=words,
+        vad=args.vad, vad_options=args.vad_options)
     results = [e for e in entries if e["status"] != "error"]  # failures: logged on stderr by transcribe_files
     for entry in results:
         if "words" in entry:  # printed: seconds and probabilities to the millisecond / 3 decimals
@@ -546,6 +555,10 @@ def cmd_transcribe(args) -> int:
         print(entry["text"])
         for w in entry.get("words") or ():
             print(word_line(w))
+        if entry.get("vad"):
+            v = entry["vad"]
+            logger.info("vad: %d window(s), %.1f s of %.1f s decoded (%.0f %%)", v["windows"], v["decoded_s"],
+                        v["audio_s"], 100 * v["decoded_share"])
         for w in entry["windows"]:
             t = w["timings"]
             flag = f"  STOPPED ({w['stop_reason']})" if w["truncated"] else ""
@@ -592,6 +605,7 @@ def add_command(subparsers) -> None:
                    help="python: features from cohere_coreml.model.audio.log_mel; package: from the bundle's "
                    "frontend.mlpackage (default: %(default)s)")
     add_decoding_args(p)
+    add_vad_args(p)
     p.add_argument("--compute-units", default="all", choices=("all", "cpu_only", "cpu_and_gpu", "cpu_and_ne"),
                    help="Core ML compute units (macOS; ignored by the interpreter) (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON: text, token ids, timings, truncation per window "
