@@ -3,7 +3,7 @@
     --bundle DIR            one bundle (transcribe, verify: given once; bench: repeatable, one bundle each)
     --bundle DIR,DIR2       one bundle whose files are searched in DIR, then DIR2 (`bundle.Bundle.load`)
     --max-new-tokens, --beams, --repetition-guard    decoding (transcribe, bench)
-    --vad auto|on|off, --vad-threshold, ...          voice activity (transcribe, its --stream, bench; docs/vad.md)
+    --vad auto|on|off, --vad-threshold, ...          voice activity: inference.speech_regions.add_vad_args
 
 Deprecated for one release (accepted, not shown in --help, one warning line on stderr):
 `transcribe|verify --bundle DIR DIR2` (space-separated folders of one bundle), now `--bundle DIR,DIR2`.
@@ -75,35 +75,3 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-guard", action="store_true",
                    help="stop a window whose tail repeats an n-gram run (a decoder loop), keep it once, report it")
 
-
-VAD_MODES = ("auto", "on", "off")  # inference.engines.VAD_MODES (not imported: this module stays light)
-
-
-def add_vad_args(p: argparse.ArgumentParser) -> None:
-    """--vad and the speech-region rule's options (docs/vad.md), silero-vad's defaults."""
-    from .inference.speech_regions import VadOptions  # no heavy import: the rule is plain Python
-
-    d = VadOptions()
-    p.add_argument("--vad", default="auto", choices=VAD_MODES,
-                   help="voice activity (docs/vad.md): transcribe only the windows of speech the bundle's vad.mlpackage "
-                   "finds (with --stream: segments opened and closed by it); auto = on when the bundle has one "
-                   "(default: %(default)s)")
-    p.add_argument("--vad-threshold", type=float, default=d.threshold,
-                   help="speech probability at which speech starts (0-1) (default: %(default)s)")
-    p.add_argument("--vad-min-speech-ms", type=int, default=d.min_speech_ms,
-                   help="drop regions of speech shorter than this (default: %(default)s)")
-    p.add_argument("--vad-min-silence-ms", type=int, default=d.min_silence_ms,
-                   help="silence that ends a region of speech (default: %(default)s)")
-    p.add_argument("--vad-speech-pad-ms", type=int, default=d.speech_pad_ms,
-                   help="audio kept on each side of a region (default: %(default)s)")
-    p.add_argument("--vad-max-gap-s", type=float, default=d.max_gap_s,
-                   help="longest pause kept inside one window; longer pauses are never decoded (default: %(default)s)")
-
-
-def vad_options_of(args):
-    """The `VadOptions` of the parsed --vad-* flags (a bad value: `VadOptionsError`, one line)."""
-    from .inference.speech_regions import VadOptions
-
-    return VadOptions(threshold=args.vad_threshold, min_speech_ms=args.vad_min_speech_ms,
-                      min_silence_ms=args.vad_min_silence_ms, speech_pad_ms=args.vad_speech_pad_ms,
-                      max_gap_s=args.vad_max_gap_s)

@@ -48,12 +48,13 @@ from tqdm import tqdm
 
 from .. import __version__, git_hash
 from ..bundle.load import Bundle
-from ..cli_options import HelpFormatter, add_bundle_arg, add_decoding_args, add_vad_args, vad_options_of
+from ..cli_options import HelpFormatter, add_bundle_arg, add_decoding_args
 from ..export.alignment_heads import match_words
 from ..inference.alignment import DEFAULT_LEAD_ROWS, parse_heads
 from ..inference.decoding import TOKEN_LIMITS, RepetitionGuard, StopReason, loop_in
 from ..inference.engines import PyTorchEngine
 from ..inference.longform import check_audio
+from ..inference.speech_regions import add_vad_args, vad_options_of
 from ..inference.transcribe import Transcriber
 from ..model.audio import AudioError
 from ..storage.files import write_json_atomic

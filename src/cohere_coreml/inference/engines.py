@@ -33,7 +33,7 @@ from ..model.tokens import decode_ids, join_windows, prompt_ids
 from .alignment import DEFAULT_LEAD_ROWS, check_heads
 from .decoding import StopReason
 from .longform import check_audio, iter_ranges, iter_windows, plan_speech
-from .speech_regions import VadOptions
+from .speech_regions import VAD_MODES, VadOptions
 from .words import AlignmentSettings, WordTimingError, clip_words, window_words
 
 if TYPE_CHECKING:
@@ -121,9 +121,6 @@ def features_batch(features: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tens
         x[i, : f.shape[1]] = torch.from_numpy(np.ascontiguousarray(f.T, dtype=np.float32))
         mask[i, : f.shape[1]] = 1
     return x, mask
-
-
-VAD_MODES = ("auto", "on", "off")
 
 
 class VadUnavailableError(ValueError):

@@ -257,3 +257,36 @@ class StreamVad:
             self.triggered = False
             return ("end", int(end))
         return None
+
+
+# --------------------------------------------------------------------------------------------------
+# The options as command-line flags (transcribe, its --stream, bench)
+# --------------------------------------------------------------------------------------------------
+
+VAD_MODES = ("auto", "on", "off")
+
+
+def add_vad_args(p) -> None:
+    """--vad and the rule's options on an argparse parser (docs/vad.md), silero-vad's defaults."""
+    d = VadOptions()
+    p.add_argument("--vad", default="auto", choices=VAD_MODES,
+                   help="voice activity (docs/vad.md): transcribe only the windows of speech the bundle's vad.mlpackage "
+                   "finds (with --stream: segments opened and closed by it); auto = on when the bundle has one "
+                   "(default: %(default)s)")
+    p.add_argument("--vad-threshold", type=float, default=d.threshold,
+                   help="speech probability at which speech starts (0-1) (default: %(default)s)")
+    p.add_argument("--vad-min-speech-ms", type=int, default=d.min_speech_ms,
+                   help="drop regions of speech shorter than this (default: %(default)s)")
+    p.add_argument("--vad-min-silence-ms", type=int, default=d.min_silence_ms,
+                   help="silence that ends a region of speech (default: %(default)s)")
+    p.add_argument("--vad-speech-pad-ms", type=int, default=d.speech_pad_ms,
+                   help="audio kept on each side of a region (default: %(default)s)")
+    p.add_argument("--vad-max-gap-s", type=float, default=d.max_gap_s,
+                   help="longest pause kept inside one window; longer pauses are never decoded (default: %(default)s)")
+
+
+def vad_options_of(args) -> VadOptions:
+    """The `VadOptions` of the parsed --vad-* flags (a bad value: `VadOptionsError`, one line)."""
+    return VadOptions(threshold=args.vad_threshold, min_speech_ms=args.vad_min_speech_ms,
+                      min_silence_ms=args.vad_min_silence_ms, speech_pad_ms=args.vad_speech_pad_ms,
+                      max_gap_s=args.vad_max_gap_s)

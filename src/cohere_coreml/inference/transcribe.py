@@ -35,7 +35,7 @@ import numpy as np
 
 from ..bundle.format import BundleError
 from ..bundle.load import Bundle
-from ..cli_options import HelpFormatter, add_bundle_arg, add_decoding_args, add_vad_args, vad_options_of
+from ..cli_options import HelpFormatter, add_bundle_arg, add_decoding_args
 from ..model.audio import AudioError, FrontEndConfig, check_waveform, log_mel, pad_to_window, valid_frames
 from ..model.shapes import ShapeError, choose_bucket, choose_frontend_function
 from ..model.tokens import check_language, decode_ids
@@ -45,7 +45,7 @@ from .decoder_runtime import DecoderRuntime
 from .decoding import DecodeResult, RepetitionGuard, StopReason, beam_search
 from .encoder_runtime import EncoderRuntime
 from .engines import Engine, TranscriptionResult, VadUnavailableError, WindowResult, check_vad_mode, transcribe_files
-from .speech_regions import VadOptions
+from .speech_regions import VadOptions, add_vad_args, vad_options_of
 from .subtitles import DEFAULT_MAX_SECONDS, DEFAULT_MAX_WORDS, FORMATS, SUBTITLE_FORMATS, build_cues, write_subtitles
 from .words import AlignmentSettings, WordTimingError, no_alignment_message, rounded, window_words, word_line
 
