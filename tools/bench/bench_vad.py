@@ -20,8 +20,12 @@ time):
 The VAD: the bundle's vad.mlpackage when its manifest has one, else (or with --vad-source torch) the PyTorch
 module of the same network (inference.vad.TorchVad) through the same rule.
 
+* with --dictations: the streaming bench's dictations (tools/data/make_dictations.py), energy segmenter vs VAD.
+
 Example:
-  uv run --frozen python tools/bench/bench_vad.py --bundle out/demo/cohere-tiny-synth-fp16 --out out/bench-vad
+  uv run --frozen python tools/data/make_dictations.py --out out/dictations
+  uv run --frozen python tools/bench/bench_vad.py --bundle out/demo/cohere-tiny-synth-fp16 --dictations out/dictations \
+      --out out/bench-vad
 """
 
 from __future__ import annotations
@@ -280,6 +284,42 @@ def streaming_section(tr: Transcriber) -> dict:
     return out
 
 
+def dictation_section(tr: Transcriber, folder: Path) -> dict:
+    """The streaming bench's dictations (tools/data/make_dictations.py: speech edges exact, one background noise
+    over each): per dictation, energy segmenter vs VAD: segments, the final's lag after each utterance's
+    synthesis end and acoustic end (bench_streaming's measures), finals equal to the utterance's own clip, WER of
+    the joined finals."""
+    bs = streaming_bench()
+    manifest = json.loads((folder / "manifest.json").read_text())
+    out = {}
+    for entry in manifest["dictations"]:
+        if not entry.get("utterances"):
+            continue
+        d = {**entry, "wav": load_audio(folder / entry["file"])}
+        own = {u["id"]: tr.transcribe(load_audio(HELDOUT / u["file"]), entry["language"], vad="off").text
+               for u in entry["utterances"]}
+        row = {"utterances": len(entry["utterances"]), "seconds": d["wav"].size / SR}
+        for vad in ("off", "on"):
+            updates, stats = stream_array(tr, d["wav"], 1600, entry["language"], vad=vad)
+            figures = bs.utterance_figures(d, updates, SR, tr.front_end.hop_length)
+            verdicts = bs.own_clip_verdicts(d, {"updates": [u.to_dict() for u in updates]}, own)
+            text = " ".join(u.text for u in updates if u.type == "final" and u.text)
+
+            def stat(key):
+                v = [f[key] for f in figures if f[key] is not None]
+                return {"median": float(np.median(v)), "p95": float(np.percentile(v, 95))} if v else None
+
+            row[vad] = {"segments": stats.finals, "partials": stats.partials, "final_lag_s": stat("final_lag_s"),
+                        "final_lag_acoustic_s": stat("final_lag_acoustic_s"), "first_partial_s": stat("first_partial_s"),
+                        "own_clip_equal": sum(v == "equal" for v in verdicts.values()),
+                        "wer": error_counts([entry["text"]], [text], entry["language"])["rate"]}
+        out[entry["file"]] = row
+        logger.info("dictation %s: segments %d / %d, lag %s / %s, own clip %d / %d of %d", entry["file"],
+                    row["off"]["segments"], row["on"]["segments"], row["off"]["final_lag_s"], row["on"]["final_lag_s"],
+                    row["off"]["own_clip_equal"], row["on"]["own_clip_equal"], row["utterances"])
+    return out
+
+
 def pct(x) -> str:
     return f"{100 * x:.1f}"
 
@@ -333,6 +373,19 @@ def markdown(report: dict) -> str:
                 return f"{v['median']:.2f} / {v['p95']:.2f}" if v["median"] is not None else "-"
             lines.append(f"| {lang} | {r['off']['segments']} / {r['on']['segments']} | {lag(r['off'])} | {lag(r['on'])} | "
                          f"{r['off']['own_clip_equal']} / {r['on']['own_clip_equal']} of 5 |")
+    if "dictations" in report:
+        lines += ["", "| dictation | utterances | segments energy / VAD | final lag after synthesis end, median / p95 s: "
+                  "energy | VAD | after the acoustic end: energy | VAD | finals = own clip: energy / VAD | "
+                  "WER % energy / VAD |", "|---|---|---|---|---|---|---|---|---|"]
+        for name, r in report["dictations"].items():
+            def med(x, key):
+                v = x[key]
+                return f"{v['median']:.2f} / {v['p95']:.2f}" if v else "-"
+            lines.append(f"| {name} | {r['utterances']} | {r['off']['segments']} / {r['on']['segments']} | "
+                         f"{med(r['off'], 'final_lag_s')} | {med(r['on'], 'final_lag_s')} | "
+                         f"{med(r['off'], 'final_lag_acoustic_s')} | {med(r['on'], 'final_lag_acoustic_s')} | "
+                         f"{r['off']['own_clip_equal']} / {r['on']['own_clip_equal']} | "
+                         f"{pct(r['off']['wer'])} / {pct(r['on']['wer'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -349,6 +402,8 @@ def main(argv=None) -> int:
                         help="more VAD runs on the sparse recordings with these max_gap_s values (comma-separated)")
     parser.add_argument("--dense-per-language", type=int, default=6, help="clips of 4 utterances per language")
     parser.add_argument("--sections", default="noise,sparse,dense,streaming")
+    parser.add_argument("--dictations", default=None,
+                        help="also stream the dictations of tools/data/make_dictations.py in this folder")
     parser.add_argument("--out", default="out/bench-vad")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -371,6 +426,8 @@ def main(argv=None) -> int:
         report["dense"] = dense_section(tr, args.dense_per_language)
     if "streaming" in sections:
         report["streaming"] = streaming_section(tr)
+    if args.dictations:
+        report["dictations"] = dictation_section(tr, Path(args.dictations))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_vad.json").write_text(json.dumps(report, indent=1, ensure_ascii=False, default=str))
