@@ -104,6 +104,29 @@ def trained_bundle(trained_reference, vad_package, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def trained_bundle_without_vad(trained_bundle, tmp_path_factory) -> Path:
+    """`trained_bundle` as a bundle exported with `--no-vad` (or before the VAD) has it: no vad.mlpackage, no
+    manifest `vad` / `files.vad`, checksums of the files left."""
+    import json
+    import shutil
+
+    from cohere_coreml.bundle.manifest import refresh_manifest
+
+    def build(folder: Path) -> None:
+        out = folder / "bundle"
+        shutil.copytree(trained_bundle, out)
+        shutil.rmtree(out / "vad.mlpackage")
+        (out / "vad.parity.json").unlink()
+        manifest = json.loads((out / "manifest.json").read_text())
+        manifest.pop("vad")
+        manifest["files"].pop("vad")
+        (out / "manifest.json").write_text(json.dumps(manifest))
+        refresh_manifest(out)
+
+    return built_once(tmp_path_factory, "trained-no-vad", build) / "bundle"
+
+
+@pytest.fixture(scope="session")
 def trained_parts_bundle(trained_reference, trained_bundle, tmp_path_factory) -> Path:
     """`trained_bundle` with its encoder in 2 parts (export --encoder-parts 2): the front end and decoder
     are the session bundle's (copied, so the export skips them), the encoder exported in parts."""

@@ -98,7 +98,7 @@ def test_an_end_decided_after_the_last_whole_frame_closes_at_its_own_sample():
 
 @pytest.fixture(scope="module")
 def vad_transcriber(trained_bundle):
-    """The session bundle's Transcriber with the PyTorch VAD as its VAD (the session bundle has none)."""
+    """The session bundle's Transcriber with the PyTorch VAD as its VAD (the rule's oracle scores with it)."""
     tr = Transcriber(trained_bundle, backend="mil")
     tr._vad = TorchVad()
     return tr
@@ -132,8 +132,8 @@ def test_stream_with_the_vad(vad_transcriber, dictation):
     assert [u.to_dict() for u in other] == [u.to_dict() for u in updates]
 
 
-def test_vad_modes_of_the_stream(vad_transcriber, trained_bundle, dictation):
-    plain = Transcriber(trained_bundle, backend="mil")  # no VAD: auto is the energy segmenter
+def test_vad_modes_of_the_stream(vad_transcriber, trained_bundle_without_vad, dictation):
+    plain = Transcriber(trained_bundle_without_vad, backend="mil")  # no VAD: auto is the energy segmenter
     piece = dictation[: 3 * SR]
     auto, _ = stream_array(plain, piece, 1600, "en")
     off, _ = stream_array(vad_transcriber, piece, 1600, "en", vad="off")

@@ -150,7 +150,7 @@ def test_vad_modes_and_the_missing_vad_message():
 
 @pytest.fixture(scope="module")
 def demo_transcriber(trained_bundle):
-    """The session bundle's Transcriber with the PyTorch VAD as its VAD (the session bundle has none)."""
+    """The session bundle's Transcriber with the PyTorch VAD as its VAD (the rule's oracle scores with it)."""
     tr = Transcriber(trained_bundle, backend="mil")
     tr._vad = TorchVad()
     return tr
@@ -208,13 +208,13 @@ def padded_clip(tmp_path_factory):
     return path
 
 
-def test_cli_vad_errors_are_one_line(trained_bundle, padded_clip, capsys):
-    base = [str(padded_clip), "--bundle", str(trained_bundle), "--language", "en", "--backend", "mil"]
+def test_cli_vad_errors_are_one_line(trained_bundle_without_vad, padded_clip, capsys):
+    base = [str(padded_clip), "--bundle", str(trained_bundle_without_vad), "--language", "en", "--backend", "mil"]
     for extra in ([], ["--stream", "--no-pace"]):
         code, out, err = run_cli(capsys, "transcribe", *base, "--vad", "on", *extra)
         assert code != 0 and out == ""
         assert err.strip().splitlines()[-1].endswith(
-            f"bundle {trained_bundle} has no vad.mlpackage: re-export with `cohere-coreml export --vad` (the default)")
+            f"bundle {trained_bundle_without_vad} has no vad.mlpackage: re-export with `cohere-coreml export --vad` (the default)")
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     for flag, value, words in (("--vad-threshold", "1.5", "VAD threshold must be between 0 and 1"),
                                ("--vad-min-speech-ms", "-5", "VAD min_speech_ms must be a whole number"),
@@ -222,7 +222,7 @@ def test_cli_vad_errors_are_one_line(trained_bundle, padded_clip, capsys):
         code, out, err = run_cli(capsys, "transcribe", *base, flag, value)
         assert code != 0 and out == "" and words in err and "Traceback" not in err, err
     data = tmp_dataset(padded_clip)
-    code, out, err = run_cli(capsys, "bench", "--bundle", str(trained_bundle), "--data", str(data), "--vad", "on",
+    code, out, err = run_cli(capsys, "bench", "--bundle", str(trained_bundle_without_vad), "--data", str(data), "--vad", "on",
                              "--out", str(data / "out"))
     assert code != 0 and out == "" and "has no vad.mlpackage" in err and "Traceback" not in err
 

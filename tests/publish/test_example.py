@@ -495,12 +495,13 @@ def test_example_compiles_each_package_once_into_its_cache(example_python, serve
     first = run_example(example_python, finalized_bundle, clip["path"], clip["language"], "--compiled-cache", str(cache),
                         serve=serve_command)
     assert first.returncode == 0, first.stderr[-3000:]
-    names = {CompiledCache(cache).location(finalized_bundle / f"{c}.mlpackage").name
-             for c in ("frontend", "encoder", "decoder")}
+    packages = ("frontend", "encoder", "decoder", "vad")  # the bundle's VAD too (--vad auto)
+    assert (finalized_bundle / "vad.mlpackage").is_dir()
+    names = {CompiledCache(cache).location(finalized_bundle / f"{c}.mlpackage").name for c in packages}
     assert {p.name for p in cache.iterdir()} == names  # nothing else left (no staging folder)
     assert all((cache / n / COMPLETE_MARKER).is_file() for n in names)
     sources = {json.loads((cache / n / COMPLETE_MARKER).read_text())["source"] for n in names}
-    assert sources == {str(finalized_bundle / f"{c}.mlpackage") for c in ("frontend", "encoder", "decoder")}
+    assert sources == {str(finalized_bundle / f"{c}.mlpackage") for c in packages}
     inodes = {n: (cache / n).stat().st_ino for n in names}
     second = run_example(example_python, finalized_bundle, clip["path"], clip["language"], "--compiled-cache", str(cache),
                          serve=serve_command)

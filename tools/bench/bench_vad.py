@@ -21,6 +21,11 @@ The VAD: the bundle's vad.mlpackage when its manifest has one, else (or with --v
 module of the same network (inference.vad.TorchVad) through the same rule.
 
 * with --dictations: the streaming bench's dictations (tools/data/make_dictations.py), energy segmenter vs VAD.
+* parity (--sections parity): vad.mlpackage exported here as an fp16 and an fp32 program (export.vad_package,
+  --block-sizes N values for fp16) against silero-vad's own model on the committed clips (tests/data/audio) and,
+  with --dictations, the dictations: max |probability diff| per chunk (block and chunk functions), speech
+  segments identical; per N the conversion seconds, package bytes and seconds per audio second in the
+  interpreter.
 
 Example:
   uv run --frozen python tools/data/make_dictations.py --out out/dictations
@@ -40,6 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cohere_coreml.config import VAD_BLOCK_FUNCTION as VAD_BLOCK
+from cohere_coreml.config import VAD_CHUNK_FUNCTION as VAD_CHUNK
 from cohere_coreml.evaluation.metrics import error_counts, increase_interval, rate_interval
 from cohere_coreml.inference.speech_regions import VadOptions
 from cohere_coreml.inference.streaming import stream_array
@@ -320,6 +327,41 @@ def dictation_section(tr: Transcriber, folder: Path) -> dict:
     return out
 
 
+def parity_section(folder: Path, dictations: Path | None, block_sizes: list[int]) -> dict:
+    from cohere_coreml.export.convert import ExportSettings
+    from cohere_coreml.export.vad_package import convert_vad, gate_references, gate_signals, run_gate
+    from cohere_coreml.inference.vad import PackageVad
+
+    paths = sorted(p for p in AUDIO.iterdir() if p.suffix in (".wav", ".flac"))
+    if dictations:
+        entries = json.loads((dictations / "manifest.json").read_text())["dictations"]
+        paths += [dictations / e["file"] for e in entries]
+    cases = gate_references(gate_signals(paths))
+    audio_s = sum(c["wav"].size for c in cases) / SR
+    out = {"signals": len(cases), "audio_s": audio_s, "programs": {}}
+    for precision, chunks in [("fp32", block_sizes[0])] + [("fp16", n) for n in block_sizes]:
+        target = folder / f"{precision}-{chunks}"
+        t0 = time.perf_counter()
+        convert_vad(ExportSettings(out_dir=target, precision=precision, force=True), chunks=chunks)
+        convert_s = time.perf_counter() - t0
+        package = target / "vad.mlpackage"
+        vad = PackageVad.load(package, chunks, backend="mil")
+        t0 = time.perf_counter()
+        gate = run_gate(vad, cases, precision, chunks, "interpreter")
+        run_s = time.perf_counter() - t0
+        rows = gate.cases
+        worst = {fn: max(r[fn]["max_abs_diff"] for r in rows) for fn in (VAD_BLOCK, VAD_CHUNK)}
+        block_s = sum(r["block_seconds"] for r in rows)
+        out["programs"][f"{precision}, N={chunks}"] = {
+            "precision": precision, "chunks": chunks, "convert_s": convert_s, "run_s": run_s,
+            "bytes": sum(f.stat().st_size for f in package.rglob("*") if f.is_file()),
+            "block_s_per_audio_s": block_s / audio_s, "max_abs_diff": worst,
+            "segments_identical": sum(all(r[fn]["segments_identical"] for fn in worst) for r in rows),
+            "segments": sum(r["segments"] for r in rows), "passed": gate.passed}
+        logger.info("parity %s N=%d: %s", precision, chunks, gate.headline)
+    return out
+
+
 def pct(x) -> str:
     return f"{100 * x:.1f}"
 
@@ -331,6 +373,16 @@ def interval(r) -> str:
 
 def markdown(report: dict) -> str:
     lines = [f"VAD source: {report['vad_source']}; bundle {report['bundle']}; backend {report['backend']}", ""]
+    if "parity" in report:
+        r = report["parity"]
+        lines += [f"Parity vs silero-vad's model: {r['signals']} signals, {r['audio_s']:.0f} s", "",
+                  "| program | max abs diff block / chunk | signals with identical segments | segments | "
+                  "convert s | bytes | block s per audio s (interpreter) |", "|---|---|---|---|---|---|---|"]
+        for name, v in r["programs"].items():
+            d = v["max_abs_diff"]
+            lines.append(f"| {name} | {d[VAD_BLOCK]:.1e} / {d[VAD_CHUNK]:.1e} | {v['segments_identical']} / {r['signals']} | "
+                         f"{v['segments']} | {v['convert_s']:.0f} | {v['bytes']:,} | {v['block_s_per_audio_s']:.4f} |")
+        lines.append("")
     if "noise" in report:
         lines += ["| signal (60 s) | windows off / on | decoded % on | transcript on | wall s off / on |",
                   "|---|---|---|---|---|"]
@@ -401,7 +453,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sparse-max-gaps", default="35",
                         help="more VAD runs on the sparse recordings with these max_gap_s values (comma-separated)")
     parser.add_argument("--dense-per-language", type=int, default=6, help="clips of 4 utterances per language")
-    parser.add_argument("--sections", default="noise,sparse,dense,streaming")
+    parser.add_argument("--sections", default="noise,sparse,dense,streaming", help="also: parity")
+    parser.add_argument("--block-sizes", default="32", help="N values (chunks per block call) the parity section exports")
     parser.add_argument("--dictations", default=None,
                         help="also stream the dictations of tools/data/make_dictations.py in this folder")
     parser.add_argument("--out", default="out/bench-vad")
@@ -417,6 +470,10 @@ def main(argv=None) -> int:
               "options": {k: getattr(args, k) for k in ("noise_seconds", "sparse_seconds", "pause_share",
                                                         "dense_per_language")}}
     sections = args.sections.split(",")
+    out = Path(args.out)
+    if "parity" in sections:
+        report["parity"] = parity_section(out / "packages", Path(args.dictations) if args.dictations else None,
+                                          [int(n) for n in args.block_sizes.split(",")])
     if "noise" in sections:
         report["noise"] = noise_section(tr, args.noise_seconds)
     if "sparse" in sections:
@@ -428,7 +485,6 @@ def main(argv=None) -> int:
         report["streaming"] = streaming_section(tr)
     if args.dictations:
         report["dictations"] = dictation_section(tr, Path(args.dictations))
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_vad.json").write_text(json.dumps(report, indent=1, ensure_ascii=False, default=str))
     (out / "bench_vad.md").write_text(markdown(report))
