@@ -136,7 +136,16 @@ guard let bundle else { fail("--bundle is required\n\(usage)") }
 guard let language else { fail("--language is required\n\(usage)") }
 guard !files.isEmpty else { fail("no audio file given\n\(usage)") }
 if !stream, !pace || hop != nil || stats { fail("--no-pace, --hop and --stats need --stream") }
-do { try vadOptions.validate() } catch { fail("\(error)") }  // bad --vad-* values: one line, before any audio
+do {  // bad --vad-* values, --vad on with a bundle without vad.mlpackage: one line, before any audio or model
+    try vadOptions.validate()
+    if vadMode == .on {
+        let url = URL(fileURLWithPath: bundle)
+        let manifest = try BundleManifest.load(bundle: url)
+        _ = try vadMode.resolve(bundleHasVAD: manifest.vad != nil && manifest.files.vad != nil, bundle: url)
+    }
+} catch {
+    fail("\(error)")
+}
 var streamConfig = StreamConfig()
 if let hop { streamConfig.hopSeconds = hop }
 var streamFiles: [(String, [Float])] = []
@@ -187,7 +196,6 @@ do {
                                               computeUnits: units.map { .uniform($0) }, deviceChoice: deviceChoice)
     let prompt = try transcriber.manifest.prompt(language: language, punctuation: punctuation)  // unknown language: fail now
     if wordTimestamps { _ = try transcriber.manifest.checkedAlignment(promptLength: prompt.count) }  // no alignment: likewise
-    _ = try transcriber.usesVAD(vadMode)  // --vad on with a bundle without vad.mlpackage: one line naming the fix
 } catch {
     fail("\(error)")
 }

@@ -215,6 +215,38 @@ final class VADTranscriberTests: XCTestCase {
         }
     }
 
+    /// The command line: `--vad on` with a bundle without a VAD, a bad `--vad` value or `--vad-*` option is one
+    /// line on stderr naming the problem and the fix, exit status 2, before any model loads.
+    func testCLIRefusesBadVADArgumentsInOneLine() throws {
+        #if os(macOS) || os(Linux)
+        let cli = try Fixtures.swiftCLI()
+        let wav = try Fixtures.require().appendingPathComponent("wav/en_heldout_00002.wav").path
+        let cases: [([String], String)] = [
+            (["--vad", "on"], "bundle \(Fixtures.bundle.path) has no vad.mlpackage: re-export with `cohere-coreml export --vad` (the default)"),
+            (["--vad", "maybe"], "--vad must be auto, on or off, got 'maybe'"),
+            (["--vad-threshold", "2"], "VAD threshold must be between 0 and 1 (exclusive), got 2.0"),
+            (["--vad-min-silence-ms", "-5"], "VAD min_silence_ms must be a whole number of milliseconds >= 0, got -5"),
+            (["--vad-speech-pad-ms", "2.5"], "--vad-speech-pad-ms needs a whole number of milliseconds"),
+        ]
+        for (arguments, message) in cases {
+            let process = Process()
+            process.executableURL = cli
+            process.arguments = ["--bundle", Fixtures.bundle.path, "--language", "en", "--runtime", "interpreter",
+                                 "--interpreter", "/nonexistent/cohere-coreml"] + arguments + [wav]
+            let err = Pipe()
+            process.standardError = err
+            process.standardOutput = Pipe()
+            try process.run()
+            let stderr = String(decoding: err.fileHandleForReading.readDataToEndOfFile(), as: UTF8.self)
+            process.waitUntilExit()
+            XCTAssertEqual(process.terminationStatus, 2, "\(arguments)")
+            XCTAssertEqual(stderr, "cohere-transcribe-swift: error: \(message)\n", "\(arguments)")
+        }
+        #else
+        throw XCTSkip("the command line \(Fixtures.noChildProcesses)")
+        #endif
+    }
+
     /// The stream's probabilities (one `chunk` call a chunk, the state and context carried over pushes of any
     /// size) are the whole signal's.
     func testStreamProbabilitiesAreTheWholeSignals() async throws {
