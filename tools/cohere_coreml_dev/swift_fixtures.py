@@ -4,13 +4,13 @@ Run by `make swift-fixtures` (and so by `make swift-test` / `make test`) through
 tools/data/make_swift_fixtures.py. Writes into one folder (default out/swift-fixtures):
 
     bundle/                  `cohere-coreml export` of the default model (--prefill --extend --buckets 10, the
-                             default components: front end, encoder, decoder). Packages already there
+                             default components: front end, encoder, decoder, VAD). Packages already there
                              are kept (the export skips them) unless the bundle is of an older format
                              (then all are re-exported); the manifest is rewritten from disk.
     bundle-<state>/          the same bundle with the other decoder state variant (--decoder-state; the
-                             encoder and front end are bundle/'s, hard-linked)
-    bundle-parts/            the same bundle with its encoder in 2 parts (--encoder-parts 2; the decoder and
-                             front end are bundle/'s, hard-linked); transcripts_parts.json: what the CLI
+                             encoder, front end and VAD are bundle/'s, hard-linked)
+    bundle-parts/            the same bundle with its encoder in 2 parts (--encoder-parts 2; the decoder,
+                             front end and VAD are bundle/'s, hard-linked); transcripts_parts.json: what the CLI
                              prints for it (Python front end, as transcripts_python.json)
     tokens_bundle.json       token lists -> Python's `decode_ids` text (every list the Python tests
     tokens_tiny.json         decode, the trained model's transcripts, CJK byte fallback, random ids) for
@@ -170,7 +170,7 @@ def export_other_decoder_bundle(out: Path, bundle: Path, model: Path, threads: i
 
     state = DECODER_STATE_GRAPH if DECODER_STATE_DEFAULT == DECODER_STATE_HOST else DECODER_STATE_HOST
     other = export_variant_bundle(out, bundle, model, threads, f"bundle-{state}",
-                                  [*EXPORT_ARGS, "--decoder-state", state], kept=("encoder", "frontend"))
+                                  [*EXPORT_ARGS, "--decoder-state", state], kept=("encoder", "frontend", "vad"))
     got = json.loads((other / "manifest.json").read_text())["decoder"].get("state_writes")
     if got != state:
         raise FixtureError(f"{other}: the decoder's state_writes is {got!r}, not {state!r}")
@@ -181,7 +181,8 @@ def export_parts_bundle(out: Path, bundle: Path, model: Path, threads: int) -> P
     """bundle-parts/: the test bundle with its encoder in PARTS programs (`--encoder-parts`): the front end
     and decoder are the test bundle's (hard links), the encoder exported in parts."""
     parts = export_variant_bundle(out, bundle, model, threads, "bundle-parts",
-                                  [*EXPORT_ARGS, "--encoder-parts", str(PARTS)], kept=("decoder", "frontend"))
+                                  [*EXPORT_ARGS, "--encoder-parts", str(PARTS)],
+                                  kept=("decoder", "frontend", "vad"))
     got = len(json.loads((parts / "manifest.json").read_text())["encoder"]["parts"])
     if got != PARTS:
         raise FixtureError(f"{parts}: its encoder has {got} parts, not {PARTS}")

@@ -155,6 +155,18 @@ def reference_probabilities(wav: np.ndarray) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
+
+def reference_segments(probs: np.ndarray, n_samples: int) -> list[tuple[int, int]]:
+    """The oracle's speech segments of a signal of `n_samples` samples (16 kHz) whose chunk probabilities are
+    `probs`: the package's `get_speech_timestamps_from_probs` with its defaults, as (start, end) samples."""
+    _reference_model()  # silero_vad imported with the caller's torch thread count kept
+    from silero_vad.utils_vad import get_speech_timestamps_from_probs
+
+    found = get_speech_timestamps_from_probs([float(p) for p in np.asarray(probs).reshape(-1)],
+                                             sampling_rate=SAMPLE_RATE, audio_length_samples=int(n_samples))
+    return [(int(s["start"]), int(s["end"])) for s in found]
+
+
 _REFERENCE = {}
 
 
