@@ -24,11 +24,51 @@ final class VADManifestTests: XCTestCase {
          "parity": NSNull()]
     }
 
-    /// The test bundle's manifest with `vad` and `files.vad` added, then `edit`ed.
+    /// A bundle manifest without its VAD: no `vad`, no `files.vad`, no checksums of the VAD's files (the
+    /// package and its parity record), `total_bytes` less their sizes. The test bundle is exported with a VAD
+    /// (the export's default); the tests of a bundle without one, or with another entry, start from this.
+    static func withoutVAD(_ manifest: [String: Any]) -> [String: Any] {
+        var json = manifest
+        json["vad"] = nil
+        var files = json["files"] as! [String: Any]
+        files["vad"] = nil
+        json["files"] = files
+        if var checksums = json["checksums"] as? [String: Any], var listed = checksums["files"] as? [String: Any] {
+            for key in listed.keys where key.hasPrefix("vad.mlpackage/") || key == "vad.parity.json" {
+                let size = (listed[key] as? [String: Any])?["size"] as? Int ?? 0
+                listed[key] = nil
+                checksums["total_bytes"] = (checksums["total_bytes"] as? Int ?? 0) - size
+            }
+            checksums["files"] = listed
+            json["checksums"] = checksums
+        }
+        return json
+    }
+
+    /// The VAD's files in a bundle folder (not copied into a bundle without a VAD).
+    static func isVADFile(_ name: String) -> Bool { name == "vad.mlpackage" || name == "vad.parity.json" }
+
+    /// A copy of the test bundle without its VAD (`withoutVAD`; the other packages copied).
+    static func bundleWithoutVAD() throws -> URL {
+        _ = try Fixtures.require()
+        let source = Fixtures.bundle
+        let json = try JSONSerialization.jsonObject(with: Data(contentsOf: source.appendingPathComponent("manifest.json")))
+            as! [String: Any]
+        let dir = Fixtures.scratch.appendingPathComponent("cohere-swift-no-vad-\(UUID().uuidString)")
+        try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
+        for name in try FileManager.default.contentsOfDirectory(atPath: source.path) where name != "manifest.json" && !isVADFile(name) {
+            try FileManager.default.copyItem(at: source.appendingPathComponent(name), to: dir.appendingPathComponent(name))
+        }
+        try JSONSerialization.data(withJSONObject: withoutVAD(json)).write(to: dir.appendingPathComponent("manifest.json"))
+        return dir
+    }
+
+    /// The test bundle's manifest without its VAD (`withoutVAD`), with `vadEntry()` and `files.vad` added
+    /// (`vad`), then `edit`ed.
     func manifest(vad: Bool = true, _ edit: (inout [String: Any]) -> Void = { _ in }) throws -> [String: Any] {
         let data = try Data(contentsOf: try Fixtures.require().appendingPathComponent("bundle/manifest.json"))
-        var json = try JSONSerialization.jsonObject(with: data) as! [String: Any]
-        if vad, json["vad"] == nil || json["vad"] is NSNull {
+        var json = Self.withoutVAD(try JSONSerialization.jsonObject(with: data) as! [String: Any])
+        if vad {
             json["vad"] = Self.vadEntry()
             var files = json["files"] as! [String: Any]
             files["vad"] = "vad.mlpackage"
@@ -139,7 +179,7 @@ final class VADManifestTests: XCTestCase {
         let root = Fixtures.scratch.appendingPathComponent("vad-\(UUID().uuidString)")
         let source = Fixtures.bundle
         try FileManager.default.createDirectory(at: root, withIntermediateDirectories: true)
-        for name in try FileManager.default.contentsOfDirectory(atPath: source.path) where name != "manifest.json" {
+        for name in try FileManager.default.contentsOfDirectory(atPath: source.path) where name != "manifest.json" && !Self.isVADFile(name) {
             try FileManager.default.copyItem(at: source.appendingPathComponent(name), to: root.appendingPathComponent(name))
         }
         func write(_ json: [String: Any]) throws {
