@@ -166,8 +166,8 @@ extension CohereTranscriber {
         guard let chunks = vad.functions[function]?.chunks, let expected = manifest.expectedVADIO(chunks: chunks) else {
             throw BundleError.invalidField(field: "vad.functions.\(function)", problem: "is missing: re-export the bundle")
         }
-        let units = vad.computeUnits.flatMap(ComputeUnits.init(rawValue:)) ?? .cpuOnly
-        let model = try await load("vad/\(function)", file: file, function: function, units: units,
+        // where the front end runs (audio in, small convolutions): the device choice's units for it apply
+        let model = try await load("vad/\(function)", file: file, function: function, units: computeUnits.frontEnd,
                                            expected: expected, component: "vad")
         return (model, vad)
     }
@@ -185,11 +185,11 @@ extension CohereTranscriber {
         try options.validate()
         let probabilities = try await speechProbabilities(samples)
         return CohereTranscribe.speechRegions(probabilities, sampleCount: samples.count, options: options.limited,
-                                              maxSpeechSeconds: options.maxSpeech(forWindow: manifest.audio.maxAudioClipSeconds))
+                                              maxSpeechSeconds: options.maxSpeech(forWindow: vadWindowSeconds))
     }
 
     /// The windows the transcriber encodes with the VAD on (Python's `longform.plan_speech`): the speech regions
-    /// packed into windows of at most the bundle's window (`audio.max_audio_clip_s`), pauses longer than
+    /// packed into windows of at most the bundle's window (`vadWindowSeconds`), pauses longer than
     /// `options.maxGapSeconds` left out; a window shorter than the front end's two frames widened with the
     /// audio before it (only options without a minimum speech length or pad make one).
     public func speechWindows(_ samples: [Float], options: VADOptions = VADOptions()) async throws
@@ -197,9 +197,16 @@ extension CohereTranscriber {
         let a = manifest.audio
         let regions = try await speechRegions(samples, options: options)
         let windows = try packWindows(regions, sampleCount: samples.count,
-                                      windowSamples: roundEven(a.maxAudioClipSeconds * Double(a.samplingRate)),
+                                      windowSamples: roundEven(vadWindowSeconds * Double(a.samplingRate)),
                                       maxGapSamples: options.maxGapSamples)
         return (regions, windows.map { $0.widened(to: 2 * a.hopLength, within: samples.count) })
+    }
+
+    /// The longest window, seconds (Python's `Transcriber.window_s`): `audio.max_audio_clip_s`, or less when the
+    /// encoder's frames hold less.
+    nonisolated var vadWindowSeconds: Double {
+        let a = manifest.audio
+        return min(a.maxAudioClipSeconds, Double(manifest.encoder.windowFrames * a.hopLength) / Double(a.samplingRate))
     }
 }
 

@@ -79,19 +79,21 @@ final class VADTranscriberTests: XCTestCase {
         }
     }
 
-    /// The test bundle with a `vad` entry (block of `blockChunks` rows) and an (empty) vad.mlpackage folder.
+    /// The test bundle with its own VAD replaced by a `vad` entry of a block of `blockChunks` rows and an (empty)
+    /// vad.mlpackage folder (the fake's).
     static func vadBundle() throws -> URL {
         _ = try Fixtures.require()
         let source = Fixtures.bundle
-        var json = try JSONSerialization.jsonObject(with: Data(contentsOf: source.appendingPathComponent("manifest.json")))
-            as! [String: Any]
+        var json = VADManifestTests.withoutVAD(
+            try JSONSerialization.jsonObject(with: Data(contentsOf: source.appendingPathComponent("manifest.json"))) as! [String: Any])
         json["vad"] = VADManifestTests.vadEntry(chunks: blockChunks)
         var files = json["files"] as! [String: Any]
         files["vad"] = "vad.mlpackage"
         json["files"] = files
         let dir = Fixtures.scratch.appendingPathComponent("cohere-swift-vad-\(UUID().uuidString)")
         try FileManager.default.createDirectory(at: dir.appendingPathComponent("vad.mlpackage"), withIntermediateDirectories: true)
-        for name in try FileManager.default.contentsOfDirectory(atPath: source.path) where name != "manifest.json" {
+        for name in try FileManager.default.contentsOfDirectory(atPath: source.path)
+        where name != "manifest.json" && !VADManifestTests.isVADFile(name) {
             try FileManager.default.copyItem(at: source.appendingPathComponent(name), to: dir.appendingPathComponent(name))
         }
         try JSONSerialization.data(withJSONObject: json).write(to: dir.appendingPathComponent("manifest.json"))
@@ -137,10 +139,14 @@ final class VADTranscriberTests: XCTestCase {
         // the regions and windows of the rule, from the chunks' probabilities (the last chunk zero-padded)
         let frames = VoiceActivity.frames(samples[...], before: [], chunk: 512, context: 64)
         let probabilities = (0..<chunks).map { Self.probability(frames[($0 * 576)..<(($0 + 1) * 576)]) }
-        let regions = speechRegions(probabilities, sampleCount: samples.count, maxSpeechSeconds: 35)
+        // the window: the bundle's audio.max_audio_clip_s, or the encoder's frames when they hold less
+        let a = manifest.audio
+        let window = min(a.maxAudioClipSeconds, Double(manifest.encoder.windowFrames * a.hopLength) / 16000)
+        let regions = speechRegions(probabilities, sampleCount: samples.count, maxSpeechSeconds: window)
         XCTAssertEqual(result.speechRegions, regions)
         let windows = try XCTUnwrap(result.speechWindows)
-        XCTAssertEqual(windows, try packWindows(regions, sampleCount: samples.count, windowSamples: 560_000, maxGapSamples: 32000))
+        XCTAssertEqual(windows, try packWindows(regions, sampleCount: samples.count, windowSamples: Int((window * 16000).rounded()),
+                                                maxGapSamples: 32000))
         // one window per clip (the 4 s pause is not bridged), each within its clip and the pads around it
         XCTAssertEqual(windows.count, 2)
         for (w, clip) in zip(windows, clips) {
@@ -193,13 +199,14 @@ final class VADTranscriberTests: XCTestCase {
     /// `.on` with a bundle without a VAD, and options out of range, are errors before any work (the file named
     /// does not exist: the VAD error comes first).
     func testModeAndOptionErrorsComeBeforeAnyWork() async throws {
-        let plain = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: try Fixtures.interpreter())
+        let noVAD = try VADManifestTests.bundleWithoutVAD()
+        let plain = try await CohereTranscriber(bundle: noVAD, runtime: try Fixtures.interpreter())
         let missing = URL(fileURLWithPath: "/nonexistent/audio.wav")
         do {
             _ = try await plain.transcribe(contentsOf: missing, language: "en", vad: .on)
             XCTFail("vad .on accepted without a VAD")
         } catch {
-            XCTAssertEqual("\(error)", "bundle \(Fixtures.bundle.path) has no vad.mlpackage: re-export with "
+            XCTAssertEqual("\(error)", "bundle \(noVAD.path) has no vad.mlpackage: re-export with "
                            + "`cohere-coreml export --vad` (the default)")
         }
         XCTAssertFalse(try plain.usesVAD(.auto))
@@ -221,8 +228,9 @@ final class VADTranscriberTests: XCTestCase {
         #if os(macOS) || os(Linux)
         let cli = try Fixtures.swiftCLI()
         let wav = try Fixtures.require().appendingPathComponent("wav/en_heldout_00002.wav").path
+        let bundle = try VADManifestTests.bundleWithoutVAD()
         let cases: [([String], String)] = [
-            (["--vad", "on"], "bundle \(Fixtures.bundle.path) has no vad.mlpackage: re-export with `cohere-coreml export --vad` (the default)"),
+            (["--vad", "on"], "bundle \(bundle.path) has no vad.mlpackage: re-export with `cohere-coreml export --vad` (the default)"),
             (["--vad", "maybe"], "--vad must be auto, on or off, got 'maybe'"),
             (["--vad-threshold", "2"], "VAD threshold must be between 0 and 1 (exclusive), got 2.0"),
             (["--vad-min-silence-ms", "-5"], "VAD min_silence_ms must be a whole number of milliseconds >= 0, got -5"),
@@ -231,7 +239,7 @@ final class VADTranscriberTests: XCTestCase {
         for (arguments, message) in cases {
             let process = Process()
             process.executableURL = cli
-            process.arguments = ["--bundle", Fixtures.bundle.path, "--language", "en", "--runtime", "interpreter",
+            process.arguments = ["--bundle", bundle.path, "--language", "en", "--runtime", "interpreter",
                                  "--interpreter", "/nonexistent/cohere-coreml"] + arguments + [wav]
             let err = Pipe()
             process.standardError = err
