@@ -30,6 +30,11 @@ tools/data/make_swift_fixtures.py. Writes into one folder (default out/swift-fix
     words_package.json       when the bundle has alignment (manifest decoder.alignment): per demo clip and the
                              first held-out clip of each language, the words of `cohere-coreml transcribe --json
                              --word-timestamps --front-end package` (the Swift words must be the same)
+    vad/, vad_regions.json   when the bundle has a VAD (manifest vad): per demo clip shorter than the window and a
+                             sparse clip made of two of them with VAD_PAUSE_S of quiet between (vad/sparse.wav,
+                             float32), the probabilities of vad.mlpackage's block function on the MIL interpreter
+                             (`inference.vad.PackageVad`) and the speech regions silero-vad's own rule gives for
+                             them (the Swift transcriber's must be the same)
     compiled_names.json      per package of bundle/, the name the Python Core ML backend's compiled-model
                              cache gives it (`CompiledCache.location`): the Swift `CoreMLRuntime` must agree
     READY                    written last
@@ -59,6 +64,10 @@ logger = logging.getLogger(__name__)
 FRONT_ENDS = ("package", "python")
 # what an app ships: a short-clip bucket, prompt prefill, extend (forced prefixes in one call)
 EXPORT_ARGS = ("--prefill", "--extend", "--buckets", "10")
+# the VAD fixture's sparse clip: two demo clips with this much quiet noise between (longer than the 2 s gap a
+# speech window bridges), and its seed
+VAD_PAUSE_S = 3.0
+VAD_SEED = 0
 # the streaming fixture: a dictation of this many held-out utterances of STREAM_LANGUAGE (~8-10 s)
 STREAM_LANGUAGE = "en"
 STREAM_UTTERANCES = 3
@@ -411,6 +420,55 @@ def word_timings(bundle: Path, out: Path, cases: list[dict], threads: int) -> di
     return data
 
 
+def vad_regions(bundle: Path, out: Path, cases: list[dict], threads: int) -> dict | None:
+    """vad_regions.json (kept when made from the same packages and code): per clip, the bundle's VAD probabilities
+    and silero-vad's regions for them; None, and no file, when the bundle has no VAD."""
+    import torch
+
+    from cohere_coreml.bundle.load import Bundle
+    from cohere_coreml.inference.vad import vad_for
+    from cohere_coreml.model import silero
+    from cohere_coreml.model.audio import load_audio
+
+    path = out / "vad_regions.json"
+    loaded = Bundle.load(bundle)
+    if loaded.vad_chunks is None:
+        path.unlink(missing_ok=True)
+        logger.warning("the bundle has no VAD (manifest vad): no speech-region reference")
+        return None
+    key = reference_key(bundle)
+    if path.is_file() and json.loads(path.read_text()).get("reference_key") == key:
+        return json.loads(path.read_text())
+    window = int(float(loaded.manifest["audio"]["max_audio_clip_s"]) * silero.SAMPLE_RATE)
+    # the rule's longest region is the window: clips shorter than it have the package's default regions
+    demo = [c for c in cases if c["group"] == "demo" and c["samples"] < window - silero.SAMPLE_RATE]
+    clips = [(c["wav"], load_audio(c["wav"])) for c in demo]
+    rng = np.random.default_rng(VAD_SEED)
+    quiet = (rng.uniform(-1, 1, int(VAD_PAUSE_S * silero.SAMPLE_RATE)) * 1e-3).astype(np.float32)
+    sparse = np.concatenate([clips[0][1], quiet, clips[1][1]]).astype(np.float32)
+    sparse_path = out / "vad" / "sparse.wav"
+    sparse_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = sparse_path.with_name(sparse_path.stem + ".tmp.wav")
+    sf.write(str(tmp), sparse, silero.SAMPLE_RATE, subtype="FLOAT")  # float32 samples, exactly
+    os.replace(tmp, sparse_path)
+    clips.append((str(sparse_path), sparse))
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        vad = vad_for(loaded, backend="mil")
+        entries = []
+        for wav, x in clips:
+            probs = vad.probabilities(x)
+            entries.append({"wav": wav, "samples": int(x.size), "probabilities": [float(p) for p in probs],
+                            "regions": [list(r) for r in silero.reference_segments(probs, x.size)]})
+    finally:
+        torch.set_num_threads(threads_before)
+    data = {"bundle": str(bundle), "reference_key": key, "chunks": loaded.vad_chunks, "clips": entries,
+            "command": "inference.vad.vad_for(backend='mil').probabilities; model.silero.reference_segments"}
+    _write_json(path, data)
+    return data
+
+
 def compare_front_ends(package: dict | None, python: dict) -> dict | None:
     """Windows whose token ids are equal with the package and the Python front end (the figure the
     issue reports; the Swift tests assert equality with the package front end)."""
@@ -541,9 +599,10 @@ def make_fixtures(out: Path, root: Path, model: Path, demo_clips: list[tuple[str
                    pool.submit(transcripts, bundle, out, cases, "package", threads),
                    pool.submit(transcripts, bundle, out, cases, "python", threads),
                    pool.submit(streaming_cases, bundle, out, root, threads),
-                   pool.submit(word_timings, bundle, out, cases, threads)]
+                   pool.submit(word_timings, bundle, out, cases, threads),
+                   pool.submit(vad_regions, bundle, out, cases, threads)]
         try:
-            _, _, package, python, stream, _ = [job.result() for job in running]
+            _, _, package, python, stream, _, _ = [job.result() for job in running]
         except BaseException:
             pool.shutdown(cancel_futures=True)  # the jobs not started are dropped; the running ones end first
             raise
