@@ -33,7 +33,7 @@ def test_probabilities_match_the_pytorch_module(package_vad, torch_vad, clip):
     got, want = package_vad.probabilities(wav), torch_vad.probabilities(wav)
     assert got.shape == want.shape == (-(-wav.size // 512),) and got.dtype == np.float32
     assert float(np.abs(got - want).max()) <= BOUND
-    assert silero.reference_segments(got, wav.size) == silero.reference_segments(want, wav.size)
+    assert silero.reference_regions(got, wav.size) == silero.reference_regions(want, wav.size)
 
 
 def test_padded_rows_are_discarded_and_the_state_carried(package_vad, torch_vad):

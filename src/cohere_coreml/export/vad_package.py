@@ -205,7 +205,7 @@ def gate_references(signals) -> list[dict]:
     for name, wav in signals:
         probs = silero.reference_probabilities(wav)
         cases.append({"case": name, "wav": np.asarray(wav, np.float32), "probs": probs,
-                      "segments": silero.reference_segments(probs, wav.size)})
+                      "segments": silero.reference_regions(probs, wav.size)})
     return cases
 
 
@@ -226,7 +226,7 @@ def run_gate(vad: PackageVad, cases: Sequence[dict], precision: str, chunks: int
         for fn, probs in ((VAD_BLOCK_FUNCTION, whole), (VAD_CHUNK_FUNCTION, streamed)):
             same_size = probs.shape == ref.shape
             diff = float(np.abs(probs - ref).max()) if same_size and ref.size else (0.0 if same_size else float("inf"))
-            same = same_size and silero.reference_segments(probs, wav.size) == case["segments"]
+            same = same_size and silero.reference_regions(probs, wav.size) == case["segments"]
             row[fn] = {"max_abs_diff": diff, "segments_identical": bool(same)}
         row["passed"] = all(row[fn]["max_abs_diff"] <= bound and row[fn]["segments_identical"]
                             for fn in (VAD_BLOCK_FUNCTION, VAD_CHUNK_FUNCTION))
