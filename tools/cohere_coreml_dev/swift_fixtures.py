@@ -34,7 +34,9 @@ tools/data/make_swift_fixtures.py. Writes into one folder (default out/swift-fix
                              sparse clip made of two of them with VAD_PAUSE_S of quiet between (vad/sparse.wav,
                              float32), the probabilities of vad.mlpackage's block function on the MIL interpreter
                              (`inference.vad.PackageVad`) and the speech regions silero-vad's own rule gives for
-                             them (the Swift transcriber's must be the same)
+                             them (the Swift transcriber's must be the same); the sparse clip's windows as
+                             `cohere-coreml transcribe --json --vad on --front-end package` prints them. The
+                             other transcript references are made with --vad off (the energy windows)
     compiled_names.json      per package of bundle/, the name the Python Core ML backend's compiled-model
                              cache gives it (`CompiledCache.location`): the Swift `CoreMLRuntime` must agree
     READY                    written last
@@ -316,8 +318,8 @@ def cli_transcripts(bundle: Path, cases: list[dict], front_end: str, threads: in
         by_language.setdefault(case["language"], []).append(case["wav"])
     results = {}
     for language, wavs in sorted(by_language.items()):
-        cmd = _cli("transcribe", "--json", "--backend", "mil", "--bundle", str(bundle), "--language", language,
-                   *(["--front-end", front_end] if has_front_end else []), *wavs)
+        cmd = _cli("transcribe", "--json", "--backend", "mil", "--vad", "off", "--bundle", str(bundle),
+                   "--language", language, *(["--front-end", front_end] if has_front_end else []), *wavs)
         logger.info("python reference: cohere-coreml transcribe --front-end %s --language %s (%d files)",
                     front_end, language, len(wavs))
         proc = subprocess.run(cmd, env=_env(threads), stdout=subprocess.PIPE)
@@ -378,7 +380,8 @@ def transcripts(bundle: Path, out: Path, cases: list[dict], front_end: str, thre
             windows.append(window)
         clips.append({**case, "text": result["text"], "windows": windows})
     data = {"bundle": str(bundle), "reference_key": key, "front_end": front_end,
-            "command": "cohere-coreml transcribe --json --backend mil --front-end " + front_end, "clips": clips}
+            "command": "cohere-coreml transcribe --json --backend mil --vad off --front-end " + front_end,
+            "clips": clips}
     _write_json(path, data)
     return data
 
@@ -401,8 +404,8 @@ def word_timings(bundle: Path, out: Path, cases: list[dict], threads: int) -> di
     clips = []
     for language in sorted({c["language"] for c in picked}):
         wavs = [c["wav"] for c in picked if c["language"] == language]
-        cmd = _cli("transcribe", "--json", "--word-timestamps", "--backend", "mil", "--front-end", "package",
-                   "--bundle", str(bundle), "--language", language, *wavs)
+        cmd = _cli("transcribe", "--json", "--word-timestamps", "--backend", "mil", "--vad", "off",
+                   "--front-end", "package", "--bundle", str(bundle), "--language", language, *wavs)
         logger.info("python words: cohere-coreml transcribe --word-timestamps --language %s (%d files)", language,
                     len(wavs))
         proc = subprocess.run(cmd, env=_env(threads), stdout=subprocess.PIPE)
@@ -415,14 +418,15 @@ def word_timings(bundle: Path, out: Path, cases: list[dict], threads: int) -> di
                    "windows": [{"index": x["index"], "token_ids": x["token_ids"], "words": x["words"]}
                                for x in items[w]["windows"]]} for w in wavs]
     data = {"bundle": str(bundle), "reference_key": key, "clips": clips,
-            "command": "cohere-coreml transcribe --json --word-timestamps --backend mil --front-end package"}
+            "command": "cohere-coreml transcribe --json --word-timestamps --backend mil --vad off --front-end package"}
     _write_json(path, data)
     return data
 
 
 def vad_regions(bundle: Path, out: Path, cases: list[dict], threads: int) -> dict | None:
     """vad_regions.json (kept when made from the same packages and code): per clip, the bundle's VAD probabilities
-    and silero-vad's regions for them; None, and no file, when the bundle has no VAD."""
+    and silero-vad's regions for them, and the sparse clip as `cohere-coreml transcribe --vad on` transcribes it;
+    None, and no file, when the bundle has no VAD."""
     import torch
 
     from cohere_coreml.bundle.load import Bundle
@@ -439,9 +443,11 @@ def vad_regions(bundle: Path, out: Path, cases: list[dict], threads: int) -> dic
     key = reference_key(bundle)
     if path.is_file() and json.loads(path.read_text()).get("reference_key") == key:
         return json.loads(path.read_text())
-    window = int(float(loaded.manifest["audio"]["max_audio_clip_s"]) * silero.SAMPLE_RATE)
-    # the rule's longest region is the window: clips shorter than it have the package's default regions
-    demo = [c for c in cases if c["group"] == "demo" and c["samples"] < window - silero.SAMPLE_RATE]
+    audio = loaded.manifest["audio"]
+    # the transcriber's window (Transcriber.window_s): the longest region the rule gives it
+    window_s = min(float(audio["max_audio_clip_s"]),
+                   int(loaded.manifest["encoder"]["window_frames"]) * int(audio["hop_length"]) / silero.SAMPLE_RATE)
+    demo = [c for c in cases if c["group"] == "demo" and c["samples"] < (window_s - 1) * silero.SAMPLE_RATE]
     clips = [(c["wav"], load_audio(c["wav"])) for c in demo]
     rng = np.random.default_rng(VAD_SEED)
     quiet = (rng.uniform(-1, 1, int(VAD_PAUSE_S * silero.SAMPLE_RATE)) * 1e-3).astype(np.float32)
@@ -459,12 +465,27 @@ def vad_regions(bundle: Path, out: Path, cases: list[dict], threads: int) -> dic
         entries = []
         for wav, x in clips:
             probs = vad.probabilities(x)
+            regions = silero.reference_regions(probs, x.size, max_speech_s=window_s)
             entries.append({"wav": wav, "samples": int(x.size), "probabilities": [float(p) for p in probs],
-                            "regions": [list(r) for r in silero.reference_segments(probs, x.size)]})
+                            "regions": [list(r) for r in regions]})
     finally:
         torch.set_num_threads(threads_before)
-    data = {"bundle": str(bundle), "reference_key": key, "chunks": loaded.vad_chunks, "clips": entries,
-            "command": "inference.vad.vad_for(backend='mil').probabilities; model.silero.reference_segments"}
+    # the sparse clip with the VAD on, as the Python CLI transcribes it: its windows and the VAD's summary
+    cmd = _cli("transcribe", "--json", "--backend", "mil", "--vad", "on", "--front-end", "package",
+               "--bundle", str(bundle), "--language", "en", str(sparse_path))
+    logger.info("python VAD reference: cohere-coreml transcribe --vad on %s", sparse_path.name)
+    proc = subprocess.run(cmd, env=_env(threads), stdout=subprocess.PIPE)
+    item = json.loads(proc.stdout) if proc.returncode == 0 and proc.stdout.strip() else {}
+    item = item[0] if isinstance(item, list) else item
+    if item.get("status") != "ok" or not item.get("vad"):
+        raise FixtureError(f"cohere-coreml transcribe --vad on {sparse_path} failed (exit {proc.returncode})")
+    transcript = {"text": item["text"], "vad": item["vad"],
+                  "windows": [{"index": w["index"], "start_s": w["start_s"], "duration_s": w["duration_s"],
+                               "token_ids": w["token_ids"]} for w in item["windows"]]}
+    data = {"bundle": str(bundle), "reference_key": key, "chunks": loaded.vad_chunks, "window_s": window_s,
+            "clips": entries, "sparse_transcript": transcript,
+            "command": "inference.vad.vad_for(backend='mil').probabilities; model.silero.reference_regions; "
+                       "cohere-coreml transcribe --json --backend mil --vad on --front-end package (sparse clip)"}
     _write_json(path, data)
     return data
 
@@ -536,8 +557,8 @@ def streaming_cases(bundle: Path, out: Path, root: Path, threads: int) -> dict:
     tmp = wav_path.with_name(wav_path.stem + ".tmp.wav")
     sf.write(str(tmp), wav, 16000, subtype="FLOAT")  # float32 samples, exactly
     os.replace(tmp, wav_path)
-    cmd = _cli("transcribe", "--stream", "--no-pace", "--json", "--stats", "--backend", "mil", "--front-end", "package",
-               "--bundle", str(bundle), "--language", STREAM_LANGUAGE, str(wav_path))
+    cmd = _cli("transcribe", "--stream", "--no-pace", "--json", "--stats", "--backend", "mil", "--vad", "off",
+               "--front-end", "package", "--bundle", str(bundle), "--language", STREAM_LANGUAGE, str(wav_path))
 
     def run(cmd):
         logger.info("python stream reference: %s", " ".join(cmd))
