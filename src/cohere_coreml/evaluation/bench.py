@@ -391,13 +391,28 @@ def reference_alignment(bundles, alignment_heads: str | None, lead_rows: int | N
     return None
 
 
+def bundle_has_vad(bundle) -> bool:
+    """The bundle (one folder, or several searched in order) lists a vad.mlpackage in its manifest."""
+    manifest = next((d / "manifest.json" for d in bundle_folders(bundle) if (d / "manifest.json").is_file()), None)
+    m = json.loads(manifest.read_text()) if manifest else {}
+    return bool(m.get("vad")) and "vad" in (m.get("files") or {})
+
+
+def reference_vad(vad: str, bundles) -> str:
+    """The PyTorch reference's VAD mode beside `bundles`: with "auto" it runs its VAD (the same network and rule)
+    when every benched bundle has one, so it decodes the windows they decode and their tokens compare alike."""
+    if vad == "auto" and bundles and all(bundle_has_vad(b) for b in bundles):
+        return "on"
+    return vad
+
+
 def run_bench(bundles, pytorch, data, *, backend="auto", compute_units="all", max_new_tokens=None, beams=1,
               repetition_guard=None, limit_per_language=None, progress=False, merge=(), alignment_heads=None,
               alignment_lead_rows=None, vad="auto", vad_options=None) -> dict:
     """`bundles`: one entry per bundle, a folder or the list of its folders (searched in order).
     `alignment_heads` ("L.H,..."): the PyTorch reference's heads for the word-timing error (default: the first
     bundle's). `vad`: each engine's voice activity ("auto": a bundle's vad.mlpackage when it has one; the PyTorch
-    reference runs its VAD with "on" only)."""
+    reference's as `reference_vad` decides)."""
     if not bundles and not pytorch and not merge:
         raise BenchError("nothing to bench: give --bundle DIR[,DIR...] (repeatable: one bundle each), --pytorch MODEL and/or --merge-engine FILE")
     dataset = load_dataset(str(data), limit_per_language)
@@ -416,7 +431,7 @@ def run_bench(bundles, pytorch, data, *, backend="auto", compute_units="all", ma
         heads = reference_alignment(bundles, alignment_heads, alignment_lead_rows) if timed else None
         section = run_engine(lambda: PyTorchEngine(pytorch, alignment_heads=heads[0] if heads else None,
                                                    lead_rows=heads[1] if heads else DEFAULT_LEAD_ROWS),
-                             dataset, **opts)
+                             dataset, **{**opts, "vad": reference_vad(vad, bundles)})
         report["engines"].append({"label": f"pytorch {Path(str(pytorch)).name}", **section})
     for b in bundles or []:
         dirs = bundle_folders(b)
