@@ -16,6 +16,7 @@ from cohere_coreml.export.vad_package import (
     BLOCK_CHUNKS,
     COMPONENT,
     MAX_ABS_DIFF,
+    VAD_PRECISION,
     VadForCoreML,
     gate_references,
     gate_signals,
@@ -49,17 +50,18 @@ def test_the_traced_cell_is_pytorchs_lstm_cell():
 
 
 def test_the_package_matches_the_package_model_on_committed_audio(vad_package):
-    """The shipped (fp16) package: block and chunk functions on the long clip and medium clips."""
+    """The shipped package (fp32 in an fp16 bundle): block and chunk functions on the long clip and medium clips."""
     path = vad_package / "vad.mlpackage"
     report = json.loads((vad_package / "vad.parity.json").read_text())
     assert report["passed"] and report["parity"]["segments_identical"]
     with GateLoader("interpreter", vad_package) as loader:
         vad = PackageVad(loader.load(path, VAD_BLOCK_FUNCTION), loader.load(path, VAD_CHUNK_FUNCTION), BLOCK_CHUNKS)
         cases = gate_references(gate_signals(GATE_CLIPS))
-        result = run_gate(vad, cases, "fp16", BLOCK_CHUNKS)
+        result = run_gate(vad, cases, VAD_PRECISION, BLOCK_CHUNKS)
     assert result.passed, result.headline
     parity = result.details["parity"]
-    assert parity["segments_identical"] and parity["max_abs_diff"] <= MAX_ABS_DIFF["fp16"]
+    assert VAD_PRECISION == "fp32" and report["precision"] == VAD_PRECISION
+    assert parity["segments_identical"] and parity["max_abs_diff"] <= MAX_ABS_DIFF["fp32"]
     long_case = result.cases[0]
     assert long_case["case"] == "en_long_75s.flac" and long_case["segments"] >= 10  # speech with pauses
 
@@ -71,7 +73,9 @@ def test_package_metadata_records_source_and_request(vad_package):
     record = json.loads(meta[VAD_METADATA_KEY])
     assert record["source"] == silero.source_record()
     assert record["functions"] == {"block": {"chunks": BLOCK_CHUNKS}, "chunk": {"chunks": 1}}
-    assert meta[VAD_REQUEST_METADATA_KEY] == vad_request(ExportSettings(precision="fp16"))
+    # exported beside an fp16 bundle (the fixture asks for fp16): the program is VAD_PRECISION's all the same
+    assert meta[VAD_REQUEST_METADATA_KEY] == vad_request(ExportSettings(precision=VAD_PRECISION))
+    assert "precision=fp32" in meta[VAD_REQUEST_METADATA_KEY] and record["precision"] == "fp32"
     io = package_io(vad_package / "vad.mlpackage")  # the default function is block
     assert io["inputs"]["frames"] == {"shape": [BLOCK_CHUNKS, 576], "dtype": "float32"}
     assert io["outputs"]["probability"] == {"shape": [1, BLOCK_CHUNKS], "dtype": "float32"}
@@ -80,7 +84,7 @@ def test_package_metadata_records_source_and_request(vad_package):
 
 def _small_export(out: Path, **broken):
     """An fp32 package of 4-chunk blocks, gated on one clip: quick to convert."""
-    settings = ExportSettings(out_dir=out, precision="fp32", gate_units="interpreter")
+    settings = ExportSettings(out_dir=out, precision="fp16", gate_units="interpreter")  # the VAD's is fp32
     staged = stage_vad(settings, gate_audio=[AUDIO / "en_medium.wav"], chunks=4, **broken)
     return staged.finish()
 

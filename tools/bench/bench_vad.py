@@ -21,11 +21,11 @@ The VAD: the bundle's vad.mlpackage when its manifest has one, else (or with --v
 module of the same network (inference.vad.TorchVad) through the same rule.
 
 * with --dictations: the streaming bench's dictations (tools/data/make_dictations.py), energy segmenter vs VAD.
-* parity (--sections parity): vad.mlpackage exported here as an fp16 and an fp32 program (export.vad_package,
-  --block-sizes N values for fp16) against silero-vad's own model on the committed clips (tests/data/audio) and,
-  with --dictations, the dictations: max |probability diff| per chunk (block and chunk functions), speech
-  segments identical; per N the conversion seconds, package bytes and seconds per audio second in the
-  interpreter.
+* parity (--sections parity): vad.mlpackage exported here in the shipped precision (export.vad_package's
+  VAD_PRECISION) at each of --block-sizes N, and in the other precision at the shipped N, against silero-vad's
+  own model on the committed clips (tests/data/audio) and, with --dictations, the dictations: max |probability
+  diff| per chunk (block and chunk functions), signals with identical speech segments; per program the
+  conversion seconds, package bytes and seconds per audio second in the interpreter.
 
 Example:
   uv run --frozen python tools/data/make_dictations.py --out out/dictations
@@ -339,10 +339,13 @@ def parity_section(folder: Path, dictations: Path | None, block_sizes: list[int]
     cases = gate_references(gate_signals(paths))
     audio_s = sum(c["wav"].size for c in cases) / SR
     out = {"signals": len(cases), "audio_s": audio_s, "programs": {}}
-    for precision, chunks in [("fp32", block_sizes[0])] + [("fp16", n) for n in block_sizes]:
+    from cohere_coreml.export.vad_package import BLOCK_CHUNKS, VAD_PRECISION
+
+    other = "fp16" if VAD_PRECISION == "fp32" else "fp32"  # the precision not shipped, at the shipped N
+    for precision, chunks in [(VAD_PRECISION, n) for n in block_sizes] + [(other, BLOCK_CHUNKS)]:
         target = folder / f"{precision}-{chunks}"
         t0 = time.perf_counter()
-        convert_vad(ExportSettings(out_dir=target, precision=precision, force=True), chunks=chunks)
+        convert_vad(ExportSettings(out_dir=target, force=True), chunks=chunks, precision=precision)
         convert_s = time.perf_counter() - t0
         package = target / "vad.mlpackage"
         vad = PackageVad.load(package, chunks, backend="mil")

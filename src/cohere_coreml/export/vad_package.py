@@ -10,7 +10,8 @@ Row i of `frames` is the 64 samples before chunk i and chunk i's 512 samples (`s
 The LSTM state is an explicit input and output, not a Core ML state: it is 2 x 128 floats copied in and
 out per call; it runs on every OS the other packages run on, needs no per-thread state object, and the
 interpreter and the Swift loop treat it as plain arrays. Both functions share their weights (one
-`merge_functions`). The program computes in the bundle's precision; its inputs and outputs are float32.
+`merge_functions`). The program computes in fp32 whatever the bundle's precision (`VAD_PRECISION`), as
+the front end does: its inputs and outputs are float32.
 
 The traced module computes what `SileroVad` computes, in ops the converter and the Neural Engine take:
 the STFT as a matmul over 256-sample windows (not a 256-wide convolution), and the LSTM cell written out
@@ -57,7 +58,12 @@ COMPONENT = "vad"
 BLOCK_CHUNKS = 32
 OUTPUT_NAMES = ("probability", "h_out", "c_out")
 # the units it is meant for: small convolutions and a recurrent cell (the manifest's compute_units)
-COMPUTE_UNITS = "all"
+COMPUTE_UNITS = "cpu_and_gpu"
+# The program's precision, whatever the export's --precision. An fp16 program's error (up to a few hundredths
+# per chunk) moves speech boundaries wherever a probability lies near the 0.5 / 0.35 thresholds, so its
+# segments would differ from silero-vad's; the network is small enough for the CPU (fp32 programs run on the
+# GPU or CPU, coremltools docs 'Typed Execution'). BENCHMARKS.md, "Voice activity", measures both.
+VAD_PRECISION = "fp32"
 # max |probability diff| per chunk vs the package's model, per program precision: a few times what each
 # program gives on the committed clips (docs/export.md), far below what a perturbed weight or a lost state
 # gives (the negative controls of the tests), and inside the margin the 0.5 / 0.35 thresholds leave
@@ -259,12 +265,13 @@ def run_gate(vad: PackageVad, cases: Sequence[dict], precision: str, chunks: int
 # --------------------------------------------------------------------------------------------
 
 
-def convert_vad(settings: ExportSettings, gate_audio=None, chunks: int = BLOCK_CHUNKS) -> Path | None:
+def convert_vad(settings: ExportSettings, gate_audio=None, chunks: int = BLOCK_CHUNKS,
+                precision: str = VAD_PRECISION) -> Path | None:
     """Export `vad.mlpackage` into `settings.out_dir`, parity-gated against the silero-vad package's model.
 
     Returns the path, or None when it exists, is current and `settings.force` is off. A failing gate raises
     `ParityError`, writes `vad.parity-failed.json` and leaves no package behind (`gate.stage_gated`)."""
-    staged = stage_vad(settings, gate_audio, chunks)
+    staged = stage_vad(settings, gate_audio, chunks, precision=precision)
     if staged is None:
         return None
     staged.finish()
@@ -272,18 +279,22 @@ def convert_vad(settings: ExportSettings, gate_audio=None, chunks: int = BLOCK_C
 
 
 def stage_vad(settings: ExportSettings, gate_audio=None, chunks: int = BLOCK_CHUNKS,
-              _vad: silero.SileroVad | None = None, _carry_state: bool = True) -> StagedPackage | None:
+              _vad: silero.SileroVad | None = None, _carry_state: bool = True,
+              precision: str = VAD_PRECISION) -> StagedPackage | None:
     """`convert_vad` up to the gate: the package at its temporary path and the oracle's references computed;
     `finish()` gates and installs it. A present package exported for another `vad_request` (weights, N,
-    precision) is exported again. `_vad` / `_carry_state` are for tests that break the package on purpose."""
+    precision) is exported again. `precision`: the program's (`VAD_PRECISION`; the export's --precision does
+    not apply). `_vad` / `_carry_state` are for tests that break the package on purpose."""
     from ..bundle.packages import package_metadata
     from ..storage.files import skip_installed
 
     if int(chunks) < 1:
         raise ValueError(f"the VAD block needs at least 1 chunk, got {chunks}")
     # the VAD's source is the silero-vad package, not the export's checkpoint (a new checkpoint leaves it current)
+    if precision not in MAX_ABS_DIFF:
+        raise ValueError(f"the VAD program's precision must be one of {', '.join(MAX_ABS_DIFF)}, got {precision!r}")
     settings = settings.replace(checkpoint_digest=None, model_id=silero.PACKAGE, revision=silero.package_version(),
-                                license="MIT")
+                                license="MIT", precision=precision)
     path = settings.package_path(COMPONENT)
     if path.exists() and not settings.force:
         recorded = package_metadata(path).get(VAD_REQUEST_METADATA_KEY)
