@@ -148,6 +148,21 @@ def test_vad_modes_and_the_missing_vad_message():
         bundle_vad(missing)
 
 
+def test_the_bundles_vad_loads_on_its_manifests_compute_units(trained_bundle, monkeypatch):
+    """As the front end: the manifest's `vad.compute_units` (the export's), not the recogniser's."""
+    import cohere_coreml.inference.vad as vad_module
+    from cohere_coreml.bundle.load import Bundle
+
+    asked = []
+    monkeypatch.setattr(vad_module, "vad_for", lambda bundle, backend, compute_units: asked.append(compute_units))
+    bundle = Bundle.load(trained_bundle)
+    assert bundle.manifest["vad"]["compute_units"] == "cpu_and_gpu"
+    bundle_vad(bundle, "mil", "all")
+    bundle.manifest["vad"].pop("compute_units")  # an entry without them: the caller's
+    bundle_vad(bundle, "mil", "cpu_only")
+    assert asked == ["cpu_and_gpu", "cpu_only"]
+
+
 @pytest.fixture(scope="module")
 def demo_transcriber(trained_bundle):
     """The session bundle's Transcriber with the PyTorch VAD as its VAD (the rule's oracle scores with it)."""

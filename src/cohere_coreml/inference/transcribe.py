@@ -77,7 +77,8 @@ def bundle_vad(bundle: Bundle, backend: str = "auto", compute_units: str = "all"
         raise BundleError(f"bundle is missing {name} (looked in {', '.join(map(str, bundle.dirs))})")
     from .vad import vad_for
 
-    return vad_for(bundle, backend=backend, compute_units=compute_units)
+    # on the compute units its manifest entry names, as the front end (an fp32 program: CPU/GPU)
+    return vad_for(bundle, backend=backend, compute_units=entry.get("compute_units", compute_units))
 
 
 def _serialized(method):
