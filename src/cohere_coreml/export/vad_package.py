@@ -290,9 +290,9 @@ def stage_vad(settings: ExportSettings, gate_audio=None, chunks: int = BLOCK_CHU
 
     if int(chunks) < 1:
         raise ValueError(f"the VAD block needs at least 1 chunk, got {chunks}")
-    # the VAD's source is the silero-vad package, not the export's checkpoint (a new checkpoint leaves it current)
     if precision not in MAX_ABS_DIFF:
         raise ValueError(f"the VAD program's precision must be one of {', '.join(MAX_ABS_DIFF)}, got {precision!r}")
+    # the VAD's source is the silero-vad package, not the export's checkpoint (a new checkpoint leaves it current)
     settings = settings.replace(checkpoint_digest=None, model_id=silero.PACKAGE, revision=silero.package_version(),
                                 license="MIT", precision=precision)
     path = settings.package_path(COMPONENT)
