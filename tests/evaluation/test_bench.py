@@ -223,6 +223,15 @@ def test_merge_engine_scores_a_device_run_like_the_others(folder, tmp_path):
     assert "encoder.main: ANE 90.00 % of cost, 1 ops elsewhere" in md
     paths = write_outputs(report, tmp_path / "out")
     assert json.loads(paths["json"].read_text())["engines"][1]["languages"]["de"]["insertions"] == 2
+    # the device's voice activity reaches the row as an in-process engine's: the mode resolved on the device
+    assert row["vad"] == {"mode": "auto", "on": False, "options": None}  # a run that did not say: off
+    for asked, ran_vad in (("auto", True), ("auto", False), ("off", False), ("on", True)):
+        data["options"].update(vad=asked, vad_on=ran_vad)
+        row = merge_engine(_write(tmp_path / "device3.json", data), dataset)
+        assert row["vad"]["mode"] == asked and row["vad"]["on"] is ran_vad
+        assert (row["vad"]["options"] is not None) is ran_vad
+        shown = format_markdown(run_bench([], None, path, merge=[tmp_path / "device3.json"]))
+        assert (" (VAD)" in shown) is ran_vad
 
 
 def test_merge_engine_refuses_another_dataset(folder, tmp_path, capsys):

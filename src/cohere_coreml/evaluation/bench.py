@@ -54,7 +54,7 @@ from ..inference.alignment import DEFAULT_LEAD_ROWS, parse_heads
 from ..inference.decoding import TOKEN_LIMITS, RepetitionGuard, StopReason, loop_in
 from ..inference.engines import PyTorchEngine
 from ..inference.longform import check_audio
-from ..inference.speech_regions import add_vad_args, vad_options_of
+from ..inference.speech_regions import VadOptions, add_vad_args, vad_options_of
 from ..inference.transcribe import Transcriber
 from ..model.audio import AudioError
 from ..storage.files import write_json_atomic
@@ -291,6 +291,15 @@ def _swift_label(data: dict, clips: int, dataset_clips: int) -> str:
     return label + (f" [{clips}/{dataset_clips} clips]" if clips < dataset_clips else "")
 
 
+def device_vad(options: dict) -> dict:
+    """A device run's voice activity, as `run_engine` records it for in-process engines: the mode asked and
+    whether the VAD ran (`vad_on`, the mode resolved against the bundle by the device; a run without that
+    field: on only when "on" was asked). The device bench takes no --vad-* option: Silero's defaults."""
+    mode = options.get("vad") or "auto"
+    on = bool(options["vad_on"]) if options.get("vad_on") is not None else mode == "on"
+    return {"mode": mode, "on": on, "options": VadOptions().to_dict() if on else None}
+
+
 def merge_engine(path: str | os.PathLike, dataset, every_index: set[int] | None = None) -> dict:
     """An engine row from the JSON of `cohere-transcribe-swift bench` (a run on a Mac, an iOS device or,
     through the interpreter, Linux) over `dataset`: refused unless the JSON's dataset manifest sha256 is
@@ -368,6 +377,7 @@ def merge_engine(path: str | os.PathLike, dataset, every_index: set[int] | None 
         "peak_rss_mb": memory.get("peak_mb"),
         "options": {"max_new_tokens": options.get("max_new_tokens"), "beams": options.get("beams", 1),
                     "repetition_guard": bool(options.get("repetition_guard"))},
+        "vad": device_vad(options),
         **summarise(clips, dataset.name),
     }
     section["swift"] = {"source": str(path), "created_utc": data.get("created_utc"), "machine": data.get("machine"),

@@ -77,7 +77,8 @@ public enum DeviceBenchmark {
         let models: ModelRuntime = options.fault.map { FaultInjectingRuntime(base: runtime, fault: $0) } ?? runtime
         if let language = options.language { _ = try manifest.prompt(language: language) }  // unknown: fail now
         if let n = options.maxClips, n < 1 { throw BenchmarkError("--max-clips must be >= 1, got \(n)") }
-        _ = try options.vad.resolve(bundleHasVAD: manifest.vad != nil && manifest.files.vad != nil, bundle: options.bundle)
+        let vadOn = try options.vad.resolve(bundleHasVAD: manifest.vad != nil && manifest.files.vad != nil,
+                                            bundle: options.bundle)
         let eos = Set(bundle.eosTokenIds)
         let say = options.progress ?? { _ in }
         var memory = MemoryRecord()
@@ -159,7 +160,7 @@ public enum DeviceBenchmark {
             machine: MachineRecord.current(), dataset: dataset.record(benched: entries.count), bundle: bundle,
             options: OptionsRecord(maxClips: options.maxClips, language: options.language,
                                    languageFromManifest: options.language == nil, maxNewTokens: options.maxNewTokens,
-                                   warmup: options.warmup, vad: options.vad.rawValue),
+                                   warmup: options.warmup, vad: options.vad.rawValue, vadOn: vadOn),
             load: load, firstRunSeconds: firstRun, memory: memory, placement: placement, placementReason: reason,
             totals: Totals(clips), clips: clips,
             candidate: options.candidate.map {

@@ -84,10 +84,13 @@ extension DeviceBenchmark {
         public var repetitionGuard = false
         /// The VAD mode asked (auto: on when the bundle has vad.mlpackage; docs/vad.md).
         public var vad = VADMode.auto.rawValue
+        /// Whether the VAD ran: the mode resolved against the bundle (`bench --merge-engine` reports it).
+        public var vadOn = false
 
         enum CodingKeys: String, CodingKey {
             case maxClips = "max_clips", language, languageFromManifest = "language_from_manifest",
-                 maxNewTokens = "max_new_tokens", warmup, beams, repetitionGuard = "repetition_guard", vad
+                 maxNewTokens = "max_new_tokens", warmup, beams, repetitionGuard = "repetition_guard", vad,
+                 vadOn = "vad_on"
         }
     }
 

@@ -68,6 +68,7 @@ final class BenchTests: XCTestCase {
         var options = DeviceBenchmark.Options(bundle: Fixtures.bundle, dataset: dir.path)
         options.vad = .off  // the references: the energy windows
         let report = try await DeviceBenchmark.run(options, runtime: try Fixtures.interpreter())
+        XCTAssertFalse(report.options.vadOn)  // off asked: recorded as not run, though the bundle has a VAD
 
         // the dataset as Python reads it: same manifest sha256, same entries and problems
         let python = try pythonDataset(dir)
@@ -216,6 +217,7 @@ final class BenchTests: XCTestCase {
         XCTAssertEqual((json["dataset"] as! [String: Any])["benched_clips"] as? Int, 2)
         XCTAssertEqual((json["options"] as! [String: Any])["language_from_manifest"] as? Bool, false)
         XCTAssertEqual((json["options"] as! [String: Any])["vad"] as? String, "auto")  // the default, recorded
+        XCTAssertEqual((json["options"] as! [String: Any])["vad_on"] as? Bool, true)  // resolved: the bundle has one
         #else
         throw XCTSkip("the command line \(Fixtures.noChildProcesses)")
         #endif
