@@ -170,6 +170,41 @@ def test_softmax_inputs_skipped_and_counted(tiny):
     assert broken_counts["int8_ops"]["add"] == 2
 
 
+def test_pairs_made_identities_give_the_f16_program_and_the_rebuild_drops_them(tiny, tmp_path):
+    """Sensitivity per activation runs the quantized program itself with some quantize -> dequantize pairs
+    made identities (`PairsDisabled`, the interpreter's observer replacing each dequantize output by the
+    tensor its quantize read): every pair disabled is the f16 program's output, none disabled the quantized
+    one's, one disabled something between. The ops `choose_fp16_activations` keeps for a pair, left fp16 in
+    the rebuild, remove that pair and keep the others. Broken variant: an observer whose return value is
+    ignored gives the quantized output with every pair disabled (the first assertion)."""
+    path, mlmodel = tiny
+    stats = activations.ranges(load_model(path, backend="mil"), samples())
+    skip = activations.softmax_input_ops(load_function(path, "main"))
+    quantized = activations.apply_stats(mlmodel, stats, activations.activation_config(skip))
+    qpath = tmp_path / "q.mlpackage"
+    quantized.save(str(qpath))
+    pairs = activations.quantize_pairs(load_function(qpath, "main"))
+    assert len(pairs) >= 3 and all(p["dequantized"] for p in pairs)
+    assert all(p["consumers"] or p["producer"] for p in pairs)
+    f16, q = load_model(path, backend="mil"), load_model(qpath, backend="mil")
+    x = samples(1)[0]
+    out = next(iter(f16.output_description))
+    ref, plain = f16.predict(x)[out], q.predict(x)[out]
+    assert not np.array_equal(ref, plain)
+    with q.observed(activations.PairsDisabled(pairs)):
+        assert np.array_equal(q.predict(x)[out], ref)
+    with q.observed(activations.PairsDisabled([])):
+        assert np.array_equal(q.predict(x)[out], plain)
+    with q.observed(activations.PairsDisabled(pairs[:1])):
+        one = q.predict(x)[out]
+    assert not np.array_equal(one, plain) and not np.array_equal(one, ref)
+    first = pairs[0]
+    keep = sorted({n for n in (*first["consumers"], first["producer"]) if n})
+    rebuilt = activations.apply_stats(mlmodel, stats, activations.activation_config([*skip, *keep]))
+    left = activations.quantize_pairs(load_function_of(rebuilt))
+    assert first["input"] not in {p["input"] for p in left} and 0 < len(left) < len(pairs)
+
+
 def load_function_of(mlmodel):
     from coremltools.converters.mil.frontend.milproto.load import load
 

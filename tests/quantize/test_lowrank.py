@@ -337,6 +337,54 @@ def test_lowrank_presets_are_registered_with_their_gates():
         assert set(GATES[preset]) == set(GATES["q8"])
 
 
+def test_energy_scales_and_the_bisection():
+    """One scale on the preset's thresholds (s = 1: the thresholds themselves; s = 2 doubles every type's lost
+    energy), candidates ordered largest encoder first; the bisection returns the largest passing index with at
+    most ceil(log2(n + 1)) evaluations, None when the first fails."""
+    base = LOWRANK_ENERGY["lowrank"]
+    assert lowrank.scaled_energy(base, 1.0) == base
+    assert lowrank.scaled_energy(base, 2.0)["ffn"] == pytest.approx(1 - 2 * (1 - base["ffn"]))
+    scales = lowrank.ENERGY_SCALES
+    assert list(scales) == sorted(scales) and 1.0 in scales
+    for t in base:  # larger scale, lower threshold, smaller ranks
+        row = [lowrank.scaled_energy(base, s)[t] for s in scales]
+        assert row == sorted(row, reverse=True)
+    for k in [None, *range(len(scales))]:
+        asked = []
+
+        def passes(i, k=k, asked=asked):
+            asked.append(i)
+            return k is not None and i <= k
+
+        assert lowrank.bisect_largest_passing(len(scales), passes) == k
+        assert len(asked) <= int(np.ceil(np.log2(len(scales) + 1)))
+
+
+def test_search_keeps_the_passing_plan_and_a_plan_cut_far_below_fails_the_gate(f16_bundle, eval_dir, f16_gate_data):
+    """The search on one calibration: near-full ranks pass the floor and the held-out verdict; ranks cut far
+    below (scale 40: every type keeps half its energy) are refused by the encoder PSNR floor, and the search
+    returns the passing candidate, each candidate's PSNR, size and verdict recorded."""
+    from cohere_coreml.inference.engines import PyTorchEngine
+    from cohere_coreml.quantize.measure import clips_of
+
+    data = f16_gate_data(f16_bundle, clips_of(eval_dir))
+    engine = PyTorchEngine(TRAINED_MODEL)
+    analysis = lowrank.calibrate(engine.model, engine.processor, lowrank.calibration_clips(eval_dir))
+    settings = lowrank.SearchSettings(windows=data.windows, heldout=[eval_dir], gates=GATES["lowrank"],
+                                      scales=(0.25, 40.0))
+    window, _ = lowrank.bundle_windows(json.loads((f16_bundle / "manifest.json").read_text()))
+    before = [p.detach().clone() for p in engine.model.parameters()]
+    found = lowrank.search_energy(engine, analysis, LOWRANK_ENERGY["lowrank"], settings, window)
+    kept, cut = found["candidates"]
+    assert found["chosen"] == 0.25 and found["thresholds"] == lowrank.scaled_energy(LOWRANK_ENERGY["lowrank"], 0.25)
+    assert kept["passed"] and kept["encoder_psnr_db"] >= GATES["lowrank"]["encoder_psnr_db"]
+    assert kept["heldout"][0]["verdict"] == "pass" and "within +0.50" in kept["decided_by"]
+    assert not cut["passed"] and "floor" in cut["decided_by"]
+    assert cut["encoder_psnr_db"] < GATES["lowrank"]["encoder_psnr_db"] and cut["reduction"] > kept["reduction"]
+    # the engine's model is the unmodified one again (each candidate rewrote a copy)
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
+
+
 def test_lowrank_without_model_is_a_clear_error(tmp_path, capsys):
     rc = cli.main(["quantize", "--bundle", str(tmp_path), "--out", str(tmp_path / "lr"), "--preset", "lowrank"])
     err = capsys.readouterr()
