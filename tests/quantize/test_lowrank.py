@@ -393,6 +393,21 @@ def test_lowrank_without_model_is_a_clear_error(tmp_path, capsys):
         quantize_bundle(tmp_path, tmp_path / "lr", "lowrank", model=str(TRAINED_MODEL), eval_dir=None)
 
 
+def test_energy_flag_names_a_bad_value_and_belongs_to_the_lowrank_presets(tmp_path, capsys):
+    """`--energy` gives the thresholds instead of the search: a bad type or value is one line naming the
+    types, and another preset refuses it; the search needs a held-out folder to judge by."""
+    for bad in ("ffn=2", "mlp=0.9", "ffn"):
+        with pytest.raises(SystemExit) as exited:  # argparse's own error exit (status 2, one usage line)
+            cli.main(["quantize", "--bundle", str(tmp_path), "--preset", "lowrank", "--energy", bad])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and "--energy" in err and "attn_qk" in err and "Traceback" not in err
+    with pytest.raises(QuantizeError, match="only|applies to the low-rank presets"):
+        quantize_bundle(tmp_path, tmp_path / "q8", "q8", energy={"ffn": 0.9})
+    with pytest.raises(QuantizeError, match="searches its ranks to the held-out verdict"):
+        quantize_bundle(tmp_path, tmp_path / "lr", "lowrank", model=str(TRAINED_MODEL), eval_dir=None,
+                        calibration=HELDOUT_DIR)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["lowrank", "q8-lowrank"])
 def test_lowrank_preset_end_to_end(f16_bundle, eval_dir, shared_gate_data, tmp_path, preset):
@@ -400,11 +415,21 @@ def test_lowrank_preset_end_to_end(f16_bundle, eval_dir, shared_gate_data, tmp_p
     conversion-gated, gated vs the f16 encoder and on the held-out clips vs PyTorch; figures in compression.json.
     Calibrated on the whole held-out folder (the gate's one clip per language is too little audio for a PCA)."""
     out = tmp_path / preset
+    # lowrank searches its thresholds; q8-lowrank takes them as given (--energy: the explicit choice, no search)
+    energy = dict(LOWRANK_ENERGY[preset]) if preset == "q8-lowrank" else None
     report = quantize_bundle(f16_bundle, out, preset, model=str(TRAINED_MODEL), eval_dir=eval_dir,
-                             calibration=HELDOUT_DIR)
+                             calibration=HELDOUT_DIR, energy=energy)
     saved = json.loads((out / "compression.json").read_text())
     enc = saved["components"]["encoder"]
     lr = enc["lowrank"]
+    if energy is None:  # the search's choice is what was built, every candidate recorded
+        search = lr["search"]
+        assert search["chosen"] in search["scales"] and lr["thresholds"] == search["thresholds"]
+        passed = [c["scale"] for c in search["candidates"] if c["passed"]]
+        assert search["chosen"] == max(passed) and 1 <= len(search["candidates"]) <= 3
+        assert all(c["scale"] > search["chosen"] for c in search["candidates"] if not c["passed"])
+    else:
+        assert "search" not in lr and lr["thresholds"] == energy
     assert lr["encoder_parameters"]["reduction"] >= 0.30
     # the f16 bundle's windows: main + the 2 s bucket, each function gated against the rewritten model
     assert lr["conversion_gate"]["passed"] and "main" in lr["conversion_gate"]["functions"]

@@ -27,6 +27,11 @@ passes also read model outputs and state-only tensors, which its calibration lea
 skips integer `add`s (coremltools' pass fails on them) and the `add` feeding each softmax (the attention
 mask's -10000 would round every score to 0), and the ops whose weights the recipe keeps fp16.
 
+Which activations stay fp16 (`pair_sensitivity`, `choose_fp16_activations`): the built W8A8 program is run in
+the interpreter with quantize -> dequantize pairs made identities (`PairsDisabled`), so each activation's
+cost is measured with coremltools' own scales and rounding; the most costly are kept fp16 (their ops left
+out of the config) until the encoder reaches the recipe's target, and the package is rebuilt.
+
 coremltools is imported inside the functions (heavy import, see `recipes`).
 """
 

@@ -632,8 +632,9 @@ def add_command(subparsers) -> None:
         description="Compress the weights of an exported f16 bundle with coremltools.optimize.coreml and write a "
         "new bundle (packages, compression.json, gate reports, manifest with checksums). Each package is "
         "gated against the f16 one (encoder PSNR; decoder PSNR, KL and log-prob error; <component>.parity.json) "
-        "and, with --data, the bundle on a held-out set (greedy tokens identical, or WER/CER within 0.5 points "
-        "of PyTorch in every language; heldout.parity.json); a failing bundle is not written.",
+        "and, with --data, the bundle on a held-out set (the task verdict: every language's WER/CER increase over "
+        "PyTorch within 0.5 points by its 95 % bootstrap interval; undecided, the next --more-data set decides; "
+        "heldout.parity.json); a failing bundle is not written.",
     )
     add_quantize_arguments(p)
     p.set_defaults(func=cmd_quantize, deprecated_flags=())

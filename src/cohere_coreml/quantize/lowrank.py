@@ -20,6 +20,10 @@ The analysis steps apart from the apply steps:
                          y ~ V_r V_r^T (W x + b - mu) + mu = V_r (V_r^T W) x + (V_r V_r^T (b - mu) + mu)
                          (`LowRankLinear`: `down` without bias, `up` with it), so the encoder wrapper and
                          its export trace the rewritten model unchanged
+    search_energy        the thresholds searched to the gate: one scale on the preset's four, each candidate
+                         the checkpoint rewritten from the same analysis (no new statistics) and judged in
+                         PyTorch (encoder PSNR floor, then the held-out task verdict), bisection for the
+                         smallest encoder that passes
     export_lowrank_encoder  calibration, plan, rewrite, then the project's encoder export (same windows and
                          settings as the f16 bundle), gated against the rewritten PyTorch model
 

@@ -168,7 +168,7 @@ GATES: dict[str, dict[str, float]] = {
                   "max_wer_increase": 0.005},
     "q4": {"encoder_psnr_db": 20.0, "decoder_psnr_db": 35.0, "decoder_mean_kl": 5e-3, "max_wer_increase": 0.005},
     # mixed: the q4 encoder threshold (a mixed bundle is meant to replace q4 at or below its bytes) and
-    # the q8 decoder's (same decoder); the held-out gate (every language within 0.5 points) decides
+    # the q8 decoder's (same decoder); the task verdict decides
     "mixed": {"encoder_psnr_db": 20.0, "decoder_psnr_db": 35.0, "decoder_mean_kl": 5e-3, "max_wer_increase": 0.005},
 }
 # q8a8: the q8 gates (the export's own 35 dB / 5e-3); its activations are kept fp16, most sensitive first,
