@@ -47,6 +47,11 @@ def test_heldout_gate_bounds_every_language():
     assert refused.details["language_verdicts"] == {"de": "exceeded", "en": "kept"}
     assert "refused on de WER +5.00 points" in refused.headline and "wholly above +0.50" in refused.headline
     assert Q.heldout_report(base, base, "f16 bundle", "heldout", Q.GATES["q8"]).passed
+    # each side's rate has its own bootstrap interval (the baseline's from the baseline's texts)
+    better = Q.compare_transcripts(one_language, base)["languages"]["de"]
+    assert better["baseline"] == pytest.approx(0.05) and better["rate"] == 0
+    low, high = better["baseline_rate_interval"]
+    assert low < 0.05 < high and better["rate_interval"] == [0.0, 0.0]
     # an empty hypothesis counts as all deletions (metrics.error_counts), never as a correct clip
     empty = {**base, "texts": ["" if i == 40 else t for i, t in enumerate(base["texts"])]}
     assert Q.compare_transcripts(base, empty)["languages"]["en"]["increase"] == pytest.approx(5 / 200)

@@ -165,6 +165,7 @@ def compare_transcripts(baseline: dict, produced: dict, bound: float | None = No
                            "increase_interval": sure["interval"],
                            **({"within_bound": sure["within_bound"]} if bound is not None else {}),
                            "rate_interval": rate_interval(refs, [produced["texts"][i] for i in pick], lang),
+                           "baseline_rate_interval": rate_interval(refs, [baseline["texts"][i] for i in pick], lang),
                            "identical_clips": sum(baseline["ids"][i] == produced["ids"][i] for i in pick)}
     wer_base, wer = (errors / units if units else float("nan") for errors, units in pooled.values())
     return {**token_agreement(baseline["ids"], produced["ids"]), "wer_baseline": wer_base, "wer": wer,
