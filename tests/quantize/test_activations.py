@@ -205,6 +205,21 @@ def test_pairs_made_identities_give_the_f16_program_and_the_rebuild_drops_them(t
     assert first["input"] not in {p["input"] for p in left} and 0 < len(left) < len(pairs)
 
 
+def test_disabled_pairs_in_a_chain_give_the_fp16_tensor():
+    """A quantize reading another pair's dequantize output (x -> q/dq A -> q/dq B): with both disabled, B's
+    dequantize output is x itself, not A's rounded tensor. Broken variant: saving a quantize's input before
+    replacing it hands B the rounded tensor (A stays active though disabled)."""
+    a = {"quantize": "qa", "input": "x", "dequantized": ["dqa"], "consumers": [], "producer": None}
+    b = {"quantize": "qb", "input": "dqa", "dequantized": ["dqb"], "consumers": ["lin"], "producer": None}
+    both = activations.PairsDisabled([a, b])
+    assert both("x", "fp16") is None
+    assert both("dqa", "rounded by a") == "fp16"
+    assert both("dqb", "rounded by b") == "fp16"
+    only_b = activations.PairsDisabled([b])  # A active: B's dequantize output is A's rounded tensor
+    assert only_b("x", "fp16") is None and only_b("dqa", "rounded by a") is None
+    assert only_b("dqb", "rounded by b") == "rounded by a"
+
+
 def load_function_of(mlmodel):
     from coremltools.converters.mil.frontend.milproto.load import load
 
@@ -249,7 +264,8 @@ def test_recorder_reductions():
 
 def test_q8a8_preset():
     """q8's weights; int8 activations in the encoder only (the decoder's did not hold the held-out gate)."""
-    assert PRESETS["q8a8"]["encoder"] == dataclasses.replace(PRESETS["q8"]["encoder"], activations="int8")
+    assert PRESETS["q8a8"]["encoder"] == dataclasses.replace(
+        PRESETS["q8"]["encoder"], activations="int8", activation_target_psnr=GATES["q8"]["encoder_psnr_db"])
     assert PRESETS["q8a8"]["decoder"] == PRESETS["q8"]["decoder"]
     assert GATES["q8a8"] == GATES["q8"]
 
@@ -257,8 +273,9 @@ def test_q8a8_preset():
 def test_q8a8_bundle(f16_bundle, tmp_path):
     """The preset end to end on the package's multifunction encoder (window + bucket): every function
     calibrated by the interpreter on the gate audio (computed even with --skip-verify: the statistics need
-    it), compression.json counts the int8 ops. (Its gates are the q8 ones; on the default model the held-out
-    gate refuses it, docs/quantization.md.)"""
+    it), compression.json counts the int8 ops and the activations kept fp16 by their sensitivity. (Its gates
+    are the q8 ones, docs/quantization.md.) Broken variant: a rebuild that drops the chosen ops (the recipe's
+    keep_fp16_activations not passed on) leaves every function's kept list empty (the last assertion on them)."""
     report = quantize_bundle(f16_bundle, tmp_path / "q8a8", "q8a8", skip_verify=True)
     assert report["gate"] == {"skipped": True}
     act = report["components"]["encoder"]["activations"]
@@ -267,6 +284,14 @@ def test_q8a8_bundle(f16_bundle, tmp_path):
     assert len(act["functions"]) == len(report["components"]["encoder"]["functions"]) == 2
     assert all(f["samples"] == act["statistics"]["samples"] > 1 for f in act["functions"].values())
     assert "activations" not in report["components"]["decoder"]
+    # the activations kept fp16 by their sensitivity (measured in the first build, applied in the rebuild)
+    sens = report["components"]["encoder"]["activation_sensitivity"]
+    assert sens["target_psnr_db"] == GATES["q8a8"]["encoder_psnr_db"] and len(sens["per_activation"]) > 0
+    assert sens["met"] == (sens["predicted_psnr_db"] >= sens["target_psnr_db"])
+    kept = set(sens["keep_ops"])
+    for fn in act["functions"].values():  # every function of the rebuild left the chosen ops fp16
+        assert set(fn["kept_fp16_for_sensitivity"]) <= kept
+    assert bool(kept) == any(fn["kept_fp16_for_sensitivity"] for fn in act["functions"].values())
     written = json.loads((tmp_path / "q8a8" / "compression.json").read_text())
     assert written["components"]["encoder"]["activations"] == act
     # the interpreter runs the quantize / dequantize ops of the written encoder

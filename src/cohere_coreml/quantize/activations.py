@@ -336,7 +336,9 @@ def quantize_pairs(function) -> list[dict]:
 
 class PairsDisabled:
     """Interpreter observer (`MilModel.observed`) making some quantize -> dequantize pairs an identity: each
-    dequantize output of a disabled pair is replaced by the fp16 tensor its quantize read."""
+    dequantize output of a disabled pair is replaced by the fp16 tensor its quantize read. A quantize reading
+    the dequantize output of another disabled pair reads the replaced tensor (the value saved is the one the
+    later ops see), so a chain of disabled pairs is the fp16 program too."""
 
     def __init__(self, pairs: list[dict]):
         self.inputs = {p["input"] for p in pairs}
@@ -344,11 +346,10 @@ class PairsDisabled:
         self.saved: dict = {}
 
     def __call__(self, name: str, value):
+        out = self.saved[self.replace[name]] if name in self.replace else None
         if name in self.inputs:
-            self.saved[name] = value
-        if name in self.replace:
-            return self.saved[self.replace[name]]
-        return None
+            self.saved[name] = value if out is None else out
+        return out
 
 
 def pair_psnr(model, pairs: list[dict], disabled: list[dict], data: GateData, reference) -> float:
