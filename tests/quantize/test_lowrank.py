@@ -14,8 +14,9 @@ import torch.nn as nn
 
 from cohere_coreml import cli
 from cohere_coreml.model.checkpoint import load_reference
-from cohere_coreml.quantize import lowrank
+from cohere_coreml.quantize import lowrank, lowrank_search
 from cohere_coreml.quantize.command import quantize_bundle
+from cohere_coreml.quantize.compression_gates import QuantizeGateError
 from cohere_coreml.quantize.recipes import GATES, LOWRANK_ENERGY, QuantizeError
 
 from ..fixture_data import HELDOUT_DIR, TRAINED_MODEL
@@ -342,12 +343,12 @@ def test_energy_scales_and_the_bisection():
     energy), candidates ordered largest encoder first; the bisection returns the largest passing index with at
     most ceil(log2(n + 1)) evaluations, None when the first fails."""
     base = LOWRANK_ENERGY["lowrank"]
-    assert lowrank.scaled_energy(base, 1.0) == base
-    assert lowrank.scaled_energy(base, 2.0)["ffn"] == pytest.approx(1 - 2 * (1 - base["ffn"]))
-    scales = lowrank.ENERGY_SCALES
+    assert lowrank_search.scaled_energy(base, 1.0) == base
+    assert lowrank_search.scaled_energy(base, 2.0)["ffn"] == pytest.approx(1 - 2 * (1 - base["ffn"]))
+    scales = lowrank_search.ENERGY_SCALES
     assert list(scales) == sorted(scales) and 1.0 in scales
     for t in base:  # larger scale, lower threshold, smaller ranks
-        row = [lowrank.scaled_energy(base, s)[t] for s in scales]
+        row = [lowrank_search.scaled_energy(base, s)[t] for s in scales]
         assert row == sorted(row, reverse=True)
     for k in [None, *range(len(scales))]:
         asked = []
@@ -356,8 +357,22 @@ def test_energy_scales_and_the_bisection():
             asked.append(i)
             return k is not None and i <= k
 
-        assert lowrank.bisect_largest_passing(len(scales), passes) == k
+        assert lowrank_search.bisect_largest_passing(len(scales), passes) == k
         assert len(asked) <= int(np.ceil(np.log2(len(scales) + 1)))
+
+
+def test_a_search_that_chose_none_refuses_with_every_candidate():
+    """No candidate passing refuses the build (`QuantizeGateError`, the refusal's figures the search report),
+    naming each candidate's scale, size, PSNR and deciding figure; a chosen one does not raise."""
+    found = {"chosen": None, "thresholds": None, "candidates": [
+        {"scale": 1.0, "reduction": 0.663, "encoder_psnr_db": 25.6, "decided_by": "en WER +2.00 points: wholly above"},
+        {"scale": 0.25, "reduction": 0.548, "encoder_psnr_db": 35.3, "decided_by": "en WER +0.90 points: holds"}]}
+    with pytest.raises(QuantizeGateError) as refused:
+        lowrank_search.raise_if_none_passed(found)
+    msg = str(refused.value)
+    assert "s=1: -66.3 %, 25.6 dB, en WER +2.00 points" in msg and "s=0.25: -54.8 %, 35.3 dB" in msg
+    assert refused.value.report["component"] == "lowrank_search" and refused.value.report["passed"] is False
+    lowrank_search.raise_if_none_passed({**found, "chosen": 0.25})
 
 
 def test_search_keeps_the_passing_plan_and_a_plan_cut_far_below_fails_the_gate(f16_bundle, eval_dir, f16_gate_data):
@@ -370,13 +385,13 @@ def test_search_keeps_the_passing_plan_and_a_plan_cut_far_below_fails_the_gate(f
     data = f16_gate_data(f16_bundle, clips_of(eval_dir))
     engine = PyTorchEngine(TRAINED_MODEL)
     analysis = lowrank.calibrate(engine.model, engine.processor, lowrank.calibration_clips(eval_dir))
-    settings = lowrank.SearchSettings(windows=data.windows, heldout=[eval_dir], gates=GATES["lowrank"],
+    settings = lowrank_search.SearchSettings(windows=data.windows, heldout=[eval_dir], gates=GATES["lowrank"],
                                       scales=(0.25, 40.0))
     window, _ = lowrank.bundle_windows(json.loads((f16_bundle / "manifest.json").read_text()))
     before = [p.detach().clone() for p in engine.model.parameters()]
-    found = lowrank.search_energy(engine, analysis, LOWRANK_ENERGY["lowrank"], settings, window)
+    found = lowrank_search.search_energy(engine, analysis, LOWRANK_ENERGY["lowrank"], settings, window)
     kept, cut = found["candidates"]
-    assert found["chosen"] == 0.25 and found["thresholds"] == lowrank.scaled_energy(LOWRANK_ENERGY["lowrank"], 0.25)
+    assert found["chosen"] == 0.25 and found["thresholds"] == lowrank_search.scaled_energy(LOWRANK_ENERGY["lowrank"], 0.25)
     assert kept["passed"] and kept["encoder_psnr_db"] >= GATES["lowrank"]["encoder_psnr_db"]
     assert kept["heldout"][0]["verdict"] == "pass" and "within +0.50" in kept["decided_by"]
     assert not cut["passed"] and "floor" in cut["decided_by"]

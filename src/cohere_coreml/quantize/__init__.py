@@ -12,6 +12,8 @@ One job per module, the analysis steps apart from the apply steps (as in ml-stab
     sensitivity  per-weight sensitivity and `--target-psnr` (`choose_fp16`)
     lowrank      the low-rank encoder of `lowrank` / `q8-lowrank` (LiteASR): calibration statistics,
                  PCA ranks, the rewrite of the checkpoint, its re-export
+    lowrank_search  the low-rank thresholds searched to the gate (one scale, bisection, each candidate
+                 judged in PyTorch by the floor and the task verdict)
     activations  W8A8: activation statistics through the interpreter, applied by coremltools' own passes
     compression_gates  the component gates and the held-out task verdict (the bench's engines, datasets and
                  metrics; decided by the bootstrap interval, on larger sets while undecided)

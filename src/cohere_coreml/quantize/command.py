@@ -231,7 +231,7 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
     held-out folder (`--data`); `skip_verify`: no gate at all (`--skip-verify`).
     Low-rank presets (`lowrank`, `q8-lowrank`) rewrite and re-export the encoder of `model` (required),
     calibrated on `calibration` (a folder like `--data`; default: `eval_dir`), their thresholds searched to
-    the gate (`lowrank.search_energy`) unless `energy` ({layer type: threshold}, `--energy`) gives them.
+    the gate (`lowrank_search.search_energy`) unless `energy` ({layer type: threshold}, `--energy`) gives them.
     `more_data`: larger held-out folders, smallest first, evaluated while the task verdict is undecided
     (`compression_gates.decide`).
     `budget`: the byte budget of preset mixed (`mixed.Budget`): of the finished bundle as `du -sb`
@@ -257,11 +257,6 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
         if energy is None and not skip_verify and eval_dir is None:
             raise QuantizeError(f"preset {preset} searches its ranks to the held-out verdict: pass --data DIR "
                                 "(or choose the thresholds yourself with --energy)")
-    elif energy is not None:
-        raise QuantizeError(f"--energy applies to the low-rank presets (lowrank, q8-lowrank), not {preset}")
-    for folder in more_data:
-        if not Path(folder).is_dir():
-            raise QuantizeError(f"--more-data {folder}: no such folder")
         if eval_dir is not None and not skip_verify and Path(calibration).resolve() == Path(eval_dir).resolve():
             # ranks calibrated on the held-out clips themselves flatter the gate: thresholds that keep every
             # held-out clip identical that way raised the error rate when calibrated on other audio
@@ -269,6 +264,11 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
             logger.warning("%s: the ranks are calibrated on the held-out clips the gate measures, so the gate "
                            "measures the calibration audio itself; pass --calibration with other in-domain audio "
                            "for an unbiased figure", preset)
+    elif energy is not None:
+        raise QuantizeError(f"--energy applies to the low-rank presets (lowrank, q8-lowrank), not {preset}")
+    for folder in more_data:
+        if not Path(folder).is_dir():
+            raise QuantizeError(f"--more-data {folder}: no such folder")
     source = check_source(src, preset)
     comps = bundle_components(src)
     parts = [c for c in comps if recipe_component(c) == "encoder"]
@@ -312,9 +312,9 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
             analysis = analyse(src, budget, sens_data, proxy=proxy, scratch_parent=out.parent,
                                sensitivity_file=sensitivity_file)
         builds: list[dict] = []  # mixed: the earlier builds, over the budget (compression.json records them)
-        search = None  # low-rank presets: the thresholds searched to the gate (lowrank.search_energy)
+        search = None  # low-rank presets: the thresholds searched to the gate (lowrank_search.search_energy)
         if preset in LOWRANK_ENERGY and energy is None and not skip_verify:
-            from .lowrank import SearchSettings  # imports torch
+            from .lowrank_search import SearchSettings  # imports torch
 
             search = SearchSettings(windows=data.windows, heldout=[Path(eval_dir), *map(Path, more_data)],
                                     gates=gates, limit_per_language=limit_per_language)

@@ -188,8 +188,8 @@ def preset_recipes(preset: str) -> dict[str, Recipe]:
 # its encoder re-exported), fp16 weights; `q8-lowrank`: that encoder then int8 like q8. The decoder is
 # the f16 one (lowrank) or q8's (q8-lowrank). Retained-energy thresholds per layer type, from the sweep in
 # docs/quantization.md (held-out set, PyTorch): each type one or two steps above the threshold at which it
-# alone moved a language's error rate. They are the base of the search (`lowrank.search_energy`: one scale
-# on all four, the smallest encoder whose gate passes); `--energy` replaces them and the search.
+# alone moved a language's error rate. They are the base of the search (`lowrank_search.search_energy`:
+# one scale on all four, the smallest encoder whose gate passes); `--energy` replaces them and the search.
 LOWRANK_ENERGY: dict[str, dict[str, float]] = {
     "lowrank": {"attn_qk": 0.95, "attn_vo": 0.98, "ffn": 0.98, "conv_pw": 0.99},
     "q8-lowrank": {"attn_qk": 0.95, "attn_vo": 0.98, "ffn": 0.98, "conv_pw": 0.99},
@@ -197,10 +197,11 @@ LOWRANK_ENERGY: dict[str, dict[str, float]] = {
 PRESETS["lowrank"] = {"encoder": Recipe(None), "decoder": Recipe(None)}
 PRESETS["q8-lowrank"] = {"encoder": Recipe("int8"), "decoder": DECODER_INT8}
 # Encoder vs the f16 encoder: a low-rank encoder is a different function, so its PSNR is set by the ranks,
-# not by rounding, and says little about the task (the same ranks gave every held-out token identical at
-# 23.5 dB). Its threshold is a floor against broken programs (ranks cut to a sliver of the energy, a lost
-# mean term), LOWRANK_FLOOR_DB below what the search's candidates give; the task verdict (vs the unmodified
-# PyTorch model) decides, and the search (`lowrank.search_energy`) chooses the smallest encoder it passes.
+# not by rounding, and says little about the task (ranks that kept every held-out token identical measured
+# below a fidelity threshold; docs/quantization.md). Its threshold is a floor against broken programs (ranks
+# cut to a sliver of the energy, a lost mean term), far below what the search's candidates give; the task
+# verdict (vs the unmodified PyTorch model) decides, and the search (`lowrank_search.search_energy`) chooses
+# the smallest encoder it passes.
 # Decoder: as q8-hybrid (f16, unchanged) and q8 (int8).
 LOWRANK_FLOOR_DB = 15.0
 GATES["lowrank"] = {"encoder_psnr_db": LOWRANK_FLOOR_DB, "decoder_psnr_db": 60.0, "decoder_mean_kl": 1e-6,
