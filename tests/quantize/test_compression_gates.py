@@ -99,6 +99,19 @@ def test_heldout_verdict_is_decided_by_the_interval_never_by_one_word():
     assert Q.decide(["heldout", "varied"], evaluate, Q.GATES["q8"]).passed and seen == ["heldout"]
 
 
+def test_more_data_is_checked_for_every_preset(tmp_path):
+    """`--more-data` folders are checked before any work, whatever the preset; a preset without calibration
+    audio gets past that check (broken variant: the low-rank calibration warning inside the loop read
+    `Path(None)` for q8 and raised TypeError)."""
+    from cohere_coreml.quantize import QuantizeError, quantize_bundle
+
+    with pytest.raises(QuantizeError, match="--more-data .*missing: no such folder"):
+        quantize_bundle(tmp_path, tmp_path / "q8", "q8", eval_dir=HELDOUT_DIR, more_data=[tmp_path / "missing"])
+    with pytest.raises(QuantizeError) as past:  # the next check: the source is not a bundle
+        quantize_bundle(tmp_path, tmp_path / "q8", "q8", eval_dir=HELDOUT_DIR, more_data=[HELDOUT_DIR])
+    assert "--more-data" not in str(past.value)
+
+
 @pytest.mark.slow
 def test_heldout_runs_the_bench_engines_with_the_long_audio_split(f16_bundle, tmp_path):
     """The gate's transcripts are the engines' own (`Engine.transcribe` over `datasets.load_folder`):
