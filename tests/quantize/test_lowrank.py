@@ -386,12 +386,13 @@ def test_search_keeps_the_passing_plan_and_a_plan_cut_far_below_fails_the_gate(f
     engine = PyTorchEngine(TRAINED_MODEL)
     analysis = lowrank.calibrate(engine.model, engine.processor, lowrank.calibration_clips(eval_dir))
     settings = lowrank_search.SearchSettings(windows=data.windows, heldout=[eval_dir], gates=GATES["lowrank"],
-                                      scales=(0.25, 40.0))
+                                             scales=(0.25, 40.0))
     window, _ = lowrank.bundle_windows(json.loads((f16_bundle / "manifest.json").read_text()))
     before = [p.detach().clone() for p in engine.model.parameters()]
     found = lowrank_search.search_energy(engine, analysis, LOWRANK_ENERGY["lowrank"], settings, window)
     kept, cut = found["candidates"]
-    assert found["chosen"] == 0.25 and found["thresholds"] == lowrank_search.scaled_energy(LOWRANK_ENERGY["lowrank"], 0.25)
+    assert found["chosen"] == 0.25
+    assert found["thresholds"] == lowrank_search.scaled_energy(LOWRANK_ENERGY["lowrank"], 0.25)
     assert kept["passed"] and kept["encoder_psnr_db"] >= GATES["lowrank"]["encoder_psnr_db"]
     assert kept["heldout"][0]["verdict"] == "pass" and "within +0.50" in kept["decided_by"]
     assert not cut["passed"] and "floor" in cut["decided_by"]
