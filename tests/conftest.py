@@ -66,23 +66,64 @@ def trained_reference():
 
 
 @pytest.fixture(scope="session")
-def trained_bundle(trained_reference, tmp_path_factory) -> Path:
-    """fp16 bundle of the trained model: 4 s encoder window + 2 s bucket, decoder with prefill."""
+def vad_package(tmp_path_factory) -> Path:
+    """A folder holding the fp16 vad.mlpackage (`export --vad`, gated on the packaged gate audio) and its
+    vad.parity.json: converted once per test run; bundles that need a VAD copy it (`copy_packages`), so their
+    export skips it."""
+    from cohere_coreml.export.convert import ExportSettings
+    from cohere_coreml.export.vad_package import convert_vad
+
+    def build(folder: Path) -> None:
+        convert_vad(ExportSettings(out_dir=folder / "vad", precision="fp16"))
+
+    return built_once(tmp_path_factory, "vad", build) / "vad"
+
+
+@pytest.fixture(scope="session")
+def trained_bundle(trained_reference, vad_package, tmp_path_factory) -> Path:
+    """fp16 bundle of the trained model: 4 s encoder window + 2 s bucket, decoder with prefill, and the VAD
+    (`vad_package`, copied in: the export finds it current and skips it)."""
     import torch
 
     from cohere_coreml.export.convert import ExportSettings
     from cohere_coreml.export.pipeline import export_model
 
+    from .helpers import copy_packages
+
     torch.set_num_threads(1)
     model, processor = trained_reference
 
     def build(folder: Path) -> None:
+        copy_packages(vad_package, folder / "bundle", ("vad",))
         settings = ExportSettings(out_dir=folder / "bundle", precision="fp16", model_id="cohere-tiny-synth",
                                   window_seconds=TRAINED_WINDOW_S)
         export_model(model, processor, settings, max_new_tokens=TRAINED_MAX_NEW_TOKENS, buckets=TRAINED_BUCKETS,
                      prefill=True)
 
     return built_once(tmp_path_factory, "trained", build) / "bundle"
+
+
+@pytest.fixture(scope="session")
+def trained_bundle_without_vad(trained_bundle, tmp_path_factory) -> Path:
+    """`trained_bundle` as a bundle exported with `--no-vad` (or before the VAD) has it: no vad.mlpackage, no
+    manifest `vad` / `files.vad`, checksums of the files left."""
+    import json
+    import shutil
+
+    from cohere_coreml.bundle.manifest import refresh_manifest
+
+    def build(folder: Path) -> None:
+        out = folder / "bundle"
+        shutil.copytree(trained_bundle, out)
+        shutil.rmtree(out / "vad.mlpackage")
+        (out / "vad.parity.json").unlink()
+        manifest = json.loads((out / "manifest.json").read_text())
+        manifest.pop("vad")
+        manifest["files"].pop("vad")
+        (out / "manifest.json").write_text(json.dumps(manifest))
+        refresh_manifest(out)
+
+    return built_once(tmp_path_factory, "trained-no-vad", build) / "bundle"
 
 
 @pytest.fixture(scope="session")
@@ -100,7 +141,7 @@ def trained_parts_bundle(trained_reference, trained_bundle, tmp_path_factory) ->
     model, processor = trained_reference
 
     def build(folder: Path) -> None:
-        out = copy_packages(trained_bundle, folder / "bundle", ("decoder", "frontend"))
+        out = copy_packages(trained_bundle, folder / "bundle", ("decoder", "frontend", "vad"))
         settings = ExportSettings(out_dir=out, precision="fp16", model_id="cohere-tiny-synth",
                                   window_seconds=TRAINED_WINDOW_S)
         export_model(model, processor, settings, max_new_tokens=TRAINED_MAX_NEW_TOKENS, buckets=TRAINED_BUCKETS,

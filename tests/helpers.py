@@ -185,3 +185,35 @@ def without_alignment(transcriber):
 def transcriber_without_alignment(transcriber_class):
     """A stand-in for the `Transcriber` class whose instances have no alignment (`without_alignment`), for CLI runs."""
     return lambda *args, **kwargs: without_alignment(transcriber_class(*args, **kwargs))
+
+
+class EnergyVad:
+    """A stand-in voice-activity model (no network) behind `inference.vad.SpeechProbabilities`: 0.95 for a
+    512-sample chunk whose RMS is above 0.01, else 0.05; stateless, so its stream and its whole-signal
+    probabilities agree exactly."""
+
+    def _score(self, frames, h, c):
+        from cohere_coreml.model import silero
+
+        rms = np.sqrt(np.mean(frames[:, silero.CONTEXT_SAMPLES:] ** 2, axis=1))
+        return np.where(rms > 0.01, 0.95, 0.05).astype(np.float32), h, c
+
+    def probabilities(self, wav):
+        from cohere_coreml.model import silero
+
+        return self._score(silero.chunk_frames(wav), None, None)[0]
+
+    def stream(self):
+        from cohere_coreml.inference.vad import _ChunkStream
+
+        return _ChunkStream(self._score)
+
+
+def tones(spans, seconds: float, seed: int = 0, sr: int = 16000) -> np.ndarray:
+    """Low noise (1e-4) with a 0.3-amplitude 440 Hz tone over each (start_s, end_s) span: speech for EnergyVad."""
+    rng = np.random.default_rng(seed)
+    wav = rng.normal(0, 1e-4, int(seconds * sr)).astype(np.float32)
+    for a, b in spans:
+        t = np.arange(int(a * sr), int(b * sr))
+        wav[t] += (0.3 * np.sin(2 * np.pi * 440 * t / sr)).astype(np.float32)
+    return wav

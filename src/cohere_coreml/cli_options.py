@@ -3,6 +3,7 @@
     --bundle DIR            one bundle (transcribe, verify: given once; bench: repeatable, one bundle each)
     --bundle DIR,DIR2       one bundle whose files are searched in DIR, then DIR2 (`bundle.Bundle.load`)
     --max-new-tokens, --beams, --repetition-guard    decoding (transcribe, bench)
+    --vad auto|on|off, --vad-threshold, ...          voice activity: inference.speech_regions.add_vad_args
 
 Deprecated for one release (accepted, not shown in --help, one warning line on stderr):
 `transcribe|verify --bundle DIR DIR2` (space-separated folders of one bundle), now `--bundle DIR,DIR2`.
@@ -73,3 +74,4 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
                    help="beam search with N hypotheses, length-normalised; 1 = greedy (default: %(default)s)")
     p.add_argument("--repetition-guard", action="store_true",
                    help="stop a window whose tail repeats an n-gram run (a decoder loop), keep it once, report it")
+

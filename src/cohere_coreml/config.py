@@ -62,6 +62,11 @@ ALIGN_OUTPUT = "cross_attention"
 ALIGN_METADATA_KEY = "com.cohere_coreml.alignment"  # decoder package metadata: the alignment block (JSON)
 ALIGN_NOTE_METADATA_KEY = "com.cohere_coreml.alignment_note"  # why a decoder package has no align function
 ALIGN_REQUEST_METADATA_KEY = "com.cohere_coreml.alignment_request"  # what the export asked (`alignment_request`)
+# vad.mlpackage (Silero VAD, docs/bundle.md): its functions, the block of chunks a call and the one-chunk stream
+VAD_BLOCK_FUNCTION = "block"  # the default function: frames (N, 576), h, c -> probability (1, N), h_out, c_out
+VAD_CHUNK_FUNCTION = "chunk"  # the same with N = 1
+VAD_METADATA_KEY = "com.cohere_coreml.vad"  # vad package metadata: source, sizes, chunks per function (JSON)
+VAD_REQUEST_METADATA_KEY = "com.cohere_coreml.vad_request"  # what the export asked (`vad_package.vad_request`)
 EXTEND_PAD_ID = 0  # fills input_ids past `length`: never read (causal mask), overwritten before it is visible
 # The cross memory the encoder outputs and the decoder keeps in its state under the same names;
 # bind_memory takes each as input BIND_INPUT_PREFIX + name (a function input cannot share a state's name).

@@ -56,6 +56,7 @@ def consumed(bundle) -> dict:
     return {
         "paths": {k: str(v) for k, v in bundle.paths.items() if k != "tokenizer"},
         "capacity": bundle.capacity, "window_frames": bundle.window_frames, "eos": sorted(bundle.eos_ids),
+        "vad_chunks": bundle.vad_chunks,
         "prompts": {lang: (bundle.prompt(lang, True), bundle.prompt(lang, False)) for lang in bundle.languages},
         "front_end": FrontEndConfig.from_dict({**m["audio"], "dither": 0.0}),
         "encoder": {fn: int(v["frames"]) for fn, v in enc["functions"].items()}, "memory_len": enc["memory_len"],

@@ -21,6 +21,7 @@ from cohere_coreml.bundle.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     FRONTEND_FILE,
+    VAD_FILE,
     VOCAB_FILE,
     BundleError,
 )
@@ -172,7 +173,7 @@ def test_write_then_load_round_trips_what_the_loop_reads(written, trained_bundle
     m = bundle.manifest
     assert bundle.dirs == [written]
     assert bundle.paths == {"encoder": written / ENCODER_FILE, "decoder": written / DECODER_FILE,
-                            "frontend": written / FRONTEND_FILE, "vocab": written / VOCAB_FILE,
+                            "frontend": written / FRONTEND_FILE, "vad": written / VAD_FILE, "vocab": written / VOCAB_FILE,
                             "tokenizer": written / "tokenizer.json", "tokenizer_dir": written,
                             "processor_config": written / "processor_config.json"}
     assert bundle.eos_ids == set(checkpoint_eos_ids(model))

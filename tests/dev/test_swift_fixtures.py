@@ -61,3 +61,19 @@ def test_the_test_bundle_is_re_exported_when_the_weights_change(model, tmp_path,
     (out / "bundle.export-args.json").write_text(json.dumps(list(swift_fixtures.EXPORT_ARGS)))
     swift_fixtures.export_bundle(out, model, 1)
     assert "--force" in calls[-1]
+
+
+def test_a_bundle_without_a_vad_has_no_vad_reference(tmp_path, monkeypatch):
+    """vad_regions.json exists only for a bundle with a VAD: the Swift end-to-end test skips on its absence, so a
+    stale file from an earlier bundle with one must go."""
+    from cohere_coreml.bundle import load
+
+    class NoVad:
+        vad_chunks = None
+        manifest: dict = {}
+
+    monkeypatch.setattr(load.Bundle, "load", classmethod(lambda cls, *a, **k: NoVad()))
+    stale = tmp_path / "vad_regions.json"
+    stale.write_text("{}")
+    assert swift_fixtures.vad_regions(tmp_path / "bundle", tmp_path, [], 1) is None
+    assert not stale.exists()

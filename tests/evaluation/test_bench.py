@@ -288,6 +288,34 @@ def test_each_bundle_flag_is_one_bundle_even_over_several_folders(folder, tmp_pa
     assert second["size_mb"] == 3.0 and second["preset"] == "f16" and second["gate"] == "export"
 
 
+def test_the_reference_runs_its_vad_when_every_bundle_has_one(folder, tmp_path, monkeypatch):
+    """`bench --pytorch M --bundle B` with --vad auto: the reference decodes the windows the bundles decode (its
+    VAD on) only when every bundle has a VAD; off or on as asked otherwise."""
+    import cohere_coreml.evaluation.bench as bench
+
+    path, answers = folder
+    with_vad, without = tmp_path / "with", tmp_path / "without"
+    for d, manifest in ((with_vad, {"files": {"vad": "vad.mlpackage"}, "vad": {"model": "silero-vad"}}),
+                        (without, {"files": {}})):
+        d.mkdir()
+        (d / "manifest.json").write_text(json.dumps(manifest))
+    asked = []
+
+    class Reference(ScriptedEngine):
+        def speech_probabilities(self, vad="auto"):
+            asked.append(vad)
+            return None
+
+    monkeypatch.setattr(bench, "PyTorchEngine", lambda *a, **k: Reference(answers))
+    monkeypatch.setattr(bench, "Transcriber", lambda dirs, **kwargs: ScriptedEngine(answers))
+    for bundles, vad, expected in (([str(with_vad)], "auto", "on"), ([str(with_vad), str(without)], "auto", "auto"),
+                                   ([str(without)], "auto", "auto"), ([str(with_vad)], "off", "off"),
+                                   ([[str(without), str(with_vad)]], "auto", "auto")):
+        asked.clear()
+        bench.run_bench(bundles, "model", path, vad=vad)
+        assert asked and set(asked) == {expected}, (bundles, vad, asked)
+
+
 # --------------------------------------------------------------------------------------------------
 # Word-timing error on a dataset with word times
 # --------------------------------------------------------------------------------------------------

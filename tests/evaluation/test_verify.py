@@ -24,7 +24,7 @@ def exported(tmp_path_factory):
     assert_audio_sensitive(model, processor, sensitivity_clips())
     ckpt = root / "ckpt"
     out = root / "bundle"
-    assert main(["export", "--model", str(ckpt), "--out", str(out), "--precision", "fp32", "--max-tokens", "40",
+    assert main(["export", "--model", str(ckpt), "--out", str(out), "--precision", "fp32", "--max-tokens", "40", "--no-vad",
                  "--gate-audio", str(AUDIO_DIR / "en_medium.wav")]) == 0
     return ckpt, out
 

@@ -202,7 +202,7 @@ def test_front_end_is_a_default_component_described_from_disk(tiny_reference, tm
     from cohere_coreml.export.convert import ExportSettings
     from cohere_coreml.export.pipeline import COMPONENTS, export_model
 
-    assert tuple(COMPONENTS) == ("encoder", "frontend", "decoder")
+    assert tuple(COMPONENTS) == ("encoder", "frontend", "decoder", "vad")
     model, processor = tiny_reference
     settings = ExportSettings(out_dir=tmp_path, precision="fp32", window_seconds=2.0, skip_verify=True)
     result = export_model(model, processor, settings, components=("encoder", "frontend"), buckets=(1.0,))
@@ -275,7 +275,7 @@ def test_gates_run_after_the_model_and_programs_are_freed(tiny_checkpoint, tmp_p
     first, then frees the model; no gate loads a package while the PyTorch model or a converted
     coremltools program is alive (so the peak is the larger of the two, not their sum)."""
     from cohere_coreml.export.convert import ExportSettings
-    from cohere_coreml.export.pipeline import export_checkpoint, export_model
+    from cohere_coreml.export.pipeline import MODEL_COMPONENTS, export_checkpoint, export_model
     from cohere_coreml.model.checkpoint import load_reference
 
     probe = _AliveProbe(monkeypatch)
@@ -292,7 +292,7 @@ def test_gates_run_after_the_model_and_programs_are_freed(tiny_checkpoint, tmp_p
     probe.loads.clear()
 
     settings = ExportSettings(out_dir=tmp_path / "ckpt", precision="fp32", window_seconds=2.0)
-    result = export_checkpoint(str(tiny_checkpoint), settings, max_new_tokens=22)
+    result = export_checkpoint(str(tiny_checkpoint), settings, max_new_tokens=22, components=MODEL_COMPONENTS)
     assert len(probe.models) == 1 and len(probe.programs) >= 3  # the probe saw the load and the conversions
     assert {load["package"] for load in probe.loads} == {"encoder", "frontend", "decoder"}
     assert all(load["models"] == 0 and load["programs"] == 0 for load in probe.loads), probe.loads
@@ -318,7 +318,7 @@ def test_bucket_export_leaves_no_converted_copy_in_the_temp_folder(one_layer_che
     import tempfile
 
     from cohere_coreml.export.convert import ExportSettings
-    from cohere_coreml.export.pipeline import export_model
+    from cohere_coreml.export.pipeline import MODEL_COMPONENTS, export_model
     from cohere_coreml.model.checkpoint import load_reference
     from cohere_coreml.storage import files
 
@@ -331,7 +331,7 @@ def test_bucket_export_leaves_no_converted_copy_in_the_temp_folder(one_layer_che
         return sorted(p.name for p in temp.iterdir() if p.name.endswith(".mlpackage"))
 
     settings = ExportSettings(out_dir=tmp_path / "b", precision="fp32", window_seconds=3.0, skip_verify=True)
-    export_model(model, processor, settings, buckets=(1.0, 2.0), prefill=True, max_new_tokens=22)
+    export_model(model, processor, settings, MODEL_COMPONENTS, buckets=(1.0, 2.0), prefill=True, max_new_tokens=22)
     # one single-function conversion per component may stay until exit; none of the loops' copies
     before = len(leftovers())
     assert before <= 1, leftovers()
@@ -339,7 +339,7 @@ def test_bucket_export_leaves_no_converted_copy_in_the_temp_folder(one_layer_che
     monkeypatch.setattr(files, "save_converted", lambda mlmodel, path: mlmodel.save(str(path)))
     for module in ("encoder_packages", "decoder", "frontend"):
         monkeypatch.setattr(f"cohere_coreml.export.{module}.save_converted", files.save_converted)
-    export_model(model, processor, settings.replace(out_dir=tmp_path / "c"), buckets=(1.0, 2.0), prefill=True,
+    export_model(model, processor, settings.replace(out_dir=tmp_path / "c"), MODEL_COMPONENTS, buckets=(1.0, 2.0), prefill=True,
                  max_new_tokens=22)
     assert len(leftovers()) - before >= 3 + 2 + 3, leftovers()  # buckets + decoder functions + front ends
 

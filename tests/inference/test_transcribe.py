@@ -27,10 +27,10 @@ SHAPES = {
 
 def export_bundle(model, processor, out_dir, max_new_tokens=MAX_NEW, prefill=False):
     from cohere_coreml.export.convert import ExportSettings
-    from cohere_coreml.export.pipeline import export_model
+    from cohere_coreml.export.pipeline import MODEL_COMPONENTS, export_model
 
     settings = ExportSettings(out_dir=out_dir, precision="fp32", model_id="tiny-test")
-    export_model(model, processor, settings, max_new_tokens=max_new_tokens, prefill=prefill)
+    export_model(model, processor, settings, MODEL_COMPONENTS, max_new_tokens=max_new_tokens, prefill=prefill)
     return out_dir
 
 
@@ -273,12 +273,12 @@ def prefill_bucket_setup(tmp_path_factory):
     5 s encoder bucket (35 s + 5 s windows): the prefill test and the bucket test each check their own
     part of it (the decoder's functions, the encoder's), one export instead of two."""
     from cohere_coreml.export.convert import ExportSettings
-    from cohere_coreml.export.pipeline import export_model
+    from cohere_coreml.export.pipeline import MODEL_COMPONENTS, export_model
 
     root = tmp_path_factory.mktemp("prefill_bucket")
     model, processor = tiny_model(root / "ckpt", seed=4, sensitive=True, **GQA)
     settings = ExportSettings(out_dir=root / "bundle", precision="fp32", model_id="tiny-test")
-    export_model(model, processor, settings, max_new_tokens=MAX_NEW, prefill=True, buckets=[5.0])
+    export_model(model, processor, settings, MODEL_COMPONENTS, max_new_tokens=MAX_NEW, prefill=True, buckets=[5.0])
     return model, processor, root / "bundle"
 
 
@@ -403,7 +403,8 @@ def trained_graph_bundle(trained_reference, trained_bundle, tmp_path_factory):
     from ..helpers import copy_packages
 
     model, processor = trained_reference
-    out = copy_packages(trained_bundle, tmp_path_factory.mktemp("trained-graph") / "bundle", ("encoder", "frontend"))
+    out = copy_packages(trained_bundle, tmp_path_factory.mktemp("trained-graph") / "bundle",
+                         ("encoder", "frontend", "vad"))
     settings = ExportSettings(out_dir=out, precision="fp16", model_id="cohere-tiny-synth", window_seconds=TRAINED_WINDOW_S)
     export_model(model, processor, settings, max_new_tokens=TRAINED_MAX_NEW_TOKENS, buckets=TRAINED_BUCKETS,
                  prefill=True, decoder_state="graph")

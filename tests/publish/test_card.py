@@ -122,3 +122,15 @@ def test_card_states_the_bundles_word_timing_figures(finalized):
     decoder.update(alignment=None, alignment_note="exported with --alignment-heads none")
     section = word_timings_section({**manifest, "decoder": decoder})
     assert "Not available: exported with --alignment-heads none." in section[2] and "ms" not in "".join(section)
+
+
+def test_card_states_the_vads_gate_figures(finalized):
+    """A bundle with vad.mlpackage: the card says so and shows its gate's figures; one without it says nothing."""
+    card = (finalized / README).read_text()
+    parity = json.loads((finalized / "manifest.json").read_text())["vad"]["parity"]
+    assert "+ Silero VAD (speech probability per 32 ms chunk)" in card
+    row = next(line for line in card.splitlines() if line.startswith("| VAD speech probability"))
+    assert f"{parity['max_abs_diff']:.2e}; identical" in row and row.endswith("| True |")
+    manifest = json.loads((finalized / "manifest.json").read_text())
+    manifest.pop("vad")
+    assert "Silero VAD" not in model_card(finalized, None, manifest=manifest)

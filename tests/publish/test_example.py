@@ -313,6 +313,55 @@ def test_example_word_timings_match_every_vector_case():
             assert [w[key] for w in got] == pytest.approx([w[key] for w in want], abs=1e-9), case["name"]
 
 
+def test_example_vad_rule_matches_every_vector_case():
+    """The example's copy of the speech-region rule gives silero-vad's regions and the windows of every case of
+    tests/data/vad_vectors.json (Python's inference.speech_regions and Swift read the same file)."""
+    example = load_example_module()
+    vectors = json.loads((ROOT / "tests" / "data" / "vad_vectors.json").read_text())
+    assert len(vectors["regions"]) >= 20 and len(vectors["windows"]) >= 10
+    assert example.VAD_DEFAULTS == vectors["defaults"]
+    for case in vectors["regions"]:
+        got = example.speech_regions(case["probs"], case["n_samples"], case["options"], case["max_speech_s"])
+        assert [list(r) for r in got] == case["expected"], case["name"]
+    for case in vectors["windows"]:
+        got = example.pack_windows(case["regions"], case["n_samples"], case["window_samples"], case["max_gap_samples"])
+        assert [list(w) for w in got] == case["expected"], case["name"]
+
+
+def test_example_vad_probabilities_call_the_block_function():
+    """The example scores a file with vad.mlpackage's `block` function as docs/vad.md says (N rows a call from the
+    manifest, each the 64 samples before its chunk and the chunk, the state carried, the last call padded with
+    zero rows whose outputs are dropped): with the PyTorch module behind a stand-in function, the probabilities
+    of the module on the whole signal."""
+    from cohere_coreml.inference.vad import TorchVad
+
+    example = load_example_module()
+    vad = TorchVad()
+    calls = []
+
+    class Block:
+        def predict(self, inputs):
+            calls.append(inputs)
+            assert inputs["frames"].shape == (7, 576) and inputs["h"].shape == inputs["c"].shape == (1, 128)
+            probs, h, c = vad._score(inputs["frames"], inputs["h"], inputs["c"])
+            return {"probability": probs[None], "h_out": h, "c_out": c}
+
+    class Stub:
+        manifest = {"vad": {"functions": {"block": {"chunks": 7}}, "hidden": 128, "compute_units": "cpu_only"}}
+
+        def function(self, component, name, units="all"):
+            assert (component, name, units) == ("vad", "block", "cpu_only")
+            return Block()
+
+    wav = load_audio(AUDIO_DIR / "en_long_75s.flac")[: 3 * 16000 + 100]
+    got = example.vad_probabilities(Stub(), wav)
+    want = vad.probabilities(wav)
+    assert len(calls) == -(-want.size // 7) and got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert not calls[-1]["frames"][want.size % 7:].any(), "the last call's missing rows are zero frames"
+    assert np.abs(calls[1]["h"]).sum() > 0, "the state is carried from call to call"
+
+
 def test_example_window_words_cut_the_align_rows_and_frames():
     """The example's `window_words` with a stand-in align function (docs/decoder.md): K tokens a call from the first
     row the rule reads (the call's ids padded with 0, its position, the mask of the slots before it), the rows and
@@ -446,12 +495,13 @@ def test_example_compiles_each_package_once_into_its_cache(example_python, serve
     first = run_example(example_python, finalized_bundle, clip["path"], clip["language"], "--compiled-cache", str(cache),
                         serve=serve_command)
     assert first.returncode == 0, first.stderr[-3000:]
-    names = {CompiledCache(cache).location(finalized_bundle / f"{c}.mlpackage").name
-             for c in ("frontend", "encoder", "decoder")}
+    packages = ("frontend", "encoder", "decoder", "vad")  # the bundle's VAD too (--vad auto)
+    assert (finalized_bundle / "vad.mlpackage").is_dir()
+    names = {CompiledCache(cache).location(finalized_bundle / f"{c}.mlpackage").name for c in packages}
     assert {p.name for p in cache.iterdir()} == names  # nothing else left (no staging folder)
     assert all((cache / n / COMPLETE_MARKER).is_file() for n in names)
     sources = {json.loads((cache / n / COMPLETE_MARKER).read_text())["source"] for n in names}
-    assert sources == {str(finalized_bundle / f"{c}.mlpackage") for c in ("frontend", "encoder", "decoder")}
+    assert sources == {str(finalized_bundle / f"{c}.mlpackage") for c in packages}
     inodes = {n: (cache / n).stat().st_ino for n in names}
     second = run_example(example_python, finalized_bundle, clip["path"], clip["language"], "--compiled-cache", str(cache),
                          serve=serve_command)

@@ -199,7 +199,7 @@ def test_two_exports_leave_the_compiled_cache_as_it_was(emulation, trained_refer
     variant: a staging package loaded as the gates loaded it before (backend "auto", the process's cache)
     adds an entry."""
     from cohere_coreml.export.convert import ExportSettings
-    from cohere_coreml.export.pipeline import export_model
+    from cohere_coreml.export.pipeline import MODEL_COMPONENTS, export_model
     from cohere_coreml.runtime.compiled_cache import default_cache_dir, entries
 
     from ..fixture_data import TRAINED_BUCKETS, TRAINED_MAX_NEW_TOKENS, TRAINED_WINDOW_S
@@ -215,8 +215,8 @@ def test_two_exports_leave_the_compiled_cache_as_it_was(emulation, trained_refer
     for _ in range(2):
         settings = ExportSettings(out_dir=out, precision="fp16", model_id="cohere-tiny-synth",
                                   window_seconds=TRAINED_WINDOW_S, force=True)
-        export_model(model, processor, settings, max_new_tokens=TRAINED_MAX_NEW_TOKENS, buckets=TRAINED_BUCKETS,
-                     prefill=True)
+        export_model(model, processor, settings, MODEL_COMPONENTS, max_new_tokens=TRAINED_MAX_NEW_TOKENS,
+                     buckets=TRAINED_BUCKETS, prefill=True)
     assert cache_listing(user_cache) == before
     assert len(emulation.compiles) - compiles >= 2 * 3  # every gate ran on Core ML: each package compiled
     assert {load["compute_units"] for load in emulation.loads[1:]} == {"cpu_only"}

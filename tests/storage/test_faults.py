@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slow
 FULL = os.environ.get("COHERE_COREML_FAULTS_FULL") == "1"
 REPORT = os.environ.get("COHERE_COREML_FAULTS_REPORT")
 SCRIPT = Path(sys.executable).with_name("cohere-coreml")  # the console script of this environment
-EXPORT_ARGS = ("--precision", "fp32", "--window-seconds", "2", "--max-tokens", "22", "--skip-verify")
+EXPORT_ARGS = ("--precision", "fp32", "--window-seconds", "2", "--max-tokens", "22", "--skip-verify", "--no-vad")
 QUANTIZE_ARGS = ("--preset", "q8", "--skip-verify")
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
              "HF_HUB_OFFLINE": "1"}
@@ -603,7 +603,7 @@ def listing(d):
     return sorted(str(p.relative_to(d)) for p in __import__("pathlib").Path(d).rglob("*")) if os.path.isdir(d) else []
 out = os.path.join(mnt, "bundle")
 args = ["export", "--model", ckpt, "--out", out, "--precision", "fp32", "--window-seconds", "2", "--max-tokens", "22",
-        "--skip-verify"]
+        "--skip-verify", "--no-vad"]
 res = {}
 res["export_rc"], res["export_err"] = run(args)
 res["export_left"] = listing(out)

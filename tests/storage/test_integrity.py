@@ -49,9 +49,14 @@ def test_export_manifest_carries_checksums(trained_bundle):
     for key in ("extend_io", "extend_length"):
         bare["decoder"].pop(key, None)
     _validate(bare)
+    bare.pop("vad")  # a bundle without a VAD (exported before it, or --no-vad) ...
+    bare["files"].pop("vad")
+    _validate(bare)
+    _validate({**bare, "vad": None})  # ... or with a null entry
     assert manifest["preset"] == "f16" and manifest["recipe"] == {"encoder": None, "decoder": None}
     assert set(manifest["checksums"]["files"]) == {p.as_posix() for p in bundle_files(trained_bundle)}
-    assert {"encoder.parity.json", "frontend.parity.json", "decoder.parity.json"} <= set(manifest["checksums"]["files"])
+    assert {"encoder.parity.json", "frontend.parity.json", "decoder.parity.json", "vad.parity.json"} <= set(
+        manifest["checksums"]["files"])
     assert any(f.startswith("frontend.mlpackage/") for f in manifest["checksums"]["files"])
     assert check_bundle(trained_bundle)["files"] == len(manifest["checksums"]["files"])
 
@@ -70,6 +75,10 @@ def test_manifest_lists_every_file_with_hash_and_validates(bundle):
     assert files[rel] == {"sha256": sha256_file(bundle / rel), "size": (bundle / rel).stat().st_size}
     assert manifest["preset"] == "f16" and manifest["min_os"]["macOS"] == "15.0"
     assert check_bundle(bundle)["files"] == len(files)
+    # finalize keeps the VAD as exported and takes it into the Neural Engine census
+    assert manifest["vad"]["functions"]["block"]["io"]["inputs"]["frames"]["shape"][1] == 576
+    ane = json.loads((bundle / "ane_check.json").read_text())
+    assert ane["programs"]["vad"]["functions"]["block"]["errors"] == 0
 
 
 def test_schema_rejects_broken_manifests(bundle):
@@ -88,7 +97,14 @@ def test_schema_rejects_broken_manifests(bundle):
                      lambda m: m["encoder"].pop("length_masks"),
                      lambda m: m["encoder"].pop("parts"),
                      lambda m: m["decoder"]["io"]["inputs"].update(cross_k={"shape": [1], "dtype": "float16"}),
-                     lambda m: m["decoder"]["io"]["states"].pop("cross_mask")):
+                     lambda m: m["decoder"]["io"]["states"].pop("cross_mask"),
+                     lambda m: m["files"].pop("vad"),  # files.vad and vad come together
+                     lambda m: m.pop("vad"),
+                     lambda m: m["vad"].update(sample_rate=8000),
+                     lambda m: m["vad"]["functions"]["chunk"].update(chunks=2),
+                     lambda m: m["vad"]["functions"]["block"].update(chunks=0),
+                     lambda m: m["vad"]["source"].update(sha256="abc"),
+                     lambda m: m["vad"]["functions"]["block"]["io"]["outputs"].pop("h_out")):
         broken = json.loads(json.dumps(manifest))
         breaking(broken)
         with pytest.raises(jsonschema.ValidationError):
@@ -232,6 +248,7 @@ def test_upload_dry_run_lists_exactly_the_bundle(bundle, capsys):
     listed = [line.split()[-1] for line in out.splitlines()[1:]]
     want = sorted(["f16/" + p.as_posix() for p in bundle_files(bundle)] + ["f16/manifest.json"])
     assert sorted(listed) == want
+    assert "f16/vad.parity.json" in listed and any(p.startswith("f16/vad.mlpackage/") for p in listed)
     total = sum((bundle / p).stat().st_size for p in bundle_files(bundle)) + (bundle / "manifest.json").stat().st_size
     assert f"({total:,} bytes) to org/name/f16/" in out
 

@@ -4,13 +4,13 @@ Run by `make swift-fixtures` (and so by `make swift-test` / `make test`) through
 tools/data/make_swift_fixtures.py. Writes into one folder (default out/swift-fixtures):
 
     bundle/                  `cohere-coreml export` of the default model (--prefill --extend --buckets 10, the
-                             default components: front end, encoder, decoder). Packages already there
+                             default components: front end, encoder, decoder, VAD). Packages already there
                              are kept (the export skips them) unless the bundle is of an older format
                              (then all are re-exported); the manifest is rewritten from disk.
     bundle-<state>/          the same bundle with the other decoder state variant (--decoder-state; the
-                             encoder and front end are bundle/'s, hard-linked)
-    bundle-parts/            the same bundle with its encoder in 2 parts (--encoder-parts 2; the decoder and
-                             front end are bundle/'s, hard-linked); transcripts_parts.json: what the CLI
+                             encoder, front end and VAD are bundle/'s, hard-linked)
+    bundle-parts/            the same bundle with its encoder in 2 parts (--encoder-parts 2; the decoder,
+                             front end and VAD are bundle/'s, hard-linked); transcripts_parts.json: what the CLI
                              prints for it (Python front end, as transcripts_python.json)
     tokens_bundle.json       token lists -> Python's `decode_ids` text (every list the Python tests
     tokens_tiny.json         decode, the trained model's transcripts, CJK byte fallback, random ids) for
@@ -30,6 +30,13 @@ tools/data/make_swift_fixtures.py. Writes into one folder (default out/swift-fix
     words_package.json       when the bundle has alignment (manifest decoder.alignment): per demo clip and the
                              first held-out clip of each language, the words of `cohere-coreml transcribe --json
                              --word-timestamps --front-end package` (the Swift words must be the same)
+    vad/, vad_regions.json   when the bundle has a VAD (manifest vad): per demo clip shorter than the window and a
+                             sparse clip made of two of them with VAD_PAUSE_S of quiet between (vad/sparse.wav,
+                             float32), the probabilities of vad.mlpackage's block function on the MIL interpreter
+                             (`inference.vad.PackageVad`) and the speech regions silero-vad's own rule gives for
+                             them (the Swift transcriber's must be the same); the sparse clip's windows as
+                             `cohere-coreml transcribe --json --vad on --front-end package` prints them. The
+                             other transcript references are made with --vad off (the energy windows)
     compiled_names.json      per package of bundle/, the name the Python Core ML backend's compiled-model
                              cache gives it (`CompiledCache.location`): the Swift `CoreMLRuntime` must agree
     READY                    written last
@@ -59,6 +66,10 @@ logger = logging.getLogger(__name__)
 FRONT_ENDS = ("package", "python")
 # what an app ships: a short-clip bucket, prompt prefill, extend (forced prefixes in one call)
 EXPORT_ARGS = ("--prefill", "--extend", "--buckets", "10")
+# the VAD fixture's sparse clip: two demo clips with this much quiet noise between (longer than the 2 s gap a
+# speech window bridges), and its seed
+VAD_PAUSE_S = 3.0
+VAD_SEED = 0
 # the streaming fixture: a dictation of this many held-out utterances of STREAM_LANGUAGE (~8-10 s)
 STREAM_LANGUAGE = "en"
 STREAM_UTTERANCES = 3
@@ -170,7 +181,7 @@ def export_other_decoder_bundle(out: Path, bundle: Path, model: Path, threads: i
 
     state = DECODER_STATE_GRAPH if DECODER_STATE_DEFAULT == DECODER_STATE_HOST else DECODER_STATE_HOST
     other = export_variant_bundle(out, bundle, model, threads, f"bundle-{state}",
-                                  [*EXPORT_ARGS, "--decoder-state", state], kept=("encoder", "frontend"))
+                                  [*EXPORT_ARGS, "--decoder-state", state], kept=("encoder", "frontend", "vad"))
     got = json.loads((other / "manifest.json").read_text())["decoder"].get("state_writes")
     if got != state:
         raise FixtureError(f"{other}: the decoder's state_writes is {got!r}, not {state!r}")
@@ -181,7 +192,8 @@ def export_parts_bundle(out: Path, bundle: Path, model: Path, threads: int) -> P
     """bundle-parts/: the test bundle with its encoder in PARTS programs (`--encoder-parts`): the front end
     and decoder are the test bundle's (hard links), the encoder exported in parts."""
     parts = export_variant_bundle(out, bundle, model, threads, "bundle-parts",
-                                  [*EXPORT_ARGS, "--encoder-parts", str(PARTS)], kept=("decoder", "frontend"))
+                                  [*EXPORT_ARGS, "--encoder-parts", str(PARTS)],
+                                  kept=("decoder", "frontend", "vad"))
     got = len(json.loads((parts / "manifest.json").read_text())["encoder"]["parts"])
     if got != PARTS:
         raise FixtureError(f"{parts}: its encoder has {got} parts, not {PARTS}")
@@ -306,8 +318,8 @@ def cli_transcripts(bundle: Path, cases: list[dict], front_end: str, threads: in
         by_language.setdefault(case["language"], []).append(case["wav"])
     results = {}
     for language, wavs in sorted(by_language.items()):
-        cmd = _cli("transcribe", "--json", "--backend", "mil", "--bundle", str(bundle), "--language", language,
-                   *(["--front-end", front_end] if has_front_end else []), *wavs)
+        cmd = _cli("transcribe", "--json", "--backend", "mil", "--vad", "off", "--bundle", str(bundle),
+                   "--language", language, *(["--front-end", front_end] if has_front_end else []), *wavs)
         logger.info("python reference: cohere-coreml transcribe --front-end %s --language %s (%d files)",
                     front_end, language, len(wavs))
         proc = subprocess.run(cmd, env=_env(threads), stdout=subprocess.PIPE)
@@ -368,7 +380,8 @@ def transcripts(bundle: Path, out: Path, cases: list[dict], front_end: str, thre
             windows.append(window)
         clips.append({**case, "text": result["text"], "windows": windows})
     data = {"bundle": str(bundle), "reference_key": key, "front_end": front_end,
-            "command": "cohere-coreml transcribe --json --backend mil --front-end " + front_end, "clips": clips}
+            "command": "cohere-coreml transcribe --json --backend mil --vad off --front-end " + front_end,
+            "clips": clips}
     _write_json(path, data)
     return data
 
@@ -391,8 +404,8 @@ def word_timings(bundle: Path, out: Path, cases: list[dict], threads: int) -> di
     clips = []
     for language in sorted({c["language"] for c in picked}):
         wavs = [c["wav"] for c in picked if c["language"] == language]
-        cmd = _cli("transcribe", "--json", "--word-timestamps", "--backend", "mil", "--front-end", "package",
-                   "--bundle", str(bundle), "--language", language, *wavs)
+        cmd = _cli("transcribe", "--json", "--word-timestamps", "--backend", "mil", "--vad", "off",
+                   "--front-end", "package", "--bundle", str(bundle), "--language", language, *wavs)
         logger.info("python words: cohere-coreml transcribe --word-timestamps --language %s (%d files)", language,
                     len(wavs))
         proc = subprocess.run(cmd, env=_env(threads), stdout=subprocess.PIPE)
@@ -405,7 +418,74 @@ def word_timings(bundle: Path, out: Path, cases: list[dict], threads: int) -> di
                    "windows": [{"index": x["index"], "token_ids": x["token_ids"], "words": x["words"]}
                                for x in items[w]["windows"]]} for w in wavs]
     data = {"bundle": str(bundle), "reference_key": key, "clips": clips,
-            "command": "cohere-coreml transcribe --json --word-timestamps --backend mil --front-end package"}
+            "command": "cohere-coreml transcribe --json --word-timestamps --backend mil --vad off --front-end package"}
+    _write_json(path, data)
+    return data
+
+
+def vad_regions(bundle: Path, out: Path, cases: list[dict], threads: int) -> dict | None:
+    """vad_regions.json (kept when made from the same packages and code): per clip, the bundle's VAD probabilities
+    and silero-vad's regions for them, and the sparse clip as `cohere-coreml transcribe --vad on` transcribes it;
+    None, and no file, when the bundle has no VAD."""
+    import torch
+
+    from cohere_coreml.bundle.load import Bundle
+    from cohere_coreml.inference.vad import vad_for
+    from cohere_coreml.model import silero
+    from cohere_coreml.model.audio import load_audio
+
+    path = out / "vad_regions.json"
+    loaded = Bundle.load(bundle)
+    if loaded.vad_chunks is None:
+        path.unlink(missing_ok=True)
+        logger.warning("the bundle has no VAD (manifest vad): no speech-region reference")
+        return None
+    key = reference_key(bundle)
+    if path.is_file() and json.loads(path.read_text()).get("reference_key") == key:
+        return json.loads(path.read_text())
+    audio = loaded.manifest["audio"]
+    # the transcriber's window (Transcriber.window_s): the longest region the rule gives it
+    window_s = min(float(audio["max_audio_clip_s"]),
+                   int(loaded.manifest["encoder"]["window_frames"]) * int(audio["hop_length"]) / silero.SAMPLE_RATE)
+    demo = [c for c in cases if c["group"] == "demo" and c["samples"] < (window_s - 1) * silero.SAMPLE_RATE]
+    clips = [(c["wav"], load_audio(c["wav"])) for c in demo]
+    rng = np.random.default_rng(VAD_SEED)
+    quiet = (rng.uniform(-1, 1, int(VAD_PAUSE_S * silero.SAMPLE_RATE)) * 1e-3).astype(np.float32)
+    sparse = np.concatenate([clips[0][1], quiet, clips[1][1]]).astype(np.float32)
+    sparse_path = out / "vad" / "sparse.wav"
+    sparse_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = sparse_path.with_name(sparse_path.stem + ".tmp.wav")
+    sf.write(str(tmp), sparse, silero.SAMPLE_RATE, subtype="FLOAT")  # float32 samples, exactly
+    os.replace(tmp, sparse_path)
+    clips.append((str(sparse_path), sparse))
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        vad = vad_for(loaded, backend="mil")
+        entries = []
+        for wav, x in clips:
+            probs = vad.probabilities(x)
+            regions = silero.reference_regions(probs, x.size, max_speech_s=window_s)
+            entries.append({"wav": wav, "samples": int(x.size), "probabilities": [float(p) for p in probs],
+                            "regions": [list(r) for r in regions]})
+    finally:
+        torch.set_num_threads(threads_before)
+    # the sparse clip with the VAD on, as the Python CLI transcribes it: its windows and the VAD's summary
+    cmd = _cli("transcribe", "--json", "--backend", "mil", "--vad", "on", "--front-end", "package",
+               "--bundle", str(bundle), "--language", "en", str(sparse_path))
+    logger.info("python VAD reference: cohere-coreml transcribe --vad on %s", sparse_path.name)
+    proc = subprocess.run(cmd, env=_env(threads), stdout=subprocess.PIPE)
+    item = json.loads(proc.stdout) if proc.returncode == 0 and proc.stdout.strip() else {}
+    item = item[0] if isinstance(item, list) else item
+    if item.get("status") != "ok" or not item.get("vad"):
+        raise FixtureError(f"cohere-coreml transcribe --vad on {sparse_path} failed (exit {proc.returncode})")
+    transcript = {"text": item["text"], "vad": item["vad"],
+                  "windows": [{"index": w["index"], "start_s": w["start_s"], "duration_s": w["duration_s"],
+                               "token_ids": w["token_ids"]} for w in item["windows"]]}
+    data = {"bundle": str(bundle), "reference_key": key, "chunks": loaded.vad_chunks, "window_s": window_s,
+            "clips": entries, "sparse_transcript": transcript,
+            "command": "inference.vad.vad_for(backend='mil').probabilities; model.silero.reference_regions; "
+                       "cohere-coreml transcribe --json --backend mil --vad on --front-end package (sparse clip)"}
     _write_json(path, data)
     return data
 
@@ -477,8 +557,8 @@ def streaming_cases(bundle: Path, out: Path, root: Path, threads: int) -> dict:
     tmp = wav_path.with_name(wav_path.stem + ".tmp.wav")
     sf.write(str(tmp), wav, 16000, subtype="FLOAT")  # float32 samples, exactly
     os.replace(tmp, wav_path)
-    cmd = _cli("transcribe", "--stream", "--no-pace", "--json", "--stats", "--backend", "mil", "--front-end", "package",
-               "--bundle", str(bundle), "--language", STREAM_LANGUAGE, str(wav_path))
+    cmd = _cli("transcribe", "--stream", "--no-pace", "--json", "--stats", "--backend", "mil", "--vad", "off",
+               "--front-end", "package", "--bundle", str(bundle), "--language", STREAM_LANGUAGE, str(wav_path))
 
     def run(cmd):
         logger.info("python stream reference: %s", " ".join(cmd))
@@ -540,9 +620,10 @@ def make_fixtures(out: Path, root: Path, model: Path, demo_clips: list[tuple[str
                    pool.submit(transcripts, bundle, out, cases, "package", threads),
                    pool.submit(transcripts, bundle, out, cases, "python", threads),
                    pool.submit(streaming_cases, bundle, out, root, threads),
-                   pool.submit(word_timings, bundle, out, cases, threads)]
+                   pool.submit(word_timings, bundle, out, cases, threads),
+                   pool.submit(vad_regions, bundle, out, cases, threads)]
         try:
-            _, _, package, python, stream, _ = [job.result() for job in running]
+            _, _, package, python, stream, _, _ = [job.result() for job in running]
         except BaseException:
             pool.shutdown(cancel_futures=True)  # the jobs not started are dropped; the running ones end first
             raise

@@ -20,6 +20,8 @@ from ..config import (
     DECODER_STATES,
     MEMORY_NAMES,
     NEW_ROWS_OUTPUTS,
+    VAD_BLOCK_FUNCTION,
+    VAD_CHUNK_FUNCTION,
 )
 from ..model.shapes import LengthMasks
 from ..model.tokens import (
@@ -367,6 +369,8 @@ def check_manifest(manifest, where: str, vocab: dict | None = None, processor: d
         f.io(front, "io", "frontend.io")
         f.equal("frontend.io", front["io"], "frontend.functions.main.io", fe_functions["main"]["io"])
 
+    _check_vad(f, manifest, files)
+
     # tokens, generation, languages (the prompts): ids inside the vocabulary, pieces as the tokenizer's
     tokens = f.obj(manifest, "tokens", "tokens")
     f.equal("tokens.vocab_size", f.int(tokens, "vocab_size", "tokens.vocab_size", lo=1), "decoder.vocab_size", vocab_size)
@@ -526,3 +530,35 @@ def _check_alignment(f, dec: dict, capacity: int, layers: int, memory_shape: lis
             f.int(calibration, key, f"decoder.alignment.calibration.{key}", lo=1)
         for key in ("median_s", "p90_s", "baseline_median_s"):
             f.num(calibration, key, f"decoder.alignment.calibration.{key}", 0.0, 1e6)
+
+
+# the VAD's fixed sizes (Silero VAD 16 kHz, cohere_coreml.model.silero): field -> value
+VAD_SIZES = {"sample_rate": 16000, "chunk_samples": 512, "context_samples": 64, "hidden": 128}
+
+
+def _check_vad(f: _Fields, manifest: dict, files: dict) -> None:
+    """vad (optional, with files.vad): Silero VAD's sizes, its two functions' chunks, and io shapes that
+    agree with them (docs/bundle.md). Swift's ManifestCheck checks the same."""
+    vad = f.obj(manifest, "vad", "vad", optional=True)
+    if (vad is None) != (files.get("vad") is None):
+        f.fail("vad", "and files.vad must be given together (a bundle with vad.mlpackage has both)")
+    if vad is None:
+        return
+    for key, value in VAD_SIZES.items():
+        f.equal(f"vad.{key}", f.int(vad, key, f"vad.{key}", lo=1), "Silero VAD's", value)
+    frame, hidden = VAD_SIZES["context_samples"] + VAD_SIZES["chunk_samples"], VAD_SIZES["hidden"]
+    functions = f.obj(vad, "functions", "vad.functions")
+    for name, fixed in ((VAD_BLOCK_FUNCTION, None), (VAD_CHUNK_FUNCTION, 1)):
+        path = f"vad.functions.{name}"
+        fn = f.obj(functions, name, path)
+        chunks = f.int(fn, "chunks", f"{path}.chunks", lo=1)
+        if fixed is not None:
+            f.equal(f"{path}.chunks", chunks, "one chunk a call", fixed)
+        io = f.io(fn, "io", f"{path}.io")
+        for kind, array, shape, what in (("inputs", "frames", [chunks, frame], f"[{path}.chunks, 576]"),
+                                         ("inputs", "h", [1, hidden], "[1, 128]"),
+                                         ("inputs", "c", [1, hidden], "[1, 128]"),
+                                         ("outputs", "probability", [1, chunks], f"[1, {path}.chunks]"),
+                                         ("outputs", "h_out", [1, hidden], "[1, 128]"),
+                                         ("outputs", "c_out", [1, hidden], "[1, 128]")):
+            f.equal(f"{path}.io.{kind}.{array}.shape", f.shape(io, kind, array, f"{path}.io"), what, shape)

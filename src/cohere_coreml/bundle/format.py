@@ -4,6 +4,7 @@ take, and `BundleError`. A bundle folder holds
     frontend.mlpackage       16 kHz samples -> the encoder's input_features (cohere_coreml.export.frontend)
     encoder.mlpackage        features -> cross-attention memory (see docs/contract.md)
     decoder.mlpackage        stateful decode step (see docs/decoder.md)
+    vad.mlpackage            optional: Silero VAD, speech probability per 32 ms chunk (cohere_coreml.export.vad_package)
     manifest.json            ids, prompts, shapes, capacities, file names (cohere_coreml.bundle.manifest); and,
                              from cohere_coreml.storage.integrity, preset, recipe, min_os and the sha256 + size
                              of every other file (`write_manifest`)
@@ -32,6 +33,7 @@ FORMAT_CHANGES = {
 ENCODER_FILE = "encoder.mlpackage"
 DECODER_FILE = "decoder.mlpackage"
 FRONTEND_FILE = "frontend.mlpackage"
+VAD_FILE = "vad.mlpackage"
 VOCAB_FILE = "vocab.json"
 FILES = {"encoder": ENCODER_FILE, "frontend": FRONTEND_FILE, "decoder": DECODER_FILE}
 

@@ -78,7 +78,8 @@ class Bundle:
                     safe_path(name, f"{manifest_path}: files.{key}")
         except IntegrityError as err:
             raise BundleError(str(err)) from err
-        suffixes = {"encoder": ".mlpackage", "decoder": ".mlpackage", "frontend": ".mlpackage", "vocab": ".json",
+        suffixes = {"encoder": ".mlpackage", "decoder": ".mlpackage", "frontend": ".mlpackage", "vad": ".mlpackage",
+                    "vocab": ".json",
                     "tokenizer": "tokenizer.json", "processor_config": ".json", "tokenizer_config": ".json"}
         for key, suffix in suffixes.items():
             name = files.get(key)
@@ -94,7 +95,7 @@ class Bundle:
             bundle.paths[key] = found
         bundle.paths["tokenizer_dir"] = bundle.paths["tokenizer"].parent
         part_keys = [k for k in files if k.startswith("encoder_part")]  # an encoder in parts: its later programs
-        for key in ("frontend", *part_keys):  # optional: frontend.mlpackage, encoder_part<k>.mlpackage
+        for key in ("frontend", "vad", *part_keys):  # optional: frontend.mlpackage, vad.mlpackage, encoder_part<k>
             name = files.get(key)
             if key in part_keys and (not isinstance(name, str) or not name.endswith(".mlpackage")):
                 raise BundleError(f"{manifest_path}: field 'files.{key}' is {name!r}; it names a .mlpackage file")
@@ -132,6 +133,12 @@ class Bundle:
     @property
     def languages(self) -> list[str]:
         return sorted(self.manifest["languages"])
+
+    @property
+    def vad_chunks(self) -> int | None:
+        """Chunks per call of vad.mlpackage's block function (the manifest's), None without a VAD."""
+        vad = self.manifest.get("vad")
+        return None if vad is None else int(vad["functions"]["block"]["chunks"])
 
     def prompt(self, language: str, punctuation: bool = True) -> list[int]:
         if language not in self.manifest["languages"]:

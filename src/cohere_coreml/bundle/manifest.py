@@ -26,10 +26,17 @@ from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     FRONTEND_FILE,
+    VAD_FILE,
     VOCAB_FILE,
     BundleError,
 )
-from .packages import decoder_package_info, encoder_package_info, encoder_part_file, frontend_package_info
+from .packages import (
+    decoder_package_info,
+    encoder_package_info,
+    encoder_part_file,
+    frontend_package_info,
+    vad_package_info,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +68,11 @@ def language_prompts(tokenizer) -> dict[str, dict[str, list[int]]]:
 
 def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, decoder: dict | None,
                    model_id: str = "unknown", revision: str | None = None, frontend: dict | None = None,
-                   base_model: str | None = None) -> dict:
+                   base_model: str | None = None, vad: dict | None = None) -> dict:
     """The manifest dict (see docs/bundle.md) of the packages described by `encoder`/`decoder`/
-    `frontend` (`encoder_package_info` / `decoder_package_info` / `frontend_package_info`, None when
-    absent). Every id and size is read from the packages, `model` and `tokenizer`."""
+    `frontend`/`vad` (`encoder_package_info` / `decoder_package_info` / `frontend_package_info` /
+    `vad_package_info` with its gate's `parity`, None when absent). Every id and size is read from the
+    packages, `model` and `tokenizer`."""
     config = model.config
     packages = {name: info for name, info in (("encoder", encoder), ("decoder", decoder)) if info is not None}
     # (a length-bucketed encoder records no precision of its own: its functions' metadata is per function)
@@ -91,6 +99,8 @@ def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, deco
         files.update({part["file"]: encoder_part_file(i) for i, part in enumerate(encoder["parts"])})
     if frontend is not None:
         files["frontend"] = FRONTEND_FILE
+    if vad is not None:
+        files["vad"] = VAD_FILE
     files.update({"vocab": VOCAB_FILE, "tokenizer": "tokenizer.json", "tokenizer_config": "tokenizer_config.json",
                   "processor_config": "processor_config.json"})
     manifest = {
@@ -178,6 +188,11 @@ def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, deco
         # and the reason in alignment_note
         manifest["decoder"]["alignment"] = decoder.get("alignment")
         manifest["decoder"]["alignment_note"] = decoder.get("alignment_note")
+    if vad is not None:
+        # vad.mlpackage (optional): Silero VAD, speech probability per 512-sample chunk; functions "block"
+        # (functions.block.chunks chunks a call) and "chunk" (1), the LSTM state as explicit inputs and outputs;
+        # parity: its gate's figures against the silero-vad package's own model (null: gate skipped)
+        manifest["vad"] = {**vad, "parity": vad.get("parity")}
     manifest["tokens"] = {
         "eos_token_ids": checkpoint_eos_ids(model),
         "eos_token_id": checkpoint_eos_ids(model)[0],
@@ -223,6 +238,7 @@ def write_bundle(out_dir: str | os.PathLike, model, processor) -> Path:
     export_vocab(tokenizer, out_dir / VOCAB_FILE, if_changed=True, before_change=lambda: invalidate_manifest(out_dir))
     front_end = FrontEndConfig.from_processor(processor, dither=0.0).to_dict()
     enc_pkg, dec_pkg, fe_pkg = out_dir / ENCODER_FILE, out_dir / DECODER_FILE, out_dir / FRONTEND_FILE
+    vad_pkg = out_dir / VAD_FILE
     source = getattr(model, "source", None)
     try:
         manifest = build_manifest(
@@ -230,6 +246,7 @@ def write_bundle(out_dir: str | os.PathLike, model, processor) -> Path:
             encoder=encoder_package_info(enc_pkg) if enc_pkg.exists() else None,
             decoder=decoder_package_info(dec_pkg) if dec_pkg.exists() else None,
             frontend=frontend_package_info(fe_pkg) if fe_pkg.exists() else None,
+            vad={**vad_package_info(vad_pkg), "parity": vad_parity(out_dir)} if vad_pkg.exists() else None,
             model_id=str(getattr(source, "model_id", "unknown")), revision=getattr(source, "revision", None),
             base_model=getattr(source, "base_model", None),
         )
@@ -238,6 +255,18 @@ def write_bundle(out_dir: str | os.PathLike, model, processor) -> Path:
         (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
         raise
     return write_manifest(manifest, out_dir)
+
+
+def vad_parity(out_dir: Path) -> dict | None:
+    """The figures of the gate that passed the VAD package in `out_dir` (`vad.parity.json`), None when its
+    gate was skipped or its report is absent."""
+    try:
+        report = json.loads((out_dir / "vad.parity.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(report, dict) or report.get("passed") is not True or not isinstance(report.get("parity"), dict):
+        return None
+    return {**report["parity"], "runs_on": report.get("runs_on")}
 
 
 def write_manifest(manifest: dict, out_dir: str | os.PathLike) -> Path:

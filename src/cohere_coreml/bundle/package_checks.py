@@ -52,6 +52,8 @@ def check_packages(bundle: Bundle, where: str) -> None:
     if m.get("frontend") is not None:
         listed["frontend"] = {name: (fn["io"], f"frontend.functions.{name}")
                               for name, fn in m["frontend"]["functions"].items()}
+    if m.get("vad") is not None:
+        listed["vad"] = {name: (fn["io"], f"vad.functions.{name}") for name, fn in m["vad"]["functions"].items()}
     for component, functions in listed.items():
         path = bundle.paths[component]
         stamp = _package_stamp(path)

@@ -30,6 +30,9 @@ from ..config import (
     PART_METADATA_KEY,
     PREFILL_FUNCTION,
     STEP_FUNCTION,
+    VAD_BLOCK_FUNCTION,
+    VAD_CHUNK_FUNCTION,
+    VAD_METADATA_KEY,
 )
 from ..model.shapes import LengthMasks
 from .format import ENCODER_FILE, FORMAT_VERSION, BundleError
@@ -257,3 +260,27 @@ def alignment_info(path, meta: dict, functions, capacity: int) -> dict:
                           "io": package_io(path, function_name=ALIGN_FUNCTION),
                           "calibration": block.get("calibration")},
             "alignment_note": None}
+
+
+def vad_package_info(path: str | os.PathLike) -> dict:
+    """The manifest's `vad` entry of an exported vad.mlpackage (model, source, sizes, precision, compute
+    units, and per function its chunks and io), from its metadata and spec; the gate's figures are the
+    caller's (`parity`)."""
+    from ..runtime.package import read_package  # as frontend_package_info
+
+    meta = package_metadata(path)
+    try:
+        record = json.loads(meta[VAD_METADATA_KEY])
+        functions = {fn: {"chunks": int(record["functions"][fn]["chunks"])}
+                     for fn in (VAD_BLOCK_FUNCTION, VAD_CHUNK_FUNCTION)}
+        entry = {key: record[key] for key in ("model", "source", "sample_rate", "chunk_samples", "context_samples",
+                                              "hidden", "precision", "compute_units")}
+    except (KeyError, ValueError, TypeError, AttributeError) as err:
+        raise BundleError(f"{path} lacks the VAD metadata of cohere-coreml ({err}): re-export it") from err
+    present = read_package(path).function_names
+    if sorted(present) != sorted(functions):
+        raise BundleError(f"{path} has functions {sorted(present)}, a VAD package has {sorted(functions)}: "
+                          "re-export it with `cohere-coreml export --force`")
+    for fn in functions:
+        functions[fn]["io"] = package_io(path, function_name=fn)
+    return {**entry, "functions": functions}

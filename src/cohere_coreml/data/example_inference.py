@@ -2,7 +2,7 @@
 """Transcribe an audio file with this bundle's Core ML packages (numpy, soundfile, coremltools only).
 
     pip install numpy soundfile coremltools
-    python example_inference.py audio.wav --language en [--no-punctuation] [--json] [--word-timestamps]
+    python example_inference.py audio.wav --language en [--no-punctuation] [--json] [--word-timestamps] [--vad on]
 
 Runs on macOS 15+ (Core ML with model state). The bundle's packages do all the work:
 
@@ -19,10 +19,14 @@ Runs on macOS 15+ (Core ML with model state). The bundle's packages do all the w
                          align (manifest decoder.alignment, optional): after a window's decoding, on the
                          same state, K of its tokens a call -> the cross-attention of the alignment heads,
                          turned into word timings (--word-timestamps)
+    vad.mlpackage        (optional) Silero VAD: 32 ms chunks of samples + its recurrent state -> each chunk's
+                         speech probability; with it (--vad auto, the default) only windows of speech are
+                         transcribed (the rule of docs/vad.md), times still on the file's timeline
 
 Every name and size below comes from manifest.json. The steps are those of "Decoding loop" in
 docs/bundle.md (cohere-transcribe-coreml): greedy decoding, audio longer than 30 s cut into
-windows at its quietest points as the model's processor cuts it.
+windows at its quietest points as the model's processor cuts it, or, with the bundle's VAD, windows
+packed from its speech regions.
 """
 
 import argparse
@@ -161,6 +165,147 @@ def split_points(samples: np.ndarray, audio: dict) -> list[tuple[int, int]]:
         start = cut
     ranges.append((start, total))
     return ranges
+
+
+# --- voice activity (docs/vad.md): a copy of cohere-coreml's inference/speech_regions.py, which ports silero-vad
+# 6.2.3's get_speech_timestamps_from_probs (MIT, https://github.com/snakers4/silero-vad); the same test vectors
+# (tests/data/vad_vectors.json) check both
+VAD_CHUNK, VAD_CONTEXT, VAD_RATE = 512, 64, 16000
+VAD_DEFAULTS = {"threshold": 0.5, "neg_threshold": None, "min_speech_ms": 250, "min_silence_ms": 100,
+                "speech_pad_ms": 30, "max_speech_s": None, "max_gap_s": 2.0}
+
+
+def vad_probabilities(bundle: Bundle, samples: np.ndarray) -> np.ndarray:
+    """Speech probability of each 512-sample chunk (the last zero-padded) from vad.mlpackage's `block` function:
+    N chunks a call (manifest vad.functions.block.chunks), each row the 64 samples before the chunk and the
+    chunk, the recurrent state (h, c) carried from call to call from zeros; a last call's missing rows are zero
+    frames whose outputs are dropped."""
+    v = bundle.manifest["vad"]
+    n_rows = int(v["functions"]["block"]["chunks"])
+    block = bundle.function("vad", "block", v.get("compute_units", "all"))
+    chunks = -(-len(samples) // VAD_CHUNK)
+    padded = np.zeros(VAD_CONTEXT + chunks * VAD_CHUNK, np.float32)
+    padded[VAD_CONTEXT:VAD_CONTEXT + len(samples)] = samples
+    h = np.zeros((1, v["hidden"]), np.float32)
+    c = np.zeros((1, v["hidden"]), np.float32)
+    out = []
+    for first in range(0, chunks, n_rows):
+        frames = np.zeros((n_rows, VAD_CONTEXT + VAD_CHUNK), np.float32)
+        rows = min(n_rows, chunks - first)
+        for i in range(rows):
+            start = (first + i) * VAD_CHUNK
+            frames[i] = padded[start:start + VAD_CONTEXT + VAD_CHUNK]
+        result = block.predict({"frames": frames, "h": h, "c": c})
+        out.append(np.asarray(result["probability"], np.float32).reshape(-1)[:rows])
+        h = np.asarray(result["h_out"], np.float32).reshape(1, -1)
+        c = np.asarray(result["c_out"], np.float32).reshape(1, -1)
+    return np.concatenate(out) if out else np.zeros(0, np.float32)
+
+
+def speech_regions(probs, n_samples: int, options: dict, max_speech_s: float | None) -> list[tuple[int, int]]:
+    """[(start, end)] samples of speech: silero-vad's get_speech_timestamps_from_probs at 16 kHz (the longest
+    silence cuts speech longer than max_speech_s, 98 ms the shortest such silence), its arithmetic kept."""
+    o = {**VAD_DEFAULTS, **options}
+    limit = o["max_speech_s"] if o["max_speech_s"] is not None else max_speech_s
+    limit = float("inf") if limit is None else limit
+    threshold = float(o["threshold"])
+    neg = max(threshold - 0.15, 0.01) if o["neg_threshold"] is None else float(o["neg_threshold"])
+    min_speech = VAD_RATE * o["min_speech_ms"] / 1000
+    pad = VAD_RATE * o["speech_pad_ms"] / 1000
+    max_speech = VAD_RATE * limit - VAD_CHUNK - 2 * pad
+    min_silence = VAD_RATE * o["min_silence_ms"] / 1000
+    min_silence_at_max = VAD_RATE * 98 / 1000
+    triggered, speeches, current = False, [], None
+    temp_end = prev_end = next_start = 0
+    possible_ends = []
+    for i, p in enumerate(probs):
+        p, cur = float(p), VAD_CHUNK * i
+        if p >= threshold and temp_end:
+            if cur - temp_end > min_silence_at_max:
+                possible_ends.append((temp_end, cur - temp_end))
+            temp_end = 0
+            if next_start < prev_end:
+                next_start = cur
+        if p >= threshold and not triggered:
+            triggered, current = True, [cur, None]
+            continue
+        if triggered and cur - current[0] > max_speech:
+            if possible_ends:  # cut at the longest silence (the first of equals)
+                prev_end, dur = max(possible_ends, key=lambda x: x[1])
+                current[1] = prev_end
+                speeches.append(current)
+                next_start = prev_end + dur
+                if next_start < prev_end + cur:
+                    current = [next_start, None]
+                else:
+                    triggered, current = False, None
+                prev_end = next_start = temp_end = 0
+                possible_ends = []
+            else:  # no silence to cut at: cut here
+                current[1] = cur
+                speeches.append(current)
+                triggered, current = False, None
+                prev_end = next_start = temp_end = 0
+                possible_ends = []
+                continue
+        if p < neg and triggered:
+            if not temp_end:
+                temp_end = cur
+            if cur - temp_end < min_silence:
+                continue
+            current[1] = temp_end
+            if current[1] - current[0] > min_speech:
+                speeches.append(current)
+            triggered, current = False, None
+            prev_end = next_start = temp_end = 0
+            possible_ends = []
+    if current is not None and n_samples - current[0] > min_speech:
+        current[1] = n_samples
+        speeches.append(current)
+    for i, speech in enumerate(speeches):  # the pad, split in two where it would overlap the next region
+        if i == 0:
+            speech[0] = int(max(0, speech[0] - pad))
+        if i != len(speeches) - 1:
+            gap = speeches[i + 1][0] - speech[1]
+            if gap < 2 * pad:
+                speech[1] += int(gap // 2)
+                speeches[i + 1][0] = int(max(0, speeches[i + 1][0] - gap // 2))
+            else:
+                speech[1] = int(min(n_samples, speech[1] + pad))
+                speeches[i + 1][0] = int(max(0, speeches[i + 1][0] - pad))
+        else:
+            speech[1] = int(min(n_samples, speech[1] + pad))
+    return [(int(a), int(b)) for a, b in speeches]
+
+
+def pack_windows(regions, n_samples: int, window_samples: int, max_gap_samples: int) -> list[tuple[int, int]]:
+    """Windows over the regions, greedy in time order: the next region joins the window while the window stays
+    within window_samples and the pause before it is at most max_gap_samples; regions are never cut."""
+    windows, start, prev_end = [], None, None
+    for a, b in regions:
+        if b - a > window_samples or not 0 <= a <= b <= n_samples:
+            sys.exit(f"speech region [{a}, {b}) does not fit a window of {window_samples} samples")
+        if start is not None and b - start <= window_samples and a - prev_end <= max_gap_samples:
+            prev_end = b
+            continue
+        if start is not None:
+            windows.append((start, prev_end))
+        start, prev_end = a, b
+    if start is not None:
+        windows.append((start, prev_end))
+    return windows
+
+
+def speech_windows(bundle: Bundle, samples: np.ndarray) -> list[tuple[int, int]]:
+    """The windows to transcribe: speech regions of at most the encoder's window, packed with pauses of at most
+    2 s inside a window (the rule's defaults), each at least two mel frames long."""
+    audio = bundle.manifest["audio"]
+    window_s = min(audio["max_audio_clip_s"], bundle.manifest["encoder"]["window_frames"] * audio["hop_length"] / VAD_RATE)
+    regions = speech_regions(vad_probabilities(bundle, samples), len(samples), {}, window_s)
+    windows = pack_windows(regions, len(samples), round(window_s * VAD_RATE), round(VAD_DEFAULTS["max_gap_s"] * VAD_RATE))
+    shortest = 2 * audio["hop_length"]
+    return [(max(0, b - shortest), min(len(samples), max(0, b - shortest) + shortest)) if b - a < shortest else (a, b)
+            for a, b in windows]
 
 
 def length_masks(rule: dict, n: int, frames: int) -> dict:
@@ -444,6 +589,9 @@ def main() -> None:
     p.add_argument("--json", action="store_true", help="print text and token ids per window as JSON")
     p.add_argument("--word-timestamps", action="store_true",
                    help="each word's start and end (seconds) and probability (the bundle's decoder.alignment)")
+    p.add_argument("--vad", default="auto", choices=("auto", "on", "off"),
+                   help="transcribe only the windows of speech the bundle's vad.mlpackage finds; auto: when the "
+                   "bundle has one (default: auto)")
     p.add_argument("--bundle", default=str(BUNDLE), help="bundle folder (default: this file's folder)")
     p.add_argument("--compiled-cache", default=None,
                    help="keep the compiled models in this folder, so later runs skip Core ML's compile "
@@ -460,11 +608,15 @@ def main() -> None:
     if args.word_timestamps and not m["decoder"].get("alignment"):
         sys.exit(f"this bundle has no word alignment ({m['decoder'].get('alignment_note') or 'no decoder.alignment'}): "
                  "export it with `cohere-coreml export --alignment-heads auto`")
+    has_vad = bool(m.get("vad")) and "vad" in m["files"]
+    if args.vad == "on" and not has_vad:
+        sys.exit(f"bundle {args.bundle} has no vad.mlpackage: re-export with `cohere-coreml export --vad` (the default)")
     eos = set(m["tokens"]["eos_token_ids"])
     rate = m["audio"]["sampling_rate"]
     samples = read_audio(args.audio, rate)
+    use_vad = has_vad and args.vad != "off"
     windows = []
-    for start, end in split_points(samples, m["audio"]):
+    for start, end in (speech_windows(bundle, samples) if use_vad else split_points(samples, m["audio"])):
         memory = encode(bundle, samples[start:end])
         ids, probabilities, state = decode(bundle, memory, prompt, args.max_new_tokens)
         text_ids = [i for i in ids if i not in eos]

@@ -54,6 +54,7 @@ from ..inference.alignment import DEFAULT_LEAD_ROWS, parse_heads
 from ..inference.decoding import TOKEN_LIMITS, RepetitionGuard, StopReason, loop_in
 from ..inference.engines import PyTorchEngine
 from ..inference.longform import check_audio
+from ..inference.speech_regions import add_vad_args, vad_options_of
 from ..inference.transcribe import Transcriber
 from ..model.audio import AudioError
 from ..storage.files import write_json_atomic
@@ -153,15 +154,18 @@ def word_timing_summary(clips: list[dict]) -> dict | None:
 
 
 def run_engine(make_engine, dataset, *, max_new_tokens=None, beams=1, repetition_guard=None, warmup=True,
-               progress=False, word_timestamps=False) -> dict:
+               progress=False, word_timestamps=False, vad="auto", vad_options=None) -> dict:
     """Load one engine and run every clip of `dataset`; returns the engine's section of the report.
-    `word_timestamps`: time the words of the clips with a truth (when the engine has alignment)."""
+    `word_timestamps`: time the words of the clips with a truth (when the engine has alignment); `vad`,
+    `vad_options`: voice activity as `Engine.transcribe` takes them (the section says whether it ran)."""
     rss_before = current_rss_mb()
     t0 = time.perf_counter()
     engine = make_engine()
     load_s = time.perf_counter() - t0
     rss_loaded = current_rss_mb()
-    options = dict(max_new_tokens=max_new_tokens, beams=beams, repetition_guard=repetition_guard)
+    vad_on = engine.speech_probabilities(vad) is not None  # `on` without a VAD: one line, before any clip
+    options = dict(max_new_tokens=max_new_tokens, beams=beams, repetition_guard=repetition_guard, vad=vad,
+                   vad_options=vad_options)
     timed = bool(word_timestamps) and getattr(engine, "alignment", None) is not None
     if word_timestamps and not timed:
         logger.warning("%s %s has no word alignment: no word-timing error for it", engine.kind, engine.name)
@@ -213,6 +217,7 @@ def run_engine(make_engine, dataset, *, max_new_tokens=None, beams=1, repetition
         "rss_after_load_mb": round(rss_loaded, 1),
         "peak_rss_mb": round(peak_rss_mb(), 1),
         "options": {"max_new_tokens": max_new_tokens, "beams": beams, "repetition_guard": repetition_guard is not None},
+        "vad": {"mode": vad, "on": vad_on, "options": (vad_options.to_dict() if vad_options else None) if vad_on else None},
         **summarise(clips, dataset.name),
     }
 
@@ -241,6 +246,7 @@ def summarise(clips: list[dict], dataset_name: str) -> dict:
         languages[lang] = {"clips": len(sel), **error_counts(refs, hyps, lang), "rate_interval": rate_interval(refs, hyps, lang)}
     windows = [w for c in scored for w in c.get("windows", [])]
     audio_s = sum(c.get("audio_s", 0.0) for c in scored)
+    decoded_s = sum(w["end_s"] - w["start_s"] for w in windows)  # the audio the windows cover (all of it without VAD)
     processing_s = sum(c.get("processing_s", 0.0) for c in scored)
     stages = {k: sum(w[k] for w in windows) for k in STAGES}
     tokens = sum(w["tokens"] for w in windows)
@@ -257,6 +263,8 @@ def summarise(clips: list[dict], dataset_name: str) -> dict:
         "decode_tokens": tokens,
         "tokens_per_s": tokens / (stages["prompt_s"] + stages["decode_s"]) if windows else float("nan"),
         "windows": len(windows),
+        "decoded_s": decoded_s,
+        "decoded_share": decoded_s / audio_s if audio_s else 0.0,
         "decoder_calls": sum(w["decoder_calls"] for w in windows),
         "ms_per_decoder_call": (1000 * (stages["prompt_s"] + stages["decode_s"]) / sum(w["decoder_calls"] for w in windows)
                                 if any(w["decoder_calls"] for w in windows) else None),
@@ -383,12 +391,28 @@ def reference_alignment(bundles, alignment_heads: str | None, lead_rows: int | N
     return None
 
 
+def bundle_has_vad(bundle) -> bool:
+    """The bundle (one folder, or several searched in order) lists a vad.mlpackage in its manifest."""
+    manifest = next((d / "manifest.json" for d in bundle_folders(bundle) if (d / "manifest.json").is_file()), None)
+    m = json.loads(manifest.read_text()) if manifest else {}
+    return bool(m.get("vad")) and "vad" in (m.get("files") or {})
+
+
+def reference_vad(vad: str, bundles) -> str:
+    """The PyTorch reference's VAD mode beside `bundles`: with "auto" it runs its VAD (the same network and rule)
+    when every benched bundle has one, so it decodes the windows they decode and their tokens compare alike."""
+    if vad == "auto" and bundles and all(bundle_has_vad(b) for b in bundles):
+        return "on"
+    return vad
+
+
 def run_bench(bundles, pytorch, data, *, backend="auto", compute_units="all", max_new_tokens=None, beams=1,
               repetition_guard=None, limit_per_language=None, progress=False, merge=(), alignment_heads=None,
-              alignment_lead_rows=None) -> dict:
+              alignment_lead_rows=None, vad="auto", vad_options=None) -> dict:
     """`bundles`: one entry per bundle, a folder or the list of its folders (searched in order).
     `alignment_heads` ("L.H,..."): the PyTorch reference's heads for the word-timing error (default: the first
-    bundle's)."""
+    bundle's). `vad`: each engine's voice activity ("auto": a bundle's vad.mlpackage when it has one; the PyTorch
+    reference's as `reference_vad` decides)."""
     if not bundles and not pytorch and not merge:
         raise BenchError("nothing to bench: give --bundle DIR[,DIR...] (repeatable: one bundle each), --pytorch MODEL and/or --merge-engine FILE")
     dataset = load_dataset(str(data), limit_per_language)
@@ -402,12 +426,12 @@ def run_bench(bundles, pytorch, data, *, backend="auto", compute_units="all", ma
               "engines": []}
     timed = any(c.words for c in dataset.clips)  # a word-timing set: the engines' word-timing error too
     opts = dict(max_new_tokens=max_new_tokens, beams=beams, repetition_guard=repetition_guard, progress=progress,
-                word_timestamps=timed)
+                word_timestamps=timed, vad=vad, vad_options=vad_options)
     if pytorch:
         heads = reference_alignment(bundles, alignment_heads, alignment_lead_rows) if timed else None
         section = run_engine(lambda: PyTorchEngine(pytorch, alignment_heads=heads[0] if heads else None,
                                                    lead_rows=heads[1] if heads else DEFAULT_LEAD_ROWS),
-                             dataset, **opts)
+                             dataset, **{**opts, "vad": reference_vad(vad, bundles)})
         report["engines"].append({"label": f"pytorch {Path(str(pytorch)).name}", **section})
     for b in bundles or []:
         dirs = bundle_folders(b)
@@ -501,11 +525,13 @@ def format_markdown(report: dict) -> str:
         if timed:
             cells.insert(2 + len(langs), format_word_timing(e.get("word_timing")))
         lines.append("| " + " | ".join(cells) + " |")
-    stage_head = ["engine"] + [s.replace("_s", "") + " s" for s in STAGES] + ["audio s", "clips", "windows", "problems"]
+    stage_head = ["engine"] + [s.replace("_s", "") + " s" for s in STAGES] + ["audio s", "clips", "windows",
+                                                                              "audio decoded %", "problems"]
     lines += ["", "| " + " | ".join(stage_head) + " |", "|" + "---|" * len(stage_head)]
     for e in report["engines"]:
         cells = [e["label"]] + [f"{e['stages_s'][s]:.2f}" for s in STAGES]
         cells += [f"{e['audio_s']:.1f}", f"{e['clips_scored']}/{e['clips_total']}", str(e["windows"]),
+                  percent(e.get("decoded_share")) + (" (VAD)" if (e.get("vad") or {}).get("on") else ""),
                   str(len(e["problems"]))]
         lines.append("| " + " | ".join(cells) + " |")
     devices = [e for e in report["engines"] if e.get("kind") == "swift"]
@@ -609,11 +635,13 @@ def cmd_bench(args) -> int:
         import torch  # heavy (see machine)
 
         torch.set_num_threads(args.threads)
+    options = vad_options_of(args)  # bad --vad-* values: one line, before any model loads
     report = run_bench(args.bundle, args.pytorch, args.data, backend=args.backend, compute_units=args.compute_units,
                        max_new_tokens=args.max_new_tokens, beams=args.beams,
                        repetition_guard=RepetitionGuard() if args.repetition_guard else None,
                        limit_per_language=args.limit_per_language, progress=True, merge=args.merge_engine,
-                       alignment_heads=args.alignment_heads, alignment_lead_rows=args.alignment_lead_rows)
+                       alignment_heads=args.alignment_heads, alignment_lead_rows=args.alignment_lead_rows,
+                       vad=args.vad, vad_options=options)
     paths = write_outputs(report, args.out)
     print(format_markdown(report))
     for e in report["engines"]:
@@ -646,6 +674,7 @@ def add_command(subparsers) -> None:
     p.add_argument("--compute-units", default="all", choices=("all", "cpu_only", "cpu_and_gpu", "cpu_and_ne"),
                    help="Core ML compute units (macOS) (default: %(default)s)")
     add_decoding_args(p)
+    add_vad_args(p)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (PyTorch and the interpreter); 1 is steadier on a shared machine (default: torch's)")
     p.add_argument("--alignment-heads", default=None, metavar="L.H,...",

@@ -177,13 +177,25 @@ def _plan_alignment(job: ExportJob):
     return plan
 
 
+def _stage_vad(job: ExportJob) -> StagedPackage | None:
+    """vad.mlpackage: Silero VAD from the pinned silero-vad package (not from the checkpoint), in the export's
+    precision; gated on the export's gate audio against the package's own model."""
+    from . import vad_package  # loads torch (as encoder)
+
+    return vad_package.stage_vad(job.settings, gate_audio=job.gate_audio)
+
+
 # Export order: no component reads another (all take their shapes from the plan), but gating the
-# cheaper ones first fails fast. All are exported by default: every bundle carries the front end.
+# cheaper ones first fails fast. All are exported by default: every bundle carries the front end, and
+# the VAD unless `--no-vad` (a bundle without it transcribes as before).
 COMPONENTS: dict[str, Component] = {
     "encoder": Component("encoder", _stage_encoder),
     "frontend": Component("frontend", _stage_frontend),
     "decoder": Component("decoder", _stage_decoder),
+    "vad": Component("vad", _stage_vad),
 }
+# the recogniser's components: an export without the VAD (`--no-vad`; tests that need none)
+MODEL_COMPONENTS = ("encoder", "frontend", "decoder")
 
 
 @dataclass
@@ -342,7 +354,7 @@ def cmd_export(args) -> int:
     settings = ExportSettings(out_dir=Path(args.out), precision=args.precision, deployment_target=args.deployment_target,
                               window_seconds=args.window_seconds, force=args.force, skip_verify=args.skip_verify,
                               gate_units=args.gate_units)
-    components = tuple(c.strip() for c in args.components.split(",") if c.strip())
+    components = export_components(args.components, args.vad)
     result = export_checkpoint(args.model, settings, revision=args.revision, base_model=args.base_model,
                                components=components,
                                gate_audio=args.gate_audio, max_new_tokens=args.max_tokens,
@@ -363,6 +375,18 @@ def cmd_export(args) -> int:
         print(line)
     print(f"manifest: {result.manifest}")
     return 0
+
+
+def export_components(components: str, vad: bool | None) -> tuple[str, ...]:
+    """The components of `--components` (comma-separated) with `--vad` (True: added), `--no-vad` (False:
+    removed) or neither (None: as listed; the default list holds the VAD)."""
+    names = tuple(c.strip() for c in components.split(",") if c.strip())
+    if vad is not None:
+        names = tuple(c for c in names if c != "vad") + (("vad",) if vad else ())
+    if not names:
+        raise ExportError("nothing to export: --components names no component (with --no-vad, name one of "
+                          f"{', '.join(MODEL_COMPONENTS)})")
+    return names
 
 
 def _encoder_parts(value: str) -> int | str:
@@ -412,8 +436,12 @@ def add_command(subparsers) -> None:
     p.add_argument("--deployment-target", default="macOS15", help="coremltools target name (macOS15/iOS18)")
     p.add_argument("--components", default=",".join(COMPONENTS),
                    help="comma-separated components to export (default: %(default)s)")
+    p.add_argument("--vad", action=argparse.BooleanOptionalAction, default=None,
+                   help="vad.mlpackage, Silero VAD (speech probability per 32 ms chunk, from the pinned silero-vad "
+                   "package, gated against its own model): on by default (in --components); --no-vad leaves it out "
+                   "(the bundle transcribes without a VAD, as before). docs/export.md")
     p.add_argument("--gate-audio", nargs="+", default=None,
-                   help="speech files for the encoder and front-end parity gates (default: the clips shipped "
+                   help="speech files for the encoder, front-end and VAD parity gates (default: the clips shipped "
                    "with the package)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                    help="new tokens one window can decode; the decoder cache holds round_up(10 + N, 32) "

@@ -5,7 +5,8 @@
     result = engine.transcribe("clip.flac", "en", beams=1, max_new_tokens=None, repetition_guard=None)
 
 `Engine` is the interface; `PyTorchEngine` (here) and `transcribe.Transcriber` implement it. Both split audio at the reference extractor's points (`longform.iter_windows`, streamed from the
-file), compute the same log-mel features (`audio.log_mel`), decode every window with the same
+file), or with a voice-activity model (`vad="on"`, or "auto" with a bundle that has one) into windows of speech
+only (`longform.plan_speech`, docs/vad.md), compute the same log-mel features (`audio.log_mel`), decode every window with the same
 prompt, and return a `TranscriptionResult` whose windows carry token ids, stop reason (`decoding.StopReason`),
 start/end times and stage timings (features, encoder, prompt, decode). `evaluate` and `bench`
 use only this interface; `transcribe_files` is the batch runner of `cohere-coreml transcribe`.
@@ -31,7 +32,8 @@ from ..model.checkpoint import load_reference
 from ..model.tokens import decode_ids, join_windows, prompt_ids
 from .alignment import DEFAULT_LEAD_ROWS, check_heads
 from .decoding import StopReason
-from .longform import check_audio, iter_windows
+from .longform import check_audio, iter_ranges, iter_windows, plan_speech
+from .speech_regions import VAD_MODES, VadOptions
 from .words import AlignmentSettings, WordTimingError, clip_words, window_words
 
 if TYPE_CHECKING:
@@ -68,6 +70,7 @@ class TranscriptionResult:
     windows: list[WindowResult]
     silent: bool = False  # digital silence (`longform.check_audio`): empty text, no window, no model call
     word_timestamps: bool = False  # words were asked (a silent clip then has none: [])
+    vad: dict | None = None  # with the VAD: windows, regions, audio_s, decoded_s, decoded_share; None: off
 
     @classmethod
     def of_silence(cls, language: str, punctuation: bool = True, word_timestamps: bool = False) -> TranscriptionResult:
@@ -100,6 +103,8 @@ class TranscriptionResult:
         words = self.words
         if words is not None:
             out["words"] = words
+        if self.vad is not None:
+            out["vad"] = dict(self.vad)
         return out
 
 
@@ -116,6 +121,16 @@ def features_batch(features: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tens
         x[i, : f.shape[1]] = torch.from_numpy(np.ascontiguousarray(f.T, dtype=np.float32))
         mask[i, : f.shape[1]] = 1
     return x, mask
+
+
+class VadUnavailableError(ValueError):
+    """`vad="on"` with an engine or bundle that has no voice-activity model (one line, names the fix)."""
+
+
+def check_vad_mode(mode: str) -> str:
+    if mode not in VAD_MODES:
+        raise ValueError(f"vad must be one of {', '.join(VAD_MODES)}, got {mode!r}")
+    return mode
 
 
 class Engine(abc.ABC):
@@ -140,17 +155,35 @@ class Engine(abc.ABC):
     def describe(self) -> dict:
         return {"kind": self.kind, "name": self.name, "load_s": self.load_s}
 
+    def speech_probabilities(self, vad: str = "auto"):
+        """The voice-activity model (`inference.vad.SpeechProbabilities`) that `vad` asks for, or None (off).
+        This base has none: "auto" and "off" give None, "on" raises `VadUnavailableError`."""
+        if check_vad_mode(vad) == "on":
+            raise VadUnavailableError(f"{self.name} has no voice-activity model: use --vad off or auto")
+        return None
+
+    def window_s(self) -> float:
+        """The longest window this engine transcribes, seconds: what speech windows are packed up to."""
+        return float(self.front_end.max_audio_clip_s)
+
     def transcribe(self, audio, language: str = "en", punctuation: bool = True, *, max_new_tokens: int | None = None,
                    beams: int = 1, repetition_guard=None, progress: bool = False,
-                   word_timestamps: bool = False) -> TranscriptionResult:
+                   word_timestamps: bool = False, vad: str = "auto",
+                   vad_options: VadOptions | None = None) -> TranscriptionResult:
         """Transcribe a file (streamed window by window) or a float32 mono array at the model rate;
         `word_timestamps`: each window's words with start, end and probability (`words`).
 
         The audio is checked first (`longform.check_audio`, the one place that decides silence):
         digital silence gives an empty transcript marked `silent` with no model call; empty, NaN/inf
-        or unreadable audio raises `AudioError`.
+        or unreadable audio raises `AudioError`. `vad` ("auto": on when the engine has a voice-activity model,
+        "on", "off") with `vad_options` (`speech_regions.VadOptions`): only the windows packed from the speech
+        regions are transcribed (none: an empty transcript, no model call), their times on the clip's timeline;
+        the result's `vad` holds the windows' count and the share of the audio they cover.
         """
         prompt = self.prompt(language, punctuation)
+        speech = self.speech_probabilities(vad)  # before the audio: `on` without a VAD fails first
+        if vad_options is not None and not isinstance(vad_options, VadOptions):
+            raise TypeError(f"vad_options must be a VadOptions, got {type(vad_options).__name__}")
         if check_audio(audio, self.front_end).status == "silent":
             logger.warning("%s is digitally silent: empty transcript, no model call",
                            audio if isinstance(audio, (str, os.PathLike)) else "audio array")
@@ -159,7 +192,13 @@ class Engine(abc.ABC):
         windows = []
         # word options only when asked: an engine without word timings keeps its transcribe_window signature
         word_options = {"word_timestamps": True, "language": language} if word_timestamps else {}
-        pieces = iter_windows(audio, self.front_end)
+        summary = None
+        if speech is None:
+            pieces = iter_windows(audio, self.front_end)
+        else:
+            plan = plan_speech(audio, speech, vad_options, self.front_end, self.window_s())
+            summary = plan.summary()
+            pieces = iter_ranges(audio, plan, self.front_end)
         if progress:
             pieces = tqdm(pieces, desc="windows", unit="window", leave=False)
         for i, (start, _end, piece) in enumerate(pieces):
@@ -168,7 +207,7 @@ class Engine(abc.ABC):
                                                   repetition_guard=repetition_guard, **word_options))
         text = join_windows([w.text for w in windows], language)
         return TranscriptionResult(text=text, language=language, punctuation=punctuation, windows=windows,
-                                   word_timestamps=word_timestamps)
+                                   word_timestamps=word_timestamps, vad=summary)
 
 
 class PyTorchEngine(Engine):
@@ -184,6 +223,10 @@ class PyTorchEngine(Engine):
     (`model.alignment_reference`) over each window's prompt + tokens, on those heads, through the same rule as
     the bundle (`words.window_words`): the bundle's words are checked against these. The tokens' probabilities
     are the same pass's (greedy decoding chose exactly those tokens there).
+
+    Voice activity: the PyTorch module of the bundle's VAD (`inference.vad.TorchVad`, the same rule) with
+    `vad="on"`; a checkpoint carries no VAD, so "auto" means off (pass "on" to compare with a bundle whose
+    VAD is on).
     """
 
     kind = "pytorch"
@@ -209,6 +252,15 @@ class PyTorchEngine(Engine):
 
     def prompt(self, language: str, punctuation: bool = True) -> list[int]:
         return prompt_ids(self.tokenizer, language, punctuation)
+
+    def speech_probabilities(self, vad: str = "auto"):
+        if check_vad_mode(vad) != "on":
+            return None
+        if getattr(self, "_vad", None) is None:
+            from .vad import TorchVad  # torch: the reference only
+
+            self._vad = TorchVad()
+        return self._vad
 
     def describe(self) -> dict:
         return {**super().describe(), "backend": "pytorch", "precision": str(self.model.dtype).replace("torch.", "")}

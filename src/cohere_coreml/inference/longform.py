@@ -10,6 +10,11 @@
   one window (35 s) plus one read block is held, so a clip of many minutes costs the memory of one
   window. Files at another sample rate than the model's, or formats soundfile cannot read, are
   loaded whole (resampling needs the whole signal); arrays are split in place.
+* With a voice-activity model (docs/vad.md): `plan_speech(source, vad, options, config)` scores the
+  whole signal block by block (a stream of 512-sample chunks: one float per 32 ms is kept), turns the
+  probabilities into speech regions and packs them into windows (`speech_regions`); `iter_ranges`
+  then reads only those windows' samples. Audio outside the windows is never encoded or decoded; the
+  windows' starts are positions in the original audio, so every reported time stays on its timeline.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from ..model.audio import (
     quietest_window,
     split_points,
 )
+from .speech_regions import CHUNK_SAMPLES, SAMPLE_RATE, VadOptions, pack_windows, speech_regions
 
 logger = logging.getLogger(__name__)
 
@@ -168,3 +174,124 @@ def _stream(path: Path, config: FrontEndConfig) -> Iterator[tuple[int, int, np.n
         idx += split
         buffer = buffer[idx - offset :]
         offset = idx
+
+
+# --------------------------------------------------------------------------------------------------
+# Speech windows (a voice-activity model's regions)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SpeechPlan:
+    """What the VAD kept of one clip: its length, the speech regions and the windows packed from them
+    ([start, end) in samples of the original audio at the model's rate)."""
+
+    n_samples: int
+    regions: list[tuple[int, int]]
+    windows: list[tuple[int, int]]
+    sample_rate: int
+    loaded: np.ndarray | None = None  # the whole signal, when the source had to be loaded whole (resampled)
+
+    @property
+    def audio_s(self) -> float:
+        return self.n_samples / self.sample_rate
+
+    @property
+    def windows_s(self) -> float:
+        return sum(e - s for s, e in self.windows) / self.sample_rate
+
+    def summary(self) -> dict:
+        """The figures a result reports: windows, regions, audio and decoded seconds, their ratio."""
+        return {"windows": len(self.windows), "regions": len(self.regions), "audio_s": self.audio_s,
+                "decoded_s": self.windows_s, "decoded_share": self.windows_s / self.audio_s if self.n_samples else 0.0}
+
+
+def _source_blocks(source, config: FrontEndConfig) -> tuple[Iterator[np.ndarray], np.ndarray | None]:
+    """(float32 blocks of the signal at the model's rate, the whole signal when it had to be loaded whole)."""
+    block = int(BLOCK_SECONDS * config.sampling_rate)
+    if not isinstance(source, (str, os.PathLike)):
+        wav = np.asarray(source, dtype=np.float32)
+        check_waveform(wav, "audio array")
+        return (wav[i : i + block] for i in range(0, wav.size, block)), None
+    path = Path(source)
+    info = _soundfile_info(path)
+    if info is None or int(info.samplerate) != config.sampling_rate:
+        wav = load_audio(path, target_rate=config.sampling_rate)
+        return (wav[i : i + block] for i in range(0, wav.size, block)), wav
+    check_file(path)
+    return _blocks(path, block), None
+
+
+def speech_probabilities(blocks, vad) -> tuple[np.ndarray, int]:
+    """(one probability per 512-sample chunk, sample count) of a signal given in blocks, through
+    `vad.stream()` (the state and context carried across blocks, the last chunk zero-padded: the same
+    probabilities as `vad.probabilities` of the whole signal, without holding it)."""
+    stream = vad.stream()
+    out, total = [], 0
+    for block in blocks:
+        total += block.size
+        out.append(np.asarray(stream.push(block), np.float32))
+    rest = -total % CHUNK_SAMPLES
+    if rest:
+        out.append(np.asarray(stream.push(np.zeros(rest, np.float32)), np.float32))
+    probs = np.concatenate(out) if out else np.zeros(0, np.float32)
+    expected = -(-total // CHUNK_SAMPLES)
+    if probs.size != expected:
+        raise RuntimeError(f"the VAD gave {probs.size} probabilities for {expected} chunks of {total} samples")
+    return probs, total
+
+
+def plan_speech(source, vad, options: VadOptions | None = None, config: FrontEndConfig | None = None,
+                window_s: float | None = None) -> SpeechPlan:
+    """Speech regions and windows of `source` (a path or a float32 mono array at the model's rate) from the
+    speech probabilities of `vad` (`inference.vad.SpeechProbabilities`): regions of at most the model's
+    window (`window_s`, default `config.max_audio_clip_s`; `options.max_speech_s` when shorter), packed
+    greedily with pauses of at most `options.max_gap_s` inside a window (docs/vad.md)."""
+    config = config or FrontEndConfig()
+    options = options or VadOptions()
+    if config.sampling_rate != SAMPLE_RATE:
+        raise AudioError(f"the VAD runs at {SAMPLE_RATE} Hz; this model's audio is {config.sampling_rate} Hz")
+    blocks, loaded = _source_blocks(source, config)
+    probs, total = speech_probabilities(blocks, vad)
+    if total == 0:
+        raise AudioError(f"{source if isinstance(source, (str, os.PathLike)) else 'audio array'} is empty (0 samples)")
+    window_s = float(config.max_audio_clip_s if window_s is None else window_s)
+    window = int(round(window_s * config.sampling_rate))
+    regions = speech_regions(probs, total, options, options.max_speech_for(window_s))
+    windows = [_at_least(w, 2 * config.hop_length, total)
+               for w in pack_windows(regions, total, window, options.max_gap_samples())]
+    return SpeechPlan(total, regions, windows, config.sampling_rate, loaded)
+
+
+def _at_least(window: tuple[int, int], samples: int, total: int) -> tuple[int, int]:
+    """A window widened to the front end's minimum (two feature frames) with the audio before it: only
+    options without a minimum speech length or pad make one that short."""
+    start, end = window
+    if end - start >= samples:
+        return window
+    start = max(0, end - samples)
+    return start, min(total, start + samples)
+
+
+def iter_ranges(source, plan: SpeechPlan, config: FrontEndConfig | None = None) -> Iterator[tuple[int, int, np.ndarray]]:
+    """(start, end, float32 samples) of each window of `plan`, read from the file range by range (a path at
+    the model's rate), from the loaded signal (a resampled file) or from the array."""
+    config = config or FrontEndConfig()
+    if plan.loaded is not None or not isinstance(source, (str, os.PathLike)):
+        wav = plan.loaded if plan.loaded is not None else np.asarray(source, dtype=np.float32)
+        for start, end in plan.windows:
+            yield start, end, wav[start:end]
+        return
+    path = Path(source)
+    try:
+        with sf.SoundFile(str(path)) as f:
+            for start, end in plan.windows:
+                f.seek(start)
+                data = f.read(end - start, dtype="float32", always_2d=True)
+                samples = data.mean(axis=1).astype(np.float32) if data.shape[1] > 1 else data[:, 0].copy()
+                if samples.size != end - start:
+                    raise AudioError(f"{path} ended at sample {start + samples.size} inside a speech window "
+                                     f"[{start}, {end}): it changed while being read")
+                yield start, end, samples
+    except (sf.LibsndfileError, RuntimeError) as err:
+        raise AudioError(f"cannot decode audio file {path} ({type(err).__name__}): corrupt or unsupported format") from err

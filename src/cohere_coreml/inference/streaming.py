@@ -5,6 +5,8 @@ stream re-decodes a growing segment and confirms what consecutive hypotheses agr
 
     samples (any chunking) -> 10 ms frames (front end hop)
       -> Segmenter: frame energy vs a running noise floor, hangover   -> open / close / cut a segment
+         (VadSegmenter instead when the bundle has a voice-activity model: its speech probability per
+         32 ms chunk, segments opened and closed by the stream rule of docs/vad.md, the same cut)
       -> while a segment is open, at its hop schedule: features of the segment so far, the smallest
          encoder bucket holding them, ONE encoder call, a decode with the confirmed tokens forced
          after the prompt; LocalAgreement-n: the longest common prefix of the last n hypotheses is
@@ -33,7 +35,9 @@ import numpy as np
 from ..config import SILENCE_PEAK
 from ..model.audio import AudioError, FrontEndConfig, check_waveform, load_audio, quietest_window, valid_frames
 from ..model.tokens import decode_ids
+from .engines import check_vad_mode
 from .longform import check_audio
+from .speech_regions import CHUNK_SAMPLES, SAMPLE_RATE, StreamVad, VadOptions
 from .words import rounded, word_line
 
 logger = logging.getLogger(__name__)
@@ -187,18 +191,20 @@ class Segmenter:
             start, self.start, self.prev_end = self.start, None, frame_end
             return SegmentEvent("close", frame_end, start, frame_end)
         if frame_end - self.start >= self.max_segment:
-            start = self.start
-            chunk = self.max_segment
-            x = audio(start, start + chunk)
-            # split_points' rule for a piece starting at `start`: the quietest window in the last
-            # `context` samples before start + chunk
-            cut = start + quietest_window(x, max(0, chunk - self.context), chunk,
-                                          self.front_end.min_energy_window_samples)
-            cut = max(start + 2 * self.frame, min(cut, start + chunk))
-            self.start = cut
-            self.prev_end = cut
-            return SegmentEvent("cut", frame_end, start, cut)
+            return self._cut(frame_end, audio)
         return None
+
+    def _cut(self, frame_end: int, audio: Callable[[int, int], np.ndarray]) -> SegmentEvent:
+        """The open segment has reached `max_segment`: cut it where split_points would (the quietest window
+        in the last `context` samples before start + max_segment); the rest continues, open, from the cut."""
+        start = self.start
+        chunk = self.max_segment
+        x = audio(start, start + chunk)
+        cut = start + quietest_window(x, max(0, chunk - self.context), chunk, self.front_end.min_energy_window_samples)
+        cut = max(start + 2 * self.frame, min(cut, start + chunk))
+        self.start = cut
+        self.prev_end = cut
+        return SegmentEvent("cut", frame_end, start, cut)
 
     def finish(self, total: int) -> SegmentEvent | None:
         """End of the audio: the open segment (if any) closes at `total`."""
@@ -206,6 +212,76 @@ class Segmenter:
             return None
         start, self.start, self.prev_end = self.start, None, total
         return SegmentEvent("close", total, start, total)
+
+
+class VadSegmenter(Segmenter):
+    """Segments from a voice-activity model: its speech probability per 512-sample chunk (`add(samples)`
+    scores the chunks the samples complete, through the model's stream) and the stream rule
+    (`speech_regions.StreamVad`: silero-vad's VADIterator). A "start" event (decided at its chunk's end)
+    opens a segment at its sample (never before the previous segment's end); an "end" event closes it at its
+    sample (at least two frames after the segment's start: after a cut the rest may be that short). Each
+    event acts at the first frame boundary at or after the end of the chunk that decided it (chunks are
+    longer than frames: at most one event per frame), so the segments do not depend on how the audio is
+    chunked. The maximum and the cut are `Segmenter`'s; after a cut the segment continues open (the model
+    still hears speech). At the end of the audio an open segment closes at the last sample (a pending "end"
+    at its own sample; a "start" decided after the last whole frame is not opened)."""
+
+    def __init__(self, probabilities, options: VadOptions, front_end: FrontEndConfig, max_segment: int):
+        if int(front_end.sampling_rate) != SAMPLE_RATE:
+            raise StreamingError(f"the VAD runs at {SAMPLE_RATE} Hz; this bundle's audio is "
+                                 f"{front_end.sampling_rate} Hz")
+        self.config = None
+        self.front_end = front_end
+        self.frame = int(front_end.hop_length)
+        self.max_segment = int(max_segment)
+        self.context = max(1, int(round(front_end.overlap_chunk_second * front_end.sampling_rate)))
+        if self.max_segment < 2 * self.frame:
+            raise StreamingError(f"a segment of at most {self.max_segment} samples cannot hold two frames")
+        self.probabilities = probabilities  # the model's ProbabilityStream
+        self.rule = StreamVad(options)
+        # the furthest back a start reaches from the frame it acts at: its chunk, the pad, one frame
+        self.preroll = CHUNK_SAMPLES + int(math.ceil(self.rule.speech_pad_samples)) + self.frame
+        self._events: collections.deque = collections.deque()  # (decided at sample, kind, sample)
+        self._chunks = 0
+        self.k = 0
+        self.start: int | None = None
+        self.prev_end = 0
+
+    def add(self, samples: np.ndarray) -> None:
+        """Score the chunks these samples complete; queue the rule's events."""
+        for prob in self.probabilities.push(samples):
+            self._chunks += 1
+            event = self.rule.push(float(prob))
+            if event is not None:
+                self._events.append((self._chunks * CHUNK_SAMPLES, *event))
+
+    def push(self, power: float, audio: Callable[[int, int], np.ndarray]) -> SegmentEvent | None:
+        """One frame (its power is not used) -> the event it causes, if any."""
+        self.k += 1
+        frame_end = self.k * self.frame
+        if self._events and self._events[0][0] <= frame_end:
+            _, kind, sample = self._events.popleft()
+            if kind == "start" and self.start is None:
+                self.start = max(self.prev_end, sample)
+                return SegmentEvent("open", frame_end, self.start)
+            if kind == "end" and self.start is not None:
+                return self._close(frame_end, sample)
+        if self.start is not None and frame_end - self.start >= self.max_segment:
+            return self._cut(frame_end, audio)
+        return None
+
+    def _close(self, now: int, sample: int) -> SegmentEvent:
+        start = self.start
+        end = min(max(sample, start + 2 * self.frame), now)
+        self.start, self.prev_end = None, end
+        return SegmentEvent("close", now, start, end)
+
+    def finish(self, total: int) -> SegmentEvent | None:
+        if self.start is None:
+            return None
+        pending = next((sample for _, kind, sample in self._events if kind == "end"), None)
+        self._events.clear()
+        return self._close(total, total if pending is None else pending)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -361,11 +437,17 @@ class StreamingSession:
     `word_timestamps`: each final carries its words (`Update.words`), timed by the offline rule on the
     segment's samples and offset by the segment's start, so on the stream's timeline and inside the segment
     (segments do not overlap: the words of successive finals are in time order). Partials carry none.
+    `vad` ("auto": the bundle's voice-activity model when it has one, "on", "off") and `vad_options`: segments
+    opened and closed by the model (`VadSegmenter`), else by frame energy (`Segmenter`).
     """
 
     def __init__(self, transcriber, language: str = "en", punctuation: bool = True,
                  config: StreamConfig | None = None, max_new_tokens: int | None = None,
-                 word_timestamps: bool = False):
+                 word_timestamps: bool = False, vad: str = "auto", vad_options: VadOptions | None = None):
+        check_vad_mode(vad)
+        speech = transcriber.speech_probabilities(vad) if hasattr(transcriber, "speech_probabilities") else None
+        if speech is None and vad == "on":
+            raise StreamingError("vad='on' needs a transcriber with a voice-activity model")
         if word_timestamps:
             transcriber.check_word_timestamps()  # a bundle without alignment: refused before any audio
         self.word_timestamps = bool(word_timestamps)
@@ -379,7 +461,10 @@ class StreamingSession:
         self.frame = int(fe.hop_length)
         window_samples = int(transcriber.window_frames) * self.frame  # valid_frames(n) = n // hop
         max_segment = min(int(round(fe.max_audio_clip_s * self.sr)), window_samples)
-        self.segmenter = Segmenter(self.config, fe, max_segment)
+        if speech is None:
+            self.segmenter = Segmenter(self.config, fe, max_segment)
+        else:
+            self.segmenter = VadSegmenter(speech.stream(), vad_options or VadOptions(), fe, max_segment)
         self.hop = frames_of(self.config.hop_s, self.frame, self.sr) * self.frame
         self.bucket_frames = dict(transcriber.encoder_buckets)  # {encoder function: frames}
         self.stats = StreamStats(frame_seconds=self.frame / self.sr)
@@ -410,6 +495,8 @@ class StreamingSession:
         check_waveform(x, "streamed audio chunk")
         self._audio = np.concatenate([self._audio, x])
         self._received += x.size
+        if isinstance(self.segmenter, VadSegmenter):
+            self.segmenter.add(x)
         updates: list[Update] = []
         first = self.segmenter.k
         last = self._received // self.frame
@@ -530,11 +617,11 @@ class StreamingSession:
 
 
 def stream_array(transcriber, samples: np.ndarray, chunk: int, language: str = "en", punctuation: bool = True,
-                 config: StreamConfig | None = None, max_new_tokens: int | None = None, word_timestamps: bool = False
-                 ) -> tuple[list[Update], StreamStats]:
+                 config: StreamConfig | None = None, max_new_tokens: int | None = None, word_timestamps: bool = False,
+                 vad: str = "auto", vad_options: VadOptions | None = None) -> tuple[list[Update], StreamStats]:
     """All updates of `samples` fed in chunks of `chunk` samples (the virtual clock), and the counters."""
     session = StreamingSession(transcriber, language, punctuation, config, max_new_tokens,
-                               word_timestamps=word_timestamps)
+                               word_timestamps=word_timestamps, vad=vad, vad_options=vad_options)
     updates: list[Update] = []
     for i in range(0, samples.shape[0], chunk):
         updates.extend(session.feed(samples[i : i + chunk]))
@@ -545,7 +632,8 @@ def stream_array(transcriber, samples: np.ndarray, chunk: int, language: str = "
 def iter_file(transcriber, path, language: str = "en", punctuation: bool = True, config: StreamConfig | None = None,
               pace: bool = True, chunk_s: float = FILE_CHUNK_S, max_new_tokens: int | None = None,
               clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-              stats_out: list | None = None, word_timestamps: bool = False) -> Iterator[Update]:
+              stats_out: list | None = None, word_timestamps: bool = False, vad: str = "auto",
+              vad_options: VadOptions | None = None) -> Iterator[Update]:
     """Updates of an audio file fed in chunks of `chunk_s`, paced at real time (`pace`: chunk i is fed
     no earlier than i * chunk_s after the first) or as fast as possible. The file is loaded and
     resampled to the bundle's rate first (`audio.load_audio`). `stats_out`: the session's
@@ -553,7 +641,7 @@ def iter_file(transcriber, path, language: str = "en", punctuation: bool = True,
     sr = int(transcriber.front_end.sampling_rate)
     wav = load_audio(path, target_rate=sr)
     session = StreamingSession(transcriber, language, punctuation, config, max_new_tokens,
-                               word_timestamps=word_timestamps)
+                               word_timestamps=word_timestamps, vad=vad, vad_options=vad_options)
     if stats_out is not None:
         stats_out.append(session.stats)
     chunk = max(1, int(round(chunk_s * sr)))
@@ -590,7 +678,8 @@ def run_cli(args, make_transcriber: Callable[[], object]) -> int:
         stats: list[StreamStats] = []
         for update in iter_file(transcriber, path, args.language, not args.no_punctuation, config,
                                 pace=not args.no_pace, max_new_tokens=args.max_new_tokens, stats_out=stats,
-                                word_timestamps=getattr(args, "word_timestamps", False)):
+                                word_timestamps=getattr(args, "word_timestamps", False),
+                                vad=getattr(args, "vad", "auto"), vad_options=getattr(args, "vad_options", None)):
             if args.json:
                 line = update.to_dict()
                 if update.words is not None:  # printed to the millisecond (probabilities to 3 decimals)

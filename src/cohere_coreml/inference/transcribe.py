@@ -44,7 +44,8 @@ from . import streaming
 from .decoder_runtime import DecoderRuntime
 from .decoding import DecodeResult, RepetitionGuard, StopReason, beam_search
 from .encoder_runtime import EncoderRuntime
-from .engines import Engine, TranscriptionResult, WindowResult, transcribe_files
+from .engines import Engine, TranscriptionResult, VadUnavailableError, WindowResult, check_vad_mode, transcribe_files
+from .speech_regions import VadOptions, add_vad_args, vad_options_of
 from .subtitles import DEFAULT_MAX_SECONDS, DEFAULT_MAX_WORDS, FORMATS, SUBTITLE_FORMATS, build_cues, write_subtitles
 from .words import AlignmentSettings, WordTimingError, no_alignment_message, rounded, window_words, word_line
 
@@ -57,6 +58,27 @@ DEFAULT_FRONT_END = "python"
 
 class TranscriptionError(RuntimeError):
     """The packages produced something the loop cannot use (missing outputs, bad shapes, NaN)."""
+
+
+def no_vad_message(bundle: Bundle) -> str:
+    return (f"bundle {','.join(str(d) for d in bundle.dirs)} has no vad.mlpackage: re-export with "
+            "`cohere-coreml export --vad` (the default)")
+
+
+def bundle_vad(bundle: Bundle, backend: str = "auto", compute_units: str = "all"):
+    """The bundle's voice-activity model behind `inference.vad.SpeechProbabilities`, or None when its manifest
+    has no `vad` entry: the one place a bundle's VAD is obtained (the Transcriber and the stream ask here)."""
+    entry = bundle.manifest.get("vad")
+    name = (bundle.manifest.get("files") or {}).get("vad")
+    if not entry or not name:
+        return None
+    path = bundle.paths.get("vad") or next((d / name for d in bundle.dirs if (d / name).exists()), None)
+    if path is None:
+        raise BundleError(f"bundle is missing {name} (looked in {', '.join(map(str, bundle.dirs))})")
+    from .vad import vad_for
+
+    # on the compute units its manifest entry names, as the front end (an fp32 program: CPU/GPU)
+    return vad_for(bundle, backend=backend, compute_units=entry.get("compute_units", compute_units))
 
 
 def _serialized(method):
@@ -138,12 +160,30 @@ class Transcriber(Engine):
         self.window_frames = self.bundle.window_frames
         self.eos_ids = self.bundle.eos_ids
         self.name = ",".join(str(d) for d in self.bundle.dirs)
+        self._vad = None  # the bundle's VAD, loaded on first use (`speech_probabilities`)
         self._lock = threading.RLock()  # calls run one at a time (see the class docstring)
 
     # -- the Engine interface -------------------------------------------------------------------
     def prompt(self, language: str, punctuation: bool = True) -> list[int]:
         """The bundle's prompt ids for `language` (raises `UnknownLanguageError`)."""
         return self.bundle.prompt(language, punctuation)
+
+    def speech_probabilities(self, vad: str = "auto"):
+        """The bundle's VAD (`bundle_vad`) for `vad` "on" or "auto", None for "off" or ("auto") a bundle
+        without one; "on" with a bundle without one raises `VadUnavailableError` naming the fix."""
+        if check_vad_mode(vad) == "off":
+            return None
+        if self.__dict__.get("_vad") is None:
+            self._vad = bundle_vad(self.bundle, self.backend, self.compute_units)
+        if self._vad is None and vad == "on":
+            raise VadUnavailableError(no_vad_message(self.bundle))
+        return self._vad
+
+    def window_s(self) -> float:
+        """The encoder's window in seconds: audio.max_audio_clip_s, or less when the encoder's frames hold less
+        (valid frames = samples // hop)."""
+        fe = self.front_end
+        return min(float(fe.max_audio_clip_s), int(self.window_frames) * fe.hop_length / fe.sampling_rate)
 
     @property
     def alignment(self) -> dict | None:
@@ -416,24 +456,29 @@ class Transcriber(Engine):
     @_serialized
     def transcribe(self, audio, language: str = "en", punctuation: bool = True, *,
                    max_new_tokens: int | None = None, beams: int = 1, repetition_guard: RepetitionGuard | None = None,
-                   progress: bool = False, word_timestamps: bool = False) -> TranscriptionResult:
+                   progress: bool = False, word_timestamps: bool = False, vad: str = "auto",
+                   vad_options: VadOptions | None = None) -> TranscriptionResult:
         """Transcribe a file path (streamed window by window) or a float32 mono array at the bundle's
         sample rate: `engines.Engine.transcribe` (shared with `cohere-coreml transcribe` and `bench`),
         here under the instance's lock. Digital silence gives an empty transcript marked `silent` (no
         model call); empty or NaN/inf audio raises `AudioError`. `word_timestamps`: each window's words
-        (`TranscriptionResult.words`); a bundle without alignment raises `WordTimingError` (one line, the fix)."""
+        (`TranscriptionResult.words`); a bundle without alignment raises `WordTimingError` (one line, the fix).
+        `vad`: "auto" (the bundle's vad.mlpackage when it has one), "on" (a bundle without one: one line naming
+        the fix) or "off"; `vad_options`: the speech-region rule's options (docs/vad.md)."""
         if word_timestamps:
             self.check_word_timestamps()
         return super().transcribe(audio, language, punctuation, max_new_tokens=max_new_tokens, beams=beams,
                                   repetition_guard=repetition_guard, progress=progress,
-                                  word_timestamps=word_timestamps)
+                                  word_timestamps=word_timestamps, vad=vad, vad_options=vad_options)
 
     def stream(self, language: str = "en", punctuation: bool = True, config: streaming.StreamConfig | None = None,
-               max_new_tokens: int | None = None, word_timestamps: bool = False) -> streaming.StreamingSession:
+               max_new_tokens: int | None = None, word_timestamps: bool = False, vad: str = "auto",
+               vad_options: VadOptions | None = None) -> streaming.StreamingSession:
         """A live-transcription session: `feed(samples) -> [Update]`, then `finish()` (docs/streaming.md);
-        `word_timestamps`: the finals carry their words on the stream's timeline."""
+        `word_timestamps`: the finals carry their words on the stream's timeline; `vad`: segments from the
+        bundle's voice-activity model ("auto": when it has one) instead of frame energy (docs/vad.md)."""
         return streaming.StreamingSession(self, language, punctuation, config, max_new_tokens,
-                                          word_timestamps=word_timestamps)
+                                          word_timestamps=word_timestamps, vad=vad, vad_options=vad_options)
 
 
 # --------------------------------------------------------------------------------------------
@@ -455,12 +500,14 @@ def cmd_transcribe(args) -> int:
     fmt = output_format(args)
     words = args.word_timestamps or fmt in SUBTITLE_FORMATS
     build_cues([], args.language, args.max_words_per_cue, args.max_cue_seconds)  # the cue limits, checked early
+    args.vad_options = vad_options_of(args)  # bad --vad-* values: one line, before any audio
 
     def make_transcriber() -> Transcriber:
         tr = Transcriber(args.bundle, backend=args.backend, use_prefill=not args.no_prefill,
                          use_extend=not args.no_extend, front_end=args.front_end, compute_units=args.compute_units)
         if words:
             tr.check_word_timestamps()  # a bundle without alignment: one line naming the fix, before any audio
+        tr.speech_probabilities(args.vad)  # --vad on with a bundle without vad.mlpackage: one line, the fix
         return tr
 
     if args.stream:
@@ -478,7 +525,8 @@ def cmd_transcribe(args) -> int:
     entries, failed = transcribe_files(
         args.audio, make_transcriber, args.language, punctuation=not args.no_punctuation, progress=fmt == "text",
         max_new_tokens=args.max_new_tokens, beams=args.beams,
-        repetition_guard=RepetitionGuard() if args.repetition_guard else None, word_timestamps=words)
+        repetition_guard=RepetitionGuard() if args.repetition_guard else None, word_timestamps=words,
+        vad=args.vad, vad_options=args.vad_options)
     results = [e for e in entries if e["status"] != "error"]  # failures: logged on stderr by transcribe_files
     for entry in results:
         if "words" in entry:  # printed: seconds and probabilities to the millisecond / 3 decimals
@@ -505,6 +553,10 @@ def cmd_transcribe(args) -> int:
         print(entry["text"])
         for w in entry.get("words") or ():
             print(word_line(w))
+        if entry.get("vad"):
+            v = entry["vad"]
+            logger.info("vad: %d window(s), %.1f s of %.1f s decoded (%.0f %%)", v["windows"], v["decoded_s"],
+                        v["audio_s"], 100 * v["decoded_share"])
         for w in entry["windows"]:
             t = w["timings"]
             flag = f"  STOPPED ({w['stop_reason']})" if w["truncated"] else ""
@@ -551,6 +603,7 @@ def add_command(subparsers) -> None:
                    help="python: features from cohere_coreml.model.audio.log_mel; package: from the bundle's "
                    "frontend.mlpackage (default: %(default)s)")
     add_decoding_args(p)
+    add_vad_args(p)
     p.add_argument("--compute-units", default="all", choices=("all", "cpu_only", "cpu_and_gpu", "cpu_and_ne"),
                    help="Core ML compute units (macOS; ignored by the interpreter) (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON: text, token ids, timings, truncation per window "

@@ -67,3 +67,77 @@ class TorchVad:
 
     def stream(self) -> ProbabilityStream:
         return _ChunkStream(self._score)
+
+
+class VadPackageError(RuntimeError):
+    """vad.mlpackage cannot be used as the bundle format says (wrong function, shapes or outputs)."""
+
+
+class PackageVad:
+    """vad.mlpackage (`export --vad`) through the project's runtime: `block` (N chunks a call) scores
+    whole signals, `chunk` (one chunk a call) the stream.
+
+    `block` / `chunk`: loaded functions (`runtime.load_model(path, function_name=...)`: interpreter or Core
+    ML); `chunks`: N, the block's rows (the manifest's `vad.functions.block.chunks`, checked against the
+    function's input). A signal's chunks go in calls of N rows from a zero state, the state carried from
+    call to call; the last call's missing rows are zero frames whose outputs are discarded (the state after
+    them is never used)."""
+
+    def __init__(self, block, chunk, chunks: int):
+        self.chunks = int(chunks)
+        for model, rows in ((block, self.chunks), (chunk, 1)):
+            shape = tuple(model.input_description.get("frames", ((), None))[0])
+            if shape != (rows, silero.FRAME_SAMPLES):
+                raise VadPackageError(f"vad.mlpackage function {model.function_name!r} takes frames {shape}, the "
+                                      f"manifest says ({rows}, {silero.FRAME_SAMPLES}): re-export the bundle")
+        self.block, self.chunk = block, chunk
+
+    @classmethod
+    def load(cls, path, chunks: int, backend: str = "auto", compute_units: str = "all") -> PackageVad:
+        from ..config import VAD_BLOCK_FUNCTION, VAD_CHUNK_FUNCTION
+        from ..runtime import load_model
+
+        return cls(load_model(str(path), backend=backend, function_name=VAD_BLOCK_FUNCTION, compute_units=compute_units),
+                   load_model(str(path), backend=backend, function_name=VAD_CHUNK_FUNCTION, compute_units=compute_units),
+                   chunks)
+
+    @staticmethod
+    def _call(model, frames, h, c):
+        out = model.predict({"frames": frames, "h": h, "c": c})
+        missing = sorted({"probability", "h_out", "c_out"} - set(out))
+        if missing:
+            raise VadPackageError(f"vad.mlpackage function {model.function_name!r} gave no {', '.join(missing)}")
+        return (np.asarray(out["probability"], np.float32).reshape(-1), np.asarray(out["h_out"], np.float32),
+                np.asarray(out["c_out"], np.float32))
+
+    def probabilities(self, wav: np.ndarray) -> np.ndarray:
+        frames = silero.chunk_frames(wav)
+        n, rows = frames.shape[0], self.chunks
+        h = np.zeros((1, silero.HIDDEN), np.float32)
+        c = np.zeros((1, silero.HIDDEN), np.float32)
+        out = []
+        for start in range(0, n, rows):
+            block = np.zeros((rows, silero.FRAME_SAMPLES), np.float32)
+            block[: min(rows, n - start)] = frames[start : start + rows]
+            probs, h, c = self._call(self.block, block, h, c)
+            out.append(probs[: min(rows, n - start)])
+        return np.concatenate(out) if out else np.zeros(0, np.float32)
+
+    def _score(self, frames, h, c):
+        probs = []
+        for row in frames:
+            p, h, c = self._call(self.chunk, row[None], h, c)
+            probs.append(p)
+        return (np.concatenate(probs) if probs else np.zeros(0, np.float32)), h, c
+
+    def stream(self) -> ProbabilityStream:
+        return _ChunkStream(self._score)
+
+
+def vad_for(bundle, backend: str = "auto", compute_units: str = "all") -> PackageVad | None:
+    """The bundle's vad.mlpackage as a `PackageVad` (N from the manifest's `vad.functions.block.chunks`), or
+    None when the bundle has no VAD (`vad` absent or null: exported before it, or with `export --no-vad`)."""
+    chunks = bundle.vad_chunks
+    if chunks is None:
+        return None
+    return PackageVad.load(bundle.paths["vad"], chunks, backend=backend, compute_units=compute_units)

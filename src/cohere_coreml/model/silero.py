@@ -155,7 +155,64 @@ def reference_probabilities(wav: np.ndarray) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
+def reference_regions(probs, n_samples: int, *, threshold: float = 0.5, neg_threshold: float | None = None,
+                      min_speech_ms: int = 250, min_silence_ms: int = 100, speech_pad_ms: int = 30,
+                      max_speech_s: float = float("inf")) -> list[tuple[int, int]]:
+    """The oracle of the region rule: the package's `get_speech_timestamps_from_probs` at 16 kHz, in samples
+    of a signal of `n_samples`, cutting over-long speech at the longest silence (its defaults)."""
+    found = _package().get_speech_timestamps_from_probs(
+        [float(p) for p in probs], sampling_rate=SAMPLE_RATE, threshold=threshold, neg_threshold=neg_threshold,
+        min_speech_duration_ms=min_speech_ms, min_silence_duration_ms=min_silence_ms, speech_pad_ms=speech_pad_ms,
+        max_speech_duration_s=max_speech_s, audio_length_samples=int(n_samples))
+    return [(int(s["start"]), int(s["end"])) for s in found]
+
+
+class _GivenProbabilities:
+    """A stand-in for the package's model: returns the given probabilities one call after another."""
+
+    def __init__(self, probs):
+        self._probs = [float(p) for p in probs]
+        self._next = 0
+
+    def reset_states(self):
+        self._next = 0
+
+    def __call__(self, x, sr):
+        prob = self._probs[self._next]
+        self._next += 1
+        return torch.tensor(prob, dtype=torch.float64)
+
+
+def reference_stream_events(probs, *, threshold: float = 0.5, min_silence_ms: int = 100,
+                            speech_pad_ms: int = 30) -> list[tuple[int, str, int]]:
+    """The oracle of the stream rule: the package's `VADIterator` fed one 512-sample chunk per probability
+    by a stand-in model -> [(chunk index, "start" | "end", sample)]."""
+    iterator = _package().VADIterator(_GivenProbabilities(probs), threshold=threshold, sampling_rate=SAMPLE_RATE,
+                                      min_silence_duration_ms=min_silence_ms, speech_pad_ms=speech_pad_ms)
+    chunk = torch.zeros(CHUNK_SAMPLES)
+    events = []
+    for i in range(len(probs)):
+        event = iterator(chunk)
+        if event:
+            (kind, sample), = event.items()
+            events.append((i, kind, int(sample)))
+    return events
+
+
 _REFERENCE = {}
+
+
+def _package():
+    """The `silero_vad` package, imported once with the caller's torch thread count kept (its import sets 1)."""
+    if "package" not in _REFERENCE:
+        threads = torch.get_num_threads()
+        try:
+            import silero_vad
+
+            _REFERENCE["package"] = silero_vad
+        finally:
+            torch.set_num_threads(threads)
+    return _REFERENCE["package"]
 
 
 def _reference_model():
@@ -164,9 +221,7 @@ def _reference_model():
     if "model" not in _REFERENCE:
         threads = torch.get_num_threads()
         try:
-            from silero_vad import load_silero_vad
-
-            _REFERENCE["model"] = load_silero_vad()
+            _REFERENCE["model"] = _package().load_silero_vad()
         finally:
             torch.set_num_threads(threads)
     return _REFERENCE["model"]

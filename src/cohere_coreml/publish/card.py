@@ -180,7 +180,8 @@ def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None, manifes
              f"{m.get('tool_version')} (`{m.get('tool_git_hash')}`): "
              + ("front end (16 kHz samples -> log-mel features, fp32, CPU/GPU) + " if m.get("frontend") else "")
              + "encoder + stateful decoder (KV cache in Core ML "
-             f"state), {activations_note(root)}" + ("" if preset == "f16" else f", weights compressed with preset `{preset}`")
+             "state)" + (" + Silero VAD (speech probability per 32 ms chunk)" if m.get("vad") else "")
+             + f", {activations_note(root)}" + ("" if preset == "f16" else f", weights compressed with preset `{preset}`")
              + low_rank_note(root) + ".",
              "", "## Files", "", "| file | size |", "|---|---|"]
     lines += [f"| `{name}` | {_mb(n)} |" for name, n in sorted(sizes.items())]
@@ -198,6 +199,11 @@ def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None, manifes
                          f"{min(float(w['psnr_db']) for w in signal):.1f} dB | "
                          f"{fe.get('budgets', {}).get('signal', {}).get('max_abs_diff')} / "
                          f"{fe.get('budgets', {}).get('signal', {}).get('min_psnr_db')} dB | {fe.get('passed')} |")
+    vad = (m.get("vad") or {}).get("parity")  # never compressed: its export's gate figures
+    if vad:
+        lines.append(f"| VAD speech probability per chunk, max abs diff; speech segments | silero-vad's own model | "
+                     f"{vad['max_abs_diff']:.2e}; {'identical' if vad['segments_identical'] else 'differ'} | "
+                     f"{vad['max_abs_diff_bound']}; identical | {vad['segments_identical']} |")
     for comp in ("encoder", "decoder"):
         r = _load(root / f"{comp}.parity.json")
         if not r:

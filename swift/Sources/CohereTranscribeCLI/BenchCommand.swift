@@ -10,6 +10,7 @@ enum BenchCommand {
                                          [--language-from-manifest | --language LANG] [--max-clips N]
                                          [--max-new-tokens N] [--no-warmup] [--quiet] [--cache-dir DIR]
                                          [--candidates UNITS,...] [--device-choice FILE] [--child-timeout S]
+                                         [--vad auto|on|off]
 
     Device benchmark of one bundle over a dataset folder (manifest.json / manifest.jsonl with file|audio, text,
     language: the format `cohere-coreml bench --data` reads): cold load (first transcriber + prewarm; with
@@ -41,6 +42,8 @@ enum BenchCommand {
       --max-clips      only the first N manifest entries
       --no-warmup      no warm-up run of the first clip
       --quiet          no progress lines on stderr
+      --vad            transcribe only the windows of speech the bundle's vad.mlpackage finds (docs/vad.md); auto =
+                       on when the bundle has one (default: auto)
     Exit status: 0, 1 when a clip failed (it is in the JSON with its error; the others ran) or no candidate was
     chosen, 2 for usage errors and when the benchmark cannot run (dataset, bundle, runtime).
     """
@@ -58,6 +61,7 @@ enum BenchCommand {
         var cacheDir: String?, candidateUnits: [ComputeUnits]?, deviceChoicePath: String?, childTimeout = 7200.0
         var childCandidate: String?, childResult: String?
         var runtimeName = RuntimeChoice.defaultName
+        var vad = VADMode.auto
         while !args.isEmpty {
             let a = args.removeFirst()
             func value() -> String? { args.isEmpty ? nil : args.removeFirst() }
@@ -109,6 +113,10 @@ enum BenchCommand {
             case "--language-from-manifest": fromManifest = true
             case "--no-warmup": warmup = false
             case "--quiet": quiet = true
+            case "--vad":
+                let v = value() ?? ""
+                guard let mode = VADMode(rawValue: v) else { return fail("--vad must be auto, on or off, got '\(v)'") }
+                vad = mode
             default:
                 return fail("unknown argument '\(a)'\n\(usage)")
             }
@@ -122,6 +130,15 @@ enum BenchCommand {
             && (candidateUnits != nil || deviceChoicePath != nil) {
             return fail("--candidates and --device-choice need --runtime coreml (the interpreter has no compute units)")
         }
+        if vad == .on {  // a bundle without vad.mlpackage: one line, before any child, runtime or model
+            do {
+                let url = URL(fileURLWithPath: bundle)
+                let manifest = try BundleManifest.load(bundle: url)
+                _ = try vad.resolve(bundleHasVAD: manifest.vad != nil && manifest.files.vad != nil, bundle: url)
+            } catch {
+                return fail("\(error)")
+            }
+        }
         if runtimeName == "coreml" && childCandidate == nil {  // the device decides: one child per candidate
             #if os(macOS) || os(Linux)
             var childArguments = ["--bundle", bundle, "--data", data, "--runtime", "coreml", "--quiet"]
@@ -131,6 +148,7 @@ enum BenchCommand {
             if let maxClips { childArguments += ["--max-clips", String(maxClips)] }
             if let maxNewTokens { childArguments += ["--max-new-tokens", String(maxNewTokens)] }
             if !warmup { childArguments.append("--no-warmup") }
+            if vad != .auto { childArguments += ["--vad", vad.rawValue] }
             return await sweep(bundle: bundle, childArguments: childArguments, units: units.map { [$0] } ?? candidateUnits,
                                deviceChoice: deviceChoicePath, timeout: childTimeout, out: out, quiet: quiet)
             #else
@@ -151,6 +169,7 @@ enum BenchCommand {
         var options = DeviceBenchmark.Options(bundle: URL(fileURLWithPath: bundle), dataset: data, computeUnitsFlag: units,
                                               language: language, maxClips: maxClips, maxNewTokens: maxNewTokens,
                                               warmup: warmup, progress: progress)
+        options.vad = vad
         let report: DeviceBenchmark.Report
         let json: Data
         do {

@@ -19,7 +19,7 @@ enum StreamCommand {
     /// `wordTimestamps`, each final's words (JSON: its "words"; else one line per word after the final).
     static func run(_ transcriber: CohereTranscriber, files: [(String, [Float])], language: String, punctuation: Bool,
                     config: StreamConfig, json: Bool, pace: Bool, maxNewTokens: Int?, stats: Bool = false,
-                    wordTimestamps: Bool = false) async throws {
+                    wordTimestamps: Bool = false, vad: VADMode = .auto, vadOptions: VADOptions = VADOptions()) async throws {
         let rate = transcriber.manifest.audio.samplingRate
         for (path, samples) in files {
             if files.count > 1, !json { print("== \(path)") }
@@ -32,7 +32,7 @@ enum StreamCommand {
             }
             let (input, updates) = try transcriber.stream(language: language, punctuation: punctuation, config: config,
                                                           maxNewTokens: maxNewTokens, wordTimestamps: wordTimestamps,
-                                                          onStats: onStats)
+                                                          vad: vad, vadOptions: vadOptions, onStats: onStats)
             let feeder = Task { try await StreamFileSource.feed(samples: samples, sampleRate: rate, into: input, pace: pace) }
             for try await update in updates {
                 if json {

@@ -10,8 +10,10 @@ let usage = """
 usage: cohere-transcribe-swift --bundle DIR --language LANG FILE... [--json] [--no-punctuation] [--word-timestamps]
                                [--max-new-tokens N] [--compute-units all|cpu_only|cpu_and_gpu|cpu_and_ne]
                                [--runtime coreml|interpreter] [--interpreter PATH] [--cache-dir DIR]
+                               [--vad auto|on|off] [--vad-threshold P] [--vad-min-speech-ms MS]
+                               [--vad-min-silence-ms MS] [--vad-speech-pad-ms MS] [--vad-max-gap-s S]
        cohere-transcribe-swift --stream --bundle DIR --language LANG FILE... [--json] [--no-pace] [--hop S]
-                               [--stats] [--word-timestamps]
+                               [--stats] [--word-timestamps] [--vad auto|on|off] [--vad-* ...]
        cohere-transcribe-swift bench --bundle DIR --data DATASET ...   (device benchmark: bench --help)
 
 Greedy transcription with a bundle written by `cohere-coreml export` (front end, encoder, decoder
@@ -36,6 +38,14 @@ packages, manifest.json, vocab.json); token for token what `cohere-coreml transc
   --hop S          with --stream: seconds of new audio between partials (default 0.5)
   --stats          with --stream: after each file, one JSON line of compute counters on stderr (encoder
                    calls / frames, decoder calls / tokens fed, per audio second); stdout is unchanged
+  --vad            voice activity (docs/vad.md): transcribe only the windows of speech the bundle's
+                   vad.mlpackage finds (with --stream: segments opened and closed by it); auto = on when the
+                   bundle has one (default: auto)
+  --vad-threshold  speech probability at which speech starts, between 0 and 1 (default: 0.5)
+  --vad-min-speech-ms   drop regions of speech shorter than this (default: 250)
+  --vad-min-silence-ms  silence that ends a region of speech (default: 100)
+  --vad-speech-pad-ms   audio kept on each side of a region (default: 30)
+  --vad-max-gap-s  longest pause kept inside one window; longer pauses are never decoded (default: 2.0)
 A file that cannot be transcribed is reported; the others are still transcribed (exit status 1).
 """
 
@@ -60,6 +70,8 @@ var pace = true
 var hop: Double?
 var stats = false
 var runtimeName = RuntimeChoice.defaultName
+var vadMode = VADMode.auto
+var vadOptions = VADOptions()
 
 var args = Array(CommandLine.arguments.dropFirst())
 func value(_ flag: String) -> String {
@@ -98,6 +110,23 @@ while !args.isEmpty {
     case "--hop":
         guard let s = Double(value(a)), s.isFinite, s > 0 else { fail("--hop needs a positive number of seconds") }
         hop = s
+    case "--vad":
+        let v = value(a)
+        guard let mode = VADMode(rawValue: v) else { fail("--vad must be auto, on or off, got '\(v)'") }
+        vadMode = mode
+    case "--vad-threshold":
+        guard let x = Double(value(a)) else { fail("--vad-threshold needs a number between 0 and 1") }
+        vadOptions.threshold = x
+    case "--vad-min-speech-ms", "--vad-min-silence-ms", "--vad-speech-pad-ms":
+        guard let ms = Int(value(a)) else { fail("\(a) needs a whole number of milliseconds") }
+        switch a {
+        case "--vad-min-speech-ms": vadOptions.minSpeechMs = ms
+        case "--vad-min-silence-ms": vadOptions.minSilenceMs = ms
+        default: vadOptions.speechPadMs = ms
+        }
+    case "--vad-max-gap-s":
+        guard let s = Double(value(a)) else { fail("--vad-max-gap-s needs a number of seconds") }
+        vadOptions.maxGapSeconds = s
     default:
         if a.hasPrefix("--") { fail("unknown option \(a)\n\(usage)") }
         files.append(a)
@@ -107,6 +136,16 @@ guard let bundle else { fail("--bundle is required\n\(usage)") }
 guard let language else { fail("--language is required\n\(usage)") }
 guard !files.isEmpty else { fail("no audio file given\n\(usage)") }
 if !stream, !pace || hop != nil || stats { fail("--no-pace, --hop and --stats need --stream") }
+do {  // bad --vad-* values, --vad on with a bundle without vad.mlpackage: one line, before any audio or model
+    try vadOptions.validate()
+    if vadMode == .on {
+        let url = URL(fileURLWithPath: bundle)
+        let manifest = try BundleManifest.load(bundle: url)
+        _ = try vadMode.resolve(bundleHasVAD: manifest.vad != nil && manifest.files.vad != nil, bundle: url)
+    }
+} catch {
+    fail("\(error)")
+}
 var streamConfig = StreamConfig()
 if let hop { streamConfig.hopSeconds = hop }
 var streamFiles: [(String, [Float])] = []
@@ -143,6 +182,10 @@ func jsonObject(_ path: String, _ r: TranscriptionResult) -> [String: Any] {
         },
     ]
     if let words = r.words { object["words"] = words.map(jsonWord) }
+    if let v = r.vadSummary {  // as Python's result: the windows and the share of the audio decoded
+        object["vad"] = ["windows": v.windows, "regions": v.regions, "audio_s": v.audioSeconds, "decoded_s": v.decodedSeconds,
+                         "decoded_share": v.decodedShare]
+    }
     return object
 }
 
@@ -161,7 +204,7 @@ if stream {
     do {
         try await StreamCommand.run(transcriber, files: streamFiles, language: language, punctuation: punctuation,
                                     config: streamConfig, json: json, pace: pace, maxNewTokens: maxNewTokens,
-                                    stats: stats, wordTimestamps: wordTimestamps)
+                                    stats: stats, wordTimestamps: wordTimestamps, vad: vadMode, vadOptions: vadOptions)
     } catch {
         fail("\(error)")
     }
@@ -174,7 +217,7 @@ for path in files {
     do {
         let r = try await transcriber.transcribe(contentsOf: URL(fileURLWithPath: path), language: language,
                                                  punctuation: punctuation, maxNewTokens: maxNewTokens,
-                                                 wordTimestamps: wordTimestamps)
+                                                 wordTimestamps: wordTimestamps, vad: vadMode, vadOptions: vadOptions)
         if json {
             results.append(jsonObject(path, r))
         } else {
@@ -183,6 +226,10 @@ for path in files {
             for w in r.words ?? [] {
                 print("[\(String(format: "%.3f", w.start))-\(String(format: "%.3f", w.end))] \(w.text) "
                       + "(\(String(format: "%.3f", w.probability)))")  // as `cohere-coreml transcribe` prints it
+            }
+            if let v = r.vadSummary {  // as `cohere-coreml transcribe` logs it
+                FileHandle.standardError.write(Data(("vad: \(v.windows) window(s), \(String(format: "%.1f", v.decodedSeconds)) s of "
+                    + "\(String(format: "%.1f", v.audioSeconds)) s decoded (\(String(format: "%.0f", 100 * v.decodedShare)) %)\n").utf8))
             }
             for w in r.windows where w.truncated {
                 FileHandle.standardError.write(Data("window \(w.index) stopped without eos (\(w.stopReason))\n".utf8))

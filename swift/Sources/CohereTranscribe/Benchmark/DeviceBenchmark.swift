@@ -42,6 +42,8 @@ public enum DeviceBenchmark {
         public var candidate: DeviceCandidate?
         /// Test hook: what to do at the first prediction (`FaultInjection`, from $COHERE_BENCH_FAULT in a child).
         public var fault: FaultInjection?
+        /// Speech windows from the bundle's VAD (`.auto`: when it has vad.mlpackage; docs/vad.md).
+        public var vad = VADMode.auto
 
         public init(bundle: URL, dataset: String, computeUnits: ComponentComputeUnits = .init(),
                     computeUnitsFlag: ComputeUnits? = nil, language: String? = nil, maxClips: Int? = nil,
@@ -75,6 +77,7 @@ public enum DeviceBenchmark {
         let models: ModelRuntime = options.fault.map { FaultInjectingRuntime(base: runtime, fault: $0) } ?? runtime
         if let language = options.language { _ = try manifest.prompt(language: language) }  // unknown: fail now
         if let n = options.maxClips, n < 1 { throw BenchmarkError("--max-clips must be >= 1, got \(n)") }
+        _ = try options.vad.resolve(bundleHasVAD: manifest.vad != nil && manifest.files.vad != nil, bundle: options.bundle)
         let eos = Set(bundle.eosTokenIds)
         let say = options.progress ?? { _ in }
         var memory = MemoryRecord()
@@ -125,13 +128,13 @@ public enum DeviceBenchmark {
                 if options.warmup && firstRun == nil {
                     clock.lap()
                     let r = try await transcriber.transcribe(contentsOf: url, language: clip.promptLanguage,
-                                                             maxNewTokens: options.maxNewTokens)
+                                                             maxNewTokens: options.maxNewTokens, vad: options.vad)
                     let t = clock.lap()
                     if !r.silent { firstRun = t }
                 }
                 clock.lap()
                 let r = try await transcriber.transcribe(contentsOf: url, language: clip.promptLanguage,
-                                                         maxNewTokens: options.maxNewTokens)
+                                                         maxNewTokens: options.maxNewTokens, vad: options.vad)
                 clip.processingSeconds = clock.lap()
                 clip.fill(r, eos: eos)
                 clip.memoryMB = memory.sample()
@@ -156,7 +159,7 @@ public enum DeviceBenchmark {
             machine: MachineRecord.current(), dataset: dataset.record(benched: entries.count), bundle: bundle,
             options: OptionsRecord(maxClips: options.maxClips, language: options.language,
                                    languageFromManifest: options.language == nil, maxNewTokens: options.maxNewTokens,
-                                   warmup: options.warmup),
+                                   warmup: options.warmup, vad: options.vad.rawValue),
             load: load, firstRunSeconds: firstRun, memory: memory, placement: placement, placementReason: reason,
             totals: Totals(clips), clips: clips,
             candidate: options.candidate.map {

@@ -82,10 +82,12 @@ extension DeviceBenchmark {
         public var warmup: Bool
         public var beams = 1
         public var repetitionGuard = false
+        /// The VAD mode asked (auto: on when the bundle has vad.mlpackage; docs/vad.md).
+        public var vad = VADMode.auto.rawValue
 
         enum CodingKeys: String, CodingKey {
             case maxClips = "max_clips", language, languageFromManifest = "language_from_manifest",
-                 maxNewTokens = "max_new_tokens", warmup, beams, repetitionGuard = "repetition_guard"
+                 maxNewTokens = "max_new_tokens", warmup, beams, repetitionGuard = "repetition_guard", vad
         }
     }
 

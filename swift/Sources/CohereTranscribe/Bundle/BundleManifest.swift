@@ -106,6 +106,8 @@ public struct BundleManifest: Codable, Sendable {
         public var decoder: String
         public var vocab: String
         public var frontend: String?
+        /// The voice-activity package (`vad.mlpackage`; nil: the bundle has none, manifest `vad` null).
+        public var vad: String?
         /// An encoder in parts: the later programs' files, by `files` key (`encoder_part2`, ...; `Encoder.parts`
         /// names them). Empty for a whole encoder.
         public var encoderParts: [String: String] = [:]
@@ -113,6 +115,7 @@ public struct BundleManifest: Codable, Sendable {
         /// (manifest key, path) of every file named.
         public var named: [(String, String)] {
             [("encoder", encoder), ("decoder", decoder), ("vocab", vocab)] + (frontend.map { [("frontend", $0)] } ?? [])
+                + (vad.map { [("vad", $0)] } ?? [])
                 + encoderParts.sorted { $0.key < $1.key }.map { ($0.key, $0.value) }
         }
 
@@ -123,13 +126,15 @@ public struct BundleManifest: Codable, Sendable {
             case "decoder": return decoder
             case "vocab": return vocab
             case "frontend": return frontend
+            case "vad": return vad
             default: return encoderParts[key]
             }
         }
 
-        public init(encoder: String, decoder: String, vocab: String, frontend: String? = nil,
+        public init(encoder: String, decoder: String, vocab: String, frontend: String? = nil, vad: String? = nil,
                     encoderParts: [String: String] = [:]) {
             (self.encoder, self.decoder, self.vocab, self.frontend, self.encoderParts) = (encoder, decoder, vocab, frontend, encoderParts)
+            self.vad = vad
         }
 
         struct Key: CodingKey {
@@ -145,6 +150,7 @@ public struct BundleManifest: Codable, Sendable {
             self.decoder = try c.decode(String.self, forKey: Key(stringValue: "decoder"))
             vocab = try c.decode(String.self, forKey: Key(stringValue: "vocab"))
             frontend = try c.decodeIfPresent(String.self, forKey: Key(stringValue: "frontend"))
+            vad = try c.decodeIfPresent(String.self, forKey: Key(stringValue: "vad"))
             for key in c.allKeys where key.stringValue.hasPrefix("encoder_part") {
                 encoderParts[key.stringValue] = try c.decode(String.self, forKey: key)
             }
@@ -156,6 +162,7 @@ public struct BundleManifest: Codable, Sendable {
             try c.encode(decoder, forKey: Key(stringValue: "decoder"))
             try c.encode(vocab, forKey: Key(stringValue: "vocab"))
             try c.encodeIfPresent(frontend, forKey: Key(stringValue: "frontend"))
+            try c.encodeIfPresent(vad, forKey: Key(stringValue: "vad"))
             for (key, file) in encoderParts { try c.encode(file, forKey: Key(stringValue: key)) }
         }
     }
@@ -430,6 +437,50 @@ public struct BundleManifest: Codable, Sendable {
         }
     }
 
+    /// The voice-activity section (written when the bundle has `vad.mlpackage`; docs/vad.md): Silero VAD's
+    /// 16 kHz network, its two functions (`block`: `chunks` rows a call for whole signals; `chunk`: one, for
+    /// streams) with their io, and the numbers the host frames the audio with.
+    public struct VAD: Codable, Sendable {
+        public struct Function: Codable, Sendable {
+            /// Rows (512-sample chunks) of one call: N for `block` (chosen at export), 1 for `chunk`.
+            public var chunks: Int
+            public var io: ModelIO?
+        }
+        public var sampleRate: Int
+        public var chunkSamples: Int
+        public var contextSamples: Int
+        public var hidden: Int
+        /// The functions the check reads (`block`, `chunk`); other entries are ignored, as Python ignores them.
+        public var functions: [String: Function]
+        /// Where the package's predictions run (`ComputeUnits` raw value; informational, read leniently).
+        public var computeUnits: String?
+
+        public init(sampleRate: Int = 16000, chunkSamples: Int = 512, contextSamples: Int = 64, hidden: Int = 128,
+                    functions: [String: Function], computeUnits: String? = nil) {
+            (self.sampleRate, self.chunkSamples, self.contextSamples, self.hidden) = (sampleRate, chunkSamples, contextSamples, hidden)
+            (self.functions, self.computeUnits) = (functions, computeUnits)
+        }
+
+        enum CodingKeys: String, CodingKey {
+            case hidden, functions
+            case sampleRate = "sample_rate"
+            case chunkSamples = "chunk_samples"
+            case contextSamples = "context_samples"
+            case computeUnits = "compute_units"
+        }
+
+        public init(from decoder: Swift.Decoder) throws {
+            let c = try decoder.container(keyedBy: CodingKeys.self)
+            sampleRate = try c.decode(Int.self, forKey: .sampleRate)
+            chunkSamples = try c.decode(Int.self, forKey: .chunkSamples)
+            contextSamples = try c.decode(Int.self, forKey: .contextSamples)
+            hidden = try c.decode(Int.self, forKey: .hidden)
+            let all = try c.decode([String: Lenient<Function>].self, forKey: .functions)
+            functions = all.compactMapValues(\.value)
+            computeUnits = (try? c.decodeIfPresent(Lenient<String>.self, forKey: .computeUnits))??.value
+        }
+    }
+
     public struct Tokens: Codable, Sendable {
         public var eosTokenIds: [Int]
         public var vocabSize: Int
@@ -466,6 +517,8 @@ public struct BundleManifest: Codable, Sendable {
     public var encoder: Encoder
     public var decoder: Decoder
     public var frontend: FrontEnd?
+    /// The voice-activity package's section (nil: the bundle has none).
+    public var vad: VAD?
     public var tokens: Tokens
     public var generation: Generation
     public var languages: [String: Prompts]
@@ -474,7 +527,7 @@ public struct BundleManifest: Codable, Sendable {
         case format
         case formatVersion = "format_version"
         case modelId = "model_id"
-        case precision, files, audio, encoder, decoder, frontend, tokens, generation, languages
+        case precision, files, audio, encoder, decoder, frontend, vad, tokens, generation, languages
     }
 
     /// Decodes `data` after the Python loader's checks (`ManifestCheck`, in its order): another format, a
@@ -556,6 +609,7 @@ public struct BundleManifest: Codable, Sendable {
             else if let a = decoder.alignment, function == a.function { io = a.io }
             else { io = function == (decoder.functions?.step ?? "main") ? decoder.io : nil }
         case "frontend": io = frontend?.functions[function]?.io ?? (function == "main" ? frontend?.io : nil)
+        case "vad": io = vad?.functions[function]?.io
         default: io = nil
         }
         return io.flatMap { $0.isEmpty ? nil : $0 }

@@ -25,7 +25,7 @@ enum ManifestCheck {
         ("overlap_chunk_second", "overlap_chunk_second"), ("min_energy_window_samples", "min_energy_window_samples")]
     /// Suffix every `files` entry must have (Python's order: the first wrong one is named).
     static let fileSuffixes: [(String, String)] = [
-        ("encoder", ".mlpackage"), ("decoder", ".mlpackage"), ("frontend", ".mlpackage"), ("vocab", ".json"),
+        ("encoder", ".mlpackage"), ("decoder", ".mlpackage"), ("frontend", ".mlpackage"), ("vad", ".mlpackage"), ("vocab", ".json"),
         ("tokenizer", "tokenizer.json"), ("processor_config", ".json"), ("tokenizer_config", ".json")]
     static let requiredFiles = ["encoder", "decoder", "vocab", "tokenizer", "processor_config"]
 
@@ -209,6 +209,47 @@ enum ManifestCheck {
         }
     }
 
+    /// Silero VAD's 16 kHz numbers the host frames the audio with (docs/vad.md), in the order they are checked.
+    static let vadNumbers: [(key: String, value: Int)] = [("sample_rate", 16000), ("chunk_samples", 512),
+                                                          ("context_samples", 64), ("hidden", 128)]
+
+    /// `vad` (optional; docs/vad.md), Python's `_check_vad`: given exactly when `files.vad` is; Silero VAD's
+    /// 16 kHz numbers; the `block` function's rows (chunks) >= 1 and the `chunk` function's 1; each function's io
+    /// shapes consistent with them (frames (chunks, context + chunk), h and c (1, hidden) in; probability
+    /// (1, chunks), h_out and c_out (1, hidden) out).
+    static func checkVAD(_ m: JSONObject) throws {
+        let files = m["files"]?.object ?? JSONObject()
+        let vad = try obj(m, "vad", "vad", optional: true)
+        if (vad == nil) != ((files["vad"] ?? .null) == .null) {
+            throw fail("vad", "and files.vad must be given together (a bundle with vad.mlpackage has both)")
+        }
+        guard let vad else { return }
+        var numbers: [String: Int] = [:]
+        for (key, want) in vadNumbers {
+            let value: Int = try int(vad, key, "vad.\(key)", lo: 1)
+            try equal("vad.\(key)", value, "Silero VAD's 16 kHz network's", want)
+            numbers[key] = value
+        }
+        let frameSamples = numbers["context_samples"]! + numbers["chunk_samples"]!, hidden = numbers["hidden"]!
+        let functions: JSONObject = try obj(vad, "functions", "vad.functions")
+        for name in [VoiceActivity.blockFunction, VoiceActivity.chunkFunction] {
+            let path = "vad.functions.\(name)"
+            let fn: JSONObject = try obj(functions, name, path)
+            let chunks: Int = try int(fn, "chunks", "\(path).chunks", lo: 1)
+            if name == VoiceActivity.chunkFunction { try equal("\(path).chunks", chunks, "the stream's one chunk a call", 1) }
+            let block: JSONObject = try io(fn, "io", "\(path).io")
+            let expected: [(kind: String, name: String, shape: [Int], what: String)] = [
+                ("inputs", "frames", [chunks, frameSamples], "[\(path).chunks, vad.context_samples + vad.chunk_samples]"),
+                ("inputs", "h", [1, hidden], "[1, vad.hidden]"), ("inputs", "c", [1, hidden], "[1, vad.hidden]"),
+                ("outputs", "probability", [1, chunks], "[1, \(path).chunks]"),
+                ("outputs", "h_out", [1, hidden], "[1, vad.hidden]"), ("outputs", "c_out", [1, hidden], "[1, vad.hidden]")]
+            for e in expected {  // shapes (the dtypes are compared with the package's own io when it loads)
+                let got = try array(block, e.kind, e.name, "\(path).io")
+                try equal("\(path).io.\(e.kind).\(e.name).shape", got.shape, e.what, shape(e.shape))
+            }
+        }
+    }
+
     // MARK: - Bundle.load: header, files, checksums
 
     /// `encoder.parts` (Python's `bundle._check_encoder_parts`): programs of consecutive layers covering
@@ -330,9 +371,9 @@ enum ManifestCheck {
                 throw fail("files.\(key)", "is '\(name)'; it names a \(suffix) file")
             }
         }
-        for key in requiredFiles + ["frontend"] {
+        for key in requiredFiles + ["frontend", "vad"] {
             guard case .string(let name)? = files[key] else {
-                if key == "frontend" { continue }
+                if key == "frontend" || key == "vad" { continue }
                 throw fail("files.\(key)", "is missing: the manifest describes no \(key); export it (`cohere-coreml export`)")
             }
             if let bundle, !FileManager.default.fileExists(atPath: bundle.appendingPathComponent(name).path) {
@@ -712,6 +753,7 @@ enum ManifestCheck {
             _ = try io(front, "io", "frontend.io")
             try equal("frontend.io", front["io"]!, "frontend.functions.main.io", feFunctions["main"]!.object!["io"]!)
         }
+        try checkVAD(m)
 
         // tokens, generation, languages (the prompts): ids inside the vocabulary, pieces as the tokenizer's
         let tokens: JSONObject = try obj(m, "tokens", "tokens")

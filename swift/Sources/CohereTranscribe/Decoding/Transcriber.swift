@@ -91,6 +91,18 @@ public struct TranscriptionResult: Sendable, Codable {
     public var seconds: Double = 0
     /// Every window's words in order, times on the audio's timeline (nil: not asked; `wordTimestamps: true`).
     public var words: [WordTiming]? = nil
+    /// The speech regions the VAD found (samples of the 16 kHz audio); nil when the VAD was off (or the audio
+    /// digitally silent: no model call).
+    public var speechRegions: [SampleSpan]? = nil
+    /// The windows packed from them, the only audio encoded and decoded (nil when the VAD was off).
+    public var speechWindows: [SampleSpan]? = nil
+
+    /// With the VAD, Python's `vad` summary: windows, regions, audio and decoded seconds, their ratio (nil: off).
+    public var vadSummary: (windows: Int, regions: Int, audioSeconds: Double, decodedSeconds: Double, decodedShare: Double)? {
+        guard let speechRegions, let speechWindows else { return nil }
+        let decoded = Double(speechWindows.reduce(0) { $0 + $1.count }) / Double(VoiceActivityRule.sampleRate)
+        return (speechWindows.count, speechRegions.count, seconds, decoded, seconds > 0 ? decoded / seconds : 0)
+    }
 
     public var truncated: Bool { windows.contains { $0.truncated } }
     public var tokenIds: [[Int]] { windows.map(\.tokenIds) }
@@ -187,7 +199,7 @@ public actor CohereTranscriber {
     // MARK: - loading
 
     /// Loads one function of a bundle package once (concurrent callers share the load) and checks it.
-    private func load(_ key: String, file: String, function: String, units: ComputeUnits,
+    func load(_ key: String, file: String, function: String, units: ComputeUnits,
                       expected: ModelIO, component: String) async throws -> RuntimeModel {
         if let task = loads[key] { return try await task.value.model }
         let url = bundleURL.appendingPathComponent(file)
@@ -306,6 +318,10 @@ public actor CohereTranscriber {
         if let alignment = try? manifest.checkedAlignment(promptLength: manifest.decoder.promptLength) {
             _ = try await alignModel(alignment)  // word timings
         }
+        if manifest.vad != nil, manifest.files.vad != nil {  // the VAD's functions (whole signals, streams)
+            _ = try await vadModel(VoiceActivity.blockFunction)
+            _ = try await vadModel(VoiceActivity.chunkFunction)
+        }
     }
 
     /// Releases every loaded model (memory back to the system); the next call loads them again (from
@@ -321,33 +337,46 @@ public actor CohereTranscriber {
 
     /// `wordTimestamps`: each word's start, end and probability (`TranscriptionResult.words`; the bundle's
     /// `decoder.alignment`: one align call per window after its decoding, docs/word-timings.md).
+    /// `vad`: speech regions from the bundle's `vad.mlpackage` (`.auto`: when the bundle has it), windows packed
+    /// from them by the rule of docs/vad.md (`vadOptions`), only those windows encoded and decoded; every time
+    /// stays on the audio's timeline.
     public func transcribe(contentsOf url: URL, language: String, punctuation: Bool = true,
-                           maxNewTokens: Int? = nil, wordTimestamps: Bool = false) async throws -> TranscriptionResult {
+                           maxNewTokens: Int? = nil, wordTimestamps: Bool = false, vad: VADMode = .auto,
+                           vadOptions: VADOptions = VADOptions()) async throws -> TranscriptionResult {
         try await transcribe(contentsOf: url, language: language, punctuation: punctuation, maxNewTokens: maxNewTokens,
-                             wordTimestamps: wordTimestamps, onWindow: nil)
+                             wordTimestamps: wordTimestamps, vad: vad, vadOptions: vadOptions, onWindow: nil)
     }
 
     /// Transcribes mono Float samples at the bundle's sample rate (16 kHz).
     public func transcribe(samples: [Float], language: String, punctuation: Bool = true,
-                           maxNewTokens: Int? = nil, wordTimestamps: Bool = false) async throws -> TranscriptionResult {
+                           maxNewTokens: Int? = nil, wordTimestamps: Bool = false, vad: VADMode = .auto,
+                           vadOptions: VADOptions = VADOptions()) async throws -> TranscriptionResult {
         let prompt = try manifest.prompt(language: language, punctuation: punctuation)
         if wordTimestamps { _ = try manifest.checkedAlignment(promptLength: prompt.count) }  // before any work
+        let useVAD = try checkedVAD(vad, options: vadOptions)
         return try await transcribe(samples: samples, language: language, punctuation: punctuation,
-                                    maxNewTokens: maxNewTokens, wordTimestamps: wordTimestamps, name: "audio",
-                                    prompt: prompt, onWindow: nil)
+                                    maxNewTokens: maxNewTokens, wordTimestamps: wordTimestamps, useVAD: useVAD,
+                                    vadOptions: vadOptions, name: "audio", prompt: prompt, onWindow: nil)
+    }
+
+    /// Whether `mode` runs the VAD, with `options` checked: before any work (`.on` without the package: an error).
+    nonisolated func checkedVAD(_ mode: VADMode, options: VADOptions) throws -> Bool {
+        let on = try usesVAD(mode)
+        if on { try options.validate() }
+        return on
     }
 
     /// The windows of a file as each is transcribed (long files: one result every 35 s of audio).
     /// Cancelling the consuming task stops the transcription between windows or decoding steps.
     public nonisolated func windows(contentsOf url: URL, language: String, punctuation: Bool = true,
-                                    maxNewTokens: Int? = nil,
-                                    wordTimestamps: Bool = false) -> AsyncThrowingStream<WindowResult, Error> {
+                                    maxNewTokens: Int? = nil, wordTimestamps: Bool = false, vad: VADMode = .auto,
+                                    vadOptions: VADOptions = VADOptions()) -> AsyncThrowingStream<WindowResult, Error> {
         AsyncThrowingStream { continuation in
             let task = Task {
                 do {
                     _ = try await self.transcribe(contentsOf: url, language: language, punctuation: punctuation,
-                                                  maxNewTokens: maxNewTokens,
-                                                  wordTimestamps: wordTimestamps) { continuation.yield($0) }
+                                                  maxNewTokens: maxNewTokens, wordTimestamps: wordTimestamps, vad: vad,
+                                                  vadOptions: vadOptions) { continuation.yield($0) }
                     continuation.finish()
                 } catch {
                     continuation.finish(throwing: error)
@@ -359,18 +388,19 @@ public actor CohereTranscriber {
 
     /// `onWindow` is called with each window as soon as it is decoded.
     public func transcribe(contentsOf url: URL, language: String, punctuation: Bool = true, maxNewTokens: Int? = nil,
-                           wordTimestamps: Bool = false,
+                           wordTimestamps: Bool = false, vad: VADMode = .auto, vadOptions: VADOptions = VADOptions(),
                            onWindow: (@Sendable (WindowResult) -> Void)?) async throws -> TranscriptionResult {
         let prompt = try manifest.prompt(language: language, punctuation: punctuation)  // unknown language: before any work
         if wordTimestamps { _ = try manifest.checkedAlignment(promptLength: prompt.count) }  // no alignment: likewise
+        let useVAD = try checkedVAD(vad, options: vadOptions)  // --vad on without the package: likewise
         let audio = try AudioInput.load(contentsOf: url, sampleRate: manifest.audio.samplingRate)
         return try await transcribe(samples: audio.samples, language: language, punctuation: punctuation,
-                                    maxNewTokens: maxNewTokens, wordTimestamps: wordTimestamps, name: url.path,
-                                    prompt: prompt, onWindow: onWindow)
+                                    maxNewTokens: maxNewTokens, wordTimestamps: wordTimestamps, useVAD: useVAD,
+                                    vadOptions: vadOptions, name: url.path, prompt: prompt, onWindow: onWindow)
     }
 
     private func transcribe(samples: [Float], language: String, punctuation: Bool, maxNewTokens: Int?,
-                            wordTimestamps: Bool, name: String, prompt: [Int],
+                            wordTimestamps: Bool, useVAD: Bool, vadOptions: VADOptions, name: String, prompt: [Int],
                             onWindow: (@Sendable (WindowResult) -> Void)?) async throws -> TranscriptionResult {
         if try AudioInput.isSilent(samples, name: name) {
             return TranscriptionResult(text: "", language: language, punctuation: punctuation, windows: [], silent: true,
@@ -378,8 +408,17 @@ public actor CohereTranscriber {
                                        words: wordTimestamps ? [] : nil)
         }
         let rate = Double(manifest.audio.samplingRate)
+        // the VAD: only the windows packed from speech regions (none: an empty transcript); else the whole audio
+        var found: (regions: [SampleSpan], windows: [SampleSpan])?
+        let ranges: [Range<Int>]
+        if useVAD {
+            found = try await speechWindows(samples, options: vadOptions)
+            ranges = found!.windows.map { $0.start..<$0.end }
+        } else {
+            ranges = AudioSplitter.splitPoints(samples, manifest: manifest)
+        }
         var windows: [WindowResult] = []
-        for (i, range) in AudioSplitter.splitPoints(samples, manifest: manifest).enumerated() {
+        for (i, range) in ranges.enumerated() {
             try Task.checkCancellation()
             let piece = Array(samples[range])
             let start = Date()
@@ -399,7 +438,8 @@ public actor CohereTranscriber {
                                            noSpaceLanguages: manifest.generation.noSpaceLanguages)
         return TranscriptionResult(text: text, language: language, punctuation: punctuation, windows: windows,
                                    seconds: Double(samples.count) / rate,
-                                   words: wordTimestamps ? windows.flatMap { $0.words ?? [] } : nil)
+                                   words: wordTimestamps ? windows.flatMap { $0.words ?? [] } : nil,
+                                   speechRegions: found?.regions, speechWindows: found?.windows)
     }
 
     /// Log-mel features of one piece through the front-end package: ((1, n_mels, frames) float32, valid frames),

@@ -154,15 +154,22 @@ public struct Segmenter: Sendable {
             return SegmentEvent(kind: .close, frameEnd: frameEnd, start: start, end: frameEnd)
         }
         if frameEnd - start >= maxSegment {
-            let x = try audio(start, start + maxSegment)
-            // split_points' rule for a piece starting at `start` (AudioSplitter)
-            var cut = start + AudioSplitter.quietest(x, start: max(0, maxSegment - context), end: maxSegment,
-                                                     window: minEnergyWindow)
-            cut = max(start + 2 * frame, min(cut, start + maxSegment))
+            let cut = try Self.cutPoint(start: start, maxSegment: maxSegment, context: context,
+                                        minEnergyWindow: minEnergyWindow, frame: frame, audio: audio)
             (self.start, previousEnd) = (cut, cut)
             return SegmentEvent(kind: .cut, frameEnd: frameEnd, start: start, end: cut)
         }
         return nil
+    }
+
+    /// Where a segment from `start` that reached `maxSegment` is cut: split_points' rule for a piece starting
+    /// at `start` (AudioSplitter: the quietest window in the last `context` samples), at least two frames in.
+    static func cutPoint(start: Int, maxSegment: Int, context: Int, minEnergyWindow: Int, frame: Int,
+                         audio: (Int, Int) throws -> [Float]) rethrows -> Int {
+        let x = try audio(start, start + maxSegment)
+        let cut = start + AudioSplitter.quietest(x, start: max(0, maxSegment - context), end: maxSegment,
+                                                 window: minEnergyWindow)
+        return max(start + 2 * frame, min(cut, start + maxSegment))
     }
 
     /// End of the audio: the open segment (if any) closes at `total`.
@@ -333,7 +340,11 @@ public final class StreamingSession {
     public let frame: Int
     public let hop: Int
 
-    private var segmenter: Segmenter
+    private var segmenter: any StreamSegmenter
+    /// With the VAD: the segmenter's probabilities (the package's chunk function), loaded at the first feed.
+    private var vadStream: VoiceActivity.Stream?
+    /// Segments opened and closed by the bundle's VAD (`VADSegmenter`), else by frame energy (`Segmenter`).
+    public let usesVAD: Bool
     private let capacity: Int
     private let eosIds: Set<Int>
     private var audio: [Float] = []  // samples from absolute index `offset`
@@ -352,8 +363,11 @@ public final class StreamingSession {
     }
 
     /// `wordTimestamps`: each final with its words (the bundle's `decoder.alignment`; checked now).
+    /// `vad` (`.auto`: when the bundle has vad.mlpackage) and `vadOptions`: segments opened and closed by the
+    /// bundle's VAD (docs/vad.md), else by frame energy (`config`'s segmenter parameters).
     public init(transcriber: CohereTranscriber, language: String, punctuation: Bool = true,
-                config: StreamConfig = StreamConfig(), maxNewTokens: Int? = nil, wordTimestamps: Bool = false) throws {
+                config: StreamConfig = StreamConfig(), maxNewTokens: Int? = nil, wordTimestamps: Bool = false,
+                vad: VADMode = .auto, vadOptions: VADOptions = VADOptions()) throws {
         let m = transcriber.manifest
         let a = m.audio
         self.transcriber = transcriber
@@ -367,8 +381,16 @@ public final class StreamingSession {
         frame = a.hopLength
         let windowSamples = m.encoder.windowFrames * frame
         let maxSegment = min(roundEven(a.maxAudioClipSeconds * Double(sampleRate)), windowSamples)
-        segmenter = try Segmenter(config: config, frameSamples: frame, sampleRate: sampleRate, maxSegment: maxSegment,
-                                  overlapSeconds: a.overlapChunkSeconds, minEnergyWindow: a.minEnergyWindowSamples)
+        usesVAD = try transcriber.checkedVAD(vad, options: vadOptions)
+        if usesVAD {
+            try config.validate()
+            segmenter = try VADSegmenter(options: vadOptions, frameSamples: frame, sampleRate: sampleRate,
+                                         maxSegment: maxSegment, overlapSeconds: a.overlapChunkSeconds,
+                                         minEnergyWindow: a.minEnergyWindowSamples)
+        } else {
+            segmenter = try Segmenter(config: config, frameSamples: frame, sampleRate: sampleRate, maxSegment: maxSegment,
+                                      overlapSeconds: a.overlapChunkSeconds, minEnergyWindow: a.minEnergyWindowSamples)
+        }
         hop = framesOf(config.hopSeconds, frameSamples: frame, sampleRate: sampleRate) * frame
         capacity = m.decoder.capacity
         eosIds = Set(m.tokens.eosTokenIds)
@@ -383,6 +405,14 @@ public final class StreamingSession {
         if bad > 0 { throw AudioError.invalid("streamed audio chunk holds \(bad) NaN/inf sample(s) of \(samples.count)") }
         audio.append(contentsOf: samples)
         received += samples.count
+        if usesVAD, var vad = segmenter as? VADSegmenter {  // the chunks these samples complete, scored first
+            if vadStream == nil {
+                let (model, entry) = try await transcriber.vadModel(VoiceActivity.chunkFunction)
+                vadStream = VoiceActivity.Stream(chunk: model, vad: entry)
+            }
+            vad.add(probabilities: try await vadStream!.push(samples))
+            segmenter = vad
+        }
         var updates: [StreamUpdate] = []
         let first = segmenter.k
         let last = received / frame
@@ -518,11 +548,13 @@ extension CohereTranscriber {
     /// punctuation and configuration are checked now. `onStats` receives the session's counters after the
     /// last update (before `updates` ends).
     public nonisolated func stream(language: String, punctuation: Bool = true, config: StreamConfig = StreamConfig(),
-                                   maxNewTokens: Int? = nil, wordTimestamps: Bool = false,
+                                   maxNewTokens: Int? = nil, wordTimestamps: Bool = false, vad: VADMode = .auto,
+                                   vadOptions: VADOptions = VADOptions(),
                                    onStats: (@Sendable (StreamStats) -> Void)? = nil) throws
         -> (input: AsyncStream<[Float]>.Continuation, updates: AsyncThrowingStream<StreamUpdate, Error>) {
         let prompt = try manifest.prompt(language: language, punctuation: punctuation)
         if wordTimestamps { _ = try manifest.checkedAlignment(promptLength: prompt.count) }
+        _ = try checkedVAD(vad, options: vadOptions)
         try config.validate()
         let (chunks, input) = AsyncStream<[Float]>.makeStream(bufferingPolicy: .unbounded)
         let (updates, output) = AsyncThrowingStream<StreamUpdate, Error>.makeStream(bufferingPolicy: .unbounded)
@@ -530,7 +562,7 @@ extension CohereTranscriber {
             do {
                 let session = try StreamingSession(transcriber: self, language: language, punctuation: punctuation,
                                                    config: config, maxNewTokens: maxNewTokens,
-                                                   wordTimestamps: wordTimestamps)
+                                                   wordTimestamps: wordTimestamps, vad: vad, vadOptions: vadOptions)
                 for await chunk in chunks {
                     try Task.checkCancellation()
                     for update in try await session.feed(chunk) { output.yield(update) }

@@ -65,7 +65,8 @@ final class BenchTests: XCTestCase {
 
     func testBenchOnHeldOutClipsThroughTheInterpreter() async throws {
         let (dir, picked) = try makeDataset()
-        let options = DeviceBenchmark.Options(bundle: Fixtures.bundle, dataset: dir.path)
+        var options = DeviceBenchmark.Options(bundle: Fixtures.bundle, dataset: dir.path)
+        options.vad = .off  // the references: the energy windows
         let report = try await DeviceBenchmark.run(options, runtime: try Fixtures.interpreter())
 
         // the dataset as Python reads it: same manifest sha256, same entries and problems
@@ -185,6 +186,16 @@ final class BenchTests: XCTestCase {
                                     "--interpreter", Fixtures.repoRoot.appendingPathComponent(".venv/bin/cohere-coreml").path])
         XCTAssertEqual(status, 2)
         XCTAssertTrue(err.contains("dataset folder not found: /nonexistent-dataset"), err)
+        (status, _, err) = try run(["bench", "--bundle", Fixtures.bundle.path, "--data", dir.path, "--vad", "maybe"])
+        XCTAssertEqual(status, 2)
+        XCTAssertEqual(err, "cohere-transcribe-swift bench: error: --vad must be auto, on or off, got 'maybe'\n")
+        // --vad on with a bundle without vad.mlpackage: one line naming the export, before the runtime starts
+        let noVAD = try VADManifestTests.bundleWithoutVAD()
+        (status, _, err) = try run(["bench", "--bundle", noVAD.path, "--data", dir.path, "--vad", "on",
+                                    "--runtime", "interpreter", "--interpreter", "/nonexistent/cohere-coreml"])
+        XCTAssertEqual(status, 2)
+        XCTAssertEqual(err, "cohere-transcribe-swift bench: error: bundle \(noVAD.path) has no vad.mlpackage: re-export "
+                       + "with `cohere-coreml export --vad` (the default)\n")
 
         // a manifest whose first entry is missing: exit 1, the JSON of both clips run on stdout
         var manifest = try JSONSerialization.jsonObject(with: Data(contentsOf: dir.appendingPathComponent("manifest.json")))
@@ -204,6 +215,7 @@ final class BenchTests: XCTestCase {
         XCTAssertEqual(clips[1]["prompt_language"] as? String, "en")
         XCTAssertEqual((json["dataset"] as! [String: Any])["benched_clips"] as? Int, 2)
         XCTAssertEqual((json["options"] as! [String: Any])["language_from_manifest"] as? Bool, false)
+        XCTAssertEqual((json["options"] as! [String: Any])["vad"] as? String, "auto")  // the default, recorded
         #else
         throw XCTSkip("the command line \(Fixtures.noChildProcesses)")
         #endif
@@ -233,7 +245,7 @@ final class BenchTests: XCTestCase {
         let choiceURL = work.appendingPathComponent("device-choice.json")
         let process = Process()
         process.executableURL = exe
-        process.arguments = ["bench", "--bundle", Fixtures.bundle.path, "--data", dir.path, "--runtime", "coreml",
+        process.arguments = ["bench", "--bundle", Fixtures.bundle.path, "--data", dir.path, "--vad", "off", "--runtime", "coreml",
                              "--interpreter", Fixtures.repoRoot.appendingPathComponent(".venv/bin/cohere-coreml").path,
                              "--cache-dir", work.appendingPathComponent("cache").path, "--max-clips", "1", "--no-warmup",
                              "--candidates", "cpu_and_ne,cpu_only,cpu_and_gpu", "--device-choice", choiceURL.path,
@@ -304,7 +316,8 @@ final class BenchTests: XCTestCase {
         XCTAssertEqual(transcriber.deviceChoice.layout?.id, layout)
         XCTAssertEqual(Set(recorder.units.values), [.cpuOnly])
         XCTAssertEqual(Set(recorder.units.keys.map { $0.components(separatedBy: "/")[0] }),
-                       ["frontend.mlpackage", "encoder.mlpackage", "decoder.mlpackage"])
+                       Set(["frontend.mlpackage", "encoder.mlpackage", "decoder.mlpackage"]
+                           + (transcriber.manifest.files.vad.map { [$0] } ?? [])))  // the VAD where the front end runs
         let plain = RecordingRuntime(base: try Fixtures.interpreter())
         _ = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: plain, deviceChoice: .none)
         XCTAssertEqual(Set(plain.units.values), [.cpuAndNeuralEngine])  // decoder + full-window encoder at init

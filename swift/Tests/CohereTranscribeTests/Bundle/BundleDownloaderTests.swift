@@ -113,6 +113,30 @@ final class BundleDownloaderTests: XCTestCase {
         }
     }
 
+    /// vad.mlpackage (optional, docs/vad.md) is fetched and verified as every listed file is: an altered weight
+    /// is named; the other tests' bundles have none and download as well.
+    func testAVADPackageIsDownloadedAndAnAlteredOneNamed() async throws {
+        var generator = SplitMix64(seed: 12)
+        let weights = "vad.mlpackage/Data/com.apple.CoreML/weights/weight.bin"
+        var files = Self.bundleFiles(seed: 12)
+        files["vad.mlpackage/Manifest.json"] = Data("{\"fileFormatVersion\": \"1.0.0\"}".utf8)
+        files["vad.mlpackage/Data/com.apple.CoreML/model.mlmodel"] = Data((0..<900).map { _ in UInt8(truncatingIfNeeded: generator.next()) })
+        files[weights] = Data((0..<4000).map { _ in UInt8(truncatingIfNeeded: generator.next()) })
+        let manifest = try writeBundle(files)
+        let server = try startServer()
+        try await downloader(server).download(folder: "f16", to: destination)
+        XCTAssertEqual(try tree(destination), files.merging(["manifest.json": manifest]) { a, _ in a })
+        XCTAssertNoThrow(try BundleDownloader.verify(bundle: destination))
+        let url = destination.appendingPathComponent(weights)
+        var data = try Data(contentsOf: url)
+        data[17] ^= 0x40
+        try data.write(to: url)
+        XCTAssertThrowsError(try BundleDownloader.verify(bundle: destination)) { error in
+            guard case .hashMismatch(let path, _, _)? = error as? DownloadError else { return XCTFail("\(error)") }
+            XCTAssertEqual(path, weights)
+        }
+    }
+
     func testMissingFileIsAnHTTPErrorNamingIt() async throws {
         let files = Self.bundleFiles(seed: 4)
         try writeBundle(files)

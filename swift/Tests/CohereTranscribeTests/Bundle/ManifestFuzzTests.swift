@@ -59,6 +59,10 @@ final class ManifestFuzzTests: XCTestCase {
         _ = m.expectedDecoderIO()
         _ = m.expectedDecoderIO(prefillLength: m.decoder.prefillLength)
         _ = m.frontEndFunction(samples: 16000, frames: 100)
+        for (name, f) in m.vad?.functions ?? [:] {
+            _ = m.listedIO(component: "vad", function: name)
+            _ = m.expectedVADIO(chunks: f.chunks)
+        }
         for (name, f) in m.frontend?.functions ?? [:] {
             _ = m.listedIO(component: "frontend", function: name)
             _ = m.expectedFrontEndIO(samples: f.samples, frames: f.frames)

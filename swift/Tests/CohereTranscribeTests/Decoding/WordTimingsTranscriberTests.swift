@@ -204,14 +204,14 @@ final class WordTimingsTranscriberTests: XCTestCase {
         let language = clip["language"] as! String
         let runtime = FakeAlignRuntime(base: try Fixtures.interpreter(), manifest: manifest)
         let transcriber = try await CohereTranscriber(bundle: bundle, runtime: runtime)
-        let r = try await transcriber.transcribe(contentsOf: wav, language: language, wordTimestamps: true)
+        let r = try await transcriber.transcribe(contentsOf: wav, language: language, wordTimestamps: true, vad: .off)
         let words = try XCTUnwrap(r.words)
         XCTAssertFalse(words.isEmpty)
         XCTAssertEqual(words, r.windows.flatMap { $0.words ?? [] })
         let prompt = try manifest.prompt(language: language)
         XCTAssertEqual(runtime.calls.filter { $0.position == prompt.count - 2 }.count, r.windows.count)  // a pass a window
         XCTAssertTrue(zip(words, words.dropFirst()).allSatisfy { $0.start <= $1.start })
-        let without = try await transcriber.transcribe(contentsOf: wav, language: language)
+        let without = try await transcriber.transcribe(contentsOf: wav, language: language, vad: .off)
         XCTAssertNil(without.words)
 
         let plain = try await CohereTranscriber(bundle: try alignedBundle(false), runtime: try Fixtures.interpreter())
@@ -243,7 +243,7 @@ final class WordTimingsTranscriberTests: XCTestCase {
         for clip in clips {
             let wav = clip["wav"] as! String
             let r = try await transcriber.transcribe(contentsOf: URL(fileURLWithPath: wav), language: clip["language"] as! String,
-                                                     wordTimestamps: true)
+                                                     wordTimestamps: true, vad: .off)
             XCTAssertEqual(r.windows.map(\.tokenIds), (clip["windows"] as! [[String: Any]]).map { $0["token_ids"] as! [Int] }, wav)
             let want = clip["words"] as! [[String: Any]]
             let got = try XCTUnwrap(r.words)
@@ -270,7 +270,7 @@ final class WordTimingsTranscriberTests: XCTestCase {
         let runtime = FakeAlignRuntime(base: try Fixtures.interpreter(), manifest: try BundleManifest.load(bundle: bundle))
         let transcriber = try await CohereTranscriber(bundle: bundle, runtime: runtime)
         let session = try StreamingSession(transcriber: transcriber, language: ref.language, punctuation: ref.punctuation,
-                                           wordTimestamps: true)
+                                           wordTimestamps: true, vad: .off)
         var got: [StreamUpdate] = []
         for chunk in StreamFileSource.chunks(of: audio.samples, sampleRate: 16000) { got += try await session.feed(Array(chunk)) }
         got += try await session.finish()

@@ -129,12 +129,13 @@ final class CoreMLRuntimeTests: XCTestCase {
         let clip = try clips().first { ($0["group"] as? String) == "heldout" }!
         async let warmed: Void = transcriber.prewarm()
         async let result = transcriber.transcribe(contentsOf: URL(fileURLWithPath: clip["wav"] as! String),
-                                                  language: clip["language"] as! String)
+                                                  language: clip["language"] as! String, vad: .off)
         try await warmed
         let r = try await result
         XCTAssertEqual(r.tokenIds, (clip["windows"] as! [[String: Any]]).map { $0["token_ids"] as! [Int] })
         let manifest = transcriber.manifest
-        let packages = Set([manifest.files.encoder, manifest.files.decoder, manifest.files.frontend].compactMap { $0 })
+        let packages = Set([manifest.files.encoder, manifest.files.decoder, manifest.files.frontend, manifest.files.vad]
+            .compactMap { $0 })
         XCTAssertEqual(runtime.cacheStatistics.compiled, packages.count)  // one compile per package, not per function or caller
         #if os(Linux)
         XCTAssertEqual(CoreMLEmulation.statistics.compiles - compilesBefore, packages.count)  // MLModel.compileModel calls
@@ -209,7 +210,7 @@ final class CoreMLRuntimeTests: XCTestCase {
             let manifest = transcriber.manifest
             let clip = try clips().first { ($0["group"] as? String) == "heldout" }!
             _ = try await transcriber.transcribe(contentsOf: URL(fileURLWithPath: clip["wav"] as! String),
-                                                 language: clip["language"] as! String)
+                                                 language: clip["language"] as! String, vad: .off)
             let bytes = CoreMLEmulation.statistics.inputBytesByFunction
             let memory = manifest.decoder.memoryShape.reduce(1, *) * 2 * (manifest.precision == "fp32" ? 4 : 2)
                 + manifest.encoder.memoryLength * (manifest.precision == "fp32" ? 4 : 2)
@@ -246,7 +247,7 @@ final class CoreMLRuntimeTests: XCTestCase {
             let picked = all.filter { ($0["language"] as! String) == language }
             let process = Process()
             process.executableURL = cli
-            process.arguments = ["--bundle", Fixtures.bundle.path, "--language", language, "--json", "--runtime", "coreml",
+            process.arguments = ["--bundle", Fixtures.bundle.path, "--language", language, "--json", "--vad", "off", "--runtime", "coreml",
                                  "--cache-dir", cache.path,
                                  "--interpreter", Fixtures.repoRoot.appendingPathComponent(".venv/bin/cohere-coreml").path]
                 + picked.map { $0["wav"] as! String }

@@ -52,7 +52,7 @@ final class StreamingTests: XCTestCase {
         XCTAssertGreaterThanOrEqual(ref.updates.filter { $0.type == .final }.count, 2)
 
         let t = try await Self.transcriber()
-        let session = try StreamingSession(transcriber: t, language: ref.language, punctuation: ref.punctuation)
+        let session = try StreamingSession(transcriber: t, language: ref.language, punctuation: ref.punctuation, vad: .off)
         var got: [StreamUpdate] = []
         for chunk in StreamFileSource.chunks(of: audio.samples, sampleRate: 16000) {
             XCTAssertLessThanOrEqual(chunk.count, ref.chunkSamples)
@@ -73,7 +73,7 @@ final class StreamingTests: XCTestCase {
         // every final is the offline transcription of its segment's samples
         for f in got where f.type == .final {
             let piece = Array(audio.samples[Int((f.start * 16000).rounded())..<Int((f.end * 16000).rounded())])
-            let offline = try await t.transcribe(samples: piece, language: ref.language)
+            let offline = try await t.transcribe(samples: piece, language: ref.language, vad: .off)
             XCTAssertEqual(offline.windows.count, 1)
             XCTAssertEqual(offline.windows[0].tokenIds.filter { !t.manifest.tokens.eosTokenIds.contains($0) }, f.tokenIds)
             XCTAssertEqual(offline.text, f.text)
@@ -88,7 +88,7 @@ final class StreamingTests: XCTestCase {
         XCTAssertNotEqual(ref.stats.decoderCalls, ref.statsWithoutExtend.decoderCalls)
         let audio = try AudioInput.load(contentsOf: URL(fileURLWithPath: ref.wav), sampleRate: 16000)
         let t = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: try Fixtures.interpreter(), useExtend: false)
-        let session = try StreamingSession(transcriber: t, language: ref.language, punctuation: ref.punctuation)
+        let session = try StreamingSession(transcriber: t, language: ref.language, punctuation: ref.punctuation, vad: .off)
         var got: [StreamUpdate] = []
         for chunk in StreamFileSource.chunks(of: audio.samples, sampleRate: 16000) { got += try await session.feed(Array(chunk)) }
         got += try await session.finish()
@@ -127,7 +127,7 @@ final class StreamingTests: XCTestCase {
         let ref = try Self.reference()
         let audio = try AudioInput.load(contentsOf: URL(fileURLWithPath: ref.wav), sampleRate: 16000)
         let t = try await Self.transcriber()
-        let (input, updates) = try t.stream(language: ref.language, punctuation: ref.punctuation)
+        let (input, updates) = try t.stream(language: ref.language, punctuation: ref.punctuation, vad: .off)
         let samples = audio.samples
         let feeder = Task {
             for start in stride(from: 0, to: samples.count, by: 7777) {
