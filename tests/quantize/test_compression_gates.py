@@ -44,9 +44,11 @@ def test_heldout_gate_bounds_every_language():
     assert cmp["differing_files"] == [f"de{i}.wav" for i in range(10)]
     refused = Q.heldout_report(base, one_language, "f16 bundle", "heldout", Q.GATES["q8"])
     assert not refused.passed and refused.details["verdict"] == "refuse"
-    assert refused.details["language_verdicts"] == {"de": "exceeded", "en": "kept"}
+    # en: 40 identical clips, 200 words: the rule of three leaves +1.50 points unseen, so not shown kept
+    assert refused.details["language_verdicts"] == {"de": "exceeded", "en": "undecided"}
     assert "refused on de WER +5.00 points" in refused.headline and "wholly above +0.50" in refused.headline
-    assert Q.heldout_report(base, base, "f16 bundle", "heldout", Q.GATES["q8"]).passed
+    larger = {k: a + b for (k, a), b in zip(clips(120, "de").items(), clips(120, "en").values())}
+    assert Q.heldout_report(larger, larger, "f16 bundle", "heldout", Q.GATES["q8"]).passed
     # each side's rate has its own bootstrap interval (the baseline's from the baseline's texts)
     better = Q.compare_transcripts(one_language, base)["languages"]["de"]
     assert better["baseline"] == pytest.approx(0.05) and better["rate"] == 0
@@ -95,8 +97,38 @@ def test_heldout_verdict_is_decided_by_the_interval_never_by_one_word():
     assert [s["verdict"] for s in verdict.details["steps"]] == ["undecided", "pass"]
     assert "(after heldout: undecided)" in verdict.headline
     seen.clear()
-    sets["heldout"] = (small, small)  # identical on the small set: decided there
+    sets["heldout"] = (small, small)  # identical on the small set: too few words to be decided there
+    assert Q.decide(["heldout", "varied"], evaluate, Q.GATES["q8"]).passed and seen == ["heldout", "varied"]
+    seen.clear()
+    sets["heldout"] = (clips(120), clips(120))  # identical on 600 words: decided there
     assert Q.decide(["heldout", "varied"], evaluate, Q.GATES["q8"]).passed and seen == ["heldout"]
+
+
+def test_all_identical_small_set_is_undecided_by_the_rule_of_three():
+    """Every clip's tokens identical gives the bootstrap a zero-width [0, 0] interval whatever the set's
+    size; the verdict gives the interval an upper end of at least 3 / (reference words) (the rule of three),
+    so identical clips pass only on a set large enough to have shown a change: at +0.5 points, 600 words.
+    Broken variant (the rule left out): the 20-clip set passes on [0, 0]."""
+    bound = Q.GATES["q8"]["max_wer_increase"]
+    assert Q.unseen_increase(600) == pytest.approx(bound) and Q.unseen_increase(0) == float("inf")
+    for n, verdict in ((20, "undecided"), (119, "undecided"), (120, "pass")):
+        base = clips(n)
+        report = Q.heldout_report(base, base, "pytorch", "heldout", Q.GATES["q8"])
+        en = report.details["languages"]["en"]
+        assert en["increase_interval"] == [0.0, 0.0] and en["units"] == 5 * n
+        assert report.details["verdict"] == verdict and report.passed == (verdict == "pass"), n
+    small = Q.heldout_report(clips(20), clips(20), "pytorch", "heldout", Q.GATES["q8"])
+    assert "at least +3.00 by the rule of three on 100 words" in small.headline
+    # --accept-undecided: the undecided last set passes, marked; an exceeded bound still refuses
+    taken = Q.heldout_report(clips(20), clips(20), "pytorch", "heldout", Q.GATES["q8"], accept_undecided=True)
+    assert taken.passed and taken.details["accepted_undecided"] and "accepted undecided" in taken.headline
+    assert not small.details["accepted_undecided"]
+    worse = Q.heldout_report(clips(600), wrong(clips(600), range(60)), "pytorch", "h", Q.GATES["q8"],
+                             accept_undecided=True)
+    assert worse.details["verdict"] == "refuse" and not worse.passed
+    # a language without reference words is never kept
+    assert Q.language_verdict([0.0, 0.0], bound, 0) == "undecided"
+    assert Q.language_verdict([0.6, 0.9], bound, 0) == "exceeded"
 
 
 def test_more_data_is_checked_for_every_preset(tmp_path):

@@ -37,6 +37,8 @@ from .compression_gates import (
     engine_transcripts,
     heldout_gate,
     heldout_report,
+    language_verdict,
+    unseen_increase,
 )
 from .inventory import (
     compressed_ops,
@@ -77,7 +79,7 @@ __all__ = [
     "QuantizeGateError", "Recipe", "add_command", "build_gate_data", "check_source", "choose_fp16",
     "compare_transcripts", "component_gate", "compress_mlmodel", "compress_package", "compressed_ops",
     "compressed_tensors", "decide", "decoder_outputs", "decoder_runtime", "encoder_outputs", "encoder_psnr", "engine_transcripts",
-    "extract_function", "format_summary", "gate_clips", "heldout_gate", "heldout_report", "load_function",
+    "extract_function", "format_summary", "gate_clips", "heldout_gate", "heldout_report", "language_verdict", "load_function",
     "clips_of", "log_prob_error", "package_functions", "packaged_gate_clips", "preset_recipes", "quantize_bundle", "refusal_path",
-    "scheme_config", "sensitivity", "source_preset", "tensor_report", "weight_tensors",
+    "scheme_config", "sensitivity", "source_preset", "tensor_report", "unseen_increase", "weight_tensors",
 ]

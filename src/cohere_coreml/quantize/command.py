@@ -223,7 +223,7 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
                     force: bool = False, skip_verify: bool = False, calibration: str | Path | None = None,
                     budget: Budget | None = None, proxy: bool = False,
                     sensitivity_file: str | Path | None = None, energy: dict[str, float] | None = None,
-                    more_data: list[str | Path] | tuple = ()) -> dict:
+                    more_data: list[str | Path] | tuple = (), accept_undecided: bool = False) -> dict:
     """Build bundle `out` from f16 bundle `src` with `preset`, gated; returns compression.json's content.
 
     The PyTorch checkpoint (`model`) is only used by the held-out gate (tokens / error rates vs
@@ -233,7 +233,8 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
     calibrated on `calibration` (a folder like `--data`; default: `eval_dir`), their thresholds searched to
     the gate (`lowrank_search.search_energy`) unless `energy` ({layer type: threshold}, `--energy`) gives them.
     `more_data`: larger held-out folders, smallest first, evaluated while the task verdict is undecided
-    (`compression_gates.decide`).
+    (`compression_gates.decide`); `accept_undecided`: a verdict still undecided on the last of them passes,
+    marked as such in compression.json and the card (`--accept-undecided`).
     `budget`: the byte budget of preset mixed (`mixed.Budget`): of the finished bundle as `du -sb`
     counts it, refused (QuantizeError, nothing written) when no build meets it; `proxy`: its
     sensitivity from the weights alone.
@@ -317,7 +318,8 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
             from .lowrank_search import SearchSettings  # imports torch
 
             search = SearchSettings(windows=data.windows, heldout=[Path(eval_dir), *map(Path, more_data)],
-                                    gates=gates, limit_per_language=limit_per_language)
+                                    gates=gates, limit_per_language=limit_per_language,
+                                    accept_undecided=accept_undecided)
 
         def build(mixed_section: dict | None) -> None:
             """The whole bundle into `tmp`: packages gated, the rest copied, reports, finalized."""
@@ -369,7 +371,8 @@ def quantize_bundle(src: str | Path, out: str | Path, preset: str = DEFAULT_PRES
                 if eval_dir is not None:
                     held = heldout_gate(src, tmp, Path(eval_dir), gates, model=model,
                                         limit_per_language=limit_per_language, more=more_data,
-                                        baselines=search.baselines if search is not None else None)
+                                        baselines=search.baselines if search is not None else None,
+                                        accept_undecided=accept_undecided)
                     write_json_atomic(held.to_dict(), settings.report_path(HELDOUT_COMPONENT))
                     gate_reports[HELDOUT_COMPONENT] = held
                     if not held.passed:
@@ -572,6 +575,10 @@ def add_quantize_arguments(p) -> None:
                    help="a larger held-out folder (repeatable, smallest first), evaluated while the held-out "
                    "verdict is undecided (its bootstrap interval holds the bound), e.g. "
                    "tests/data/heldout-varied/single")
+    p.add_argument("--accept-undecided", action="store_true",
+                   help="build even when the held-out verdict is still undecided on the largest set given (a set too "
+                   "small to show the bound kept or exceeded); the verdict is recorded as undecided in "
+                   "compression.json and the model card. A refusal (bound exceeded, PSNR floor) still refuses")
     p.add_argument("--limit-per-language", type=int, default=None, help="use only the first N clips per language")
     p.add_argument("--sensitivity", action="store_true",
                    help="measure each weight's sensitivity (output PSNR with only it quantized) into compression.json")
@@ -619,7 +626,7 @@ def cmd_quantize(args) -> int:
                              limit_per_language=args.limit_per_language, force=args.force,
                              skip_verify=args.skip_verify, calibration=args.calibration, budget=budget,
                              proxy=args.proxy, sensitivity_file=args.sensitivity_file, energy=args.energy,
-                             more_data=args.more_data)
+                             more_data=args.more_data, accept_undecided=args.accept_undecided)
     print(format_summary(report))
     print(f"wrote {args.out}")
     return 0

@@ -160,7 +160,7 @@ def compare_transcripts(baseline: dict, produced: dict, bound: float | None = No
             pooled[side][1] += counts["units"]
         sure = increase_interval(refs, [baseline["texts"][i] for i in pick], [produced["texts"][i] for i in pick], lang,
                                  bound=bound)
-        languages[lang] = {"clips": len(pick), "metric": base["metric"], "baseline": base["rate"],
+        languages[lang] = {"clips": len(pick), "units": base["units"], "metric": base["metric"], "baseline": base["rate"],
                            "rate": mine["rate"], "increase": mine["rate"] - base["rate"],
                            "increase_interval": sure["interval"],
                            **({"within_bound": sure["within_bound"]} if bound is not None else {}),
@@ -182,53 +182,76 @@ def compare_transcripts(baseline: dict, produced: dict, bound: float | None = No
 # language's wholly above it ("refuse"), else "undecided" (the next, larger set is evaluated)
 VERDICTS = ("pass", "refuse", "undecided")
 _EPS = 1e-12
+# The rule of three (Hanley & Lippman-Hand, JAMA 1983): when none of n trials showed an event, the 95 %
+# upper confidence bound on its rate is about 3 / n. Read per reference unit (word; character for
+# ja/zh/ko), a set of U units that showed no error added bounds the unseen increase at 3 / U: a bootstrap
+# over clips that all agree gives a zero-width interval, which says nothing about a set too small to
+# have shown a change.
+UNSEEN_CHANGE_EVENTS = 3.0
 
 
-def language_verdict(interval: list[float], bound: float) -> str:
-    """"kept" when the whole 95 % interval of a language's increase is at most `bound`, "exceeded" when
-    it is wholly above it, else "undecided". One differing word never decides: the resamples that leave
-    its clip out put the interval's low end at the baseline's rate, its high end well above."""
+def unseen_increase(units: int) -> float:
+    """The least upper end a language's increase interval is given (`UNSEEN_CHANGE_EVENTS` / `units`):
+    the rule of three on its reference units; infinite for a language with none."""
+    return UNSEEN_CHANGE_EVENTS / units if units > 0 else float("inf")
+
+
+def language_verdict(interval: list[float], bound: float, units: int) -> str:
+    """"kept" when the whole 95 % interval of a language's increase, its upper end at least
+    `unseen_increase(units)`, is at most `bound`; "exceeded" when the interval is wholly above it; else
+    "undecided". One differing word never decides: the resamples that leave its clip out put the
+    interval's low end at the baseline's rate, its high end well above. Nor does a small set whose every
+    clip agrees: its interval is [0, 0], but the rule of three's upper end exceeds the bound."""
     low, high = interval
-    if high <= bound + _EPS:
-        return "kept"
     if low > bound + _EPS:
         return "exceeded"
+    if max(high, unseen_increase(units)) <= bound + _EPS:
+        return "kept"
     return "undecided"
 
 
 def set_verdict(cmp: dict, bound: float) -> dict:
     """The verdict of one held-out set's `compare_transcripts` (with its intervals) and the figure that
     decided it: the exceeded language's interval (refuse), the highest upper end (pass), or the
-    languages whose interval holds the bound (undecided)."""
-    per = {lang: language_verdict(v["increase_interval"], bound) for lang, v in cmp["languages"].items()}
+    language whose interval or rule-of-three end holds the bound highest (undecided)."""
+    langs = cmp["languages"]
+    per = {lang: language_verdict(v["increase_interval"], bound, v["units"]) for lang, v in langs.items()}
+
+    def upper(lang: str) -> float:
+        return max(langs[lang]["increase_interval"][1], unseen_increase(langs[lang]["units"]))
 
     def figure(lang: str) -> str:
-        v = cmp["languages"][lang]
+        v = langs[lang]
         lo, hi = v["increase_interval"]
+        three = unseen_increase(v["units"])
         return (f"{lang} {v['metric'].upper()} {100 * v['increase']:+.2f} points, 95 % interval "
-                f"{100 * lo:+.2f}..{100 * hi:+.2f} ({v['clips']} clips)")
+                f"{100 * lo:+.2f}..{100 * hi:+.2f}" + (f" (at least +{100 * three:.2f} by the rule of three on "
+                f"{v['units']} {'words' if v['metric'] == 'wer' else 'characters'})" if three > hi else "")
+                + f" ({v['clips']} clips)")
 
     exceeded = [lang for lang, v in per.items() if v == "exceeded"]
     undecided = [lang for lang, v in per.items() if v == "undecided"]
     if exceeded:
-        lang = max(exceeded, key=lambda x: cmp["languages"][x]["increase_interval"][0])
+        lang = max(exceeded, key=lambda x: langs[x]["increase_interval"][0])
         return {"verdict": "refuse", "languages": per, "deciding_language": lang,
                 "deciding_figure": f"{figure(lang)}: wholly above +{100 * bound:.2f}"}
     if undecided:
-        lang = max(undecided, key=lambda x: cmp["languages"][x]["increase_interval"][1])
+        lang = max(undecided, key=upper)
         return {"verdict": "undecided", "languages": per, "deciding_language": lang,
                 "deciding_figure": f"{figure(lang)}: holds +{100 * bound:.2f}"}
-    lang = max(per, key=lambda x: cmp["languages"][x]["increase_interval"][1], default=None)
+    lang = max(per, key=upper, default=None)
     return {"verdict": "pass", "languages": per, "deciding_language": lang,
             "deciding_figure": (f"{figure(lang)}: within +{100 * bound:.2f}" if lang else "no scored clip")}
 
 
 def heldout_report(baseline: dict, produced: dict, base_name: str, eval_set: str, gates: dict,
-                   last: bool = True) -> GateReport:
+                   last: bool = True, accept_undecided: bool = False) -> GateReport:
     """The held-out verdict on two `engine_transcripts` of the same clips (`set_verdict`): passed when
     every language's increase interval is within `gates["max_wer_increase"]`, refused when one is wholly
     above it. Undecided on the `last` set: refused, the bound not shown kept (`details["verdict"]` says
-    "undecided"); on an earlier set the caller evaluates the next one (`heldout_gate`)."""
+    "undecided"), unless `accept_undecided` (`--accept-undecided`: the user takes the build on a set too
+    small to decide; `details["accepted_undecided"]`); on an earlier set the caller evaluates the next one
+    (`heldout_gate`)."""
     bound = gates["max_wer_increase"]
     cmp = compare_transcripts(baseline, produced, bound=bound)
     cmp["baseline"] = base_name
@@ -237,11 +260,14 @@ def heldout_report(baseline: dict, produced: dict, base_name: str, eval_set: str
     verdict = set_verdict(cmp, bound)
     cmp.update(verdict=verdict["verdict"], language_verdicts=verdict["languages"],
                deciding_figure=verdict["deciding_figure"])
-    passed = verdict["verdict"] == "pass"
+    accepted = verdict["verdict"] == "undecided" and last and accept_undecided
+    cmp["accepted_undecided"] = accepted
+    passed = verdict["verdict"] == "pass" or accepted
     worst = max(cmp["languages"], key=lambda lang: cmp["languages"][lang]["increase"])
     w = cmp["languages"][worst]
     said = {"pass": "passed", "refuse": "refused",
-            "undecided": "refused: undecided on the largest set given" if last else "undecided"}[verdict["verdict"]]
+            "undecided": ("accepted undecided (--accept-undecided)" if accepted else
+                          "refused: undecided on the largest set given" if last else "undecided")}[verdict["verdict"]]
     return GateReport(
         component=HELDOUT_COMPONENT, passed=passed,
         headline=f"held-out {eval_set}: {said} on {verdict['deciding_figure']}; {cmp['identical_clips']}/"
@@ -253,14 +279,16 @@ def heldout_report(baseline: dict, produced: dict, base_name: str, eval_set: str
 
 
 def decide(sets: Sequence[str | os.PathLike], evaluate: Callable[[Path], tuple[dict, dict, str]],
-           gates: dict) -> GateReport:
+           gates: dict, accept_undecided: bool = False) -> GateReport:
     """The task verdict over held-out sets in order (smallest first): `evaluate(folder)` gives (baseline
     transcripts, produced transcripts, baseline name); the first decided set's report is the verdict
-    (`details["steps"]`: every set's verdict and figure), an undecided last set refuses."""
+    (`details["steps"]`: every set's verdict and figure), an undecided last set refuses (passes, marked,
+    with `accept_undecided`)."""
     steps, report = [], None
     for i, folder in enumerate(sets):
         baseline, produced, base_name = evaluate(Path(folder))
-        report = heldout_report(baseline, produced, base_name, Path(folder).name, gates, last=i == len(sets) - 1)
+        report = heldout_report(baseline, produced, base_name, Path(folder).name, gates, last=i == len(sets) - 1,
+                                accept_undecided=accept_undecided)
         steps.append({"eval_set": str(folder), "clips": report.details["clips"], "verdict": report.details["verdict"],
                       "figure": report.details["deciding_figure"]})
         logger.info("held-out verdict on %s: %s (%s)", folder, report.details["verdict"], report.details["deciding_figure"])
@@ -276,11 +304,11 @@ def decide(sets: Sequence[str | os.PathLike], evaluate: Callable[[Path], tuple[d
 
 def heldout_gate(f16_dir: Path, q_dir: Path, eval_dir: Path, gates: dict, *, model: str | None,
                  limit_per_language: int | None, more: Sequence[str | os.PathLike] = (),
-                 baselines: dict | None = None) -> GateReport:
+                 baselines: dict | None = None, accept_undecided: bool = False) -> GateReport:
     """The task verdict (`decide`) of the quantized bundle vs PyTorch (`model`; computed first, the model
     freed before the bundle is loaded), or vs the f16 bundle without a checkpoint: on `eval_dir`, then,
     while undecided, on each of the larger sets `more`. `baselines`: {folder: baseline transcripts}
-    already computed (the low-rank search's PyTorch side), reused."""
+    already computed (the low-rank search's PyTorch side), reused. `accept_undecided`: see `heldout_report`."""
     baselines = {} if baselines is None else baselines
 
     def evaluate(folder: Path) -> tuple[dict, dict, str]:
@@ -296,4 +324,4 @@ def heldout_gate(f16_dir: Path, q_dir: Path, eval_dir: Path, gates: dict, *, mod
         produced = engine_transcripts(lambda: Transcriber(q_dir, backend="mil"), dataset)
         return baseline, produced, base_name
 
-    return decide([eval_dir, *more], evaluate, gates)
+    return decide([eval_dir, *more], evaluate, gates, accept_undecided=accept_undecided)

@@ -61,8 +61,10 @@ def candidate_psnr(reference: list[dict], model, shapes, windows) -> float:
 class SearchSettings:
     """What the search needs beyond the calibration: the gate windows (features, valid frames), the
     held-out folders in order (`--data`, then `--more-data`), the preset's gates (`encoder_psnr_db`: the
-    floor; `max_wer_increase`: the task bound), the scales, and a cache of the unmodified model's
-    held-out transcripts per folder (shared with the bundle's held-out gate)."""
+    floor; `max_wer_increase`: the task bound), the scales, a cache of the unmodified model's held-out
+    transcripts per folder (shared with the bundle's held-out gate), and `accept_undecided`
+    (`--accept-undecided`: a candidate undecided on the last folder counts as passing, so the search
+    chooses the smallest encoder not shown to exceed the bound)."""
 
     windows: list
     heldout: list[Path]
@@ -70,6 +72,7 @@ class SearchSettings:
     scales: tuple[float, ...] = ENERGY_SCALES
     limit_per_language: int | None = None
     baselines: dict = field(default_factory=dict)
+    accept_undecided: bool = False
 
     def rewritten_model(self, model_ref: str, clips: list[Path], base: Mapping[str, float], window_seconds: float):
         """The checkpoint calibrated on `clips` once, the thresholds searched (`search_energy` from `base`), and
@@ -133,7 +136,8 @@ def search_energy(engine, analysis: Analysis, base: Mapping[str, float], setting
                             model.model.encoder = rewritten
                     return settings.baselines[key], engine_transcripts(lambda: engine, dataset), "pytorch"
 
-                verdict = decide(settings.heldout, transcripts, settings.gates)
+                verdict = decide(settings.heldout, transcripts, settings.gates,
+                                 accept_undecided=settings.accept_undecided)
                 d = verdict.details
                 row.update(passed=verdict.passed, decided_by=d["deciding_figure"], heldout=d["steps"],
                            identical_clips=f"{d['identical_clips']}/{d['clips']}",
