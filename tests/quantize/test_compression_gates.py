@@ -169,5 +169,31 @@ def test_heldout_runs_the_bench_engines_with_the_long_audio_split(f16_bundle, tm
     shutil.copy(HELDOUT_DIR / utts[0]["file"], first / utts[0]["file"])
     (first / "manifest.json").write_text(json.dumps({"utterances": [utts[0]]}))
     bundle_side = engine_transcripts(lambda: Transcriber(f16_bundle, backend="mil"), load_folder(first))
-    res = Transcriber(f16_bundle, backend="mil").transcribe(first / utts[0]["file"], "en", max_new_tokens=96)
+    res = Transcriber(f16_bundle, backend="mil").transcribe(first / utts[0]["file"], "en", max_new_tokens=96,
+                                                            vad="off")
     assert bundle_side["ids"] == [[t for w in res.windows for t in w.token_ids]] and bundle_side["texts"] == [res.text]
+
+
+def test_gate_transcripts_leave_the_bundles_vad_out(tmp_path):
+    """Both sides of the task verdict decode the energy windows (`vad="off"`): the PyTorch reference has no
+    VAD, and a bundle's vad.mlpackage is copied uncompressed, so with it one side would decode other windows
+    (broken variant: the engines' default "auto", which turns a bundle's VAD on)."""
+    from types import SimpleNamespace
+
+    from cohere_coreml.evaluation.datasets import Clip, Dataset
+
+    asked = []
+
+    class Recording:
+        kind, name = "recording", "r"
+
+        def transcribe(self, audio, language, **kwargs):
+            asked.append(kwargs.get("vad", "auto"))
+            return SimpleNamespace(text="a b", windows=[SimpleNamespace(token_ids=[1, 2])])
+
+    wav = tmp_path / "a.wav"
+    sf.write(wav, np.zeros(1600, dtype=np.float32), 16000)
+    dataset = Dataset(name=str(tmp_path), clips=[Clip(id="a.wav", audio=wav, text="a b", language="en")],
+                      manifest_path=None, manifest_sha256=None)
+    out = Q.engine_transcripts(lambda: Recording(), dataset)
+    assert asked == ["off"] and out["ids"] == [[1, 2]] and out["texts"] == ["a b"]

@@ -125,12 +125,14 @@ def heldout_dataset(eval_dir: str | os.PathLike, limit_per_language: int | None 
 def engine_transcripts(make_engine: Callable[[], Engine], dataset: Dataset,
                        max_new_tokens: int = HELDOUT_MAX_NEW_TOKENS) -> dict:
     """Greedy token ids (all windows, eos included) and texts of every clip through one engine
-    (`Engine.transcribe`); the engine is freed before returning."""
+    (`Engine.transcribe`); the engine is freed before returning. Without voice activity (`vad="off"`, the
+    energy windows) on every side: a bundle's vad.mlpackage is copied uncompressed, so the gate compares the
+    compressed encoder and decoder on the same windows as the PyTorch reference, which has no VAD of its own."""
     engine = make_engine()
     ids, texts = [], []
     for clip in tqdm(dataset.clips, desc=f"held-out through {engine.kind} {Path(engine.name).name}", unit="clip",
                      leave=False):
-        result = engine.transcribe(clip.audio, clip.language, max_new_tokens=max_new_tokens)
+        result = engine.transcribe(clip.audio, clip.language, max_new_tokens=max_new_tokens, vad="off")
         ids.append([t for w in result.windows for t in w.token_ids])
         texts.append(result.text)
     del engine
