@@ -184,11 +184,14 @@ REPO_ID ?=
 DRY_RUN ?=
 # held-out set of the default model (greedy tokens / WER gate, `quantize --data`); EVAL_SET=none skips that gate
 EVAL_SET ?= tests/data/heldout
+# the larger held-out set evaluated while the held-out verdict on EVAL_SET is undecided (`quantize --more-data`)
+MORE_EVAL_SET ?= tests/data/heldout-varied/single
 
 quantize: sync
 	model="$(MODEL)"; [ -n "$$model" ] || model=$$($(RUN) cohere-coreml prepare-default | tail -n 1); \
+	more=""; [ "$(EVAL_SET)" = none ] || [ -z "$(MORE_EVAL_SET)" ] || more="--more-data $(MORE_EVAL_SET)"; \
 	$(RUN) cohere-coreml quantize --bundle "$(BUNDLE)" --out "$(QOUT)" --preset $(PRESET) --model "$$model" \
-		--data "$(EVAL_SET)"
+		--data "$(EVAL_SET)" $$more
 
 bundle-check: sync
 	$(RUN) cohere-coreml bundle check "$(BUNDLE)"

@@ -170,6 +170,56 @@ def test_softmax_inputs_skipped_and_counted(tiny):
     assert broken_counts["int8_ops"]["add"] == 2
 
 
+def test_pairs_made_identities_give_the_f16_program_and_the_rebuild_drops_them(tiny, tmp_path):
+    """Sensitivity per activation runs the quantized program itself with some quantize -> dequantize pairs
+    made identities (`PairsDisabled`, the interpreter's observer replacing each dequantize output by the
+    tensor its quantize read): every pair disabled is the f16 program's output, none disabled the quantized
+    one's, one disabled something between. The ops `choose_fp16_activations` keeps for a pair, left fp16 in
+    the rebuild, remove that pair and keep the others. Broken variant: an observer whose return value is
+    ignored gives the quantized output with every pair disabled (the first assertion)."""
+    path, mlmodel = tiny
+    stats = activations.ranges(load_model(path, backend="mil"), samples())
+    skip = activations.softmax_input_ops(load_function(path, "main"))
+    quantized = activations.apply_stats(mlmodel, stats, activations.activation_config(skip))
+    qpath = tmp_path / "q.mlpackage"
+    quantized.save(str(qpath))
+    pairs = activations.quantize_pairs(load_function(qpath, "main"))
+    assert len(pairs) >= 3 and all(p["dequantized"] for p in pairs)
+    assert all(p["consumers"] or p["producer"] for p in pairs)
+    f16, q = load_model(path, backend="mil"), load_model(qpath, backend="mil")
+    x = samples(1)[0]
+    out = next(iter(f16.output_description))
+    ref, plain = f16.predict(x)[out], q.predict(x)[out]
+    assert not np.array_equal(ref, plain)
+    with q.observed(activations.PairsDisabled(pairs)):
+        assert np.array_equal(q.predict(x)[out], ref)
+    with q.observed(activations.PairsDisabled([])):
+        assert np.array_equal(q.predict(x)[out], plain)
+    with q.observed(activations.PairsDisabled(pairs[:1])):
+        one = q.predict(x)[out]
+    assert not np.array_equal(one, plain) and not np.array_equal(one, ref)
+    first = pairs[0]
+    keep = sorted({n for n in (*first["consumers"], first["producer"]) if n})
+    rebuilt = activations.apply_stats(mlmodel, stats, activations.activation_config([*skip, *keep]))
+    left = activations.quantize_pairs(load_function_of(rebuilt))
+    assert first["input"] not in {p["input"] for p in left} and 0 < len(left) < len(pairs)
+
+
+def test_disabled_pairs_in_a_chain_give_the_fp16_tensor():
+    """A quantize reading another pair's dequantize output (x -> q/dq A -> q/dq B): with both disabled, B's
+    dequantize output is x itself, not A's rounded tensor. Broken variant: saving a quantize's input before
+    replacing it hands B the rounded tensor (A stays active though disabled)."""
+    a = {"quantize": "qa", "input": "x", "dequantized": ["dqa"], "consumers": [], "producer": None}
+    b = {"quantize": "qb", "input": "dqa", "dequantized": ["dqb"], "consumers": ["lin"], "producer": None}
+    both = activations.PairsDisabled([a, b])
+    assert both("x", "fp16") is None
+    assert both("dqa", "rounded by a") == "fp16"
+    assert both("dqb", "rounded by b") == "fp16"
+    only_b = activations.PairsDisabled([b])  # A active: B's dequantize output is A's rounded tensor
+    assert only_b("x", "fp16") is None and only_b("dqa", "rounded by a") is None
+    assert only_b("dqb", "rounded by b") == "rounded by a"
+
+
 def load_function_of(mlmodel):
     from coremltools.converters.mil.frontend.milproto.load import load
 
@@ -214,16 +264,23 @@ def test_recorder_reductions():
 
 def test_q8a8_preset():
     """q8's weights; int8 activations in the encoder only (the decoder's did not hold the held-out gate)."""
-    assert PRESETS["q8a8"]["encoder"] == dataclasses.replace(PRESETS["q8"]["encoder"], activations="int8")
+    assert PRESETS["q8a8"]["encoder"] == dataclasses.replace(
+        PRESETS["q8"]["encoder"], activations="int8", activation_target_psnr=GATES["q8"]["encoder_psnr_db"])
     assert PRESETS["q8a8"]["decoder"] == PRESETS["q8"]["decoder"]
     assert GATES["q8a8"] == GATES["q8"]
 
 
-def test_q8a8_bundle(f16_bundle, tmp_path):
+def test_q8a8_bundle(f16_bundle, tmp_path, monkeypatch):
     """The preset end to end on the package's multifunction encoder (window + bucket): every function
     calibrated by the interpreter on the gate audio (computed even with --skip-verify: the statistics need
-    it), compression.json counts the int8 ops. (Its gates are the q8 ones; on the default model the held-out
-    gate refuses it, docs/quantization.md.)"""
+    it), compression.json counts the int8 ops and the activations kept fp16 by their sensitivity. (Its gates
+    are the q8 ones, docs/quantization.md.) The fixture's all-int8 encoder already meets q8's 35 dB (its
+    shorter window), so the target is raised here to make the choice keep some activations fp16. Broken
+    variant: a rebuild that drops the chosen ops (the recipe's keep_fp16_activations not passed on) leaves
+    every function's kept list empty and the rebuilt program with every pair (the assertions on them)."""
+    target = 45.0
+    recipe = dataclasses.replace(PRESETS["q8a8"]["encoder"], activation_target_psnr=target)
+    monkeypatch.setitem(PRESETS, "q8a8", {**PRESETS["q8a8"], "encoder": recipe})
     report = quantize_bundle(f16_bundle, tmp_path / "q8a8", "q8a8", skip_verify=True)
     assert report["gate"] == {"skipped": True}
     act = report["components"]["encoder"]["activations"]
@@ -232,6 +289,17 @@ def test_q8a8_bundle(f16_bundle, tmp_path):
     assert len(act["functions"]) == len(report["components"]["encoder"]["functions"]) == 2
     assert all(f["samples"] == act["statistics"]["samples"] > 1 for f in act["functions"].values())
     assert "activations" not in report["components"]["decoder"]
+    # the activations kept fp16 by their sensitivity (measured in the first build, applied in the rebuild)
+    sens = report["components"]["encoder"]["activation_sensitivity"]
+    assert sens["target_psnr_db"] == target and len(sens["per_activation"]) > 0
+    assert sens["all_int8_psnr_db"] < target <= sens["predicted_psnr_db"] and sens["met"]
+    kept = set(sens["keep_ops"])
+    assert kept and sens["pairs_kept_fp16"]
+    for fn in act["functions"].values():  # every function of the rebuild left the chosen ops fp16
+        assert set(fn["kept_fp16_for_sensitivity"]) <= kept and fn["kept_fp16_for_sensitivity"]
+    rebuilt = activations.quantize_pairs(load_function(tmp_path / "q8a8" / "encoder.mlpackage", "main"))
+    assert len(rebuilt) <= len(sens["per_activation"]) - len(sens["pairs_kept_fp16"])
+    assert not {p["input"] for p in rebuilt} & set(sens["inputs_kept_fp16"])
     written = json.loads((tmp_path / "q8a8" / "compression.json").read_text())
     assert written["components"]["encoder"]["activations"] == act
     # the interpreter runs the quantize / dequantize ops of the written encoder

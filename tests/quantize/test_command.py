@@ -39,6 +39,10 @@ def test_q8_gate_figures_and_bundle(f16_bundle, q8_bundle):
     held, card = gate["heldout"], (out / "README.md").read_text()
     assert set(held["languages"]) == {"de", "en", "es"} and held["worst_increase"] <= 0.005
     assert all(f", {lang} (WER) | 1 |" in card for lang in held["languages"])
+    # one clip per language is too few words to decide (rule of three): built undecided, and says so
+    assert held["verdict"] == "undecided" and held["accepted_undecided"] is True
+    assert "accepted undecided (--accept-undecided)" in held["headline"] and "rule of three" in held["headline"]
+    assert "Task verdict: undecided, built with `--accept-undecided`" in card
     assert check_bundle(out)["files"] > 10
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["preset"] == "q8" and manifest["recipe"]["decoder"]["scheme"] == "int8"

@@ -18,64 +18,130 @@ from cohere_coreml.quantize.compression_gates import engine_transcripts
 from ..fixture_data import HELDOUT_DIR, TRAINED_MODEL
 
 
+def clips(n: int, language: str = "en", words: str = "alpha beta gamma delta epsilon") -> dict:
+    """`engine_transcripts`' shape: n clips of 5 words, every hypothesis right."""
+    refs = [words] * n
+    return {"files": [f"{language}{i}.wav" for i in range(n)], "refs": refs, "languages": [language] * n,
+            "ids": [[i, 1] for i in range(n)], "texts": list(refs)}
+
+
+def wrong(base: dict, indices) -> dict:
+    """The same clips with one word wrong (and other tokens) in each of `indices`."""
+    indices = set(indices)
+    return {**base, "texts": [t.replace("alpha", "alfa") if i in indices else t for i, t in enumerate(base["texts"])],
+            "ids": [[i, 9] if i in indices else ids for i, ids in enumerate(base["ids"])]}
+
+
 def test_heldout_gate_bounds_every_language():
-    """One language made worse is refused even when the average over languages stays within 0.5 points;
-    the same error spread thin passes. Per-language rates are the bench's (metrics.error_counts), and
-    the overall rate pools the same counts (one metric)."""
-    # no digits: the English normaliser (Whisper's) splits "word0" into two words, the basic one does not
-    refs = ["alpha beta gamma delta epsilon"] * 40  # 40 clips x 5 words per language
-    base = {"files": [f"{l}{i}.wav" for l in "ab" for i in range(40)], "refs": refs * 2,
-            "languages": ["en"] * 40 + ["de"] * 40, "ids": [[i, 1] for i in range(80)], "texts": refs * 2}
-
-    def produced(wrong: list[int]) -> dict:
-        texts = [t.replace("alpha", "alfa") if i in wrong else t for i, t in enumerate(base["texts"])]
-        ids = [[i, 9] if i in wrong else ids for i, ids in enumerate(base["ids"])]
-        return {**base, "texts": texts, "ids": ids}
-
-    one_language = produced([40, 41])  # 2 de words of 200 wrong: de +1.0 point, overall +0.5, en unchanged
+    """Every language is bounded on its own (the worst, not the average, is what the verdict reads); the
+    per-language rates are the bench's (metrics.error_counts) and the overall rate pools the same counts."""
+    base = {k: a + b for (k, a), b in zip(clips(40, "de").items(), clips(40, "en").values())}
+    one_language = wrong(base, range(10))  # 10 de words of 200 wrong: de +5.0 points, overall +2.5, en unchanged
     cmp = Q.compare_transcripts(base, one_language)
-    assert cmp["languages"]["de"]["increase"] == pytest.approx(0.01) and cmp["languages"]["en"]["increase"] == 0
-    assert cmp["worst_increase"] == pytest.approx(0.01) and cmp["wer_increase"] == pytest.approx(0.005)
-    assert cmp["languages"]["de"]["identical_clips"] == 38 and cmp["identical_clips"] == 78
-    assert cmp["differing_files"] == ["b0.wav", "b1.wav"]
-
-    def gate(prod):
-        return Q.heldout_report(base, prod, "f16 bundle", "heldout", Q.GATES["q8"])
-
-    refused = gate(one_language)
-    assert not refused.passed and "worst language de" in refused.headline and "+1.00 points" in refused.headline
-    assert gate(produced([0, 40])).passed  # +0.5 points in each language: at the bound
-    assert not gate(produced([0, 1, 40])).passed  # en +1.0
-    assert gate(base).passed
+    assert cmp["languages"]["de"]["increase"] == pytest.approx(0.05) and cmp["languages"]["en"]["increase"] == 0
+    assert cmp["worst_increase"] == pytest.approx(0.05) and cmp["wer_increase"] == pytest.approx(0.025)
+    assert cmp["languages"]["de"]["identical_clips"] == 30 and cmp["identical_clips"] == 70
+    assert cmp["differing_files"] == [f"de{i}.wav" for i in range(10)]
+    refused = Q.heldout_report(base, one_language, "f16 bundle", "heldout", Q.GATES["q8"])
+    assert not refused.passed and refused.details["verdict"] == "refuse"
+    # en: 40 identical clips, 200 words: the rule of three leaves +1.50 points unseen, so not shown kept
+    assert refused.details["language_verdicts"] == {"de": "exceeded", "en": "undecided"}
+    assert "refused on de WER +5.00 points" in refused.headline and "wholly above +0.50" in refused.headline
+    larger = {k: a + b for (k, a), b in zip(clips(120, "de").items(), clips(120, "en").values())}
+    assert Q.heldout_report(larger, larger, "f16 bundle", "heldout", Q.GATES["q8"]).passed
+    # each side's rate has its own bootstrap interval (the baseline's from the baseline's texts)
+    better = Q.compare_transcripts(one_language, base)["languages"]["de"]
+    assert better["baseline"] == pytest.approx(0.05) and better["rate"] == 0
+    low, high = better["baseline_rate_interval"]
+    assert low < 0.05 < high and better["rate_interval"] == [0.0, 0.0]
     # an empty hypothesis counts as all deletions (metrics.error_counts), never as a correct clip
-    empty = {**base, "texts": ["" if i == 0 else t for i, t in enumerate(base["texts"])]}
+    empty = {**base, "texts": ["" if i == 40 else t for i, t in enumerate(base["texts"])]}
     assert Q.compare_transcripts(base, empty)["languages"]["en"]["increase"] == pytest.approx(5 / 200)
 
 
-def test_heldout_gate_says_how_sure_its_verdict_is():
-    """The report gives each language's increase a paired-bootstrap interval and the share of resamples
-    within the gate's bound: a pass at the bound is a coin toss, a wide margin is not."""
-    refs = ["alpha beta gamma delta epsilon"] * 200  # 200 clips x 5 words
-    base = {"files": [f"a{i}.wav" for i in range(200)], "refs": refs, "languages": ["en"] * 200,
-            "ids": [[i] for i in range(200)], "texts": list(refs)}
-
-    def produced(wrong: int) -> dict:
-        return {**base, "texts": ["alfa beta gamma delta epsilon"] * wrong + refs[wrong:],
-                "ids": [[-1]] * wrong + base["ids"][wrong:]}
-
+def test_heldout_verdict_is_decided_by_the_interval_never_by_one_word():
+    """Pass when the whole 95 % interval of every language's increase is within the bound, refuse when one
+    is wholly above it; one word on 30 clips (the issue's +0.75 points) decides neither: undecided, it is
+    refused on the last set given and decided on a larger one instead. The verdict names its figure."""
     bound = Q.GATES["q8"]["max_wer_increase"]
-    at_bound = Q.heldout_report(base, produced(5), "pytorch", "heldout", Q.GATES["q8"])  # +0.5 points of 0.5
-    en = at_bound.details["languages"]["en"]
-    assert at_bound.passed and en["increase"] == pytest.approx(bound)
-    assert en["increase_interval"][0] < bound < en["increase_interval"][1]
-    assert 0.3 < en["within_bound"] < 0.8
-    assert "within the bound in" in at_bound.headline and "95 % interval" in at_bound.headline
-    low, high = en["rate_interval"]
-    assert low < en["rate"] < high
-    clear = Q.heldout_report(base, produced(1), "pytorch", "heldout", Q.GATES["q8"]).details["languages"]["en"]
-    assert clear["within_bound"] > 0.95 > en["within_bound"]
-    worse = Q.heldout_report(base, produced(20), "pytorch", "heldout", Q.GATES["q8"])
-    assert not worse.passed and worse.details["languages"]["en"]["within_bound"] == 0.0
+    small = clips(30)
+    one_word = Q.heldout_report(small, wrong(small, [3]), "pytorch", "heldout", Q.GATES["q8"])
+    en = one_word.details["languages"]["en"]
+    assert en["increase"] > bound and en["increase_interval"][0] <= bound < en["increase_interval"][1]
+    assert one_word.details["verdict"] == "undecided" and not one_word.passed
+    assert "undecided on the largest set given" in one_word.headline
+    assert not Q.heldout_report(small, wrong(small, [3]), "pytorch", "heldout", Q.GATES["q8"], last=False).passed
+    large = clips(600)
+    kept = Q.heldout_report(large, wrong(large, [3]), "pytorch", "large", Q.GATES["q8"])
+    assert kept.passed and kept.details["verdict"] == "pass"
+    assert kept.details["languages"]["en"]["increase_interval"][1] <= bound
+    assert "passed on en WER +0.03 points" in kept.headline
+    exceeded = Q.heldout_report(large, wrong(large, range(60)), "pytorch", "large", Q.GATES["q8"])
+    assert exceeded.details["verdict"] == "refuse" and not exceeded.passed
+    # at the bound on the large set is not shown kept: refused as undecided, never passed
+    at_bound = Q.heldout_report(large, wrong(large, range(15)), "pytorch", "large", Q.GATES["q8"])
+    assert at_bound.details["languages"]["en"]["increase"] == pytest.approx(bound)
+    assert at_bound.details["verdict"] == "undecided" and not at_bound.passed
+    assert 0.3 < at_bound.details["languages"]["en"]["within_bound"] < 0.8
+
+    # decide(): the smaller set first, the larger only while undecided; every step recorded
+    seen = []
+    sets = {"heldout": (small, wrong(small, [3])), "varied": (large, wrong(large, [3]))}
+
+    def evaluate(folder):
+        seen.append(folder.name)
+        return (*sets[folder.name], "pytorch")
+
+    verdict = Q.decide(["heldout", "varied"], evaluate, Q.GATES["q8"])
+    assert verdict.passed and seen == ["heldout", "varied"]
+    assert [s["verdict"] for s in verdict.details["steps"]] == ["undecided", "pass"]
+    assert "(after heldout: undecided)" in verdict.headline
+    seen.clear()
+    sets["heldout"] = (small, small)  # identical on the small set: too few words to be decided there
+    assert Q.decide(["heldout", "varied"], evaluate, Q.GATES["q8"]).passed and seen == ["heldout", "varied"]
+    seen.clear()
+    sets["heldout"] = (clips(120), clips(120))  # identical on 600 words: decided there
+    assert Q.decide(["heldout", "varied"], evaluate, Q.GATES["q8"]).passed and seen == ["heldout"]
+
+
+def test_all_identical_small_set_is_undecided_by_the_rule_of_three():
+    """Every clip's tokens identical gives the bootstrap a zero-width [0, 0] interval whatever the set's
+    size; the verdict gives the interval an upper end of at least 3 / (reference words) (the rule of three),
+    so identical clips pass only on a set large enough to have shown a change: at +0.5 points, 600 words.
+    Broken variant (the rule left out): the 20-clip set passes on [0, 0]."""
+    bound = Q.GATES["q8"]["max_wer_increase"]
+    assert Q.unseen_increase(600) == pytest.approx(bound) and Q.unseen_increase(0) == float("inf")
+    for n, verdict in ((20, "undecided"), (119, "undecided"), (120, "pass")):
+        base = clips(n)
+        report = Q.heldout_report(base, base, "pytorch", "heldout", Q.GATES["q8"])
+        en = report.details["languages"]["en"]
+        assert en["increase_interval"] == [0.0, 0.0] and en["units"] == 5 * n
+        assert report.details["verdict"] == verdict and report.passed == (verdict == "pass"), n
+    small = Q.heldout_report(clips(20), clips(20), "pytorch", "heldout", Q.GATES["q8"])
+    assert "at least +3.00 by the rule of three on 100 words" in small.headline
+    # --accept-undecided: the undecided last set passes, marked; an exceeded bound still refuses
+    taken = Q.heldout_report(clips(20), clips(20), "pytorch", "heldout", Q.GATES["q8"], accept_undecided=True)
+    assert taken.passed and taken.details["accepted_undecided"] and "accepted undecided" in taken.headline
+    assert not small.details["accepted_undecided"]
+    worse = Q.heldout_report(clips(600), wrong(clips(600), range(60)), "pytorch", "h", Q.GATES["q8"],
+                             accept_undecided=True)
+    assert worse.details["verdict"] == "refuse" and not worse.passed
+    # a language without reference words is never kept
+    assert Q.language_verdict([0.0, 0.0], bound, 0) == "undecided"
+    assert Q.language_verdict([0.6, 0.9], bound, 0) == "exceeded"
+
+
+def test_more_data_is_checked_for_every_preset(tmp_path):
+    """`--more-data` folders are checked before any work, whatever the preset; a preset without calibration
+    audio gets past that check (broken variant: the low-rank calibration warning inside the loop read
+    `Path(None)` for q8 and raised TypeError)."""
+    from cohere_coreml.quantize import QuantizeError, quantize_bundle
+
+    with pytest.raises(QuantizeError, match="--more-data .*missing: no such folder"):
+        quantize_bundle(tmp_path, tmp_path / "q8", "q8", eval_dir=HELDOUT_DIR, more_data=[tmp_path / "missing"])
+    with pytest.raises(QuantizeError) as past:  # the next check: the source is not a bundle
+        quantize_bundle(tmp_path, tmp_path / "q8", "q8", eval_dir=HELDOUT_DIR, more_data=[HELDOUT_DIR])
+    assert "--more-data" not in str(past.value)
 
 
 @pytest.mark.slow
@@ -103,5 +169,31 @@ def test_heldout_runs_the_bench_engines_with_the_long_audio_split(f16_bundle, tm
     shutil.copy(HELDOUT_DIR / utts[0]["file"], first / utts[0]["file"])
     (first / "manifest.json").write_text(json.dumps({"utterances": [utts[0]]}))
     bundle_side = engine_transcripts(lambda: Transcriber(f16_bundle, backend="mil"), load_folder(first))
-    res = Transcriber(f16_bundle, backend="mil").transcribe(first / utts[0]["file"], "en", max_new_tokens=96)
+    res = Transcriber(f16_bundle, backend="mil").transcribe(first / utts[0]["file"], "en", max_new_tokens=96,
+                                                            vad="off")
     assert bundle_side["ids"] == [[t for w in res.windows for t in w.token_ids]] and bundle_side["texts"] == [res.text]
+
+
+def test_gate_transcripts_leave_the_bundles_vad_out(tmp_path):
+    """Both sides of the task verdict decode the energy windows (`vad="off"`): the PyTorch reference has no
+    VAD, and a bundle's vad.mlpackage is copied uncompressed, so with it one side would decode other windows
+    (broken variant: the engines' default "auto", which turns a bundle's VAD on)."""
+    from types import SimpleNamespace
+
+    from cohere_coreml.evaluation.datasets import Clip, Dataset
+
+    asked = []
+
+    class Recording:
+        kind, name = "recording", "r"
+
+        def transcribe(self, audio, language, **kwargs):
+            asked.append(kwargs.get("vad", "auto"))
+            return SimpleNamespace(text="a b", windows=[SimpleNamespace(token_ids=[1, 2])])
+
+    wav = tmp_path / "a.wav"
+    sf.write(wav, np.zeros(1600, dtype=np.float32), 16000)
+    dataset = Dataset(name=str(tmp_path), clips=[Clip(id="a.wav", audio=wav, text="a b", language="en")],
+                      manifest_path=None, manifest_sha256=None)
+    out = Q.engine_transcripts(lambda: Recording(), dataset)
+    assert asked == ["off"] and out["ids"] == [[1, 2]] and out["texts"] == ["a b"]

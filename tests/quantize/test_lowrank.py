@@ -14,8 +14,9 @@ import torch.nn as nn
 
 from cohere_coreml import cli
 from cohere_coreml.model.checkpoint import load_reference
-from cohere_coreml.quantize import lowrank
+from cohere_coreml.quantize import lowrank, lowrank_search
 from cohere_coreml.quantize.command import quantize_bundle
+from cohere_coreml.quantize.compression_gates import QuantizeGateError
 from cohere_coreml.quantize.recipes import GATES, LOWRANK_ENERGY, QuantizeError
 
 from ..fixture_data import HELDOUT_DIR, TRAINED_MODEL
@@ -337,12 +338,96 @@ def test_lowrank_presets_are_registered_with_their_gates():
         assert set(GATES[preset]) == set(GATES["q8"])
 
 
+def test_energy_scales_and_the_bisection():
+    """One scale on the preset's thresholds (s = 1: the thresholds themselves; s = 2 doubles every type's lost
+    energy), candidates ordered largest encoder first; the bisection returns the largest passing index with at
+    most ceil(log2(n + 1)) evaluations, None when the first fails."""
+    base = LOWRANK_ENERGY["lowrank"]
+    assert lowrank_search.scaled_energy(base, 1.0) == base
+    assert lowrank_search.scaled_energy(base, 2.0)["ffn"] == pytest.approx(1 - 2 * (1 - base["ffn"]))
+    scales = lowrank_search.ENERGY_SCALES
+    assert list(scales) == sorted(scales) and 1.0 in scales
+    for t in base:  # larger scale, lower threshold, smaller ranks
+        row = [lowrank_search.scaled_energy(base, s)[t] for s in scales]
+        assert row == sorted(row, reverse=True)
+    for k in [None, *range(len(scales))]:
+        asked = []
+
+        def passes(i, k=k, asked=asked):
+            asked.append(i)
+            return k is not None and i <= k
+
+        assert lowrank_search.bisect_largest_passing(len(scales), passes) == k
+        assert len(asked) <= int(np.ceil(np.log2(len(scales) + 1)))
+
+
+def test_a_search_that_chose_none_refuses_with_every_candidate():
+    """No candidate passing refuses the build (`QuantizeGateError`, the refusal's figures the search report),
+    naming each candidate's scale, size, PSNR and deciding figure; a chosen one does not raise."""
+    found = {"chosen": None, "thresholds": None, "candidates": [
+        {"scale": 1.0, "reduction": 0.663, "encoder_psnr_db": 25.6, "decided_by": "en WER +2.00 points: wholly above"},
+        {"scale": 0.25, "reduction": 0.548, "encoder_psnr_db": 35.3, "decided_by": "en WER +0.90 points: holds"}]}
+    with pytest.raises(QuantizeGateError) as refused:
+        lowrank_search.raise_if_none_passed(found)
+    msg = str(refused.value)
+    assert "s=1: -66.3 %, 25.6 dB, en WER +2.00 points" in msg and "s=0.25: -54.8 %, 35.3 dB" in msg
+    assert refused.value.report["component"] == "lowrank_search" and refused.value.report["passed"] is False
+    lowrank_search.raise_if_none_passed({**found, "chosen": 0.25})
+
+
+def test_search_keeps_the_passing_plan_and_a_plan_cut_far_below_fails_the_gate(f16_bundle, eval_dir, f16_gate_data):
+    """The search on one calibration: near-full ranks pass the floor and are undecided by the held-out verdict
+    on one clip per language (taken with `accept_undecided`; without it, no candidate passes); ranks cut far
+    below (scale 40: every type keeps half its energy) are refused by the encoder PSNR floor, and the search
+    returns the passing candidate, each candidate's PSNR, size and verdict recorded."""
+    from cohere_coreml.inference.engines import PyTorchEngine
+    from cohere_coreml.quantize.measure import clips_of
+
+    data = f16_gate_data(f16_bundle, clips_of(eval_dir))
+    engine = PyTorchEngine(TRAINED_MODEL)
+    analysis = lowrank.calibrate(engine.model, engine.processor, lowrank.calibration_clips(eval_dir))
+    settings = lowrank_search.SearchSettings(windows=data.windows, heldout=[eval_dir], gates=GATES["lowrank"],
+                                             scales=(0.25, 40.0), accept_undecided=True)
+    window, _ = lowrank.bundle_windows(json.loads((f16_bundle / "manifest.json").read_text()))
+    before = [p.detach().clone() for p in engine.model.parameters()]
+    found = lowrank_search.search_energy(engine, analysis, LOWRANK_ENERGY["lowrank"], settings, window)
+    kept, cut = found["candidates"]
+    assert found["chosen"] == 0.25
+    assert found["thresholds"] == lowrank_search.scaled_energy(LOWRANK_ENERGY["lowrank"], 0.25)
+    assert kept["passed"] and kept["encoder_psnr_db"] >= GATES["lowrank"]["encoder_psnr_db"]
+    assert kept["heldout"][0]["verdict"] == "undecided" and "rule of three" in kept["decided_by"]
+    assert not cut["passed"] and "floor" in cut["decided_by"]
+    assert cut["encoder_psnr_db"] < GATES["lowrank"]["encoder_psnr_db"] and cut["reduction"] > kept["reduction"]
+    # the engine's model is the unmodified one again (each candidate rewrote a copy)
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
+    # undecided is not a pass unless accepted: the same candidate on the same clips, none chosen
+    strict = lowrank_search.SearchSettings(windows=data.windows, heldout=[eval_dir], gates=GATES["lowrank"],
+                                           scales=(0.25,), baselines=settings.baselines)
+    refused = lowrank_search.search_energy(engine, analysis, LOWRANK_ENERGY["lowrank"], strict, window)
+    assert refused["chosen"] is None and refused["candidates"][0]["heldout"][0]["verdict"] == "undecided"
+
+
 def test_lowrank_without_model_is_a_clear_error(tmp_path, capsys):
     rc = cli.main(["quantize", "--bundle", str(tmp_path), "--out", str(tmp_path / "lr"), "--preset", "lowrank"])
     err = capsys.readouterr()
     assert rc != 0 and "--model" in err.err and "lowrank" in err.err and err.out == ""
     with pytest.raises(QuantizeError, match="calibration"):
         quantize_bundle(tmp_path, tmp_path / "lr", "lowrank", model=str(TRAINED_MODEL), eval_dir=None)
+
+
+def test_energy_flag_names_a_bad_value_and_belongs_to_the_lowrank_presets(tmp_path, capsys):
+    """`--energy` gives the thresholds instead of the search: a bad type or value is one line naming the
+    types, and another preset refuses it; the search needs a held-out folder to judge by."""
+    for bad in ("ffn=2", "mlp=0.9", "ffn"):
+        with pytest.raises(SystemExit) as exited:  # argparse's own error exit (status 2, one usage line)
+            cli.main(["quantize", "--bundle", str(tmp_path), "--preset", "lowrank", "--energy", bad])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and "--energy" in err and "attn_qk" in err and "Traceback" not in err
+    with pytest.raises(QuantizeError, match="only|applies to the low-rank presets"):
+        quantize_bundle(tmp_path, tmp_path / "q8", "q8", energy={"ffn": 0.9})
+    with pytest.raises(QuantizeError, match="searches its ranks to the held-out verdict"):
+        quantize_bundle(tmp_path, tmp_path / "lr", "lowrank", model=str(TRAINED_MODEL), eval_dir=None,
+                        calibration=HELDOUT_DIR)
 
 
 @pytest.mark.slow
@@ -352,11 +437,21 @@ def test_lowrank_preset_end_to_end(f16_bundle, eval_dir, shared_gate_data, tmp_p
     conversion-gated, gated vs the f16 encoder and on the held-out clips vs PyTorch; figures in compression.json.
     Calibrated on the whole held-out folder (the gate's one clip per language is too little audio for a PCA)."""
     out = tmp_path / preset
+    # lowrank searches its thresholds; q8-lowrank takes them as given (--energy: the explicit choice, no search)
+    energy = dict(LOWRANK_ENERGY[preset]) if preset == "q8-lowrank" else None
     report = quantize_bundle(f16_bundle, out, preset, model=str(TRAINED_MODEL), eval_dir=eval_dir,
-                             calibration=HELDOUT_DIR)
+                             calibration=HELDOUT_DIR, energy=energy, accept_undecided=True)
     saved = json.loads((out / "compression.json").read_text())
     enc = saved["components"]["encoder"]
     lr = enc["lowrank"]
+    if energy is None:  # the search's choice is what was built, every candidate recorded
+        search = lr["search"]
+        assert search["chosen"] in search["scales"] and lr["thresholds"] == search["thresholds"]
+        passed = [c["scale"] for c in search["candidates"] if c["passed"]]
+        assert search["chosen"] == max(passed) and 1 <= len(search["candidates"]) <= 3
+        assert all(c["scale"] > search["chosen"] for c in search["candidates"] if not c["passed"])
+    else:
+        assert "search" not in lr and lr["thresholds"] == energy
     assert lr["encoder_parameters"]["reduction"] >= 0.30
     # the f16 bundle's windows: main + the 2 s bucket, each function gated against the rewritten model
     assert lr["conversion_gate"]["passed"] and "main" in lr["conversion_gate"]["functions"]

@@ -73,6 +73,8 @@ def run_row(label: str, preset: str, flags: list[str], args, params: int) -> dic
            "--data", str(args.evaluation), "--force", *flags]
     if preset in CALIBRATED:
         cmd += ["--calibration", str(args.calibration)]
+    for folder in args.more_data:  # the larger sets the task verdict reads while undecided
+        cmd += ["--more-data", str(folder)]
     res = run_cli(cmd, check=False, log=out / f"quantize-{label}.log")
     row: dict = {"label": label, "preset": preset, "flags": flags, "seconds": res["seconds"],
                  "peak_rss_gb": res["peak_rss_gb"], "passed": res["returncode"] == 0}
@@ -147,6 +149,9 @@ def main(argv=None) -> int:
     parser.add_argument("--calibration-per-language", type=int, default=10,
                         help="the first N clips per language of --data calibrate (lowrank presets) and are never "
                         "scored; every row is scored on the rest (default: %(default)s)")
+    parser.add_argument("--more-data", action="append", default=[], metavar="DIR",
+                        help="larger held-out folders passed to every row's quantize (its task verdict reads them "
+                        "while undecided), e.g. tests/data/heldout-varied/single")
     parser.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS),
                         help="rows as 'label=preset [quantize flags]' or a preset name (default: every preset)")
     parser.add_argument("--full-size", default=None, help="tools/bench/bench_quantize.py's JSON of a full-size run")

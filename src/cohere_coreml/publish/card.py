@@ -238,6 +238,10 @@ def model_card(bundle_dir: str | os.PathLike, bench: dict | None = None, manifes
         lines += [f"| {h.get('eval_set', 'held-out')}, {lang} ({v['metric'].upper()}) | {v['clips']} | "
                   f"{100 * v['baseline']:.2f} % | {100 * v['rate']:.2f} % | {v['identical_clips']}/{v['clips']} |"
                   for lang, v in h.get("languages", {}).items()]
+        if h.get("verdict"):  # the task verdict (docs/quantization.md), the figure that decided it
+            said = ("undecided, built with `--accept-undecided` (the set is too small to show the bound kept)"
+                    if h.get("accepted_undecided") else h["verdict"])
+            lines += ["", f"Task verdict: {said}, on {h.get('deciding_figure', '-')}."]
     else:
         lines += ["", "Held-out WER: not measured for this bundle."]
     if bench:

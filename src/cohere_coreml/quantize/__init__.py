@@ -12,8 +12,11 @@ One job per module, the analysis steps apart from the apply steps (as in ml-stab
     sensitivity  per-weight sensitivity and `--target-psnr` (`choose_fp16`)
     lowrank      the low-rank encoder of `lowrank` / `q8-lowrank` (LiteASR): calibration statistics,
                  PCA ranks, the rewrite of the checkpoint, its re-export
+    lowrank_search  the low-rank thresholds searched to the gate (one scale, bisection, each candidate
+                 judged in PyTorch by the floor and the task verdict)
     activations  W8A8: activation statistics through the interpreter, applied by coremltools' own passes
-    compression_gates  the component gates and the held-out gate (the bench's engines, datasets and metrics)
+    compression_gates  the component gates and the held-out task verdict (the bench's engines, datasets and
+                 metrics; decided by the bootstrap interval, on larger sets while undecided)
     command      `quantize_bundle` (source check, bundle assembly, atomic install) and the CLI
 
 Only the names other modules, tools and tests use are re-exported here.
@@ -30,9 +33,12 @@ from .compression_gates import (
     QuantizeGateError,
     compare_transcripts,
     component_gate,
+    decide,
     engine_transcripts,
     heldout_gate,
     heldout_report,
+    language_verdict,
+    unseen_increase,
 )
 from .inventory import (
     compressed_ops,
@@ -72,8 +78,8 @@ __all__ = [
     "COMPONENTS", "DEFAULT_PRESET", "GATES", "PRESETS", "SCHEMES", "WEIGHT_THRESHOLD", "GateData", "QuantizeError",
     "QuantizeGateError", "Recipe", "add_command", "build_gate_data", "check_source", "choose_fp16",
     "compare_transcripts", "component_gate", "compress_mlmodel", "compress_package", "compressed_ops",
-    "compressed_tensors", "decoder_outputs", "decoder_runtime", "encoder_outputs", "encoder_psnr", "engine_transcripts",
-    "extract_function", "format_summary", "gate_clips", "heldout_gate", "heldout_report", "load_function",
+    "compressed_tensors", "decide", "decoder_outputs", "decoder_runtime", "encoder_outputs", "encoder_psnr", "engine_transcripts",
+    "extract_function", "format_summary", "gate_clips", "heldout_gate", "heldout_report", "language_verdict", "load_function",
     "clips_of", "log_prob_error", "package_functions", "packaged_gate_clips", "preset_recipes", "quantize_bundle", "refusal_path",
-    "scheme_config", "sensitivity", "source_preset", "tensor_report", "weight_tensors",
+    "scheme_config", "sensitivity", "source_preset", "tensor_report", "unseen_increase", "weight_tensors",
 ]

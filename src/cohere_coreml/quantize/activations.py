@@ -27,6 +27,11 @@ passes also read model outputs and state-only tensors, which its calibration lea
 skips integer `add`s (coremltools' pass fails on them) and the `add` feeding each softmax (the attention
 mask's -10000 would round every score to 0), and the ops whose weights the recipe keeps fp16.
 
+Which activations stay fp16 (`pair_sensitivity`, `choose_fp16_activations`): the built W8A8 program is run in
+the interpreter with quantize -> dequantize pairs made identities (`PairsDisabled`), so each activation's
+cost is measured with coremltools' own scales and rounding; the most costly are kept fp16 (their ops left
+out of the config) until the encoder reaches the recipe's target, and the package is rebuilt.
+
 coremltools is imported inside the functions (heavy import, see `recipes`).
 """
 
@@ -256,10 +261,13 @@ def quantize_function_activations(mlmodel, package: Path, function: str, compone
                 len(stats), samples)
     program = load_function(package, function)
     integer, scores, kept = integer_input_ops(program), softmax_input_ops(program), recipe_kept_ops(program, recipe)
-    out = apply_stats(mlmodel, stats, activation_config([*integer, *scores, *kept]))
+    present = {op.name for op in program.operations}
+    sensitive = sorted(n for n in (recipe.keep_fp16_activations if recipe is not None else ()) if n in present)
+    out = apply_stats(mlmodel, stats, activation_config([*integer, *scores, *kept, *sensitive]))
     return out, {"skipped_softmax_inputs": len(scores), "tensors_calibrated": len(stats),
                  "coremltools_tensors": len(names), "samples": samples, "concat_groups": len(concats),
-                 "skipped_integer_ops": len(integer), "skipped_by_recipe": sorted(kept)}
+                 "skipped_integer_ops": len(integer), "skipped_by_recipe": sorted(kept),
+                 "kept_fp16_for_sensitivity": sensitive}
 
 
 def quantized_activation_ops(function) -> dict:
@@ -295,3 +303,108 @@ def summary(functions: dict[str, dict], function, reduction: str = "all") -> dic
                            "coremltools_seam": ".".join(CALIBRATION_SEAM)},
             "functions": functions, "quantized": quantized_activation_ops(function)}
 
+
+
+# --------------------------------------------------------------------------------------------
+# Which activations to keep fp16: per quantize/dequantize pair, in the quantized program itself
+# --------------------------------------------------------------------------------------------
+
+
+def quantize_pairs(function) -> list[dict]:
+    """Every quantize op of a (quantized) MIL function with the tensor it reads (`input`), the outputs of the
+    dequantize ops reading it (`dequantized`), the ops of `QUANTIZED_OP_TYPES` reading those (`consumers`:
+    coremltools' prefix pair sits before them) and the one writing its input, looked for through at most one
+    op of another type (`producer`: its suffix pair sits after it, [-> activation])."""
+    out = []
+    for op in function.operations:
+        if op.op_type != "quantize":
+            continue
+        x = op.inputs["input"]
+        deq = [c for c in op.outputs[0].child_ops if c.op_type == "dequantize"]
+        consumers = sorted({c.name for d in deq for c in d.outputs[0].child_ops if c.op_type in QUANTIZED_OP_TYPES})
+        producer = x.op
+        if producer is not None and producer.op_type not in QUANTIZED_OP_TYPES:
+            before = [v.op for v in producer.inputs.values() if not isinstance(v, (list, tuple)) and v.op is not None
+                      and v.op.op_type in QUANTIZED_OP_TYPES]
+            producer = before[0] if len(before) == 1 else None
+        out.append({"quantize": op.name, "input": x.name, "dequantized": [d.outputs[0].name for d in deq],
+                    "consumers": consumers,
+                    "producer": producer.name if producer is not None and producer.op_type in QUANTIZED_OP_TYPES
+                    else None})
+    return out
+
+
+class PairsDisabled:
+    """Interpreter observer (`MilModel.observed`) making some quantize -> dequantize pairs an identity: each
+    dequantize output of a disabled pair is replaced by the fp16 tensor its quantize read. A quantize reading
+    the dequantize output of another disabled pair reads the replaced tensor (the value saved is the one the
+    later ops see), so a chain of disabled pairs is the fp16 program too."""
+
+    def __init__(self, pairs: list[dict]):
+        self.inputs = {p["input"] for p in pairs}
+        self.replace = {d: p["input"] for p in pairs for d in p["dequantized"]}
+        self.saved: dict = {}
+
+    def __call__(self, name: str, value):
+        out = self.saved[self.replace[name]] if name in self.replace else None
+        if name in self.inputs:
+            self.saved[name] = value if out is None else out
+        return out
+
+
+def pair_psnr(model, pairs: list[dict], disabled: list[dict], data: GateData, reference) -> float:
+    """Encoder PSNR vs `reference` of the quantized program `model` with the `disabled` pairs made identities."""
+    from .measure import encoder_outputs, encoder_psnr
+
+    with model.observed(PairsDisabled(disabled)):
+        return encoder_psnr(reference, encoder_outputs(model, data))
+
+
+def pair_sensitivity(package: Path, data: GateData) -> dict:
+    """Per quantize/dequantize pair of a W8A8 encoder package's default function: the encoder's PSNR vs the
+    f16 references of `data` with ONLY that activation int8 (every other pair an identity), and with every
+    pair (`all`). The program is coremltools' own, so scales and rounding are the real ones."""
+    function = load_function(package)
+    pairs = quantize_pairs(function)
+    model = load_model(str(package), backend="mil")
+    reference = data.encoder_ref
+    per = {}
+    from tqdm import tqdm
+
+    for i, pair in enumerate(tqdm(pairs, desc="activation sensitivity", unit="pair", leave=False)):
+        per[pair["quantize"]] = pair_psnr(model, pairs, pairs[:i] + pairs[i + 1:], data, reference)
+    return {"all": pair_psnr(model, pairs, [], data, reference), "per_pair": per, "pairs": pairs,
+            "windows": len(data.windows)}
+
+
+def choose_fp16_activations(package: Path, data: GateData, sens: dict, target_psnr: float) -> dict:
+    """The fewest pairs, most sensitive first (lowest PSNR alone), whose removal brings the quantized
+    program's encoder PSNR to `target_psnr` (bisection on their number, each step the real program with
+    those pairs made identities), and the ops to leave fp16 in the rebuild (`keep_ops`: their consumers
+    and producers, so coremltools inserts neither pair). Returns the steps measured too."""
+    model = load_model(str(package), backend="mil")
+    pairs = sorted(sens["pairs"], key=lambda p: sens["per_pair"][p["quantize"]])
+    steps: dict[int, float] = {}
+
+    def psnr_with(k: int) -> float:
+        if k not in steps:
+            steps[k] = pair_psnr(model, pairs, pairs[:k], data, data.encoder_ref)
+        return steps[k]
+
+    lo, hi = 0, len(pairs)  # psnr_with(hi) is the f16 program's (every pair an identity)
+    if psnr_with(0) < target_psnr:
+        while lo + 1 < hi:
+            mid = (lo + hi) // 2
+            if psnr_with(mid) >= target_psnr:
+                hi = mid
+            else:
+                lo = mid
+        k = hi
+    else:
+        k = 0
+    kept = pairs[:k]
+    keep_ops = sorted({n for p in kept for n in (*p["consumers"], p["producer"]) if n})
+    return {"target_psnr_db": target_psnr, "pairs_kept_fp16": [p["quantize"] for p in kept],
+            "inputs_kept_fp16": [p["input"] for p in kept], "keep_ops": keep_ops,
+            "predicted_psnr_db": psnr_with(k), "met": psnr_with(k) >= target_psnr,
+            "steps": [{"pairs_kept_fp16": n, "psnr_db": round(v, 2)} for n, v in sorted(steps.items())]}

@@ -20,6 +20,8 @@ The analysis steps apart from the apply steps:
                          y ~ V_r V_r^T (W x + b - mu) + mu = V_r (V_r^T W) x + (V_r V_r^T (b - mu) + mu)
                          (`LowRankLinear`: `down` without bias, `up` with it), so the encoder wrapper and
                          its export trace the rewritten model unchanged
+    (lowrank_search)     the thresholds searched to the gate (`lowrank_search.search_energy`), each candidate
+                         planned and rewritten by the functions here from one analysis
     export_lowrank_encoder  calibration, plan, rewrite, then the project's encoder export (same windows and
                          settings as the f16 bundle), gated against the rewritten PyTorch model
 
@@ -43,6 +45,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -61,6 +64,9 @@ from ..model.shapes import encoder_shapes
 from ..storage.files import package_size_bytes, temporary_dir, weight_file_bytes
 from .compress import compress_package
 from .recipes import QuantizeError, Recipe
+
+if TYPE_CHECKING:  # the search imports this module (one way); annotations only
+    from . import lowrank_search
 
 logger = logging.getLogger(__name__)
 
@@ -514,11 +520,13 @@ def calibrate(model, processor, clips: list[Path], budget_bytes: int = STATISTIC
     return analyse(model.model.encoder, lambda: calibration_features(clips, front_end), budget_bytes=budget_bytes)
 
 
-def lowrank_model(model, processor, clips: list[Path], thresholds: Mapping[str, float]) -> dict:
-    """Calibrate on `clips`, plan the ranks and rewrite `model`'s encoder in place; returns the summary."""
+def lowrank_model(model, processor, clips: list[Path], thresholds: Mapping[str, float],
+                  analysis: Analysis | None = None) -> dict:
+    """Calibrate on `clips` (or reuse `analysis`), plan the ranks and rewrite `model`'s encoder in place;
+    returns the summary."""
     encoder = model.model.encoder
     before = encoder_parameters(encoder)
-    analysis = calibrate(model, processor, clips)
+    analysis = analysis if analysis is not None else calibrate(model, processor, clips)
     plans = plan_ranks(encoder, analysis, thresholds)
     replaced = rewrite_encoder(encoder, analysis, plans)
     after = encoder_parameters(encoder)
@@ -560,17 +568,23 @@ def encoder_gate_clips(processor, model, settings: ExportSettings):
 
 def build_lowrank_encoder(f16_bundle: Path, dst: Path, recipe: Recipe, model_ref: str, calibration: Path,
                           thresholds: Mapping[str, float], *, skip_verify: bool = False,
-                          keep_parts: Path | None = None) -> dict:
+                          keep_parts: Path | None = None, search: lowrank_search.SearchSettings | None = None) -> dict:
     """The preset's encoder package at `dst`: the checkpoint calibrated and rewritten, its encoder exported
     with the f16 bundle's windows and parts (gated against the rewritten PyTorch model), then `recipe`
     applied (`compress_package`: a copy for fp16, int8 for q8-lowrank); returns its compression.json
-    section. An encoder in parts: `dst` is the first part; the fp16 packages of every part are exported
-    into `keep_parts` (left for the caller to compress the others, and to remove)."""
+    section. With `search` (`lowrank_search.SearchSettings`), `thresholds` are the base of the search: the
+    candidate it chooses is built (its report under `lowrank.search`), and none passing raises
+    `QuantizeGateError`. An encoder in parts: `dst` is the first part; the fp16 packages of every part are
+    exported into `keep_parts` (left for the caller to compress the others, and to remove)."""
     manifest = json.loads((Path(f16_bundle) / MANIFEST_NAME).read_text())
     window, buckets = bundle_windows(manifest)
     parts = len(manifest["encoder"].get("parts") or [None])
-    model, processor = load_reference(model_ref)
-    report = lowrank_model(model, processor, calibration_clips(calibration), thresholds)
+    clips = calibration_clips(calibration)
+    if search is not None:  # the thresholds searched to the gate on one calibration (quantize.lowrank_search)
+        model, processor, report = search.rewritten_model(model_ref, clips, thresholds, window)
+    else:
+        model, processor = load_reference(model_ref)
+        report = lowrank_model(model, processor, clips, thresholds)
     report["calibration"] = str(calibration)
     scratch = keep_parts if keep_parts is not None else temporary_dir(Path(dst).parent, "lowrank")
     try:

@@ -439,7 +439,9 @@ class MilModel(RuntimeModel):
     @contextlib.contextmanager
     def observed(self, observer):
         """Call `observer(var name, torch value)` for every function input and every op output of the
-        `predict` calls inside (e.g. activation statistics, `quantize.activations`); restored after."""
+        `predict` calls inside (e.g. activation statistics, `quantize.activations`); restored after. A
+        tensor the observer returns for an op output replaces that output for the ops after it (e.g.
+        a dequantize made an identity: `quantize.activations.pair_sensitivity`); None keeps it."""
         saved, self._observer = self._observer, observer
         try:
             yield self
@@ -508,9 +510,10 @@ class MilModel(RuntimeModel):
                         torch.set_num_threads(1)
                         current = 1
                     value = dtypes.coerce(value, mil_dtype)
+                if observer is not None:  # a value it returns replaces the op's output (what-if runs)
+                    replaced = observer(name, value)
+                    value = value if replaced is None else replaced
                 env[name] = value
-                if observer is not None:
-                    observer(name, value)
             if not keep_all:
                 for name in step.free:
                     env.pop(name, None)
