@@ -47,6 +47,9 @@ def check_packages(bundle: Bundle, where: str) -> None:
         listed["decoder"][dec["functions"]["prefill"]] = (dec["prefill_io"], "decoder.functions.prefill")
     if dec["functions"].get("extend") is not None:
         listed["decoder"][dec["functions"]["extend"]] = (dec["extend_io"], "decoder.functions.extend")
+    if dec["functions"].get("step_batch") is not None:  # the batched step (absent without it)
+        listed["decoder"][dec["functions"]["step_batch"]] = ((dec.get("batch") or {}).get("io"),
+                                                             "decoder.functions.step_batch")
     if dec.get("alignment") is not None:  # word timings' align function (null / absent without it)
         listed["decoder"][dec["alignment"]["function"]] = (dec["alignment"]["io"], "decoder.alignment.function")
     if m.get("frontend") is not None:
