@@ -28,7 +28,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import CACHE_MASK_INPUT, EXTEND_PAD_ID, FP16_MASK_VALUE, MEMORY_NAMES, NEW_ROWS_OUTPUTS, STEP_BATCH_FUNCTION
+from ..config import (
+    CACHE_MASK_INPUT,
+    EXTEND_PAD_ID,
+    FP16_MASK_VALUE,
+    MEMORY_NAMES,
+    NEW_ROWS_OUTPUTS,
+    STEP_BATCH_FUNCTION,
+)
 from .decoder_runtime import DecoderRuntimeError, memory_frames
 from .decoding import DecodeResult, RepetitionGuard, StopReason
 
