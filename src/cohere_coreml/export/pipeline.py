@@ -376,6 +376,7 @@ def cmd_export(args) -> int:
                               window_seconds=args.window_seconds, force=args.force, skip_verify=args.skip_verify,
                               gate_units=args.gate_units)
     components = export_components(args.components, args.vad)
+    resolve_decoder_batch(args.decoder_batch, args.decoder_state)  # a batch the decoder cannot have: before any load
     result = export_checkpoint(args.model, settings, revision=args.revision, base_model=args.base_model,
                                components=components,
                                gate_audio=args.gate_audio, max_new_tokens=args.max_tokens,
