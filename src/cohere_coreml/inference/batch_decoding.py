@@ -22,6 +22,7 @@ Each window's tokens are the ones the batch-1 loop (`Transcriber.decode`, greedy
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from ..config import (
 )
 from .decoder_runtime import DecoderRuntimeError, memory_frames
 from .decoding import DecodeResult, RepetitionGuard, StopReason
+
+logger = logging.getLogger(__name__)
 
 
 class BatchDecoder:
@@ -257,4 +260,42 @@ def decode_windows(decoder: BatchDecoder, windows: Iterable[tuple[object, dict]]
         refill()
 
 
-__all__ = ["BatchDecoder", "decode_windows", "token_limit"]
+def transcribe_batched(engine, decoder: BatchDecoder, pieces, prompt, max_new_tokens: int | None = None,
+                       repetition_guard: RepetitionGuard | None = None) -> list:
+    """A clip's windows ((start, end, samples) pieces) through `decode_windows`: each window's features and encoder
+    (`engine.features`, `engine.encode`: a `transcribe.Transcriber`) run when a row is free for it, so at most B
+    memories are held; returns its `engines.WindowResult`s in clip order, as `Transcriber.transcribe_window`
+    gives them (timings: the window's features and encoder, its share of the batched calls, `decoder_batch`)."""
+    from ..model.tokens import decode_ids
+    from .engines import WindowResult
+
+    sr = engine.front_end.sampling_rate
+    seen: dict[int, tuple[float, float, dict]] = {}
+
+    def memories():
+        for i, (start, _end, piece) in enumerate(pieces):
+            t0 = time.perf_counter()
+            feats, n_valid, encoder_function = engine.features(piece)
+            t1 = time.perf_counter()
+            enc = engine.encode(feats, n_valid)
+            seen[i] = (start / sr, len(piece) / sr, {"features_s": t1 - t0, "front_end": engine.front_end_kind,
+                                                     "encoder_s": time.perf_counter() - t1,
+                                                     "encoder_function": encoder_function})
+            yield i, enc
+
+    windows = {}
+    for i, dec in decode_windows(decoder, memories(), prompt, engine.eos_ids, max_new_tokens, repetition_guard):
+        start_s, duration_s, timings = seen.pop(i)
+        timings.update(bind_s=dec.bind_s, prompt_s=dec.prompt_s, decode_s=dec.decode_s, decoder_calls=dec.calls,
+                       decoder_tokens_fed=dec.tokens_fed, decoder_batch=decoder.batch,
+                       ms_per_decoder_call=1000.0 * (dec.prompt_s + dec.decode_s) / max(dec.calls, 1))
+        if dec.truncated:
+            logger.warning("window %d stopped without eos (%s) after %d tokens", i, dec.stop_reason, len(dec.token_ids))
+        text = decode_ids(engine.tokenizer, [t for t in dec.token_ids if t not in engine.eos_ids])
+        windows[i] = WindowResult(index=i, start_s=start_s, duration_s=duration_s, token_ids=dec.token_ids, text=text,
+                                  truncated=dec.truncated, stop_reason=dec.stop_reason, timings=timings,
+                                  decoding={"beams": 1, "repetition": dec.repetition})
+    return [windows[i] for i in sorted(windows)]
+
+
+__all__ = ["BatchDecoder", "decode_windows", "token_limit", "transcribe_batched"]

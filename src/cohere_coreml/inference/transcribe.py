@@ -42,7 +42,7 @@ from ..model.shapes import ShapeError, choose_bucket, choose_frontend_function
 from ..model.tokens import check_language, decode_ids
 from ..runtime import load_model
 from . import streaming
-from .batch_decoding import BatchDecoder, decode_windows
+from .batch_decoding import BatchDecoder, transcribe_batched
 from .decoder_runtime import DecoderRuntime
 from .decoding import DecodeResult, RepetitionGuard, StopReason, beam_search
 from .encoder_runtime import EncoderRuntime
@@ -499,43 +499,13 @@ class Transcriber(Engine):
     @_serialized
     def transcribe_batched(self, pieces, prompt: Sequence[int], max_new_tokens: int | None = None,
                            repetition_guard: RepetitionGuard | None = None) -> list[WindowResult]:
-        """Windows ((start, end, samples) pieces) decoded `decoder_batch` at a time through the batched step: each
-        window's features and encoder run when a row of the batch is free for it (at most B memories held), its
-        results as `transcribe_window`'s (decode times: its share of the batched calls)."""
-        sr = self.front_end.sampling_rate
-        prompt = [int(t) for t in prompt]
+        """Windows ((start, end, samples) pieces) decoded `decoder_batch` at a time (`batch_decoding.transcribe_batched`:
+        each window's features and encoder run when a row is free for it), its results as `transcribe_window`'s."""
         if max_new_tokens is not None and max_new_tokens < 1:
             raise TranscriptionError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if len(prompt) >= self.capacity:
             raise TranscriptionError(f"prompt of {len(prompt)} tokens does not fit the cache ({self.capacity} slots)")
-        seen: dict[int, tuple[float, float, dict]] = {}
-
-        def memories():
-            for i, (start, _end, piece) in enumerate(pieces):
-                t0 = time.perf_counter()
-                feats, n_valid, encoder_function = self.features(piece)
-                t1 = time.perf_counter()
-                enc = self.encode(feats, n_valid)
-                seen[i] = (start / sr, len(piece) / sr, {"features_s": t1 - t0, "front_end": self.front_end_kind,
-                                                         "encoder_s": time.perf_counter() - t1,
-                                                         "encoder_function": encoder_function})
-                yield i, enc
-
-        windows = {}
-        for i, dec in decode_windows(self.batch_decoder(), memories(), prompt, self.eos_ids, max_new_tokens,
-                                     repetition_guard):
-            start_s, duration_s, timings = seen.pop(i)
-            timings.update(bind_s=dec.bind_s, prompt_s=dec.prompt_s, decode_s=dec.decode_s, decoder_calls=dec.calls,
-                           decoder_tokens_fed=dec.tokens_fed, decoder_batch=self.decoder_batch,
-                           ms_per_decoder_call=1000.0 * (dec.prompt_s + dec.decode_s) / max(dec.calls, 1))
-            if dec.truncated:
-                logger.warning("window %d stopped without eos (%s) after %d tokens", i, dec.stop_reason,
-                               len(dec.token_ids))
-            text = decode_ids(self.tokenizer, [t for t in dec.token_ids if t not in self.eos_ids])
-            windows[i] = WindowResult(index=i, start_s=start_s, duration_s=duration_s, token_ids=dec.token_ids,
-                                      text=text, truncated=dec.truncated, stop_reason=dec.stop_reason, timings=timings,
-                                      decoding={"beams": 1, "repetition": dec.repetition})
-        return [windows[i] for i in sorted(windows)]
+        return transcribe_batched(self, self.batch_decoder(), pieces, prompt, max_new_tokens, repetition_guard)
 
     # -- whole clips ----------------------------------------------------------------------------
     @_serialized
