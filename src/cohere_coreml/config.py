@@ -46,7 +46,7 @@ LENGTH_MASKS_METADATA_KEY = "com.cohere_coreml.length_masks"
 PART_METADATA_KEY = "com.cohere_coreml.encoder_part"
 # Metadata key of the front-end package: {function: {window_seconds, samples, frames}}
 FRONTEND_FUNCTIONS_METADATA_KEY = "com.cohere_coreml.functions"
-# Functions of decoder.mlpackage (one state layout shared by all of them, docs/decoder.md):
+# Functions of decoder.mlpackage (one state layout shared by all of them but STEP_BATCH_FUNCTION, docs/decoder.md):
 STEP_FUNCTION = "main"  # one token: input_ids (1, 1), position (1,)
 BIND_FUNCTION = "bind_memory"  # once per window: the encoder's cross memory -> the state
 PREFILL_FUNCTION = "prefill"  # optional: the whole prompt in one call

@@ -164,7 +164,8 @@ def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, deco
             # cross_mask) shared by all: "bind" writes a window's cross memory into the state (once per
             # window), "step" (the default function) takes only input_ids + position, "prefill"
             # (optional) the whole prompt (1, prefill_length) in one call, "extend" (optional, absent or
-            # null without it) up to extend_length tokens from a given slot in one call
+            # null without it) up to extend_length tokens from a given slot in one call; "step_batch" (optional,
+            # host state, absent without it) one token for each of decoder.batch.size windows, on a state of its own
             "functions": decoder["functions"],
             # bind function input -> the encoder output it takes, unchanged (None: host-state decoder)
             "bind_inputs": decoder["bind_inputs"],

@@ -1,8 +1,8 @@
 """Stateful decoder: the `transformers` Cohere ASR decoder with a static KV cache and its cross
 memory held in the Core ML state, as one multifunction Core ML package.
 
-Every function of `decoder.mlpackage` runs on ONE state layout (a state object made once serves every
-function of the package):
+Every function of `decoder.mlpackage` but `step_batch` runs on ONE state layout (a state object made once
+serves every one of them; `step_batch` has B rows of its own, below):
 
     states : self_k, self_v fp16 (L, Hkv, C, Dh); cross_k, cross_v fp16 (L, Hkv, Tp, Dh);
              cross_mask fp16 (1, 1, 1, Tp)
