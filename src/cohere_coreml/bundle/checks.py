@@ -320,7 +320,6 @@ def check_manifest(manifest, where: str, vocab: dict | None = None, processor: d
                     "the shape of " + ("the encoder's " + want_inputs[name] if kind == "inputs" else name), shape)
             f.equal(f"decoder.bind_io.{kind}.{name}.dtype", bind_io[kind][name]["dtype"], "dtype", dtype)
     _check_alignment(f, dec, capacity, layers, memory_shape, memory_len)
-    _check_batch(f, dec, functions, host, (layers, kv_heads, capacity, head_dim, memory_len, vocab_size), program_float)
     # every encoder function's io: features of its frames in, the decoder's memory out
     for name, fn in enc_functions.items():
         path = f"encoder.functions.{name}.io"
@@ -482,38 +481,6 @@ def _check_encoder_parts(f: _Fields, manifest: dict, enc: dict, enc_functions: d
             if nxt != want:
                 f.fail(f"encoder.parts[{i + 1}].functions.{fn}.io.inputs", f"are {show_value(nxt)}; the part after "
                        f"part {i + 1} takes {show_value(want)}")
-
-
-def _check_batch(f, dec: dict, functions: dict, host: bool, sizes: tuple, program_float: str) -> None:
-    """`decoder.batch` (the batched step, docs/decoder.md): given exactly with `decoder.functions.step_batch`, a
-    host-state decoder only, B >= 2 rows, and its function's I/O of B rows (the states folded: B*Hkv heads)."""
-    layers, kv_heads, capacity, head_dim, memory_len, vocab_size = sizes
-    name = f.str(functions, "step_batch", "decoder.functions.step_batch", optional=True)
-    batch = f.obj(dec, "batch", "decoder.batch", optional=True)
-    if (name is None) != (batch is None):
-        f.fail("decoder.batch", f"must be given exactly when decoder.functions.step_batch is (it is {show_value(name)})")
-        return
-    if batch is None:
-        return
-    if not host:
-        f.fail("decoder.batch", "is set but the decoder is not a host-state one: the graph variant has no batched step")
-    b = f.int(batch, "size", "decoder.batch.size", lo=2)
-    io = f.io(batch, "io", "decoder.batch.io")
-    if b is None or io is None:
-        return
-    cache = [layers, b * kv_heads, capacity, head_dim]
-    memory = [layers, b * kv_heads, memory_len, head_dim]
-    expected = {("inputs", "input_ids"): ([b, 1], "int32"), ("inputs", "position"): ([b], "int32"),
-                ("inputs", CACHE_MASK_INPUT): ([b, 1, 1, capacity], "float16"),
-                ("outputs", "log_probs"): ([b, vocab_size], program_float),
-                **{("outputs", out): ([layers, b * kv_heads, 1, head_dim], "float16") for out in NEW_ROWS_OUTPUTS.values()},
-                ("states", "self_k"): (cache, "float16"), ("states", "self_v"): (cache, "float16"),
-                ("states", "cross_k"): (memory, "float16"), ("states", "cross_v"): (memory, "float16"),
-                ("states", "cross_mask"): ([b, 1, 1, memory_len], "float16")}
-    for (kind, array), (shape, dtype) in expected.items():
-        f.equal(f"decoder.batch.io.{kind}.{array}.shape", f.shape(io, kind, array, "decoder.batch.io"),
-                "B rows of the step's (decoder.batch.size, the states' heads folded: B * num_key_value_heads)", shape)
-        f.equal(f"decoder.batch.io.{kind}.{array}.dtype", io[kind][array]["dtype"], "dtype", dtype)
 
 
 def _check_alignment(f, dec: dict, capacity: int, layers: int, memory_shape: list, memory_len: int) -> None:
