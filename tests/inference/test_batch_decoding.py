@@ -17,6 +17,7 @@ from cohere_coreml.inference.batch_decoding import BatchDecoder, decode_windows
 from cohere_coreml.inference.decoding import RepetitionGuard, StopReason
 from cohere_coreml.inference.transcribe import Transcriber, TranscriptionError
 from cohere_coreml.model.audio import load_audio
+from cohere_coreml.runtime.interpreter import MilState
 
 from ..fixture_data import DATA_DIR, heldout_utterances
 
@@ -128,6 +129,32 @@ def test_a_refill_that_forgets_to_reset_its_row_is_caught(transcribers, clip, on
         monkeypatch.setattr(BatchDecoder, "inputs", lambda self, *args: host(self, *args))
     wrong = transcribers[DECODER_BATCH_DEFAULT].transcribe(clip, "en")
     assert tokens(wrong) != tokens(one_at_a_time)
+
+
+class WholeBuffers(MilState):
+    """The interpreter's state with coremltools' `MLState` API only (no in-place slice write), as Python on a Mac."""
+
+    @property
+    def write_state_slice(self):
+        raise AttributeError("write_state_slice")
+
+
+def whole_buffers(state):
+    state.__class__ = WholeBuffers
+    return state
+
+
+def test_whole_buffer_writes_give_the_same_tokens(transcribers, clip, one_at_a_time, monkeypatch):
+    """The host's writes through whole buffers (read once, every busy row changed, written once a call)."""
+    make = BatchDecoder.make_state
+    monkeypatch.setattr(BatchDecoder, "make_state", lambda self: whole_buffers(make(self)))
+    tr = transcribers[DECODER_BATCH_DEFAULT]
+    decoder = tr.batch_decoder()
+    before = decoder.state_bytes_written
+    assert tokens(tr.transcribe(clip, "en")) == tokens(one_at_a_time)
+    calls = sum(w.timings["decoder_calls"] for w in one_at_a_time.windows)  # at least this many batched row-calls
+    cache = int(np.prod(decoder.model.state_description["self_k"][0])) * 2
+    assert decoder.state_bytes_written - before >= 2 * cache * calls / DECODER_BATCH_DEFAULT
 
 
 def test_beams_and_word_timings_decode_one_window_at_a_time(transcribers, clip, monkeypatch):

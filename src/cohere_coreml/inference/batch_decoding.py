@@ -144,11 +144,19 @@ class BatchDecoder:
         K/V rows at its position. Returns the (B, V) log-probs (a free row's row: not meaningful)."""
         out = self.model.predict(self.inputs(tokens, positions), state=state)
         hkv = self.kv_heads
+        busy = [(b, int(p)) for b, p in enumerate(positions) if p is not None]
         for name, output in NEW_ROWS_OUTPUTS.items():
             rows = np.asarray(out[output], dtype=np.float16)  # (L, B*Hkv, 1, Dh)
-            for b, position in enumerate(positions):
-                if position is not None:
-                    self._write(state, name, rows[:, b * hkv : (b + 1) * hkv], (0, b * hkv, int(position), 0))
+            if getattr(state, "write_state_slice", None) is not None:  # in place, row by row
+                for b, position in busy:
+                    self._write(state, name, rows[:, b * hkv : (b + 1) * hkv], (0, b * hkv, position, 0))
+                continue
+            # coremltools' MLState: the whole buffer read and written once for every row of the call
+            buffer = np.array(state.read_state(name), dtype=np.float16, copy=True)
+            for b, position in busy:
+                buffer[:, b * hkv : (b + 1) * hkv, position : position + 1] = rows[:, b * hkv : (b + 1) * hkv]
+            state.write_state(name, buffer)
+            self.state_bytes_written += buffer.nbytes
         return np.asarray(out["log_probs"]).reshape(self.batch, -1)
 
 
