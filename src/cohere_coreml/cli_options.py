@@ -75,3 +75,11 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-guard", action="store_true",
                    help="stop a window whose tail repeats an n-gram run (a decoder loop), keep it once, report it")
 
+
+
+def add_decoder_batch_arg(p: argparse.ArgumentParser) -> None:
+    """--decoder-batch (transcribe and bench): windows of one clip decoded at once."""
+    p.add_argument("--decoder-batch", type=int, default=None, metavar="B",
+                   help="a clip of several windows: decode B windows at once through the decoder's batched step "
+                   "(greedy, without word timings; the same tokens per window); 1 = one window at a time. Default: "
+                   "the bundle's (manifest decoder.batch.size, 1 without one); docs/decoder.md")

@@ -46,7 +46,7 @@ LENGTH_MASKS_METADATA_KEY = "com.cohere_coreml.length_masks"
 PART_METADATA_KEY = "com.cohere_coreml.encoder_part"
 # Metadata key of the front-end package: {function: {window_seconds, samples, frames}}
 FRONTEND_FUNCTIONS_METADATA_KEY = "com.cohere_coreml.functions"
-# Functions of decoder.mlpackage (one state layout shared by all of them, docs/decoder.md):
+# Functions of decoder.mlpackage (one state layout shared by all of them but STEP_BATCH_FUNCTION, docs/decoder.md):
 STEP_FUNCTION = "main"  # one token: input_ids (1, 1), position (1,)
 BIND_FUNCTION = "bind_memory"  # once per window: the encoder's cross memory -> the state
 PREFILL_FUNCTION = "prefill"  # optional: the whole prompt in one call
@@ -84,6 +84,11 @@ DECODER_STATES = (DECODER_STATE_HOST, DECODER_STATE_GRAPH)
 DECODER_STATE_DEFAULT = DECODER_STATE_HOST
 CACHE_MASK_INPUT = "cache_mask"  # host variant: fp16 (1, 1, 1, C), 0 for filled cache slots, FP16_MASK_VALUE else
 NEW_ROWS_OUTPUTS = {"self_k": "new_k", "self_v": "new_v"}  # host variant: state -> output of its new rows
+# The batched step of the host-state decoder (`export --decoder-batch B`, manifest `decoder.batch`, docs/decoder.md):
+# one token for each of B windows a call, each row its own token, position, cache mask and cross memory; a state of
+# its own (`DecoderShapes.batch_state_shapes`). B = 1: no batched function (the graph variant always).
+STEP_BATCH_FUNCTION = "step_batch"
+DECODER_BATCH_DEFAULT = 4
 
 def round_up(n: int, multiple: int = ANE_MULTIPLE) -> int:
     return -(-int(n) // multiple) * multiple

@@ -28,7 +28,14 @@ from cohere_coreml.bundle.format import (
 from cohere_coreml.bundle.load import Bundle
 from cohere_coreml.bundle.manifest import build_manifest, checkpoint_eos_ids, refresh_manifest, write_bundle
 from cohere_coreml.bundle.packages import decoder_package_info, encoder_package_info, frontend_package_info, package_io
-from cohere_coreml.config import BIND_FUNCTION, MEMORY_NAMES, PREFILL_FUNCTION, STEP_FUNCTION
+from cohere_coreml.config import (
+    BIND_FUNCTION,
+    DECODER_BATCH_DEFAULT,
+    MEMORY_NAMES,
+    PREFILL_FUNCTION,
+    STEP_BATCH_FUNCTION,
+    STEP_FUNCTION,
+)
 from cohere_coreml.export.pipeline import ModelInfo
 from cohere_coreml.model.audio import FrontEndConfig
 from cohere_coreml.model.tokens import EOS_TOKEN, LANGUAGES, PAD_TOKEN, UnknownLanguageError, prompt_ids
@@ -293,7 +300,11 @@ def test_decoder_package_info_reads_the_package(written):
     info = decoder_package_info(written / DECODER_FILE)
     # the export's default decoder: host-state (no bind function; the host writes the memory)
     assert info["state_writes"] == dec["state_writes"] == "host"
-    assert info["functions"] == {"step": STEP_FUNCTION, "bind": None, "prefill": PREFILL_FUNCTION}
+    # and its batched step (export --decoder-batch, default DECODER_BATCH_DEFAULT), listed with its B rows
+    assert info["functions"] == {"step": STEP_FUNCTION, "bind": None, "prefill": PREFILL_FUNCTION,
+                                 "step_batch": STEP_BATCH_FUNCTION}
+    assert info["batch"] == dec["batch"] and info["batch"]["size"] == DECODER_BATCH_DEFAULT
+    assert info["batch"]["io"] == package_io(written / DECODER_FILE, STEP_BATCH_FUNCTION)
     assert info["bind_inputs"] is None and info["bind_io"] is None
     assert dec["memory_states"] == {name: name for name in MEMORY_NAMES}
     assert dec["row_outputs"] == {"self_k": "new_k", "self_v": "new_v"} and dec["cache_mask_input"] == "cache_mask"

@@ -367,7 +367,7 @@ def test_manifest_io_of_every_function(trained_bundle):
     assert manifest["format_version"] == 3
     # the default decoder: host-state (no bind function: the host writes the memory and each call's rows)
     assert dec["state_writes"] == "host"
-    assert dec["functions"] == {"step": "main", "bind": None, "prefill": "prefill"}
+    assert dec["functions"] == {"step": "main", "bind": None, "prefill": "prefill", "step_batch": "step_batch"}
     assert dec["bind_io"] is None and dec["bind_inputs"] is None
     prefill = dec["prefill_io"]
     assert prefill is not None

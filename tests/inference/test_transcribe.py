@@ -290,11 +290,13 @@ def test_prefill_function_gives_the_same_tokens(prefill_bucket_setup):
     from cohere_coreml.runtime import read_package
 
     model, processor, bundle = prefill_bucket_setup
-    assert set(read_package(bundle / "decoder.mlpackage").function_names) == {"main", "prefill"}  # host-state
+    # host-state, with the default export's batched step (here on grouped-query heads, gated in fp32)
+    assert set(read_package(bundle / "decoder.mlpackage").function_names) == {"main", "prefill", "step_batch"}
     parity = json.loads((bundle / "decoder.parity.json").read_text())
     assert parity["passed"] and parity["prefill"]["passed"] and parity["prefill"]["argmax_agree"] >= 2
+    assert parity["batch"]["passed"]
     manifest = Bundle.load(bundle).manifest["decoder"]
-    assert manifest["functions"] == {"step": "main", "bind": None, "prefill": "prefill"}
+    assert manifest["functions"] == {"step": "main", "bind": None, "prefill": "prefill", "step_batch": "step_batch"}
     assert manifest["prefill_length"] == 10
     assert manifest["prefill_io"]["inputs"] == {"input_ids": {"shape": [1, 10], "dtype": "int32"}}
     with_prefill = Transcriber(bundle, backend="mil")

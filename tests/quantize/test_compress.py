@@ -24,14 +24,19 @@ def test_q8_multifunction_decoder_keeps_prefill_and_shares_weights(q8_bundle):
     out, report = q8_bundle
     functions = set(Q.package_functions(out / "decoder.mlpackage"))
     host = "bind_memory" not in functions  # the default export: the host-state decoder (no bind function)
-    # the session bundle's decoder has word timings' align function (export --alignment-heads auto): kept too
-    assert functions == {"main", "prefill", "align"} | (set() if host else {"bind_memory"})
+    # the session bundle's decoder has word timings' align function (export --alignment-heads auto) and the
+    # batched step (export --decoder-batch, host state): kept too
+    assert functions == {"main", "prefill", "align"} | ({"step_batch"} if host else {"bind_memory"})
     mf = report["components"]["decoder"]["multifunction"]
-    # merged package holds the step's weights once (prefill adds no copy)
+    # merged package holds the step's weights once (prefill and step_batch add no copy)
     assert mf["merged_over_single"] < 1.02, mf
-    # every function keeps the compressed step's states (a graph decoder's bind_memory, without weights, too)
+    # every function keeps the compressed step's states (a graph decoder's bind_memory, without weights, too),
+    # step_batch its own of B rows
     io = {fn: package_io(out / "decoder.mlpackage", fn) for fn in sorted(functions)}
-    assert all(f["states"] == io["main"]["states"] for f in io.values())
+    assert all(f["states"] == io["main"]["states"] for fn, f in io.items() if fn != "step_batch")
+    if host:
+        assert io["step_batch"]["states"] == package_io(Path(report["source"]) / "decoder.mlpackage",
+                                                        "step_batch")["states"]
     assert set(io["main"]["inputs"]) == {"input_ids", "position"} | ({"cache_mask"} if host else set())
     assert Q.compressed_ops(out / "decoder.mlpackage")
 

@@ -164,7 +164,8 @@ def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, deco
             # cross_mask) shared by all: "bind" writes a window's cross memory into the state (once per
             # window), "step" (the default function) takes only input_ids + position, "prefill"
             # (optional) the whole prompt (1, prefill_length) in one call, "extend" (optional, absent or
-            # null without it) up to extend_length tokens from a given slot in one call
+            # null without it) up to extend_length tokens from a given slot in one call; "step_batch" (optional,
+            # host state, absent without it) one token for each of decoder.batch.size windows, on a state of its own
             "functions": decoder["functions"],
             # bind function input -> the encoder output it takes, unchanged (None: host-state decoder)
             "bind_inputs": decoder["bind_inputs"],
@@ -184,6 +185,8 @@ def build_manifest(model, tokenizer, front_end: dict, encoder: dict | None, deco
                 cache_mask_input=CACHE_MASK_INPUT)  # fp16 (1, 1, 1, C): 0 for slots < position, -1e4 else
         if decoder.get("extend_io") is not None:  # the extend function's: K and I/O (absent without it)
             manifest["decoder"].update(extend_length=decoder["extend_length"], extend_io=decoder["extend_io"])
+        if decoder.get("batch") is not None:  # the batched step (functions.step_batch): B rows and I/O (absent without)
+            manifest["decoder"]["batch"] = decoder["batch"]
         # word timings (docs/word-timings.md): the align function's heads, rows and calibration figures, or null
         # and the reason in alignment_note
         manifest["decoder"]["alignment"] = decoder.get("alignment")

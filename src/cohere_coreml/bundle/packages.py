@@ -29,6 +29,7 @@ from ..config import (
     MEMORY_NAMES,
     PART_METADATA_KEY,
     PREFILL_FUNCTION,
+    STEP_BATCH_FUNCTION,
     STEP_FUNCTION,
     VAD_BLOCK_FUNCTION,
     VAD_CHUNK_FUNCTION,
@@ -227,6 +228,10 @@ def decoder_package_info(path: str | os.PathLike) -> dict:
     if extend:  # optional, and absent (not null) without it: manifests of older exports stay as they were
         info["functions"]["extend"] = extend
         info.update(extend_length=extend_length, extend_io=package_io(path, function_name=extend))
+    if STEP_BATCH_FUNCTION in functions:  # optional, absent without it (as extend)
+        batch_io = package_io(path, function_name=STEP_BATCH_FUNCTION)
+        info["functions"]["step_batch"] = STEP_BATCH_FUNCTION
+        info["batch"] = {"size": int(batch_io["inputs"]["input_ids"]["shape"][0]), "io": batch_io}
     info.update(alignment_info(path, meta, functions, shapes["capacity"]))
     return info
 

@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from .. import __version__, git_hash
 from ..bundle.load import Bundle
-from ..cli_options import HelpFormatter, add_bundle_arg, add_decoding_args
+from ..cli_options import HelpFormatter, add_bundle_arg, add_decoder_batch_arg, add_decoding_args
 from ..export.alignment_heads import match_words
 from ..inference.alignment import DEFAULT_LEAD_ROWS, parse_heads
 from ..inference.decoding import TOKEN_LIMITS, RepetitionGuard, StopReason, loop_in
@@ -418,11 +418,12 @@ def reference_vad(vad: str, bundles) -> str:
 
 def run_bench(bundles, pytorch, data, *, backend="auto", compute_units="all", max_new_tokens=None, beams=1,
               repetition_guard=None, limit_per_language=None, progress=False, merge=(), alignment_heads=None,
-              alignment_lead_rows=None, vad="auto", vad_options=None) -> dict:
+              alignment_lead_rows=None, vad="auto", vad_options=None, decoder_batch=None) -> dict:
     """`bundles`: one entry per bundle, a folder or the list of its folders (searched in order).
     `alignment_heads` ("L.H,..."): the PyTorch reference's heads for the word-timing error (default: the first
     bundle's). `vad`: each engine's voice activity ("auto": a bundle's vad.mlpackage when it has one; the PyTorch
-    reference's as `reference_vad` decides)."""
+    reference's as `reference_vad` decides). `decoder_batch`: windows a bundle decodes at once (None: the bundle's
+    batched step; 1: one at a time; `Transcriber`)."""
     if not bundles and not pytorch and not merge:
         raise BenchError("nothing to bench: give --bundle DIR[,DIR...] (repeatable: one bundle each), --pytorch MODEL and/or --merge-engine FILE")
     dataset = load_dataset(str(data), limit_per_language)
@@ -446,7 +447,8 @@ def run_bench(bundles, pytorch, data, *, backend="auto", compute_units="all", ma
     for b in bundles or []:
         dirs = bundle_folders(b)
         info = bundle_info(dirs)
-        section = run_engine(lambda: Transcriber(dirs, backend=backend, compute_units=compute_units), dataset, **opts)
+        section = run_engine(lambda: Transcriber(dirs, backend=backend, compute_units=compute_units,
+                                                 decoder_batch=decoder_batch), dataset, **opts)
         label = f"{','.join(d.name for d in dirs)} ({section.get('precision')}, {section.get('backend')})"
         report["engines"].append({"label": label, "bundle": info, **section})
     for row in merged:
@@ -651,7 +653,7 @@ def cmd_bench(args) -> int:
                        repetition_guard=RepetitionGuard() if args.repetition_guard else None,
                        limit_per_language=args.limit_per_language, progress=True, merge=args.merge_engine,
                        alignment_heads=args.alignment_heads, alignment_lead_rows=args.alignment_lead_rows,
-                       vad=args.vad, vad_options=options)
+                       vad=args.vad, vad_options=options, decoder_batch=args.decoder_batch)
     paths = write_outputs(report, args.out)
     print(format_markdown(report))
     for e in report["engines"]:
@@ -692,5 +694,6 @@ def add_command(subparsers) -> None:
                    "for its word-timing error (default: the first bundle's manifest heads)")
     p.add_argument("--alignment-lead-rows", type=int, default=None, metavar="N",
                    help="with --alignment-heads: rows before the text (default: the bundle's, else 1)")
+    add_decoder_batch_arg(p)
     p.add_argument("--out", default="out/bench", help="output folder (default: %(default)s)")
     p.set_defaults(func=cmd_bench)

@@ -1,8 +1,8 @@
 """Stateful decoder: the `transformers` Cohere ASR decoder with a static KV cache and its cross
 memory held in the Core ML state, as one multifunction Core ML package.
 
-Every function of `decoder.mlpackage` runs on ONE state layout (a state object made once serves every
-function of the package):
+Every function of `decoder.mlpackage` but `step_batch` runs on ONE state layout (a state object made once
+serves every one of them; `step_batch` has B rows of its own, below):
 
     states : self_k, self_v fp16 (L, Hkv, C, Dh); cross_k, cross_v fp16 (L, Hkv, Tp, Dh);
              cross_mask fp16 (1, 1, 1, Tp)
@@ -28,6 +28,11 @@ Who writes that state is the package's `state_writes` (`export --decoder-state`,
         output : log_probs (1, K, V)                 row i: after the token at slot position+i (the
                                                      caller reads the rows of its real tokens)
                  new_k, new_v fp16 (L, Hkv, K, Dh)   written by the host at slots position..position+K-1
+    step_batch (optional, `export --decoder-batch B`, B >= 2): the step for B windows; a state of its own,
+        B rows folded into the head axis: self_k, self_v (L, B*Hkv, C, Dh); cross_k, cross_v (L, B*Hkv, Tp, Dh);
+        cross_mask (B, 1, 1, Tp) (row b: heads b*Hkv..(b+1)*Hkv-1, its mask row b)
+        inputs : input_ids int32 (B, 1), position int32 (B,), cache_mask fp16 (B, 1, 1, C)   row b's
+        output : log_probs (B, V); new_k, new_v fp16 (L, B*Hkv, 1, Dh)   row b's K/V: heads b*Hkv.. at its position
     No program writes a state at a runtime position: the ops that would (slice_update / scatter at a
     non-constant index) keep a program off the Neural Engine (docs/ane.md, `ane-check`).
 
@@ -78,6 +83,7 @@ from ..config import (
     NEW_ROWS_OUTPUTS,
     PREFILL_FUNCTION,
     PROMPT_LENGTH,
+    STEP_BATCH_FUNCTION,
     STEP_FUNCTION,
 )
 from ..inference.decoder_runtime import align_rows, extend_inputs, host_cache_mask, memory_frames
@@ -95,6 +101,7 @@ from .decoder_modules import (
     DecoderPrefill,
     DecoderPrefillHost,
     DecoderStep,
+    DecoderStepBatch,
     DecoderStepHost,
     RecomputingStep,
     StatefulDecoder,
@@ -130,6 +137,12 @@ def trace_decoder_step(step: StatefulDecoder):
                          *_host_mask_example(step)))
 
 
+def trace_decoder_step_batch(step: DecoderStepBatch):
+    b = step.batch
+    return _trace(step, (torch.zeros((b, 1), dtype=torch.int32), torch.zeros((b,), dtype=torch.int32),
+                         torch.zeros((b, 1, 1, step.shapes.capacity), dtype=STATE_DTYPE)))
+
+
 def trace_decoder_prefill(prefill: DecoderPrefill):
     return _trace(prefill, (torch.zeros((1, prefill.prompt_len), dtype=torch.int32),))
 
@@ -143,21 +156,36 @@ def trace_decoder_align(align: DecoderAlign):
     return trace_decoder_extend(align)  # the host-state extend's inputs
 
 
-def coreml_states(shapes: DecoderShapes, names=("self_k", "self_v", *MEMORY_NAMES)):
-    """The package's state declarations (fp16, static shapes), shared by every function."""
+def coreml_states(shapes: DecoderShapes, names=("self_k", "self_v", *MEMORY_NAMES), batch: int = 1):
+    """The package's state declarations (fp16, static shapes), shared by every function of one batch size
+    (`batch` > 1: the batched step's, `DecoderShapes.batch_state_shapes`)."""
     import coremltools as ct  # heavy: the PyTorch side (decoder_gate, tests) needs none
 
     shape = {"self_k": shapes.cache_shape, "self_v": shapes.cache_shape, "cross_k": shapes.memory_shape,
              "cross_v": shapes.memory_shape, "cross_mask": (1, 1, 1, shapes.memory_len)}
+    if batch > 1:
+        shape = shapes.batch_state_shapes(batch)
     return [ct.StateType(wrapped_type=ct.TensorType(shape=shape[n], dtype=np.float16), name=n) for n in names]
 
 
 def coreml_io(shapes: DecoderShapes, function: str = STEP_FUNCTION, prompt_len: int | None = None,
-              extend_len: int = EXTEND_LENGTH, state_writes: str = DECODER_STATE_GRAPH):
+              extend_len: int = EXTEND_LENGTH, state_writes: str = DECODER_STATE_GRAPH, batch: int = 1):
     """coremltools (inputs, states, outputs) declarations of one function of the package. `state_writes`
     "host": the step and extend also take `cache_mask` (fp16 (1, 1, 1, C)) and every token function also
-    returns `new_k` / `new_v` (fp16 (L, Hkv, S, Dh)); there is no bind function."""
+    returns `new_k` / `new_v` (fp16 (L, Hkv, S, Dh)); there is no bind function. `batch`: the rows of
+    `step_batch` (host only)."""
     import coremltools as ct  # heavy: the PyTorch side (decoder_gate, tests) needs none
+
+    if function == STEP_BATCH_FUNCTION:
+        if state_writes != DECODER_STATE_HOST or batch < 2:
+            raise ValueError(f"{STEP_BATCH_FUNCTION} is a host-state function of at least 2 rows, got "
+                             f"{state_writes!r} with {batch}")
+        inputs = [ct.TensorType(name="input_ids", shape=(batch, 1), dtype=np.int32),
+                  ct.TensorType(name="position", shape=(batch,), dtype=np.int32),
+                  ct.TensorType(name=CACHE_MASK_INPUT, shape=(batch, 1, 1, shapes.capacity), dtype=np.float16)]
+        outputs = [ct.TensorType(name="log_probs"),
+                   *(ct.TensorType(name=NEW_ROWS_OUTPUTS[n], dtype=np.float16) for n in ("self_k", "self_v"))]
+        return inputs, coreml_states(shapes, batch=batch), outputs
 
     if function == ALIGN_FUNCTION:  # the same in both variants: it only reads the state
         if state_writes not in DECODER_STATES:
@@ -275,6 +303,21 @@ ALIGN_DESCRIPTIONS = {
     "self_k": "fp16 (L, Hkv, C, Dh) self-attention keys of the window's decoded tokens (read, never written)",
     "self_v": "fp16 (L, Hkv, C, Dh) self-attention values of the window's decoded tokens (read, never written)",
 }
+BATCH_DESCRIPTIONS = {
+    "input_ids": "int32 (B, 1): row b's token at its position (a prompt token, then its previous prediction)",
+    "position": "int32 (B,): row b's cache slot for its token, < capacity",
+    CACHE_MASK_INPUT: "fp16 (B, 1, 1, C) additive, written by the host: row b's slots already filled (< its position) "
+                      "0, the others -1e4",
+    "log_probs": "(B, V) row b's log-softmax over the vocabulary for its next token",
+    "new_k": "fp16 (L, B*Hkv, 1, Dh): row b's new key rows are heads b*Hkv..(b+1)*Hkv-1; the host writes them into "
+             "self_k at row b's position",
+    "new_v": "fp16 (L, B*Hkv, 1, Dh): row b's new value rows, for self_v likewise",
+    "self_k": "fp16 (L, B*Hkv, C, Dh) self-attention keys of B windows (row b: heads b*Hkv..), read only",
+    "self_v": "fp16 (L, B*Hkv, C, Dh) self-attention values of B windows, read only",
+    "cross_k": "fp16 (L, B*Hkv, Tp, Dh) cross-attention keys, row b's window's written by the host when it enters row b",
+    "cross_v": "fp16 (L, B*Hkv, Tp, Dh) cross-attention values, likewise",
+    "cross_mask": "fp16 (B, 1, 1, Tp) additive cross masks, row b's window's (0 valid, -1e4 padding), written by the host",
+}
 BIND_DESCRIPTIONS = {
     BIND_INPUT_PREFIX + "cross_k": "(L, Hkv, Tp, Dh) encoder.mlpackage's cross_k, unchanged",
     BIND_INPUT_PREFIX + "cross_v": "(L, Hkv, Tp, Dh) encoder.mlpackage's cross_v, unchanged",
@@ -372,11 +415,50 @@ class TorchDecoder:
         return align_rows(call, ids, rows_from, align_len, state.shapes.capacity, pad_id)
 
 
+class TorchBatchStep:
+    """The PyTorch `DecoderStepBatch` behind the loaded-function interface `inference.batch_decoding.BatchDecoder`
+    takes (descriptions, `make_state`, `predict`): the batched step's twin, for the gate's controls and tests.
+    Its states are interpreter state buffers (`MilState`), copied into the module for each call."""
+
+    backend = "torch"
+    function_name = STEP_BATCH_FUNCTION
+
+    def __init__(self, module: DecoderStepBatch):
+        self.module = module.eval()
+        s, b = module.shapes, module.batch
+        self.state_description = {n: (shape, np.float16) for n, shape in s.batch_state_shapes(b).items()}
+        self.input_description = {"input_ids": ((b, 1), np.int32), "position": ((b,), np.int32),
+                                  CACHE_MASK_INPUT: ((b, 1, 1, s.capacity), np.float16)}
+        rows = (s.num_layers, b * s.num_kv_heads, 1, s.head_dim)
+        self.output_description = {"log_probs": ((b, s.vocab_size), np.float32),
+                                   **{o: (rows, np.float16) for o in NEW_ROWS_OUTPUTS.values()}}
+
+    @classmethod
+    def decoder(cls, model, capacity: int, memory_len: int, batch: int):
+        """A `BatchDecoder` over the twin of a package's `step_batch` (B = `batch` rows)."""
+        from ..inference.batch_decoding import BatchDecoder
+
+        return BatchDecoder(cls(DecoderStepBatch(model, capacity, memory_len, batch)))
+
+    def make_state(self):
+        from ..runtime.interpreter import MilState
+
+        return MilState(self.state_description)
+
+    def predict(self, inputs: dict, state=None) -> dict[str, np.ndarray]:
+        for name in self.state_description:
+            getattr(self.module, name).copy_(torch.from_numpy(np.asarray(state.read_state(name), np.float16)))
+        with torch.no_grad():
+            lp, new_k, new_v = self.module(*(torch.from_numpy(np.asarray(inputs[k])) for k in self.input_description))
+        return {"log_probs": lp.numpy(), NEW_ROWS_OUTPUTS["self_k"]: new_k.numpy(),
+                NEW_ROWS_OUTPUTS["self_v"]: new_v.numpy()}
+
+
 def convert_decoder(model, settings: ExportSettings, capacity: int | None = None, memory_len: int | None = None,
                     prompt: list[int] | None = None, prefill: bool = False,
                     control_prompt: list[int] | None = None, extend: bool = False,
                     extend_len: int = EXTEND_LENGTH, state_writes: str = DECODER_STATE_DEFAULT,
-                    alignment=None) -> dict:
+                    alignment=None, batch: int = 1) -> dict:
     """Export `decoder.mlpackage` into `settings.out_dir` with a teacher-forcing parity gate.
 
     Args:
@@ -400,13 +482,15 @@ def convert_decoder(model, settings: ExportSettings, capacity: int | None = None
             checked against the reference on the calibration clips by the gate; the plan's heads / note go into
             the package metadata.
             None: no align function and no note.
+        batch: B >= 2 adds `step_batch`, the step for B windows at once (host-state only; docs/decoder.md),
+            gated token for token against the step; 1: none.
 
     Returns a dict: package path, shapes, parity report (`GateReport.to_dict()`, also written to
     `decoder.parity.json`; None when skipped or unchecked), written (False: the package existed).
     Raises `ParityError` (package not written) when the gate fails.
     """
     staged, result = stage_decoder(model, settings, capacity, memory_len, prompt, prefill, control_prompt,
-                                   extend, extend_len, state_writes, alignment)
+                                   extend, extend_len, state_writes, alignment, batch)
     if staged is None:
         return result
     report = staged.finish()
@@ -420,7 +504,7 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
                   control_prompt: list[int] | None = None, extend: bool = False,
                   extend_len: int = EXTEND_LENGTH,
                   state_writes: str = DECODER_STATE_DEFAULT,
-                  alignment=None) -> tuple[StagedPackage | None, dict]:
+                  alignment=None, batch: int = 1) -> tuple[StagedPackage | None, dict]:
     """`convert_decoder` up to the gate: the package at its temporary path (traced and converted
     inside the writer, so no program object outlives it), the teacher-forcing reference and the
     negative controls computed with PyTorch. Returns (staged package or None when skipped, the
@@ -429,6 +513,12 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
     if state_writes not in DECODER_STATES:
         raise DecoderExportError(f"--decoder-state must be one of {', '.join(DECODER_STATES)}, got {state_writes!r}")
     host = state_writes == DECODER_STATE_HOST
+    batch = int(batch)
+    if batch < 1:
+        raise DecoderExportError(f"--decoder-batch must be >= 1, got {batch}")
+    if batch > 1 and not host:
+        raise DecoderExportError(f"--decoder-batch {batch} needs the host-state decoder (the graph variant decodes one "
+                                 "window at a time): use --decoder-state host or --decoder-batch 1")
     if memory_len is None:
         raise DecoderExportError("give memory_len: the padded encoder frames of the encoder package")
     if capacity % ANE_MULTIPLE:
@@ -454,6 +544,9 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
     if extend:  # absent without it (as in the manifest)
         result["functions"]["extend"] = EXTEND_FUNCTION
         result["extend_length"] = int(extend_len)
+    if batch > 1:  # absent without it (as in the manifest)
+        result["functions"]["step_batch"] = STEP_BATCH_FUNCTION
+        result["batch"] = batch
     align_heads = alignment.heads if alignment is not None else None
     if align_heads:
         result["functions"]["align"] = ALIGN_FUNCTION
@@ -476,6 +569,11 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
             descriptions = ALIGN_DESCRIPTIONS
             summary = ("Cohere Transcribe decoder align: the alignment heads' cross-attention weights for a window's "
                        "decoded tokens, K a call (word timings; reads its state)")
+        elif function == STEP_BATCH_FUNCTION:
+            traced = trace_decoder_step_batch(DecoderStepBatch(model, capacity, memory_len, batch))
+            descriptions = BATCH_DESCRIPTIONS
+            summary = (f"Cohere Transcribe decoder step for {batch} windows at once (reads its state, returns each "
+                       "row's new K/V rows for the host)")
         elif function == BIND_FUNCTION:
             traced, descriptions = trace_decoder_bind(DecoderBind(model, capacity, memory_len)), BIND_DESCRIPTIONS
             summary = "Cohere Transcribe decoder: bind one window's cross memory into the state"
@@ -497,8 +595,8 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
             descriptions = HOST_DESCRIPTIONS if host else DECODER_DESCRIPTIONS
             summary = "Cohere Transcribe decoder step (stateful KV cache + bound cross memory, log-softmax output)"
         inputs, states, outputs = coreml_io(shapes, function, prompt_len=len(gate_prompt), extend_len=extend_len,
-                                            state_writes=state_writes)
-        if host and function != ALIGN_FUNCTION:
+                                            state_writes=state_writes, batch=batch)
+        if host and function not in (ALIGN_FUNCTION, STEP_BATCH_FUNCTION):
             summary = summary.replace("stateful KV cache", "reads its state, returns new K/V rows for the host")
         return convert_module(traced, inputs, outputs, settings, states=states,
                               metadata={**meta, "com.cohere_coreml.function": function},
@@ -507,7 +605,8 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
                               short_description=summary)
 
     functions = ([STEP_FUNCTION] + ([] if host else [BIND_FUNCTION]) + ([PREFILL_FUNCTION] if prefill else [])
-                 + ([EXTEND_FUNCTION] if extend else []) + ([ALIGN_FUNCTION] if align_heads else []))
+                 + ([EXTEND_FUNCTION] if extend else []) + ([ALIGN_FUNCTION] if align_heads else [])
+                 + ([STEP_BATCH_FUNCTION] if batch > 1 else []))  # last: the others' weight blobs keep their places
 
     def write(tmp: Path) -> None:
         save_multifunction({fn: (lambda fn=fn: convert(fn)) for fn in functions}, tmp)
@@ -516,7 +615,8 @@ def stage_decoder(model, settings: ExportSettings, capacity: int | None = None, 
         return prepare_gate(model, partial(TorchDecoder.of, model, state_writes=state_writes), shapes.memory_len,
                             shapes.capacity, gate_prompt, control_prompt, settings.precision, settings.min_psnr_db,
                             settings.gate_units, prefill, extend_len if extend else None, state_writes=state_writes,
-                            alignment=alignment if align_heads else None)
+                            alignment=alignment if align_heads else None, batch=batch,
+                            make_batch_twin=partial(TorchBatchStep.decoder, model))
 
     return stage_gated(COMPONENT, settings, write, prepare, installed=lambda: False), result  # checked above
 

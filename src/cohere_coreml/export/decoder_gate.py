@@ -62,7 +62,8 @@ class TeacherForcingCase:
 
 
 def teacher_forcing_case(model, memory_len: int, prompt: list[int], encoder_hidden=None, encoder_mask=None,
-                         new_tokens: int = 16, seed: int = 0, tail_garbage: float = 30.0) -> TeacherForcingCase:
+                         new_tokens: int = 16, seed: int = 0, tail_garbage: float = 30.0,
+                         valid_share: float = 0.75) -> TeacherForcingCase:
     """Reference log-probs of `CohereAsrForConditionalGeneration` under teacher forcing.
 
     The sequence is `prompt` + the model's own greedy continuation, so the steps are the ones a
@@ -70,7 +71,7 @@ def teacher_forcing_case(model, memory_len: int, prompt: list[int], encoder_hidd
     leaves a padded tail is encoded first. The padded tail of the cross memory the package sees is
     then filled with random values of scale `tail_garbage` (the reference never sees them): a
     program that does not apply the cross mask fails loudly, even with random weights whose
-    cross-attention contributes little.
+    cross-attention contributes little. `valid_share`: the valid part of the random feature window.
     """
     import torch  # heavy: the reference side only; the package side of the gate runs without it
 
@@ -87,7 +88,7 @@ def teacher_forcing_case(model, memory_len: int, prompt: list[int], encoder_hidd
             frames = 8 * memory_len  # any length; only the encoder frames matter here
             feats = torch.randn(1, frames, enc_cfg.num_mel_bins, generator=g)
             mask = torch.zeros(1, frames, dtype=torch.long)
-            mask[:, : frames * 3 // 4] = 1
+            mask[:, : int(frames * valid_share)] = 1
             out = model.model.encoder(feats, attention_mask=mask)
             encoder_hidden, encoder_mask = out.last_hidden_state, out.attention_mask
         t = encoder_hidden.shape[1]
@@ -294,6 +295,104 @@ def negative_controls(make_twin: TwinFactory, case: TeacherForcingCase, precisio
     return results
 
 
+# The batched step (`step_batch`): B rows, each a window of its own. A second gate case differs from the first in
+# prompt, length and valid frames (so a row reading another row's memory or mask opens padded frames filled with
+# large random values); rows alternate between the cases and row r starts at call r (every call mixes positions).
+BATCH_CONTROLS = ("mixed_memory", "mixed_mask")  # a row gets the next row's K/V (its own mask), or its mask
+BATCH_SECOND_VALID_SHARE = 0.5
+BATCH_SECOND_TOKENS = 8
+
+
+def batch_second_case(model, memory_len: int, capacity: int, prompt: list[int],
+                      control_prompt: list[int] | None) -> TeacherForcingCase:
+    """The batched step's second gate case: another prompt, fewer tokens, fewer valid frames, another memory."""
+    other = list(control_prompt) if control_prompt and len(control_prompt) == len(prompt) else list(prompt)[::-1]
+    return teacher_forcing_case(model, memory_len, other, new_tokens=min(BATCH_SECOND_TOKENS, capacity - len(other)),
+                                seed=1, valid_share=BATCH_SECOND_VALID_SHARE)
+
+
+def batch_memories(cases: list[TeacherForcingCase], batch: int, control: str | None = None) -> list[dict]:
+    """Row r's memory: its case's (case r mod len(cases)); a control mixes rows (the next row's K/V or mask)."""
+    own = [cases[r % len(cases)].memory for r in range(batch)]
+    if control is None:
+        return own
+    if control not in BATCH_CONTROLS:
+        raise ValueError(f"unknown batch control {control!r}; choose from {BATCH_CONTROLS}")
+    mixed = []
+    for r in range(batch):
+        other = own[(r + 1) % batch]
+        if control == "mixed_memory":
+            mixed.append({**own[r], "cross_k": other["cross_k"], "cross_v": other["cross_v"]})
+        else:
+            mixed.append({**own[r], "cross_mask": other["cross_mask"]})
+    return mixed
+
+
+def run_batch_teacher_forcing(decoder, cases: list[TeacherForcingCase], memories: list[dict] | None = None):
+    """Teacher forcing through a batched step (`inference.batch_decoding.BatchDecoder` of a package or its
+    PyTorch twin): row r is case r mod len(cases), its memory written into row r, its ids fed one per call from
+    call r on (staggered: rows at different positions in every call). Returns per row its (S, V) log-probs."""
+    batch = decoder.batch
+    assign = [r % len(cases) for r in range(batch)]
+    memories = memories or batch_memories(cases, batch)
+    state = decoder.make_state()
+    for r in range(batch):
+        decoder.bind_row(state, r, memories[r])
+    produced = [[] for _ in range(batch)]
+    for call in range(max(r + len(cases[assign[r]].ids) for r in range(batch))):
+        tokens, positions = [], []
+        for r in range(batch):
+            k, ids = call - r, cases[assign[r]].ids
+            live = 0 <= k < len(ids)
+            tokens.append(ids[k] if live else 0)
+            positions.append(k if live else None)
+        log_probs = decoder.step(state, tokens, positions)
+        for r, position in enumerate(positions):
+            if position is not None:
+                produced[r].append(np.asarray(log_probs[r], dtype=np.float32))
+    return [np.stack(rows) for rows in produced]
+
+
+def batch_report(cases: list[TeacherForcingCase], produced: list[np.ndarray], single: list[np.ndarray] | None,
+                 precision: str, min_psnr_db: float | None = None) -> dict:
+    """Each row scored as the step is (`teacher_forcing_report` against PyTorch) and, with `single` (the
+    batch-1 step's rows of each case), its argmax at every decoding step against the step's (a disagreement
+    refuses unless it is a near-tie by the gate's rule). Passes when every row does."""
+    rows = []
+    for r, out in enumerate(produced):
+        case = cases[r % len(cases)]
+        rep = teacher_forcing_report(case, out, precision, min_psnr_db)
+        row = {"row": r, "case": r % len(cases), "start_call": r, "steps": len(case.ids),
+               **{k: rep[k] for k in ("worst_psnr_db", "mean_kl", "argmax_agree", "argmax_steps", "decisive_flips")},
+               "passed": rep["passed"]}
+        if single is not None:
+            decoding = slice(max(case.prompt_len - 1, 0), len(case.ids))
+            ref = single[r % len(cases)]
+            flips = argmax_flips(ref[decoding], out[decoding])
+            row["same_argmax_as_step"] = int(np.sum(ref[decoding].argmax(-1) == out[decoding].argmax(-1)))
+            row["decisive_flips_vs_step"] = flips["decisive_flips"]
+            row["passed"] = bool(row["passed"] and flips["decisive_flips"] == 0)
+        rows.append(row)
+    return {"size": len(produced), "cases": len(cases), "rows": rows, "passed": all(r["passed"] for r in rows),
+            "worst_psnr_db": float(min(r["worst_psnr_db"] for r in rows)),
+            "mean_kl": float(max(r["mean_kl"] for r in rows))}
+
+
+def batch_controls(twin, cases: list[TeacherForcingCase], precision: str, min_psnr_db: float | None = None) -> dict:
+    """Would the batched check refuse a program that mixes rows? The twin (`BatchDecoder` of the PyTorch batched
+    step) run with each row's memory or mask taken from the next row (`batch_memories`), scored as the package."""
+    results = {}
+    for name in BATCH_CONTROLS:
+        rep = batch_report(cases, run_batch_teacher_forcing(twin, cases, batch_memories(cases, twin.batch, name)),
+                           None, precision, min_psnr_db)
+        results[name] = {"discriminates": not rep["passed"], "worst_psnr_db": rep["worst_psnr_db"],
+                         "mean_kl": rep["mean_kl"]}
+        if rep["passed"]:
+            logger.warning("decoder gate: a batched step with %s would pass (worst PSNR %.1f dB): this gate case cannot "
+                           "detect it", name.replace("_", " "), rep["worst_psnr_db"])
+    return results
+
+
 STATE_WRITE_OPS = ("coreml_update_state", "write_state")  # MIL ops that write a state (write_state: older name)
 
 
@@ -358,6 +457,16 @@ def teacher_forcing_gate(report: dict) -> GateReport:
         text += (f"{'; ' if text else ''}the align function's word boundaries agree with the reference's within one "
                  f"encoder frame on {align['agree']}/{align['words']} words of {align['clips']} calibration clips "
                  f"(need {100 * align['required']:.0f} %)")
+    batch = report.get("batch")
+    if batch is not None:
+        agree = sum(r["passed"] for r in batch["rows"])
+        headline += f"; step_batch: {agree}/{batch['size']} rows as the step"
+        bad = [r for r in batch["rows"] if not r["passed"]]
+        if bad:
+            text += (f"{'; ' if text else ''}step_batch of {batch['size']} rows differs from the step: rows "
+                     + ", ".join(f"{r['row']} (worst PSNR {r['worst_psnr_db']:.1f} dB, "
+                                 f"{r.get('decisive_flips_vs_step', 0)} decisive flip(s) vs the step)" for r in bad)
+                     + ": its rows mix or ignore their own memory, mask or position")
     memory = report.get("memory")
     if memory is not None and not memory["passed"]:
         text += (f"; {BIND_FUNCTION} did not bind the memory it was given (states differing from it: "
@@ -371,7 +480,8 @@ def prepare_gate(model, make_twin: TwinFactory, memory_len: int, capacity: int, 
                  control_prompt: list[int] | None, precision: str, min_psnr_db: float | None = None,
                  units: str = "auto", prefill: bool = False,
                  extend_len: int | None = None,
-                 state_writes: str = DECODER_STATE_GRAPH, alignment=None) -> Callable[[Path], GateReport]:
+                 state_writes: str = DECODER_STATE_GRAPH, alignment=None, batch: int = 1,
+                 make_batch_twin: Callable[[int, int, int], Any] | None = None) -> Callable[[Path], GateReport]:
     """The PyTorch side of the decoder gate, computed before the package is loaded: the teacher-forcing
     reference (`prompt` + up to 16 greedy tokens, within `capacity`) and the negative controls. Returns
     `gate(package_path) -> GateReport`, which loads the package (`DecoderRuntime` on `units`: `gate.GateLoader`) and scores
@@ -379,6 +489,10 @@ def prepare_gate(model, make_twin: TwinFactory, memory_len: int, capacity: int, 
     extend function (`run_extend_teacher_forcing`) against that reference. `state_writes` "host": the
     package must be a host-state one (its step takes cache_mask) whose programs write no state
     (`state_write_ops`); the bound-memory check then checks the host's writes. `alignment` (an
+    `batch` > 1: the package's `step_batch` on two cases (`run_batch_teacher_forcing`), each row against PyTorch and
+    token for token against the step (`batch_report`), with rows mixing memories or masks as controls on
+    `make_batch_twin(capacity, memory_len, batch)` (a `BatchDecoder` of the PyTorch batched step).
+    `alignment` (an
     `alignment_heads.AlignmentPlan` with heads): the package's `align` function on the plan's calibration clips
     that fit it, each on a state fed the clip's prompt + tokens first (`DecoderRuntime.feed`: align reads their K/V
     from the self cache, as after decoding), against the reference's weights of the same heads
@@ -391,17 +505,29 @@ def prepare_gate(model, make_twin: TwinFactory, memory_len: int, capacity: int, 
     case = teacher_forcing_case(model, memory_len, prompt, new_tokens=min(16, capacity - len(prompt)))
     # negative controls: would this case refuse a broken package? (warns when it cannot)
     controls = negative_controls(make_twin, case, precision, min_psnr_db, control_prompt=control_prompt)
+    batch_cases = batch_twin_controls = None
+    if batch > 1:
+        batch_cases = [case, batch_second_case(model, memory_len, capacity, prompt, control_prompt)]
+        twin_capacity = round_up(max(len(c.ids) for c in batch_cases), ANE_MULTIPLE)
+        batch_twin_controls = batch_controls(make_batch_twin(twin_capacity, memory_len, batch), batch_cases, precision,
+                                             min_psnr_db)
 
     def gate(tmp_path: Path) -> GateReport:
         with GateLoader(units, tmp_path.parent) as loader:
             decoder = DecoderRuntime.load(tmp_path, prefill=prefill, extend=extend_len is not None,
                                           align=alignment is not None, **loader.runtime_options(tmp_path))
-            report = score(tmp_path, decoder)
+            batched = None
+            if batch > 1:
+                from ..inference.batch_decoding import BatchDecoder
+
+                batched = BatchDecoder.load(tmp_path, **loader.runtime_options(tmp_path))
+            report = score(tmp_path, decoder, batched)
             report.details["runs_on"] = loader.describe(tmp_path)
             return report
 
-    def score(tmp_path: Path, decoder: DecoderRuntime) -> GateReport:
-        report = teacher_forcing_report(case, run_teacher_forcing(decoder, case), precision, min_psnr_db)
+    def score(tmp_path: Path, decoder: DecoderRuntime, batched=None) -> GateReport:
+        single = run_teacher_forcing(decoder, case)
+        report = teacher_forcing_report(case, single, precision, min_psnr_db)
         report["memory"] = bound_memory_check(decoder, case)
         if prefill:
             trimmed, rows = run_prefill_teacher_forcing(decoder, case)
@@ -430,6 +556,18 @@ def prepare_gate(model, make_twin: TwinFactory, memory_len: int, capacity: int, 
             writes = {fn: c for fn, c in census.items() if any(c.values())}
             report["state_writes_in_graph"] = writes
             report["passed"] = bool(report["passed"] and not writes)
+        if batched is not None:
+            if batched.batch != batch:
+                raise DecoderGateError(f"the package's step_batch takes {batched.batch} rows, the export asked for "
+                                       f"{batch}")
+            singles = [single] + [run_teacher_forcing(decoder, c) for c in batch_cases[1:]]
+            report["batch"] = batch_report(batch_cases, run_batch_teacher_forcing(batched, batch_cases), singles,
+                                           precision, min_psnr_db)
+            report["batch"]["controls"] = batch_twin_controls
+            report["batch"]["discriminates"] = all(c["discriminates"] for c in batch_twin_controls.values())
+            report["worst_psnr_db"] = min(report["worst_psnr_db"], report["batch"]["worst_psnr_db"])
+            report["mean_kl"] = max(report["mean_kl"], report["batch"]["mean_kl"])
+            report["passed"] = bool(report["passed"] and report["batch"]["passed"])
         report["controls"] = controls
         report["discriminates"] = all(c["discriminates"] for c in controls.values() if c["applicable"])
         if alignment is not None:

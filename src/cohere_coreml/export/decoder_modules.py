@@ -3,7 +3,8 @@
 none of the layers re-implemented) and one wrapper per function.
 
 The default "host" state: `DecoderStepHost`, `DecoderPrefillHost`, `DecoderExtendHost` only read the
-state and return their tokens' new K/V rows (the host writes them, and the cross memory once per window).
+state and return their tokens' new K/V rows (the host writes them, and the cross memory once per window);
+`DecoderStepBatch` is the host step for B windows at once, on a state of B rows.
 The "graph" state: `DecoderBind` (bind_memory), `DecoderStep`, `DecoderPrefill`, `DecoderExtend` write
 the state themselves. Tracing, conversion and the gate: `cohere_coreml.export.decoder`, whose docstring
 gives each function's inputs, outputs and effect.
@@ -291,6 +292,73 @@ class DecoderExtendHost(DecoderExtend):
 
     def forward(self, input_ids: torch.Tensor, position: torch.Tensor, cache_mask: torch.Tensor):
         return self.run_tokens(input_ids, position + self.offsets, all_rows=True, cache_mask=cache_mask)
+
+
+class DecoderStepBatch(StatefulDecoder):
+    """`step_batch` (host-state only): one decode step for each of B windows in one call, so a step reads the
+    weights once for B tokens. Row b has its own token, position, cache mask and cross memory; the states hold B
+    rows folded into the head axis (`DecoderShapes.batch_state_shapes`: row b is heads b*Hkv..(b+1)*Hkv-1 of
+    every layer), viewed as batch (B, Hkv, ., Dh) for attention, so every tensor stays rank 4. Rows never mix:
+    the projections, norms and MLP act per row, and each row attends over its own cache slots, its own new K/V
+    and its own memory under its own masks. It only reads the state; the host writes each row's new K/V at that
+    row's position and each row's memory when a window enters the row (docs/decoder.md)."""
+
+    def __init__(self, model, capacity: int, memory_len: int, batch: int):
+        super().__init__(model, capacity, memory_len)
+        if batch < 2:
+            raise DecoderExportError(f"a batched step needs at least 2 rows, got {batch}")
+        self.batch = int(batch)
+        for name, shape in self.shapes.batch_state_shapes(batch).items():  # re-registered with B rows
+            self.register_buffer(name, torch.zeros(shape, dtype=STATE_DTYPE))
+
+    def rows(self, name: str, i: int) -> torch.Tensor:
+        """Layer i of the state `name` as (B, Hkv, T, Dh), compute dtype (T = C for the cache, Tp for the memory)."""
+        s = self.shapes
+        buf = getattr(self, name)
+        return buf[i : i + 1].view(self.batch, s.num_kv_heads, buf.shape[2], s.head_dim).to(COMPUTE_DTYPE)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (B, 1) int32: each row's token
+        position: torch.Tensor,  # (B,) int32: each row's slot (the position embedding's index)
+        cache_mask: torch.Tensor,  # (B, 1, 1, C) fp16: row b's filled slots 0, the others -1e4
+    ):  # -> log_probs (B, V), new_k, new_v (L, B*Hkv, 1, Dh) fp16
+        s = self.shapes
+        dec = self.decoder
+        b, hkv, h, dh = self.batch, s.num_kv_heads, s.num_heads, s.head_dim
+        hidden = dec.embed_tokens(input_ids)  # (B, 1, D)
+        hidden = dec.embedding_layernorm(hidden + dec.pos_emb(position).unsqueeze(1))  # (B, 1, D)
+        dtype = hidden.dtype
+        # each row: its cache slots, then its own new token (always visible to itself: a constant 0)
+        self_mask = torch.cat([cache_mask.to(dtype), torch.zeros((b, 1, 1, 1), dtype=dtype)], dim=-1)  # (B, 1, 1, C+1)
+        cross_mask = self.cross_mask.to(dtype)  # (B, 1, 1, Tp): row b's valid frames
+        new_k, new_v = [], []
+        for i, layer in enumerate(dec.layers):
+            residual = hidden
+            x = layer.input_layernorm(hidden)
+            attn = layer.self_attn
+            q = attn.q_proj(x).view(b, 1, h, dh).transpose(1, 2)  # (B, H, 1, Dh)
+            k16 = attn.k_proj(x).view(b, 1, hkv, dh).transpose(1, 2).to(STATE_DTYPE)  # (B, Hkv, 1, Dh)
+            v16 = attn.v_proj(x).view(b, 1, hkv, dh).transpose(1, 2).to(STATE_DTYPE)
+            new_k.append(k16.reshape(1, b * hkv, 1, dh))
+            new_v.append(v16.reshape(1, b * hkv, 1, dh))
+            keys = torch.cat([self.rows("self_k", i), k16.to(dtype)], dim=2)  # (B, Hkv, C+1, Dh)
+            values = torch.cat([self.rows("self_v", i), v16.to(dtype)], dim=2)
+            out, _ = eager_attention_forward(attn, q, keys, values, self_mask, scaling=attn.scaling)  # (B, 1, H, Dh)
+            hidden = residual + attn.o_proj(out.reshape(b, 1, h * dh))
+
+            residual = hidden
+            x = layer.post_attention_layernorm(hidden)
+            attn = layer.encoder_attn
+            q = attn.q_proj(x).view(b, 1, h, dh).transpose(1, 2)  # (B, H, 1, Dh)
+            out, _ = eager_attention_forward(attn, q, self.rows("cross_k", i), self.rows("cross_v", i), cross_mask,
+                                             scaling=attn.scaling)
+            hidden = residual + attn.o_proj(out.reshape(b, 1, h * dh))
+
+            residual = hidden
+            hidden = residual + layer.mlp(layer.final_layernorm(hidden))
+        log_probs = stable_log_softmax(self.proj_out(dec.norm(hidden[:, 0, :])))  # (B, V)
+        return log_probs, torch.cat(new_k, dim=0), torch.cat(new_v, dim=0)  # (L, B*Hkv, 1, Dh)
 
 
 class DecoderAlign(DecoderExtend):

@@ -39,7 +39,9 @@ from ..bundle.packages import decoder_package_info, package_metadata
 from ..config import (
     ALIGN_REQUEST_METADATA_KEY,
     CONTROL_LANGUAGE,
+    DECODER_BATCH_DEFAULT,
     DECODER_STATE_DEFAULT,
+    DECODER_STATE_HOST,
     DECODER_STATES,
     DEFAULT_HUB_ID,
     DEFAULT_MAX_NEW_TOKENS,
@@ -76,6 +78,7 @@ class ExportJob:
     prefill: bool = False
     extend: bool = False  # the decoder's `extend` function (forced prefixes K tokens per call)
     decoder_state: str = DECODER_STATE_DEFAULT  # who writes the decoder state: "host" | "graph" (docs/decoder.md)
+    decoder_batch: int = 1  # rows of the decoder's batched step (1: none; `resolve_decoder_batch`)
     encoder_parts: int | str = "auto"  # programs of consecutive encoder layers: N, or "auto" (under `platform`'s limit)
     platform: str = "ios"  # whose per-program weight limit "auto" keeps the parts under (docs/ane.md)
     alignment_heads: str = "auto"  # the decoder's align function: "auto" | "none" | "L.H,..." (docs/word-timings.md)
@@ -134,6 +137,10 @@ def _stage_decoder(job: ExportJob) -> StagedPackage | None:
         if info["state_writes"] != job.decoder_state:
             raise ExportError(f"{path} is a {info['state_writes']}-state decoder, the export asks for "
                               f"--decoder-state {job.decoder_state}; use --force to re-export")
+        present_batch = (info.get("batch") or {}).get("size", 1)
+        if present_batch != job.decoder_batch:
+            raise ExportError(f"{path} has a batched step of {present_batch} window(s), the export asks for "
+                              f"--decoder-batch {job.decoder_batch}; use --force to re-export")
         recorded = package_metadata(path).get(ALIGN_REQUEST_METADATA_KEY)
         if recorded != request:  # another --alignment-heads / calibration set, or a package from before them
             logger.warning("%s: its alignment was exported for %r, this export asks for %r: exporting it again",
@@ -147,7 +154,7 @@ def _stage_decoder(job: ExportJob) -> StagedPackage | None:
     staged, _ = decoder.stage_decoder(job.model, settings, capacity=shapes.capacity, memory_len=shapes.memory_len,
                                       prompt=job.prompt, prefill=job.prefill,
                                       control_prompt=job.control_prompt, extend=job.extend,
-                                      state_writes=job.decoder_state, alignment=alignment)
+                                      state_writes=job.decoder_state, alignment=alignment, batch=job.decoder_batch)
     return staged
 
 
@@ -265,7 +272,7 @@ def stage_export(model, processor, settings: ExportSettings, components: Sequenc
                  extend: bool = False,
                  decoder_state: str = DECODER_STATE_DEFAULT, encoder_parts: int | str = "auto",
                  platform: str = "ios", alignment_heads: str = "auto", alignment_lead_rows: int = 1,
-                 alignment_calibration=None) -> StagedExport:
+                 alignment_calibration=None, decoder_batch: int | None = None) -> StagedExport:
     """The PyTorch half of an export: convert every component and compute its gate's references.
 
     After this returns the model is no longer needed (the caller may free it), so the gates'
@@ -274,6 +281,7 @@ def stage_export(model, processor, settings: ExportSettings, components: Sequenc
     unknown = sorted(set(components) - set(COMPONENTS))
     if unknown:
         raise ExportError(f"unknown component(s) {unknown}; choose from {tuple(COMPONENTS)}")
+    decoder_batch = resolve_decoder_batch(decoder_batch, decoder_state)
     sweep_stale_temporaries(settings.out_dir)  # staging packages of an export that was killed
     prompt = prompt_ids(processor.tokenizer, GATE_LANGUAGE)
     control_prompt = prompt_ids(processor.tokenizer, CONTROL_LANGUAGE, punctuation=False)
@@ -283,7 +291,7 @@ def stage_export(model, processor, settings: ExportSettings, components: Sequenc
                     control_prompt=control_prompt,
                     gate_audio=gate_audio, buckets=tuple(buckets), prefill=prefill,
                     extend=extend, decoder_state=decoder_state, encoder_parts=encoder_parts, platform=platform,
-                    alignment_heads=alignment_heads, alignment_lead_rows=alignment_lead_rows,
+                    decoder_batch=decoder_batch, alignment_heads=alignment_heads, alignment_lead_rows=alignment_lead_rows,
                     alignment_calibration=alignment_calibration)
     result = StagedExport(settings=settings, model_info=ModelInfo.of(model), processor=processor, staged={})
     try:
@@ -299,12 +307,25 @@ def stage_export(model, processor, settings: ExportSettings, components: Sequenc
     return result
 
 
+def resolve_decoder_batch(batch: int | None, decoder_state: str) -> int:
+    """The rows of the decoder's batched step: `batch`, or by default DECODER_BATCH_DEFAULT for the host-state
+    decoder and 1 (none) for the graph one, which decodes one window at a time (a batch asked of it: ExportError)."""
+    if batch is None:
+        return DECODER_BATCH_DEFAULT if decoder_state == DECODER_STATE_HOST else 1
+    if int(batch) < 1:
+        raise ExportError(f"--decoder-batch must be >= 1, got {batch}")
+    if int(batch) > 1 and decoder_state != DECODER_STATE_HOST:
+        raise ExportError(f"--decoder-batch {batch} needs --decoder-state host: the graph-state decoder writes its "
+                          "state in the graph and decodes one window at a time (use --decoder-batch 1)")
+    return int(batch)
+
+
 def export_model(model, processor, settings: ExportSettings, components: Sequence[str] = tuple(COMPONENTS),
                  gate_audio=None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, buckets=(), prefill: bool = False,
                  extend: bool = False,
                  decoder_state: str = DECODER_STATE_DEFAULT, encoder_parts: int | str = "auto",
                  platform: str = "ios", alignment_heads: str = "auto", alignment_lead_rows: int = 1,
-                 alignment_calibration=None) -> ExportResult:
+                 alignment_calibration=None, decoder_batch: int | None = None) -> ExportResult:
     """Export `components` of a loaded checkpoint into `settings.out_dir`, then write the bundle.
 
     Each component is parity gated unless `settings.skip_verify`; a failing gate raises
@@ -316,7 +337,7 @@ def export_model(model, processor, settings: ExportSettings, components: Sequenc
                         max_new_tokens=max_new_tokens, buckets=buckets, prefill=prefill,
                         extend=extend, decoder_state=decoder_state, encoder_parts=encoder_parts,
                         platform=platform, alignment_heads=alignment_heads, alignment_lead_rows=alignment_lead_rows,
-                        alignment_calibration=alignment_calibration).finish()
+                        alignment_calibration=alignment_calibration, decoder_batch=decoder_batch).finish()
 
 
 def export_checkpoint(model_ref: str, settings: ExportSettings, revision: str | None = None,
@@ -355,6 +376,7 @@ def cmd_export(args) -> int:
                               window_seconds=args.window_seconds, force=args.force, skip_verify=args.skip_verify,
                               gate_units=args.gate_units)
     components = export_components(args.components, args.vad)
+    resolve_decoder_batch(args.decoder_batch, args.decoder_state)  # a batch the decoder cannot have: before any load
     result = export_checkpoint(args.model, settings, revision=args.revision, base_model=args.base_model,
                                components=components,
                                gate_audio=args.gate_audio, max_new_tokens=args.max_tokens,
@@ -362,7 +384,7 @@ def cmd_export(args) -> int:
                                extend=args.extend, decoder_state=args.decoder_state,
                                encoder_parts=args.encoder_parts, platform=args.platform,
                                alignment_heads=args.alignment_heads, alignment_lead_rows=args.alignment_lead_rows,
-                               alignment_calibration=args.alignment_calibration)
+                               alignment_calibration=args.alignment_calibration, decoder_batch=args.decoder_batch)
     for name, package in result.packages.items():  # one line per package (its gate's cases: <name>.parity.json)
         line = f"{name}: {package['path'] if package['written'] else 'exists, skipped (use --force)'}"
         report = package["report"]
@@ -462,6 +484,10 @@ def add_command(subparsers) -> None:
                    "compiler refused in-graph state writes at a runtime position in published ports) or 'graph' "
                    "(the functions write the cache, a bind_memory function the memory). Default: %(default)s; "
                    "docs/decoder.md")
+    p.add_argument("--decoder-batch", type=int, default=None, metavar="B",
+                   help="add step_batch to decoder.mlpackage: one decode step for B windows at once (long audio's "
+                   "windows decoded together; weights shared with the step; host-state decoder only); 1: none. "
+                   f"Default: {DECODER_BATCH_DEFAULT} with --decoder-state host, 1 with graph; docs/decoder.md")
     p.add_argument("--encoder-parts", default="auto", type=_encoder_parts, metavar="auto|N",
                    help="the encoder as N programs of consecutive layers (encoder.mlpackage, encoder_part2.mlpackage, "
                    "...: the subsampling in the first, the memory projections in the last), chained through the "

@@ -188,8 +188,6 @@ class Engine(abc.ABC):
             logger.warning("%s is digitally silent: empty transcript, no model call",
                            audio if isinstance(audio, (str, os.PathLike)) else "audio array")
             return TranscriptionResult.of_silence(language, punctuation, word_timestamps)
-        sr = self.front_end.sampling_rate
-        windows = []
         # word options only when asked: an engine without word timings keeps its transcribe_window signature
         word_options = {"word_timestamps": True, "language": language} if word_timestamps else {}
         summary = None
@@ -201,13 +199,19 @@ class Engine(abc.ABC):
             pieces = iter_ranges(audio, plan, self.front_end)
         if progress:
             pieces = tqdm(pieces, desc="windows", unit="window", leave=False)
-        for i, (start, _end, piece) in enumerate(pieces):
-            windows.append(self.transcribe_window(piece, prompt, index=i, start_s=start / sr,
-                                                  max_new_tokens=max_new_tokens, beams=beams,
-                                                  repetition_guard=repetition_guard, **word_options))
+        windows = self.transcribe_pieces(pieces, prompt, max_new_tokens=max_new_tokens, beams=beams,
+                                         repetition_guard=repetition_guard, **word_options)
         text = join_windows([w.text for w in windows], language)
         return TranscriptionResult(text=text, language=language, punctuation=punctuation, windows=windows,
                                    word_timestamps=word_timestamps, vad=summary)
+
+
+    def transcribe_pieces(self, pieces, prompt: Sequence[int], **options) -> list[WindowResult]:
+        """The windows of one clip ((start, end, samples) pieces, read in order), one `transcribe_window` each;
+        an engine that decodes several windows at once overrides it (`transcribe.Transcriber`)."""
+        sr = self.front_end.sampling_rate
+        return [self.transcribe_window(piece, prompt, index=i, start_s=start / sr, **options)
+                for i, (start, _end, piece) in enumerate(pieces)]
 
 
 class PyTorchEngine(Engine):

@@ -24,6 +24,7 @@ manifest; nothing comes from the Python-side checkpoint.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -35,12 +36,13 @@ import numpy as np
 
 from ..bundle.format import BundleError
 from ..bundle.load import Bundle
-from ..cli_options import HelpFormatter, add_bundle_arg, add_decoding_args
+from ..cli_options import HelpFormatter, add_bundle_arg, add_decoder_batch_arg, add_decoding_args
 from ..model.audio import AudioError, FrontEndConfig, check_waveform, log_mel, pad_to_window, valid_frames
 from ..model.shapes import ShapeError, choose_bucket, choose_frontend_function
 from ..model.tokens import check_language, decode_ids
 from ..runtime import load_model
 from . import streaming
+from .batch_decoding import BatchDecoder, transcribe_batched
 from .decoder_runtime import DecoderRuntime
 from .decoding import DecodeResult, RepetitionGuard, StopReason, beam_search
 from .encoder_runtime import EncoderRuntime
@@ -109,6 +111,9 @@ class Transcriber(Engine):
         compute_units: Core ML compute units of the encoder and decoder ("all", "cpu_only",
             "cpu_and_gpu", "cpu_and_ne"); the front end runs on the units its manifest entry names.
             Ignored by the interpreter.
+        decoder_batch: windows decoded at once when a clip has several (greedy, without word timings): None
+            (default) the bundle's batched step (`decoder.batch.size`; 1 when it has none), 1 one window at a
+            time, or exactly the bundle's size (`batch_decoding.decode_windows`, docs/decoder.md).
 
     Thread safety: one `Transcriber` may be shared by threads; its calls (`transcribe`,
     `transcribe_window`, `encode`, `decode`) run one at a time under an internal lock (each window has its
@@ -120,7 +125,7 @@ class Transcriber(Engine):
 
     def __init__(self, bundle: str | os.PathLike | Sequence[str | os.PathLike] | Bundle, backend: str = "auto",
                  use_prefill: bool = True, front_end: str = DEFAULT_FRONT_END, compute_units: str = "all",
-                 use_extend: bool = True):
+                 use_extend: bool = True, decoder_batch: int | None = None):
         # transformers is imported here, not at module level: it costs seconds, and the CLI imports
         # this module for every command
         from transformers import PreTrainedTokenizerFast  # heavy (see above)
@@ -156,12 +161,34 @@ class Transcriber(Engine):
                                   "by default) or use front_end='python'")
             self._frontends["main"] = self._load_frontend("main")
         self.load_s = time.perf_counter() - t0
+        self.decoder_batch = self._check_batch(decoder_batch)
+        self._batch_decoder = None  # the batched step, loaded on the first clip of several windows
         self.capacity = self.bundle.capacity
         self.window_frames = self.bundle.window_frames
         self.eos_ids = self.bundle.eos_ids
         self.name = ",".join(str(d) for d in self.bundle.dirs)
         self._vad = None  # the bundle's VAD, loaded on first use (`speech_probabilities`)
         self._lock = threading.RLock()  # calls run one at a time (see the class docstring)
+
+    def _check_batch(self, asked: int | None) -> int:
+        """Windows a batched decode takes: the bundle's batched step's rows (`decoder.batch.size`), or 1."""
+        present = int(((self.bundle.manifest.get("decoder") or {}).get("batch") or {}).get("size") or 1)
+        if asked is None:
+            return present
+        if int(asked) == 1 or int(asked) == present:
+            return int(asked)
+        if present == 1:
+            raise TranscriptionError(f"--decoder-batch {asked}: the bundle's decoder has no batched step; re-export it "
+                                     f"with `cohere-coreml export --decoder-batch {asked}` or use --decoder-batch 1")
+        raise TranscriptionError(f"--decoder-batch {asked}: the bundle's decoder decodes {present} windows at once "
+                                 f"(decoder.batch.size); use --decoder-batch {present} or 1")
+
+    def batch_decoder(self) -> BatchDecoder:
+        """The decoder package's batched step (loaded on first use: a device compiles a function on its first load)."""
+        if self.__dict__.get("_batch_decoder") is None:
+            self._batch_decoder = BatchDecoder.load(self.bundle.paths["decoder"], backend=self.backend,
+                                                    compute_units=self.compute_units)
+        return self._batch_decoder
 
     # -- the Engine interface -------------------------------------------------------------------
     def prompt(self, language: str, punctuation: bool = True) -> list[int]:
@@ -202,7 +229,8 @@ class Transcriber(Engine):
         return {**super().describe(), "backend": backend,
                 "compute_units": self.compute_units if backend == "coreml" else None,
                 "precision": m.get("precision"), "model_id": m.get("model_id"), "capacity": self.capacity,
-                "prefill": self.prefill is not None, "extend": self.decoder.extend_model is not None}
+                "prefill": self.prefill is not None, "extend": self.decoder.extend_model is not None,
+                "decoder_batch": self.decoder_batch}
 
     # -- one window -----------------------------------------------------------------------------
     def _load_frontend(self, function_name: str):
@@ -452,6 +480,33 @@ class Transcriber(Engine):
         return window_words(weights[..., :frames], len(prompt), pieces, [float(np.exp(lp)) for _, lp in kept],
                             settings, language=language, start_s=start_s, duration_s=duration_s)
 
+    # -- several windows at once ----------------------------------------------------------------
+    def transcribe_pieces(self, pieces, prompt: Sequence[int], **options) -> list[WindowResult]:
+        """A clip's windows: decoded `decoder_batch` at a time (`decode_windows`) when the clip has more than one
+        window, the bundle a batched step and the decode is greedy without word timings (beam search and word
+        timings decode one window at a time); otherwise one `transcribe_window` each. Per window the same tokens."""
+        batched = (self.__dict__.get("decoder_batch", 1) > 1 and options.get("beams", 1) == 1
+                   and not options.get("word_timestamps"))
+        if not batched:
+            return super().transcribe_pieces(pieces, prompt, **options)
+        pieces = iter(pieces)
+        first = list(itertools.islice(pieces, 2))
+        if len(first) < 2:
+            return super().transcribe_pieces(first, prompt, **options)
+        return self.transcribe_batched(itertools.chain(first, pieces), prompt, max_new_tokens=options.get(
+            "max_new_tokens"), repetition_guard=options.get("repetition_guard"))
+
+    @_serialized
+    def transcribe_batched(self, pieces, prompt: Sequence[int], max_new_tokens: int | None = None,
+                           repetition_guard: RepetitionGuard | None = None) -> list[WindowResult]:
+        """Windows ((start, end, samples) pieces) decoded `decoder_batch` at a time (`batch_decoding.transcribe_batched`:
+        each window's features and encoder run when a row is free for it), its results as `transcribe_window`'s."""
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise TranscriptionError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(prompt) >= self.capacity:
+            raise TranscriptionError(f"prompt of {len(prompt)} tokens does not fit the cache ({self.capacity} slots)")
+        return transcribe_batched(self, self.batch_decoder(), pieces, prompt, max_new_tokens, repetition_guard)
+
     # -- whole clips ----------------------------------------------------------------------------
     @_serialized
     def transcribe(self, audio, language: str = "en", punctuation: bool = True, *,
@@ -504,7 +559,8 @@ def cmd_transcribe(args) -> int:
 
     def make_transcriber() -> Transcriber:
         tr = Transcriber(args.bundle, backend=args.backend, use_prefill=not args.no_prefill,
-                         use_extend=not args.no_extend, front_end=args.front_end, compute_units=args.compute_units)
+                         use_extend=not args.no_extend, front_end=args.front_end, compute_units=args.compute_units,
+                         decoder_batch=args.decoder_batch)
         if words:
             tr.check_word_timestamps()  # a bundle without alignment: one line naming the fix, before any audio
         tr.speech_probabilities(args.vad)  # --vad on with a bundle without vad.mlpackage: one line, the fix
@@ -606,6 +662,7 @@ def add_command(subparsers) -> None:
     add_vad_args(p)
     p.add_argument("--compute-units", default="all", choices=("all", "cpu_only", "cpu_and_gpu", "cpu_and_ne"),
                    help="Core ML compute units (macOS; ignored by the interpreter) (default: %(default)s)")
+    add_decoder_batch_arg(p)
     p.add_argument("--json", action="store_true", help="print JSON: text, token ids, timings, truncation per window "
                    "(with --stream: one JSON line per update); the same as --format json")
     p.add_argument("--format", default=None, choices=FORMATS,

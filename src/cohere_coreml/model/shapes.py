@@ -367,6 +367,16 @@ class DecoderShapes:
     def memory_shape(self) -> tuple[int, int, int, int]:
         return (self.num_layers, self.num_kv_heads, self.memory_len, self.head_dim)
 
+    def batch_state_shapes(self, batch: int) -> dict[str, tuple[int, int, int, int]]:
+        """The batched step's states (`step_batch`, docs/decoder.md): B windows folded into the head axis, row b
+        holding heads b*Hkv .. (b+1)*Hkv-1 (rank 4, as the Neural Engine needs), each row its own cache, memory
+        and cross mask."""
+        b = int(batch)
+        cache = (self.num_layers, b * self.num_kv_heads, self.capacity, self.head_dim)
+        memory = (self.num_layers, b * self.num_kv_heads, self.memory_len, self.head_dim)
+        return {"self_k": cache, "self_v": cache, "cross_k": memory, "cross_v": memory,
+                "cross_mask": (b, 1, 1, self.memory_len)}
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -1,0 +1,253 @@
+"""Several windows decoded at once (`inference.batch_decoding`, the decoder's `step_batch`): per window the
+tokens of the batch-1 loop, on the trained model's session bundle (its decoder has step_batch by default) and
+a clip of more windows than rows, so rows are refilled; hosts that forget to reset a refilled row are caught."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from cohere_coreml.bundle.format import BundleError
+from cohere_coreml.bundle.load import Bundle
+from cohere_coreml.config import DECODER_BATCH_DEFAULT, EXTEND_PAD_ID
+from cohere_coreml.inference import batch_decoding
+from cohere_coreml.inference.batch_decoding import BatchDecoder, decode_windows
+from cohere_coreml.inference.decoding import RepetitionGuard, StopReason
+from cohere_coreml.inference.transcribe import Transcriber, TranscriptionError
+from cohere_coreml.model.audio import load_audio
+from cohere_coreml.runtime.interpreter import MilState
+
+from ..fixture_data import DATA_DIR, heldout_utterances
+
+VECTORS = DATA_DIR / "batch_decoding_vectors.json"
+
+
+def several_windows(count: int = 9, seed: int = 0) -> np.ndarray:
+    """Held-out sentences of several languages one after the other with pauses of noise: the VAD packs them into
+    windows of at most the bundle's 4 s, of different lengths (and so different token counts)."""
+    rng = np.random.default_rng(seed)
+    clips = [load_audio(u["path"]) for u in heldout_utterances(3)][:count]
+    pieces = []
+    for clip in clips:
+        pieces += [clip, rng.normal(0, 2e-3, int(rng.uniform(0.5, 1.2) * 16000)).astype(np.float32)]
+    return np.concatenate(pieces)
+
+
+@pytest.fixture(scope="module")
+def clip():
+    return several_windows()
+
+
+@pytest.fixture(scope="module")
+def transcribers(trained_bundle):
+    return {b: Transcriber(trained_bundle, backend="mil", decoder_batch=b) for b in (1, DECODER_BATCH_DEFAULT)}
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(transcribers, clip):
+    return transcribers[1].transcribe(clip, "en")
+
+
+def tokens(result) -> list[list[int]]:
+    return [w.token_ids for w in result.windows]
+
+
+def test_the_session_bundle_has_the_batched_step_and_its_gate_passed(trained_bundle):
+    manifest = Bundle.load(trained_bundle).manifest["decoder"]
+    assert manifest["functions"]["step_batch"] == "step_batch" and manifest["batch"]["size"] == DECODER_BATCH_DEFAULT
+    report = json.loads((trained_bundle / "decoder.parity.json").read_text())["batch"]
+    assert report["passed"] and report["size"] == DECODER_BATCH_DEFAULT and report["cases"] == 2
+    assert all(r["decisive_flips_vs_step"] == 0 for r in report["rows"])
+    # the controls: rows reading another row's memory or mask are refused by the same check
+    assert report["discriminates"] and all(c["discriminates"] for c in report["controls"].values())
+
+
+def test_batched_windows_are_token_identical_to_one_at_a_time(transcribers, clip, one_at_a_time):
+    batched = transcribers[DECODER_BATCH_DEFAULT].transcribe(clip, "en")
+    assert len(one_at_a_time.windows) > DECODER_BATCH_DEFAULT + 1  # rows refilled, windows of several lengths
+    assert len({len(t) for t in tokens(one_at_a_time)}) > 1
+    assert tokens(batched) == tokens(one_at_a_time)
+    assert [w.stop_reason for w in batched.windows] == [w.stop_reason for w in one_at_a_time.windows]
+    assert [(w.start_s, w.duration_s) for w in batched.windows] == [(w.start_s, w.duration_s)
+                                                                   for w in one_at_a_time.windows]
+    assert batched.text == one_at_a_time.text
+    assert all(w.timings["decoder_batch"] == DECODER_BATCH_DEFAULT for w in batched.windows)
+    assert "decoder_batch" not in one_at_a_time.windows[0].timings  # the batch-1 loop ran there
+
+
+def test_token_limits_and_the_guard_stop_windows_as_one_at_a_time(transcribers, clip):
+    """A window stopped by max_new_tokens keeps its row only that long; a refill follows at once."""
+    for options in ({"max_new_tokens": 4}, {"max_new_tokens": 9, "repetition_guard": RepetitionGuard()}):
+        one, batched = (transcribers[b].transcribe(clip, "en", **options) for b in (1, DECODER_BATCH_DEFAULT))
+        assert tokens(batched) == tokens(one)
+        assert [w.stop_reason for w in batched.windows] == [w.stop_reason for w in one.windows]
+    assert StopReason.MAX_NEW_TOKENS in [w.stop_reason for w in one.windows]
+
+
+class StaleRows:
+    """A broken host: a refilled row's first window's slots stay in use (`offset`: the new window continues at
+    the slots after the previous one, its cache_mask opening the previous window's rows, its positions shifted)."""
+
+    def __init__(self, step):
+        self.step, self.offset, self.last = step, {}, {}
+
+    def __call__(self, decoder, state, tokens, positions):
+        moved = []
+        for b, p in enumerate(positions):
+            if p == 0 and self.last.get(b, 0) > 0 and b not in self.offset:
+                self.offset[b] = self.last[b] + 1  # a refill: the host forgot to start it at slot 0
+            if p is not None:
+                self.last[b] = p
+            moved.append(None if p is None else p + self.offset.get(b, 0))
+        return self.step(decoder, state, tokens, moved)
+
+
+class OpenMask:
+    """A broken host: a refilled row's cache_mask is not reset (the previous window's slots stay open)."""
+
+    def __init__(self, inputs):
+        self.inputs, self.high = inputs, {}
+
+    def __call__(self, decoder, tokens, positions):
+        out = self.inputs(decoder, tokens, positions)
+        for b, p in enumerate(positions):
+            if p is not None:
+                self.high[b] = max(self.high.get(b, 0), p)
+                out["cache_mask"][b, ..., : self.high[b]] = 0
+        return out
+
+
+@pytest.mark.parametrize("broken", ["position_not_reset", "mask_not_reset"])
+def test_a_refill_that_forgets_to_reset_its_row_is_caught(transcribers, clip, one_at_a_time, monkeypatch, broken):
+    if broken == "position_not_reset":
+        host = StaleRows(BatchDecoder.step)
+        monkeypatch.setattr(BatchDecoder, "step", lambda self, *args: host(self, *args))
+    else:
+        host = OpenMask(BatchDecoder.inputs)
+        monkeypatch.setattr(BatchDecoder, "inputs", lambda self, *args: host(self, *args))
+    wrong = transcribers[DECODER_BATCH_DEFAULT].transcribe(clip, "en")
+    assert tokens(wrong) != tokens(one_at_a_time)
+
+
+class WholeBuffers(MilState):
+    """The interpreter's state with coremltools' `MLState` API only (no in-place slice write), as Python on a Mac."""
+
+    @property
+    def write_state_slice(self):
+        raise AttributeError("write_state_slice")
+
+
+def whole_buffers(state):
+    state.__class__ = WholeBuffers
+    return state
+
+
+def test_whole_buffer_writes_give_the_same_tokens(transcribers, clip, one_at_a_time, monkeypatch):
+    """The host's writes through whole buffers (read once, every busy row changed, written once a call)."""
+    make = BatchDecoder.make_state
+    monkeypatch.setattr(BatchDecoder, "make_state", lambda self: whole_buffers(make(self)))
+    tr = transcribers[DECODER_BATCH_DEFAULT]
+    decoder = tr.batch_decoder()
+    before = decoder.state_bytes_written
+    assert tokens(tr.transcribe(clip, "en")) == tokens(one_at_a_time)
+    calls = sum(w.timings["decoder_calls"] for w in one_at_a_time.windows)  # at least this many batched row-calls
+    cache = int(np.prod(decoder.model.state_description["self_k"][0])) * 2
+    assert decoder.state_bytes_written - before >= 2 * cache * calls / DECODER_BATCH_DEFAULT
+
+
+def test_beams_and_word_timings_decode_one_window_at_a_time(transcribers, clip, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the batched loop ran")
+
+    monkeypatch.setattr(Transcriber, "transcribe_batched", refuse)
+    tr = transcribers[DECODER_BATCH_DEFAULT]
+    assert tr.transcribe(clip[: 3 * 16000], "en").windows  # one window: the batch-1 loop
+    words = tr.transcribe(clip, "en", word_timestamps=True, max_new_tokens=3)
+    assert words.words is not None and len(words.windows) > 1
+
+
+def test_decoder_batch_other_than_the_bundles_is_refused_in_one_line(trained_bundle, trained_bundle_without_vad):
+    with pytest.raises(TranscriptionError, match=r"decodes 4 windows at once.*use --decoder-batch 4 or 1"):
+        Transcriber(trained_bundle, backend="mil", decoder_batch=3)
+    assert Transcriber(trained_bundle, backend="mil").decoder_batch == DECODER_BATCH_DEFAULT
+
+
+class Scripted:
+    """A stand-in for `BatchDecoder`: window w (its memory {"window": w}) predicts token 100 + k at its k-th
+    prediction and eos after `lengths[w]` of them; every call's rows are recorded as (window, token, position)."""
+
+    def __init__(self, batch, capacity, lengths, eos):
+        self.batch, self.capacity, self.lengths, self.eos = batch, capacity, lengths, eos
+        self.calls, self.window = [], {}
+
+    def make_state(self):
+        return None
+
+    def bind_row(self, state, row, memory):
+        self.window[row] = memory["window"]
+
+    def step(self, state, tokens, positions):
+        rows, out = [], np.zeros((self.batch, 200), np.float32)
+        for b, (t, p) in enumerate(zip(tokens, positions)):
+            if p is None:
+                assert t == EXTEND_PAD_ID
+                rows.append(None)
+                continue
+            w = self.window[b]
+            rows.append([w, int(t), int(p)])
+            k = p - (self.prompt_len - 1)  # predictions after the prompt's last token: 0, 1, ...
+            out[b, self.eos if k >= self.lengths[w] else 100 + max(k, 0)] = 1.0
+        self.calls.append(rows)
+        return out
+
+
+def test_the_schedule_follows_the_written_rule():
+    """The shared vectors (tests/data/batch_decoding_vectors.json, the rule of docs/bundle.md for the Swift port):
+    which window each row holds at each call, the token it feeds and its position, and the finishing order."""
+    data = json.loads(VECTORS.read_text())
+    for case in data["cases"]:
+        fake = Scripted(case["batch"], case["capacity"], case["generated"], data["eos"])
+        fake.prompt_len = len(data["prompt"])
+        done = [(key, r.token_ids, StopReason(r.stop_reason).value) for key, r in decode_windows(
+            fake, ((w, {"window": w}) for w in range(len(case["generated"]))), data["prompt"], [data["eos"]],
+            max_new_tokens=case.get("max_new_tokens"))]
+        assert fake.calls == case["calls"], case["name"]
+        assert [[k, ids, reason] for k, ids, reason in done] == case["finished"], case["name"]
+
+
+def run_vectors(case: dict, data: dict) -> Scripted:
+    fake = Scripted(case["batch"], case["capacity"], case["generated"], data["eos"])
+    fake.prompt_len = len(data["prompt"])
+    list(decode_windows(fake, ((w, {"window": w}) for w in range(len(case["generated"]))), data["prompt"],
+                        [data["eos"]], max_new_tokens=case.get("max_new_tokens")))
+    return fake
+
+
+def test_a_schedule_that_breaks_the_rule_is_caught(monkeypatch):
+    """The vectors see a loop whose refilled rows do not start at slot 0."""
+    data = json.loads(VECTORS.read_text())
+    case = next(c for c in data["cases"] if len(c["generated"]) > c["batch"])
+    assert run_vectors(case, data).calls == case["calls"]
+
+    class Late(batch_decoding._Row):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.position = 1 if self.key else 0  # a window entering after the first starts at a stale slot
+
+    monkeypatch.setattr(batch_decoding, "_Row", Late)
+    assert run_vectors(case, data).calls != case["calls"]
+
+
+def test_bundle_check_refuses_a_batch_block_of_other_shapes(trained_bundle, tmp_path):
+    import shutil
+
+    out = tmp_path / "bundle"
+    shutil.copytree(trained_bundle, out)
+    path = out / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["decoder"]["batch"]["size"] = 3
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match=r"decoder\.batch\.size"):
+        Bundle.load(out)
