@@ -163,3 +163,29 @@ def test_deprecated_flags_still_work_and_warn_once(f16_bundle, tmp_path, caplog,
     assert deprecated == ["--eval-set is deprecated: use --data (the old spelling will be removed in the next release)",
                           "--skip-gate is deprecated: use --skip-verify (the old spelling will be removed in the next "
                           "release)"]
+
+
+@pytest.mark.slow
+def test_q8_batched_step_is_gated_against_its_own_step(f16_bundle, q8_bundle, eval_dir, f16_gate_data):
+    """The q8 decoder's `step_batch` (weights shared with the step, compressed with it) is gated: each row on
+    the gate sequences against the same package's batch-1 step. Broken variant: rows given the next row's
+    memory are refused."""
+    from cohere_coreml.export.decoder_gate import TeacherForcingCase, batch_memories
+    from cohere_coreml.quantize.measure import batch_agreement, clips_of, decoder_outputs, decoder_runtime
+
+    out, report = q8_bundle
+    size = json.loads((out / "manifest.json").read_text())["decoder"]["batch"]["size"]
+    batch = report["gate"]["decoder"]["batch"]
+    assert batch["passed"] and batch["size"] == size >= 2 and batch["decisive_flips"] == 0
+    assert "step_batch: " in report["gate"]["decoder"]["headline"]
+    data = f16_gate_data(f16_bundle, clips_of(eval_dir))
+    package = out / "decoder.mlpackage"
+    single = decoder_outputs(decoder_runtime(package), data)
+    again = batch_agreement(package, data, single, 35.0)
+    assert again["worst_psnr_db"] == pytest.approx(batch["worst_psnr_db"]) and again["passed"]
+    cases = [TeacherForcingCase(cross_k=e["cross_k"], cross_v=e["cross_v"], cross_mask=e["cross_mask"], ids=ids,
+                                log_probs=None, prompt_len=len(p))
+             for e, ids, p in zip(data.encoder_ref, data.sequences, data.prompts)]
+    assert len({tuple(c.ids) for c in cases}) > 1  # rows of different sequences: a mixed memory shows
+    mixed = batch_agreement(package, data, single, 35.0, memories=batch_memories(cases, size, "mixed_memory"))
+    assert not mixed["passed"] and mixed["worst_psnr_db"] < 35.0

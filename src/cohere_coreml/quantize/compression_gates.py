@@ -27,7 +27,15 @@ from ..export.memory import release_memory
 from ..inference.engines import Engine, PyTorchEngine
 from ..inference.transcribe import Transcriber
 from ..runtime import load_model
-from .measure import GateData, decoder_outputs, decoder_runtime, encoder_outputs, encoder_psnr, log_prob_error
+from .measure import (
+    GateData,
+    batch_agreement,
+    decoder_outputs,
+    decoder_runtime,
+    encoder_outputs,
+    encoder_psnr,
+    log_prob_error,
+)
 from .recipes import PSNR_ROLE, QuantizeError, bundle_components
 
 logger = logging.getLogger(__name__)
@@ -95,17 +103,22 @@ def component_gate(comp: str, package: Path, data: GateData, preset: str, gates:
             f"{need} dB vs the f16 encoder ({len(data.windows)} windows)",
             details={"reference": "f16 encoder.mlpackage (runtime)", "preset": preset, "worst_psnr_db": worst,
                      "min_psnr_db": need, "role": role, "windows": len(data.windows)})
-    lp = log_prob_error(data.decoder_ref, decoder_outputs(decoder_runtime(package), data), data.prompts, data.eos_ids)
+    single = decoder_outputs(decoder_runtime(package), data)
+    lp = log_prob_error(data.decoder_ref, single, data.prompts, data.eos_ids)
+    batch = batch_agreement(package, data, single, gates["decoder_psnr_db"])  # None: no step_batch
     passed = bool(lp["worst_psnr_db"] >= gates["decoder_psnr_db"] and lp["mean_kl"] <= gates["decoder_mean_kl"]
-                  and lp["decisive_flips"] == 0)  # argmax flips refuse unless near-ties the measured error explains
+                  and lp["decisive_flips"] == 0  # argmax flips refuse unless near-ties the measured error explains
+                  and (batch is None or batch["passed"]))
     return GateReport(
         component=comp, passed=passed,
         headline=f"decoder PSNR {lp['worst_psnr_db']:.1f} dB (min {gates['decoder_psnr_db']}), mean KL "
         f"{lp['mean_kl']:.3g} (max {gates['decoder_mean_kl']}), argmax {lp['argmax_agree']}/{lp['steps']} vs the "
-        f"f16 decoder ({lp['near_tie_flips']} near-tie, {lp['decisive_flips']} decisive flips)",
+        f"f16 decoder ({lp['near_tie_flips']} near-tie, {lp['decisive_flips']} decisive flips)"
+        + ("" if batch is None else f"; step_batch: {batch['size']} rows {batch['worst_psnr_db']:.1f} dB vs the step, "
+           f"{batch['decisive_flips']} decisive flips"),
         details={"reference": "f16 decoder.mlpackage, teacher forcing on the f16 bundle's greedy tokens and the "
                  "f16 encoder's memory", "preset": preset, **lp, "min_psnr_db": gates["decoder_psnr_db"],
-                 "max_mean_kl": gates["decoder_mean_kl"]})
+                 "max_mean_kl": gates["decoder_mean_kl"], **({} if batch is None else {"batch": batch})})
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..bundle.load import Bundle
-from ..config import BIND_FUNCTION
+from ..config import BIND_FUNCTION, STEP_BATCH_FUNCTION
 from ..evaluation.datasets import load_folder
 from ..export.decoder_gate import TeacherForcingCase, run_teacher_forcing
 from ..export.gate import default_gate_audio
@@ -152,6 +152,37 @@ def decoder_outputs(decoder, data: GateData) -> list[np.ndarray]:
                                   ids=ids, log_probs=None, prompt_len=len(prompt))
         rows.append(run_teacher_forcing(decoder, case))
     return rows
+
+
+def batch_agreement(package: Path, data: GateData, single: list[np.ndarray], min_psnr_db: float,
+                    memories=None) -> dict | None:
+    """The package's batched step (`step_batch`) on the gate sequences against its own batch-1 step: rows
+    staggered as the export's gate runs them (`decoder_gate.run_batch_teacher_forcing`: row r is sequence
+    r mod n, fed from call r on), each row's log-probs vs `single` (`decoder_outputs` of the same package):
+    PSNR and argmax flips by the near-tie rule (`parity.argmax_flips`) on its decoding steps. Passes when every
+    row is at least `min_psnr_db` with no decisive flip. None when the package has no batched step.
+    `memories`: each row's memory instead of its own sequence's (a test's broken variant)."""
+    from ..export.decoder_gate import run_batch_teacher_forcing
+    from ..inference.batch_decoding import BatchDecoder
+    from ..runtime import read_package
+
+    if STEP_BATCH_FUNCTION not in read_package(package).function_names:
+        return None
+    cases = [TeacherForcingCase(cross_k=enc["cross_k"], cross_v=enc["cross_v"], cross_mask=enc["cross_mask"],
+                                ids=ids, log_probs=None, prompt_len=len(prompt))
+             for enc, ids, prompt in zip(data.encoder_ref, data.sequences, data.prompts)]
+    produced = run_batch_teacher_forcing(BatchDecoder.load(package, backend="mil"), cases, memories)
+    rows = []
+    for r, out in enumerate(produced):
+        case, ref = cases[r % len(cases)], single[r % len(cases)]
+        decoding = slice(max(case.prompt_len - 1, 0), len(case.ids))
+        flips = argmax_flips(ref[decoding], out[decoding])
+        rows.append({"row": r, "sequence": r % len(cases), "psnr_db": float(psnr(ref, out)),
+                     "near_tie_flips": flips["near_tie_flips"], "decisive_flips": flips["decisive_flips"]})
+    worst = min(r["psnr_db"] for r in rows)
+    return {"reference": "the same package's batch-1 step", "size": len(rows), "rows": rows, "worst_psnr_db": worst,
+            "decisive_flips": sum(r["decisive_flips"] for r in rows), "min_psnr_db": min_psnr_db,
+            "passed": bool(worst >= min_psnr_db and all(r["decisive_flips"] == 0 for r in rows))}
 
 
 def encoder_psnr(reference: list[dict], produced: list[dict]) -> float:
