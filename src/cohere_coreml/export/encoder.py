@@ -42,6 +42,7 @@ import torch.nn as nn
 
 from ..config import FP16_MASK_VALUE, LENGTH_MASKS_METADATA_KEY
 from ..model.audio import FrontEndConfig, load_audio, log_mel
+from ..model.layer_stream import resident_layers
 from ..model.reference import cross_memory
 from ..model.shapes import ENCODER_MASK, EncoderShapes, ShapeError
 from .convert import ExportError, ExportSettings, convert_module, quiet_third_party
@@ -272,7 +273,9 @@ def trace_encoder(model, shapes: EncoderShapes, layers: tuple[int, int] | None =
     """`torch.jit.trace` of `EncoderForCoreML` (the whole encoder, or its layers [start, stop))."""
     model.eval()
     wrapper = EncoderForCoreML(model, shapes, layers).eval()
-    with torch.no_grad(), quiet_third_party():
+    # a streamed reference (`layer_stream`): the traced layers read for the trace; the traced program keeps
+    # the tensors it holds until it is dropped, the model none of them
+    with torch.no_grad(), quiet_third_party(), resident_layers(model, wrapper.start, wrapper.stop):
         traced = torch.jit.trace(wrapper, example_inputs(shapes, first=wrapper.first), check_trace=False, strict=False)
     return traced
 
