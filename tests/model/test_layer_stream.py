@@ -120,3 +120,28 @@ def test_a_checkpoint_without_a_layer_tensor_or_with_another_shape_is_refused(th
         load_streamed_reference(_rewrite(folder, tmp_path / "dropped", drop))
     with pytest.raises(CheckpointError, match=r"layers\.2\.feed_forward1\.linear1\.bias has shape"):
         load_streamed_reference(_rewrite(folder, tmp_path / "reshaped", reshape))
+
+
+def test_passes_run_together_read_each_layer_once_and_compute_what_they_compute_alone(three_layers):
+    from cohere_coreml.model.layer_stream import run_together
+
+    _, (whole, _), (streamed, _) = three_layers
+    stream = streamed.layer_stream
+    rng = np.random.default_rng(1)
+    inputs = [(torch.from_numpy(rng.standard_normal((1, frames, 128)).astype(np.float32)), valid)
+              for frames, valid in ((250, 170), (250, 250), (90, 60), (400, 333))]
+    alone = [_encoder_out(whole, f, n).last_hidden_state for f, n in inputs]
+    before = stream.reads
+    together = run_together(streamed, [lambda f=f, n=n: _encoder_out(streamed, f, n).last_hidden_state
+                                       for f, n in inputs])
+    assert stream.reads - before == 3 and stream.resident_layers() == []  # 4 passes, each layer read once
+    assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
+    assert run_together(whole, [lambda: 1, lambda: 2]) == [1, 2]  # a model loaded whole: one after another
+
+    def twice():
+        _encoder_out(streamed, *inputs[0])
+        _encoder_out(streamed, *inputs[0])
+
+    with pytest.raises(RuntimeError, match="ran the encoder layers twice"):
+        run_together(streamed, [twice, lambda: _encoder_out(streamed, *inputs[1])])
+    assert stream.resident_layers() == []

@@ -24,7 +24,9 @@ import contextlib
 import logging
 import re
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from .checkpoint import CheckpointError, check_checkpoint_dir, resolve_checkpoint, safetensors_file_shapes
 
@@ -50,6 +52,7 @@ class LayerStream:
         self._read = [False] * len(layers)
         self.reads = 0  # layers read from the files so far (how often the stream paid a read)
         self._handles = []
+        self._group: _LockStep | None = None  # the calls of `together`, while they run
         for i, layer in enumerate(layers):
             self._handles.append(layer.register_forward_pre_hook(lambda _m, _a, i=i: self._enter(i)))
             self._handles.append(layer.register_forward_hook(lambda _m, _a, _o, i=i: self._leave(i), always_call=True))
@@ -58,13 +61,61 @@ class LayerStream:
         return len(self.layers)
 
     def _enter(self, i: int) -> None:
+        group = self._group
+        if group is not None and group.member():
+            group.enter(i)
+            return
         self._running[i] += 1
         if not self._read[i]:
             self._load([i])
 
     def _leave(self, i: int) -> None:
+        group = self._group
+        if group is not None and group.member():
+            group.leave(i)
+            return
         self._running[i] -= 1
         self._maybe_release(i)
+
+    def together(self, calls: Sequence[Callable[[], Any]]) -> list:
+        """The results of `calls`, each at most one forward pass through the encoder layers, run in threads in
+        lock step: layer i is read once, when every call still running waits to enter it, and released when
+        they have all left it. So N passes read each layer once instead of N times; each pass computes what it
+        computes alone (its own tensors, shapes and thread settings). The first exception is raised."""
+        import threading
+
+        import torch
+
+        if len(calls) <= 1 or self._group is not None:
+            return [call() for call in calls]
+        group = _LockStep(self, len(calls))
+        results: list = [None] * len(calls)
+        errors: list[BaseException] = []
+        grad, threads = torch.is_grad_enabled(), torch.get_num_threads()
+
+        def run(k: int) -> None:
+            group.join()
+            try:
+                torch.set_num_threads(threads)  # as the caller's passes (intra-op splits, hence the sums)
+                with torch.set_grad_enabled(grad):  # grad mode is per thread
+                    results[k] = calls[k]()
+            except BaseException as err:  # noqa: BLE001 - raised in the caller below
+                errors.append(err)
+            finally:
+                group.finish()
+
+        self._group = group
+        try:
+            workers = [threading.Thread(target=run, args=(k,), name=f"layer-stream-{k}") for k in range(len(calls))]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+        finally:
+            self._group = None
+        if errors:
+            raise errors[0]
+        return results
 
     def _maybe_release(self, i: int) -> None:
         if self._read[i] and not self._held[i] and not self._running[i]:
@@ -119,6 +170,72 @@ class LayerStream:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+class _LockStep:
+    """The bookkeeping of `LayerStream.together`: how many calls wait at, ran and left each layer."""
+
+    def __init__(self, stream: LayerStream, calls: int):
+        import threading
+
+        self.stream = stream
+        self.calls = calls
+        self.finished = 0
+        n = len(stream)
+        self.waiting, self.left, self.loaded = [0] * n, [0] * n, [False] * n
+        self.cond = threading.Condition()
+        self._local = threading.local()
+
+    def join(self) -> None:
+        self._local.last = -1
+
+    def member(self) -> bool:
+        return hasattr(self._local, "last")
+
+    def enter(self, i: int) -> None:
+        with self.cond:
+            if i <= self._local.last:
+                raise RuntimeError("a call of LayerStream.together ran the encoder layers twice (one pass per call)")
+            self._local.last = i
+            self.waiting[i] += 1
+            self._advance()
+            while not self.loaded[i]:
+                self.cond.wait()
+
+    def leave(self, i: int) -> None:
+        with self.cond:
+            self.left[i] += 1
+            self._release_passed(i)
+
+    def finish(self) -> None:
+        with self.cond:
+            self.finished += 1
+            self._advance()
+
+    def _advance(self) -> None:
+        """Read the next layer once every call still running waits at it (under the lock)."""
+        waited = [i for i, n in enumerate(self.waiting) if n and not self.loaded[i]]
+        if waited and self.waiting[waited[0]] + self.finished >= self.calls:
+            i = waited[0]
+            stream = self.stream
+            stream._held[i] += 1  # noqa: SLF001 - the stream's own bookkeeping, from its helper
+            if not stream._read[i]:  # noqa: SLF001
+                stream._load([i])  # noqa: SLF001
+            self.loaded[i] = True
+            self.cond.notify_all()
+
+    def _release_passed(self, i: int) -> None:
+        if self.loaded[i] and self.left[i] == self.waiting[i]:  # every call that entered it left: none will again
+            stream = self.stream
+            stream._held[i] -= 1  # noqa: SLF001
+            stream._maybe_release(i)  # noqa: SLF001
+
+
+def run_together(model, calls: Sequence[Callable[[], Any]]) -> list:
+    """`LayerStream.together` for a streamed model (each call at most one encoder pass); the calls one after
+    another for a model loaded whole."""
+    stream = getattr(model, "layer_stream", None)
+    return [call() for call in calls] if stream is None else stream.together(calls)
 
 
 def _owner(root, name: str):
