@@ -120,7 +120,7 @@ class Transcriber(Engine):
 
     def __init__(self, bundle: str | os.PathLike | Sequence[str | os.PathLike] | Bundle, backend: str = "auto",
                  use_prefill: bool = True, front_end: str = DEFAULT_FRONT_END, compute_units: str = "all",
-                 use_extend: bool = True):
+                 use_extend: bool = True, load_encoder: bool = True):
         # transformers is imported here, not at module level: it costs seconds, and the CLI imports
         # this module for every command
         from transformers import PreTrainedTokenizerFast  # heavy (see above)
@@ -139,7 +139,8 @@ class Transcriber(Engine):
         t0 = time.perf_counter()
         # length buckets (multifunction encoder): {function name: window frames}, smallest first
         self.encoders = EncoderRuntime.from_bundle(self.bundle, backend=backend, compute_units=compute_units)
-        self.encoder = self.encoders.model("main")
+        # load_encoder False: its programs load on first use (a caller that encodes elsewhere, one part at a time)
+        self.encoder = self.encoders.model("main") if load_encoder else None
         self.encoder_buckets = self.encoders.buckets
         # the step (+ prefill, extend; bind_memory in a graph-state package) of decoder.mlpackage, one state per window
         self.decoder = DecoderRuntime.load(self.bundle.paths["decoder"], backend=backend, compute_units=compute_units,
