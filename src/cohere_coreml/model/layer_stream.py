@@ -88,13 +88,14 @@ class LayerStream:
 
         if len(calls) <= 1 or self._group is not None:
             return [call() for call in calls]
-        group = _LockStep(self, len(calls))
+        group = _LockStep(self, len(calls), running=max(1, torch.get_num_threads()))
         results: list = [None] * len(calls)
         errors: list[BaseException] = []
         grad, threads = torch.is_grad_enabled(), torch.get_num_threads()
 
         def run(k: int) -> None:
             group.join()
+            group.slots.acquire()
             try:
                 torch.set_num_threads(threads)  # as the caller's passes (intra-op splits, hence the sums)
                 with torch.set_grad_enabled(grad):  # grad mode is per thread
@@ -175,11 +176,14 @@ class LayerStream:
 class _LockStep:
     """The bookkeeping of `LayerStream.together`: how many calls wait at, ran and left each layer."""
 
-    def __init__(self, stream: LayerStream, calls: int):
+    def __init__(self, stream: LayerStream, calls: int, running: int):
         import threading
 
         self.stream = stream
         self.calls = calls
+        # calls computing at once (the others wait for a slot, or at a layer): their activations are what the
+        # lock step adds to memory, so at most `running` of them (the caller's threads: the CPU is as busy)
+        self.slots = threading.Semaphore(running)
         self.finished = 0
         n = len(stream)
         self.waiting, self.left, self.loaded = [0] * n, [0] * n, [False] * n
@@ -199,8 +203,12 @@ class _LockStep:
             self._local.last = i
             self.waiting[i] += 1
             self._advance()
+            if self.loaded[i]:
+                return
+            self.slots.release()  # waiting: another call may compute meanwhile
             while not self.loaded[i]:
                 self.cond.wait()
+        self.slots.acquire()
 
     def leave(self, i: int) -> None:
         with self.cond:
@@ -208,6 +216,7 @@ class _LockStep:
             self._release_passed(i)
 
     def finish(self) -> None:
+        self.slots.release()
         with self.cond:
             self.finished += 1
             self._advance()
