@@ -109,6 +109,8 @@ class Transcriber(Engine):
         compute_units: Core ML compute units of the encoder and decoder ("all", "cpu_only",
             "cpu_and_gpu", "cpu_and_ne"); the front end runs on the units its manifest entry names.
             Ignored by the interpreter.
+        load_encoder: load the encoder's programs now (default); False: on the first `encode` (a caller
+            that encodes elsewhere, e.g. one encoder part at a time, and decodes here: `encoder` is None).
 
     Thread safety: one `Transcriber` may be shared by threads; its calls (`transcribe`,
     `transcribe_window`, `encode`, `decode`) run one at a time under an internal lock (each window has its
