@@ -110,6 +110,7 @@ class LayerStream:
             workers = [threading.Thread(target=run, args=(k,), name=f"layer-stream-{k}") for k in range(len(calls))]
             for worker in workers:
                 worker.start()
+            group.serve()  # this thread reads the layers (see `_LockStep.serve`)
             for worker in workers:
                 worker.join()
         finally:
@@ -202,9 +203,7 @@ class _LockStep:
                 raise RuntimeError("a call of LayerStream.together ran the encoder layers twice (one pass per call)")
             self._local.last = i
             self.waiting[i] += 1
-            self._advance()
-            if self.loaded[i]:
-                return
+            self.cond.notify_all()  # the reader (`serve`) may read layer i now
             self.slots.release()  # waiting: another call may compute meanwhile
             while not self.loaded[i]:
                 self.cond.wait()
@@ -219,19 +218,26 @@ class _LockStep:
         self.slots.release()
         with self.cond:
             self.finished += 1
-            self._advance()
-
-    def _advance(self) -> None:
-        """Read the next layer once every call still running waits at it (under the lock)."""
-        waited = [i for i, n in enumerate(self.waiting) if n and not self.loaded[i]]
-        if waited and self.waiting[waited[0]] + self.finished >= self.calls:
-            i = waited[0]
-            stream = self.stream
-            stream._held[i] += 1  # noqa: SLF001 - the stream's own bookkeeping, from its helper
-            if not stream._read[i]:  # noqa: SLF001
-                stream._load([i])  # noqa: SLF001
-            self.loaded[i] = True
             self.cond.notify_all()
+
+    def serve(self) -> None:
+        """In the caller's thread, until every call finished: read the next layer once every call still running
+        waits at it. One thread reads every layer, so that glibc serves the layers' memory from one arena (its
+        per-thread arenas keep what a freed layer left for their own thread only: reading in whichever call
+        arrives last grew the heap by most of a layer per layer at full size)."""
+        stream = self.stream
+        with self.cond:
+            while self.finished < self.calls:
+                waited = [i for i, n in enumerate(self.waiting) if n and not self.loaded[i]]
+                if not waited or self.waiting[waited[0]] + self.finished < self.calls:
+                    self.cond.wait()
+                    continue
+                i = waited[0]
+                stream._held[i] += 1  # noqa: SLF001 - the stream's own bookkeeping, from its helper
+                if not stream._read[i]:  # noqa: SLF001
+                    stream._load([i])  # noqa: SLF001
+                self.loaded[i] = True
+                self.cond.notify_all()
 
     def _release_passed(self, i: int) -> None:
         if self.loaded[i] and self.left[i] == self.waiting[i]:  # every call that entered it left: none will again
