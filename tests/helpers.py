@@ -115,10 +115,11 @@ def broken_encoder_trace(wrapper_cls, length: int = 150):
 
     def trace(model, shapes):
         from cohere_coreml.export.encoder import example_inputs
+        from cohere_coreml.model.layer_stream import resident_layers
 
         wrapper = wrapper_cls(model, shapes).eval()
         example = example_inputs(shapes, length)
-        with torch.no_grad():
+        with torch.no_grad(), resident_layers(model):  # as `trace_encoder`: a streamed model's layers read
             return torch.jit.trace(wrapper, example, check_trace=False, strict=False)
 
     return trace

@@ -511,6 +511,16 @@ def test_parts_hold_consecutive_layers_and_chain_to_the_whole_encoder(parts_expo
         for name in ("encoder_hidden_states", "cross_k", "cross_v", "cross_mask"):
             assert psnr(np.asarray(one[name]), np.asarray(chained[name])) >= 120.0, (fn, name)
         assert int(chained["encoder_length"][0]) == int(one["encoder_length"][0])
+    # windows through one part at a time (the quantize gate's references): encode's outputs, bit for bit
+    runtime = EncoderRuntime.load(out / "encoder.mlpackage")
+    windows = [(_window(feats, n, 300), n) for n in (211, 300, 40)]
+    each = runtime.encode_windows(windows)
+    assert runtime._models == {}  # nothing kept loaded
+    for (window, n), got in zip(windows, each, strict=True):
+        expected = runtime.encode(window, n)
+        assert sorted(got) == sorted(expected)
+        assert all(np.array_equal(np.asarray(got[k]), np.asarray(expected[k])) for k in expected)
+    assert runtime.encode_windows([]) == []
 
 
 def test_auto_parts_are_the_fewest_under_the_platform_limit(parts_export, monkeypatch):

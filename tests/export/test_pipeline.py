@@ -234,15 +234,17 @@ class _AliveProbe:
 
         import cohere_coreml.runtime as runtime
         from cohere_coreml.export import decoder, encoder, frontend
-        from cohere_coreml.model import checkpoint
+        from cohere_coreml.model import checkpoint, layer_stream
 
         self.models, self.programs, self.loads = [], [], []
-        real_load_reference, real_load_model = checkpoint.load_reference, runtime.load_model
+        real_load_model = runtime.load_model
 
-        def load_reference(*args, **kwargs):
-            model, processor = real_load_reference(*args, **kwargs)
-            self.models.append(weakref.ref(model))
-            return model, processor
+        def tracked(real):
+            def load_reference(*args, **kwargs):
+                model, processor = real(*args, **kwargs)
+                self.models.append(weakref.ref(model))
+                return model, processor
+            return load_reference
 
         def load_model(path, *args, **kwargs):
             gc.collect()
@@ -251,7 +253,8 @@ class _AliveProbe:
                                "programs": sum(r() is not None for r in self.programs)})
             return real_load_model(path, *args, **kwargs)
 
-        monkeypatch.setattr(checkpoint, "load_reference", load_reference)
+        monkeypatch.setattr(checkpoint, "load_reference", tracked(checkpoint.load_reference))
+        monkeypatch.setattr(layer_stream, "load_streamed_reference", tracked(layer_stream.load_streamed_reference))
         monkeypatch.setattr(runtime, "load_model", load_model)
         for module in (encoder, decoder, frontend):
             real_convert = module.convert_module

@@ -30,6 +30,7 @@ The method (nothing in it depends on one model's shape):
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import json
 import logging
@@ -51,6 +52,7 @@ from ..inference.alignment import (
     parse_heads,
     word_groups,
 )
+from ..model.layer_stream import run_together
 
 logger = logging.getLogger(__name__)
 
@@ -287,10 +289,16 @@ def calibration_records(model, processor, folder: str | Path, languages: Sequenc
     if not prompts:
         raise CalibrationError(f"{folder}: no clip in a language of this checkpoint")
     records, skipped = [], 0
-    for u in (u for u in utterances if u["language"] in prompts):
+    kept = [u for u in utterances if u["language"] in prompts]
+    features, seconds = [], []
+    for u in kept:
         audio = load_audio(folder / u["file"], target_rate=front_end.sampling_rate)
-        features, n_valid = log_mel(audio, front_end)
-        encoded, _ = encode(model, features[:, :n_valid])
+        mel, n_valid = log_mel(audio, front_end)
+        features.append(mel[:, :n_valid])
+        seconds.append(len(audio) / front_end.sampling_rate)
+    # every clip's encoder pass at once: a streamed model reads each encoder layer once for all of them
+    encodings = run_together(model, [functools.partial(encode, model, f) for f in features])
+    for u, (encoded, _), clip_seconds in zip(kept, encodings, seconds, strict=True):
         tokens = tokenizer(u["text"], add_special_tokens=False).input_ids
         tf = teacher_forced_attention(model, encoded, prompts[u["language"]], tokens, eos_id(tokenizer))
         transcribed = bool(tf.top1.all())
@@ -306,7 +314,7 @@ def calibration_records(model, processor, folder: str | Path, languages: Sequenc
         records.append(AlignmentRecord(
             attention=tf.attention, prompt_length=tf.prompt_length, pieces=pieces,
             probabilities=tf.token_probabilities[:-1], language=u["language"], truth=match_words(words, u["words"]),
-            span=truth_span(u["words"], len(audio) / front_end.sampling_rate), frame_seconds=frame,
+            span=truth_span(u["words"], clip_seconds), frame_seconds=frame,
             meta={"file": u["file"], "kind": u.get("kind"), "text": u["text"],
                   "sentences": list(u.get("sentences") or [u["text"]]), "transcribed": transcribed,
                   # what the bundle-vs-reference check feeds the package (`alignment_cases`)

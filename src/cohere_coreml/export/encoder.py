@@ -32,6 +32,7 @@ The window's encoder_length is the host's (`LengthMasks.encoder_length`), not an
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ import torch.nn as nn
 
 from ..config import FP16_MASK_VALUE, LENGTH_MASKS_METADATA_KEY
 from ..model.audio import FrontEndConfig, load_audio, log_mel
+from ..model.layer_stream import resident_layers, run_together
 from ..model.reference import cross_memory
 from ..model.shapes import ENCODER_MASK, EncoderShapes, ShapeError
 from .convert import ExportError, ExportSettings, convert_module, quiet_third_party
@@ -272,7 +274,9 @@ def trace_encoder(model, shapes: EncoderShapes, layers: tuple[int, int] | None =
     """`torch.jit.trace` of `EncoderForCoreML` (the whole encoder, or its layers [start, stop))."""
     model.eval()
     wrapper = EncoderForCoreML(model, shapes, layers).eval()
-    with torch.no_grad(), quiet_third_party():
+    # a streamed reference (`layer_stream`): the traced layers read for the trace; the traced program keeps
+    # the tensors it holds until it is dropped, the model none of them
+    with torch.no_grad(), quiet_third_party(), resident_layers(model, wrapper.start, wrapper.stop):
         traced = torch.jit.trace(wrapper, example_inputs(shapes, first=wrapper.first), check_trace=False, strict=False)
     return traced
 
@@ -393,9 +397,17 @@ def gate_cases(model, shapes: EncoderShapes, windows, min_psnr_db: float, bounda
     published ports' bug (the padding treated as speech). Above the threshold, the case could not
     tell an export that ignores its length from a correct one.
     """
+    windows = list(windows)
+    # every reference pass at once: a streamed model reads each encoder layer once for all of them
+    partial_windows = [k for k, (_, n) in enumerate(windows) if n < shapes.frames]
+    passes = run_together(model, [functools.partial(reference_outputs, model, shapes, f, n, boundaries)
+                                  for f, n in windows]
+                          + [functools.partial(reference_outputs, model, shapes, windows[k][0], shapes.frames)
+                             for k in partial_windows])
+    unmasked = dict(zip(partial_windows, passes[len(windows):], strict=True))
     cases = []
     for i, (features, n) in enumerate(windows):
-        ref = reference_outputs(model, shapes, features, n, boundaries)
+        ref = passes[i]
         hidden = ref.pop("hidden_states", [])
         t = int(ref.pop("encoder_length")[0])  # the host's figure, not a program output
         info = {"feature_length": int(n), "encoder_length": t}
@@ -403,7 +415,7 @@ def gate_cases(model, shapes: EncoderShapes, windows, min_psnr_db: float, bounda
             raise ExportError(f"the host length masks give {shapes.masks.encoder_length(n)} encoder frames for {n} "
                               f"mel frames, transformers {t}")
         if n < shapes.frames:
-            wrong = reference_outputs(model, shapes, features, shapes.frames)["encoder_hidden_states"]
+            wrong = unmasked[i]["encoder_hidden_states"]
             effect = psnr(ref["encoder_hidden_states"][:, :t], wrong[:, :t])
             info["unmasked_reference_psnr_db"] = effect if np.isfinite(effect) else str(effect)
             info["discriminates_masking"] = bool(effect < min_psnr_db)

@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 
 from ..config import BUCKETS_METADATA_KEY, LENGTH_MASKS_METADATA_KEY, PART_METADATA_KEY
-from ..inference.encoder_runtime import PartChain
 from ..model.shapes import ENCODER_MASK, EncoderShapes, bucket_shapes, encoder_shapes
 from ..storage.files import save_converted, skip_installed, staging_path, temporary_dir
 from .convert import ExportError, ExportSettings, merge_functions
@@ -32,6 +31,7 @@ from .encoder import (
     trace_encoder,
 )
 from .gate import GateCase, GateLoader, GateReport, StagedPackage, stage_gated
+from .memory import release_memory
 from .parity import report_correctness
 
 logger = logging.getLogger(__name__)
@@ -252,6 +252,7 @@ def _stage(model, settings: ExportSettings, shapes_by_fn: dict[str, EncoderShape
                         layers[1] - 1, time.perf_counter() - t0)
             save_converted(convert_traced_encoder(traced, main, settings, meta, first=first, last=last), tmp)
             del traced
+            release_memory()  # the part's program and (streamed layers) its weights, before the next part's
             logger.debug("converted in %.1f s", time.perf_counter() - t0)
             return
         scratch = temporary_dir(settings.out_dir, "encoder-buckets")
@@ -264,6 +265,7 @@ def _stage(model, settings: ExportSettings, shapes_by_fn: dict[str, EncoderShape
                 save_converted(convert_traced_encoder(traced, shapes, settings.replace(window_seconds=shapes.window_seconds),
                                                       meta, first=first, last=last), single)
                 del traced
+                release_memory()
                 singles[fn] = single
             mlmodel = merge_functions(singles, "main", scratch)
             # the merged package keeps no function's metadata: what every function shares
@@ -327,7 +329,9 @@ def compare_part_cases(paths: list[Path], cases: list[GateCase], settings: Expor
 def _compare_parts(loader: GateLoader, paths, cases, settings, function_name, ranges) -> GateReport:
     min_db = settings.gate_psnr_db
     results, texts = [], []
-    for i, path in enumerate(paths):  # one part loaded at a time
+    # the chain of parts end to end (what `PartChain.predict` calls), run with the parts: one part in memory at a time
+    chained: list = [None] * len(cases)
+    for i, path in enumerate(paths):
         loaded = loader.load(path, function_name)
         for k, case in enumerate(cases):
             t = case.info["encoder_length"]
@@ -336,6 +340,8 @@ def _compare_parts(loader: GateLoader, paths, cases, settings, function_name, ra
             else:
                 inputs = {HIDDEN_NAME: case.parts[i - 1], ENCODER_MASK: case.inputs[ENCODER_MASK]}
             produced = loaded.predict(inputs)
+            chained[k] = produced if i == 0 else loaded.predict(
+                {HIDDEN_NAME: chained[k][HIDDEN_OUTPUT], ENCODER_MASK: case.inputs[ENCODER_MASK]})
             if i == len(paths) - 1:
                 reference, got = case.reference, produced
             else:  # valid frames: padded rows are not transformers' (docs/contract.md)
@@ -347,9 +353,9 @@ def _compare_parts(loader: GateLoader, paths, cases, settings, function_name, ra
                          f"case {k}\n{report.summary()}")
             results.append(report)
         del loaded
-    chain = PartChain(loader.load(p, function_name) for p in paths)
+        release_memory()  # the part's program and weights, before the next part is loaded
     for k, case in enumerate(cases):
-        report = report_correctness(case.reference, chain.predict(case.inputs), min_db)
+        report = report_correctness(case.reference, chained[k], min_db)
         report.extra.update({"case": k, "part": "chain", **case.info})
         texts.append(f"[{COMPONENT} gate] function {function_name} parts chained, case {k}\n{report.summary()}")
         results.append(report)

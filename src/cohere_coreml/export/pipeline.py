@@ -49,7 +49,7 @@ from ..config import (
     DEFAULT_WINDOW_SECONDS,
     GATE_LANGUAGE,
 )
-from ..model import checkpoint
+from ..model import checkpoint, layer_stream
 from ..model.audio import FrontEndConfig
 from ..model.shapes import ExportPlan, export_plan
 from ..model.tokens import prompt_ids
@@ -341,17 +341,21 @@ def export_model(model, processor, settings: ExportSettings, components: Sequenc
 
 
 def export_checkpoint(model_ref: str, settings: ExportSettings, revision: str | None = None,
-                      base_model: str | None = None, **options) -> ExportResult:
+                      base_model: str | None = None, stream_layers: bool = True, **options) -> ExportResult:
     """Load a checkpoint (Hub id or folder) and export it; package metadata records its source.
 
     Peak memory is the larger of (PyTorch model + conversion) and (gating one package), not their
     sum: every component is converted and its references computed (`stage_export`), then the model
-    is freed, then the gates load the packages (`StagedExport.finish`).
+    is freed, then the gates load the packages (`StagedExport.finish`). `stream_layers` (default): the
+    encoder layers are read from the checkpoint while they are used (`layer_stream`: one part's layers
+    while it converts, one layer at a time in a reference pass), not held all at once; the packages are
+    the same bytes either way.
     """
     import torch  # heavy (as encoder)
 
+    load = layer_stream.load_streamed_reference if stream_layers else checkpoint.load_reference
     with torch.no_grad():  # no autograd graph; the caller's setting is back afterwards
-        model, processor = checkpoint.load_reference(model_ref, revision=revision)
+        model, processor = load(model_ref, revision=revision)
         if base_model is not None:  # the Hub id of a checkpoint given as a folder whose config names none
             model.source = dataclasses.replace(model.source, model_id=checkpoint.check_hub_id(base_model),
                                                base_model=base_model)

@@ -122,6 +122,34 @@ class EncoderRuntime:
         frames = int(features.shape[-1])
         return {FEATURES_INPUT: features, **self.masks.inputs(n_valid, frames)}
 
+    def encode_windows(self, windows, function_name: str | None = None) -> list[dict[str, np.ndarray]]:
+        """`encode` of each (features, n_valid) window (one function: the first window's), with one part of the
+        encoder in memory at a time (loaded for these windows, freed before the next part; nothing kept), so
+        that an encoder in parts never has all its programs loaded together. The same calls, hence outputs,
+        as `encode` window by window."""
+        from ..runtime import load_model  # as `model`
+
+        inputs = [self.inputs(features, n_valid) for features, n_valid in windows]
+        if not inputs:
+            return []
+        fn = function_name or self.function_for(inputs[0][FEATURES_INPUT].shape[-1])
+        if fn not in self.buckets:
+            raise EncoderRuntimeError(f"{self.path} has no encoder function {fn!r} (functions: {sorted(self.buckets)})")
+        outs: list = [None] * len(inputs)
+        for i, path in enumerate(self.paths):
+            part = load_model(path, backend=self.backend_name, compute_units=self.compute_units, function_name=fn,
+                              num_threads=self.num_threads)
+            for k, x in enumerate(inputs):  # as PartChain.predict
+                outs[k] = dict(part.predict(x if i == 0 else {HIDDEN_NAME: outs[k][HIDDEN_OUTPUT],
+                                                              ENCODER_MASK: x[ENCODER_MASK]}))
+            del part
+        for out, (_, n_valid) in zip(outs, windows, strict=True):
+            missing = [k for k in MEMORY_NAMES if k not in out]
+            if missing:
+                raise EncoderRuntimeError(f"the encoder package returned no {missing}")
+            out["encoder_length"] = np.array([self.masks.encoder_length(n_valid)], dtype=np.int32)
+        return outs
+
     def encode(self, features: np.ndarray, n_valid: int, function_name: str | None = None) -> dict[str, np.ndarray]:
         """features (M, F) or (1, M, F) float32 window -> the program's outputs + `encoder_length` (int32 (1,)).
         F selects the function (the full window, or a length bucket of exactly that many frames)."""

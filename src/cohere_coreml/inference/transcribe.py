@@ -114,6 +114,8 @@ class Transcriber(Engine):
         decoder_batch: windows decoded at once when a clip has several (greedy, without word timings): None
             (default) the bundle's batched step (`decoder.batch.size`; 1 when it has none), 1 one window at a
             time, or exactly the bundle's size (`batch_decoding.decode_windows`, docs/decoder.md).
+        load_encoder: load the encoder's programs now (default); False: on the first `encode` (a caller
+            that encodes elsewhere, e.g. one encoder part at a time, and decodes here: `encoder` is None).
 
     Thread safety: one `Transcriber` may be shared by threads; its calls (`transcribe`,
     `transcribe_window`, `encode`, `decode`) run one at a time under an internal lock (each window has its
@@ -125,7 +127,7 @@ class Transcriber(Engine):
 
     def __init__(self, bundle: str | os.PathLike | Sequence[str | os.PathLike] | Bundle, backend: str = "auto",
                  use_prefill: bool = True, front_end: str = DEFAULT_FRONT_END, compute_units: str = "all",
-                 use_extend: bool = True, decoder_batch: int | None = None):
+                 use_extend: bool = True, decoder_batch: int | None = None, load_encoder: bool = True):
         # transformers is imported here, not at module level: it costs seconds, and the CLI imports
         # this module for every command
         from transformers import PreTrainedTokenizerFast  # heavy (see above)
@@ -144,7 +146,8 @@ class Transcriber(Engine):
         t0 = time.perf_counter()
         # length buckets (multifunction encoder): {function name: window frames}, smallest first
         self.encoders = EncoderRuntime.from_bundle(self.bundle, backend=backend, compute_units=compute_units)
-        self.encoder = self.encoders.model("main")
+        # load_encoder False: its programs load on first use (a caller that encodes elsewhere, one part at a time)
+        self.encoder = self.encoders.model("main") if load_encoder else None
         self.encoder_buckets = self.encoders.buckets
         # the step (+ prefill, extend; bind_memory in a graph-state package) of decoder.mlpackage, one state per window
         self.decoder = DecoderRuntime.load(self.bundle.paths["decoder"], backend=backend, compute_units=compute_units,

@@ -6,6 +6,7 @@ features, the exported programs' static shapes and length masks, decoder prompts
 May import: storage, runtime (and the top-level config and export_errors).
 
     checkpoint  load and describe a checkpoint (safetensors only, no remote code): `info`, `vocab`
+    layer_stream  the reference with its encoder layers read from the checkpoint while used (the export's memory)
     reference   the PyTorch reference of the cross-attention memory (what the encoder package outputs)
     alignment_reference  the reference's teacher-forced cross-attention per layer and head (word timings)
     audio       load audio; the features `CohereAsrFeatureExtractor` computes (`mel`)

@@ -245,14 +245,19 @@ def safetensors_shapes(folder: str | os.PathLike) -> dict[str, list[int]]:
     (nothing loaded). Raises CheckpointError for a file whose header cannot be read."""
     shapes: dict[str, list[int]] = {}
     for path in sorted(Path(folder).glob("*.safetensors")):
-        try:
-            with open(path, "rb") as fh:
-                size = struct.unpack("<Q", fh.read(8))[0]
-                header = json.loads(fh.read(min(size, path.stat().st_size - 8)))
-            shapes.update({k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"})
-        except (OSError, struct.error, ValueError, TypeError, KeyError, AttributeError) as err:
-            raise CheckpointError(f"{path}: not a readable safetensors file ({type(err).__name__}: {err})") from None
+        shapes.update(safetensors_file_shapes(path))
     return shapes
+
+
+def safetensors_file_shapes(path: Path) -> dict[str, list[int]]:
+    """name -> shape of every tensor in one safetensors file, from its header (`safetensors_shapes`)."""
+    try:
+        with open(path, "rb") as fh:
+            size = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(min(size, path.stat().st_size - 8)))
+        return {k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    except (OSError, struct.error, ValueError, TypeError, KeyError, AttributeError) as err:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({type(err).__name__}: {err})") from None
 
 
 def feature_extractor_settings(folder: Path) -> dict | None:

@@ -24,6 +24,7 @@ from ..export.gate import default_gate_audio
 from ..export.memory import release_memory
 from ..export.parity import argmax_flips, kl_rows, psnr
 from ..inference.decoder_runtime import DecoderRuntime
+from ..inference.encoder_runtime import EncoderRuntime
 from ..inference.transcribe import Transcriber
 from ..model.audio import FrontEndConfig, load_audio, log_mel, pad_to_window
 from ..model.shapes import LengthMasks
@@ -109,10 +110,15 @@ def build_gate_data(bundle_dir: Path, clips: Sequence[tuple[Path, str]], max_new
     data = GateData(windows=windows, languages=languages,
                     prompts=[bundle.prompt(lang) for lang in languages], eos_ids=tuple(sorted(bundle.eos_ids)),
                     length_masks=LengthMasks.from_manifest(m["encoder"]["length_masks"]))
-    tr = Transcriber(bundle, backend="mil", use_prefill=False, use_extend=False)  # one log-prob row per fed token
-    for (window, n), prompt in zip(windows, data.prompts):
-        enc = tr.encode(window, n)
-        data.encoder_ref.append(enc)
+    # the encoder first, one of its parts in memory at a time (the same outputs as `Transcriber.encode`), then
+    # the decoder alone: a full-size f16 encoder's parts are never loaded together
+    encoders = EncoderRuntime.from_bundle(bundle, backend="mil")
+    data.encoder_ref.extend(encoders.encode_windows(windows))
+    del encoders
+    release_memory()
+    tr = Transcriber(bundle, backend="mil", use_prefill=False, use_extend=False,  # one log-prob row per fed token
+                     load_encoder=False)
+    for enc, prompt in zip(data.encoder_ref, data.prompts, strict=True):
         dec = tr.decode(enc, prompt, max_new_tokens=max_new_tokens, return_log_probs=True)
         fed = list(prompt) + dec.token_ids[:-1]
         data.sequences.append(fed)
