@@ -417,10 +417,10 @@ def test_a_decoder_exported_for_another_alignment_request_is_exported_again(tiny
     settings = ExportSettings(out_dir=tmp_path / "out", precision="fp32", window_seconds=2.0)
     package = settings.package_path("decoder")
 
-    def export(heads: str):
+    def export(heads: str, batch: int | None = None):
         caplog.clear()
         export_model(model, processor, settings, components=("decoder",), max_new_tokens=22, alignment_heads=heads,
-                     alignment_calibration=small)
+                     alignment_calibration=small, decoder_batch=batch)
         return package_metadata(package).get(ALIGN_REQUEST_METADATA_KEY), package.stat().st_mtime_ns
 
     assert export("none")[0] == "none"
@@ -431,3 +431,14 @@ def test_a_decoder_exported_for_another_alignment_request_is_exported_again(tiny
     (small / "manifest.json").write_text(json.dumps(manifest))
     request2, second = export("auto")
     assert request2 != request and second != first and "exporting it again" in caplog.text
+    # a decoder without the batched step (another --decoder-batch, or one from before it): exported again, not an
+    # error (`make demo` after an upgrade), and then skipped for the same batch
+    from cohere_coreml.bundle.packages import decoder_package_info
+
+    _, third = export("auto", batch=1)
+    assert third != second and "exporting it again" in caplog.text
+    assert (decoder_package_info(package).get("batch") or {}).get("size", 1) == 1
+    _, fourth = export("auto")  # the default batch
+    assert fourth != third and "batched step has 1 window(s), this export asks for" in caplog.text
+    assert decoder_package_info(package)["batch"]["size"] > 1
+    assert export("auto")[1] == fourth and "exporting it again" not in caplog.text

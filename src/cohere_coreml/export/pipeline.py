@@ -138,9 +138,10 @@ def _stage_decoder(job: ExportJob) -> StagedPackage | None:
             raise ExportError(f"{path} is a {info['state_writes']}-state decoder, the export asks for "
                               f"--decoder-state {job.decoder_state}; use --force to re-export")
         present_batch = (info.get("batch") or {}).get("size", 1)
-        if present_batch != job.decoder_batch:
-            raise ExportError(f"{path} has a batched step of {present_batch} window(s), the export asks for "
-                              f"--decoder-batch {job.decoder_batch}; use --force to re-export")
+        if present_batch != job.decoder_batch:  # another --decoder-batch, or a package from before the batched step
+            logger.warning("%s: its batched step has %d window(s), this export asks for %d: exporting it again",
+                           path, present_batch, job.decoder_batch)
+            settings = dataclasses.replace(settings, force=True)
         recorded = package_metadata(path).get(ALIGN_REQUEST_METADATA_KEY)
         if recorded != request:  # another --alignment-heads / calibration set, or a package from before them
             logger.warning("%s: its alignment was exported for %r, this export asks for %r: exporting it again",
