@@ -149,7 +149,10 @@ PRESETS: dict[str, dict[str, Recipe]] = {
 # dequantize pairs, statistics from the interpreter on the gate audio); the decoder as q8. An int8-activation
 # decoder passes its component gate but sits at the held-out gate's edge (whether the bundle passes turns on
 # single clips), so the decoder keeps fp16 activations; docs/quantization.md has the measurements.
-PRESETS["q8a8"] = {"encoder": Recipe("int8", activations="int8", activation_target_psnr=35.0),
+# The encoder's activations are kept fp16 until it reaches 45 dB, 10 dB above q8's fidelity gate: an encoder
+# kept just above the gate moved held-out words measurably (the task verdict, not the PSNR, is what it is
+# for), one kept to 45 dB did not (docs/quantization.md, "W8A8").
+PRESETS["q8a8"] = {"encoder": Recipe("int8", activations="int8", activation_target_psnr=45.0),
                    "decoder": DECODER_INT8}
 DEFAULT_PRESET = "q8"
 
@@ -172,7 +175,8 @@ GATES: dict[str, dict[str, float]] = {
     "mixed": {"encoder_psnr_db": 20.0, "decoder_psnr_db": 35.0, "decoder_mean_kl": 5e-3, "max_wer_increase": 0.005},
 }
 # q8a8: the q8 gates (the export's own 35 dB / 5e-3); its activations are kept fp16, most sensitive first,
-# until the encoder reaches that fidelity (Recipe.activation_target_psnr); see docs/quantization.md.
+# until the encoder reaches its recipe's target above that fidelity (Recipe.activation_target_psnr); see
+# docs/quantization.md.
 GATES["q8a8"] = dict(GATES["q8"])
 
 
