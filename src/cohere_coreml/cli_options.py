@@ -78,8 +78,13 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_decoder_batch_arg(p: argparse.ArgumentParser) -> None:
-    """--decoder-batch (transcribe and bench): windows of one clip decoded at once."""
+    """--decoder-batch, --encoder-ahead (transcribe and bench): windows of one clip decoded at once, and encoded
+    ahead of them."""
     p.add_argument("--decoder-batch", type=int, default=None, metavar="B",
                    help="a clip of several windows: decode B windows at once through the decoder's batched step "
                    "(greedy, without word timings; the same tokens per window); 1 = one window at a time. Default: "
                    "the bundle's (manifest decoder.batch.size, 1 without one); docs/decoder.md")
+    p.add_argument("--encoder-ahead", type=int, default=None, metavar="N",
+                   help="with --decoder-batch above 1: a worker thread computes the features and encoder of the next N "
+                   "windows while the batch decodes (at most B + N windows' encoder outputs held); 0 = each window "
+                   "encoded when the batch has room for it. The same tokens. Default: B")

@@ -414,3 +414,40 @@ def test_bench_times_words_of_the_bundle_and_the_reference(trained_bundle, tmp_p
     assert bundle["words_timed"] == reference["words_timed"] >= bundle["truth_words"] - 1
     assert abs(bundle["median_s"] - reference["median_s"]) <= 0.08 + 1e-9
     assert "word start error ms" in format_markdown(report)
+
+
+def test_each_stage_has_its_real_time_factor_beside_the_whole_files_and_the_batch_is_named():
+    """Per stage (the VAD pass, front end, encoder, decoder: bind + prompt + decode) its own RTFx, the whole file's
+    from the processing time (with the encoder ahead of the decoder the stages overlap: less than their sum),
+    tokens per second of the decoder's time and of the whole file's, the decoder's wait for encoder outputs; the
+    stage table names the decoder batch and the encoder-ahead depth."""
+    from cohere_coreml.evaluation.bench import summarise, window_row
+
+    def window(i, tokens, wait):
+        timings = {"features_s": 0.5, "encoder_s": 2.0, "bind_s": 0.1, "prompt_s": 0.4, "decode_s": 1.5,
+                   "decoder_calls": tokens, "encoder_wait_s": wait}
+        return window_row(i, 35.0 * i, 35.0 * (i + 1), list(range(1, tokens + 1)), "eos", timings, eos_ids={3})
+
+    clips = [{"id": 0, "language": "en", "reference": "a b", "hypothesis": "a b", "status": "ok", "audio_s": 80.0,
+              "processing_s": 6.0, "vad_s": 2.0, "windows": [window(0, 20, 2.5), window(1, 12, 0.0)]}]
+    s = summarise(clips, "d")
+    assert s["stage_rtfx"] == pytest.approx({"vad": 40.0, "front_end": 80.0, "encoder": 20.0, "decoder": 20.0})
+    assert s["rtfx"] == pytest.approx(80.0 / 6.0)  # the whole file's time, not the stages' sum (11 s)
+    assert s["encoder_wait_s"] == pytest.approx(2.5) and s["vad_s"] == 2.0
+    assert s["tokens_per_s"] == pytest.approx(30 / 3.8) and s["tokens_per_s_whole"] == pytest.approx(30 / 6.0)
+    engines = [{"label": "pytorch", **s}, {"label": "batched", "decoder_batch": 4, "encoder_ahead": 4, **s},
+               {"label": "sequential", "decoder_batch": 4, "encoder_ahead": 0, **s},
+               {"label": "one", "decoder_batch": 1, "encoder_ahead": 1, **s}]
+    for e in engines:
+        e.update(load_s=1.0, first_run_s=None, peak_rss_mb=100.0, options={"beams": 1})
+    report = {"engines": engines, "tool_version": "x", "tool_git_hash": "0" * 12, "machine": {"platform": "p", "cpus": 1},
+              "dataset": {"name": "d", "manifest_sha256": "0" * 12}}
+    lines = format_markdown(report).splitlines()
+    head = next(line for line in lines if "encoder wait s" in line).split(" | ")
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in lines if line.startswith("| ")}
+    col = head.index("decoder batch, encoder ahead")
+    assert [rows[n][col] for n in ("pytorch", "batched", "sequential", "one")] == ["-", "B=4, ahead 4",
+                                                                                   "B=4, ahead 0", "B=1"]
+    rtfx = head.index("RTFx VAD / front end / encoder / decoder / whole")
+    assert rows["batched"][rtfx] == "40.0 / 80.0 / 20.0 / 20.0 / 13.3"
+    assert rows["batched"][head.index("encoder wait s")] == "2.50"

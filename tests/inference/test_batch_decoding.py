@@ -5,6 +5,8 @@ a clip of more windows than rows, so rows are refilled; hosts that forget to res
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ from cohere_coreml.bundle.format import BundleError
 from cohere_coreml.bundle.load import Bundle
 from cohere_coreml.config import DECODER_BATCH_DEFAULT, EXTEND_PAD_ID
 from cohere_coreml.inference import batch_decoding
-from cohere_coreml.inference.batch_decoding import BatchDecoder, decode_windows
+from cohere_coreml.inference.batch_decoding import BatchDecoder, decode_windows, encoded_ahead
 from cohere_coreml.inference.decoding import RepetitionGuard, StopReason
 from cohere_coreml.inference.transcribe import Transcriber, TranscriptionError
 from cohere_coreml.model.audio import load_audio
@@ -251,3 +253,151 @@ def test_bundle_check_refuses_a_batch_block_of_other_shapes(trained_bundle, tmp_
     path.write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match=r"decoder\.batch\.size"):
         Bundle.load(out)
+
+
+# -- the encoder ahead of the decoder ----------------------------------------------------------------------------
+
+
+class Counted:
+    """An iterable of `n` items that records, as each is computed, how many were computed and not yet taken by
+    the consumer (`taken` is advanced by the test), the thread computing it, and whether it was closed."""
+
+    def __init__(self, n, fail_at=None):
+        self.n, self.fail_at, self.taken, self.outstanding, self.threads, self.closed = n, fail_at, 0, [], set(), False
+        self.computed = 0
+
+    def __iter__(self):
+        try:
+            for i in range(self.n):
+                if i == self.fail_at:
+                    raise TranscriptionError(f"window {i} cannot be read")
+                self.threads.add(threading.current_thread().name)
+                self.computed = i + 1
+                self.outstanding.append(self.computed - self.taken)
+                yield i
+        finally:
+            self.closed = True
+
+
+def wait_for(condition, seconds=10.0):
+    end = time.monotonic() + seconds
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.005)
+    return condition()
+
+
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_items_are_computed_ahead_in_a_worker_at_most_ahead_not_yet_taken(ahead):
+    source = Counted(8)
+    got = []
+    for item in encoded_ahead(source, ahead):
+        # the worker fills its `ahead` slots while the consumer holds this item (and no more)
+        assert wait_for(lambda: source.computed == min(source.n, len(got) + 1 + ahead) or False)
+        time.sleep(0.02)
+        assert source.computed == min(source.n, len(got) + 1 + ahead)
+        got.append(item)
+        source.taken = len(got)
+    assert got == list(range(8))
+    assert max(source.outstanding) == ahead + 1  # `ahead` waiting + the one just computed before the take counted
+    assert source.threads == {"encoder-ahead"} and source.closed
+
+
+def test_ahead_zero_computes_each_item_when_taken_in_the_callers_thread():
+    source = Counted(5)
+    got = []
+    for item in encoded_ahead(source, 0):
+        assert source.computed == len(got) + 1  # nothing computed before it is asked for
+        got.append(item)
+    assert got == list(range(5)) and source.threads == {threading.current_thread().name}
+
+
+def test_an_error_of_the_source_is_raised_to_the_consumer_in_its_place():
+    source = Counted(6, fail_at=3)
+    got = []
+    with pytest.raises(TranscriptionError, match="window 3 cannot be read"):
+        for item in encoded_ahead(source, 2):
+            got.append(item)
+    assert got == [0, 1, 2] and source.closed
+    assert not [t for t in threading.enumerate() if t.name == "encoder-ahead"]
+
+
+def test_a_consumer_that_stops_early_stops_the_worker_and_closes_the_source():
+    source = Counted(50)
+    items = encoded_ahead(source, 2)
+    assert next(items) == 0
+    items.close()
+    assert source.closed and source.computed <= 3  # stopped after the slots it had, not run to the end
+    assert not [t for t in threading.enumerate() if t.name == "encoder-ahead"]
+
+
+def spans(transcriber, monkeypatch):
+    """Wall-clock spans of the encoder's calls and of the batched decoder's calls, recorded."""
+    encodes, steps = [], []
+    encode, step = transcriber.encoders.encode, BatchDecoder.step
+
+    def timed_encode(*args):
+        t0 = time.perf_counter()
+        try:
+            return encode(*args)
+        finally:
+            encodes.append((t0, time.perf_counter(), threading.current_thread().name))
+
+    def timed_step(self, *args):
+        t0 = time.perf_counter()
+        try:
+            return step(self, *args)
+        finally:
+            steps.append((t0, time.perf_counter(), (list(args[1]), list(args[2]))))  # tokens, positions
+
+    monkeypatch.setattr(transcriber.encoders, "encode", timed_encode)
+    monkeypatch.setattr(BatchDecoder, "step", timed_step)
+    return encodes, steps
+
+
+def overlapping(encodes, steps) -> int:
+    return sum(any(a < d and c < b for c, d, _ in steps) for a, b, _ in encodes)
+
+
+def test_the_encoder_runs_ahead_while_the_rows_decode_with_the_same_calls_and_tokens(transcribers, clip,
+                                                                                     one_at_a_time, monkeypatch):
+    tr = transcribers[DECODER_BATCH_DEFAULT]
+    assert tr.encoder_ahead == DECODER_BATCH_DEFAULT  # the default: B windows ahead
+    ahead_spans = spans(tr, monkeypatch)
+    ahead = tr.transcribe(clip, "en")
+    monkeypatch.undo()
+    monkeypatch.setattr(tr, "encoder_ahead", 0)
+    plain_spans = spans(tr, monkeypatch)
+    plain = tr.transcribe(clip, "en")
+    assert tokens(ahead) == tokens(plain) == tokens(one_at_a_time)
+    # the same calls: each row's token and position (the schedule does not depend on the worker)
+    assert [s[2] for s in ahead_spans[1]] == [s[2] for s in plain_spans[1]]
+    assert {name for *_, name in ahead_spans[0]} == {"encoder-ahead"}
+    assert {name for *_, name in plain_spans[0]} == {threading.current_thread().name}
+    # windows after the first B were encoded while rows decoded; without it, never
+    assert overlapping(*ahead_spans) > 0 and overlapping(*plain_spans) == 0
+    assert [w.timings["encoder_ahead"] for w in ahead.windows] == [DECODER_BATCH_DEFAULT] * len(ahead.windows)
+    assert all(w.timings["encoder_wait_s"] >= 0 for w in ahead.windows + plain.windows)
+
+
+def test_an_encoder_error_ahead_of_the_decoder_is_the_callers_one_line_error(transcribers, clip, monkeypatch):
+    tr = transcribers[DECODER_BATCH_DEFAULT]
+    features, calls = tr._window_features, []
+
+    def fail_on_the_sixth(piece):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 6:
+            raise TranscriptionError("window 6 is unreadable")
+        return features(piece)
+
+    monkeypatch.setattr(tr, "_window_features", fail_on_the_sixth)
+    with pytest.raises(TranscriptionError, match="window 6 is unreadable"):
+        tr.transcribe(clip, "en")
+    assert set(calls) == {"encoder-ahead"}
+    assert not [t for t in threading.enumerate() if t.name == "encoder-ahead"]
+    monkeypatch.undo()
+    assert tr.transcribe(clip[: 8 * 16000], "en").windows  # the transcriber is usable after it
+
+
+def test_encoder_ahead_below_zero_is_refused_in_one_line(trained_bundle):
+    with pytest.raises(TranscriptionError, match=r"--encoder-ahead must be >= 0, got -1"):
+        Transcriber(trained_bundle, backend="mil", encoder_ahead=-1)

@@ -58,7 +58,9 @@ def test_windows_hold_the_speech_only_and_keep_the_original_timeline():
     engine = FakeEngine(EnergyVad())
     result = engine.transcribe(wav, "en", word_timestamps=True)
     plan = plan_speech(wav, EnergyVad())
+    seconds = result.vad.pop("seconds")
     assert result.vad == plan.summary() and result.vad["windows"] == len(result.windows) >= 4
+    assert 0 < seconds < 60  # the VAD pass's own time, reported beside the windows'
     assert [round(s * SR) for s, _ in engine.calls] == [s for s, _ in plan.windows]
     for (start_s, piece), (start, end) in zip(engine.calls, plan.windows):
         np.testing.assert_array_equal(piece, wav[start:end])  # the original samples, nothing else

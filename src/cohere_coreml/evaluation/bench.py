@@ -9,7 +9,9 @@ process so ratios between rows are meaningful on a noisy machine) over one datas
 
 Figures per engine: WER (CER for ja/zh/ko) per language after `metrics.normalise`, with
 substitutions / deletions / insertions; RTFx = audio seconds / processing seconds (warm runs);
-stage totals (front end, encoder, prompt, decode) and decode tokens per second; load time; peak
+stage totals (VAD, front end, encoder, prompt, decode), each stage's RTFx beside the whole file's (with the encoder
+ahead of a batched decode the stages overlap), decode tokens per second (of the decoder's time and of the whole
+file's), the decoder batch and encoder-ahead used and the decoder's wait for encoder outputs; load time; peak
 RSS of the process (ru_maxrss: cumulative over the engines run so far, in run order) and the
 RSS after loading; loop rate (windows stopped by the repetition guard, or whose tokens end in an
 n-gram run by `decoding.loop_in`) and truncation rate (windows that hit the token limit).
@@ -203,6 +205,7 @@ def run_engine(make_engine, dataset, *, max_new_tokens=None, beams=1, repetition
             row.update(status="problem", problem=str(err))
             continue
         row["processing_s"] = time.perf_counter() - t
+        row["vad_s"] = (result.vad or {}).get("seconds", 0.0)  # the VAD pass over the clip, before its windows
         row["hypothesis"] = result.text
         row["token_ids"] = [t for w in result.windows for t in w.token_ids]
         if timed and clip.words:
@@ -228,7 +231,8 @@ def window_row(index, start_s, end_s, token_ids, stop_reason, timings: dict, eos
     return {"index": index, "start_s": round(start_s, 3), "end_s": round(end_s, 3),
             "tokens": len([x for x in token_ids if x not in eos_ids]), "stop_reason": stop_reason,
             "loop": stop_reason == StopReason.REPETITION or loop_in(token_ids, eos_ids) is not None,
-            **{k: timings.get(k, 0.0) for k in STAGES}, "decoder_calls": timings.get("decoder_calls", 0)}
+            **{k: timings.get(k, 0.0) for k in STAGES}, "decoder_calls": timings.get("decoder_calls", 0),
+            "encoder_wait_s": timings.get("encoder_wait_s")}
 
 
 def summarise(clips: list[dict], dataset_name: str) -> dict:
@@ -250,6 +254,14 @@ def summarise(clips: list[dict], dataset_name: str) -> dict:
     processing_s = sum(c.get("processing_s", 0.0) for c in scored)
     stages = {k: sum(w[k] for w in windows) for k in STAGES}
     tokens = sum(w["tokens"] for w in windows)
+    # each stage's own real-time factor (audio seconds / the stage's seconds; the decoder's: bind + prompt +
+    # decode) beside the whole file's: with the encoder ahead of the decoder the stages overlap, so the whole
+    # file takes less than their sum
+    vad_s = sum(c.get("vad_s", 0.0) for c in scored)
+    groups = {"front_end": ("features_s",), "encoder": ("encoder_s",), "decoder": ("bind_s", "prompt_s", "decode_s")}
+    stage_rtfx = {"vad": audio_s / vad_s if vad_s else None,
+                  **{g: (audio_s / t if (t := sum(stages[k] for k in keys)) else None) for g, keys in groups.items()}}
+    waits = [w["encoder_wait_s"] for w in windows if w.get("encoder_wait_s") is not None]
     return {
         "clips_total": len(clips),
         "clips_scored": len(scored),
@@ -260,7 +272,12 @@ def summarise(clips: list[dict], dataset_name: str) -> dict:
         "processing_s": processing_s,
         "rtfx": audio_s / processing_s if processing_s else float("nan"),
         "stages_s": stages,
+        "vad_s": vad_s,
+        "stage_rtfx": stage_rtfx,
+        # the batched decoder's wait for the windows' encoder outputs (None: no batched decode)
+        "encoder_wait_s": sum(waits) if waits else None,
         "decode_tokens": tokens,
+        "tokens_per_s_whole": tokens / processing_s if processing_s else float("nan"),
         "tokens_per_s": tokens / (stages["prompt_s"] + stages["decode_s"]) if windows else float("nan"),
         "windows": len(windows),
         "decoded_s": decoded_s,
@@ -418,12 +435,14 @@ def reference_vad(vad: str, bundles) -> str:
 
 def run_bench(bundles, pytorch, data, *, backend="auto", compute_units="all", max_new_tokens=None, beams=1,
               repetition_guard=None, limit_per_language=None, progress=False, merge=(), alignment_heads=None,
-              alignment_lead_rows=None, vad="auto", vad_options=None, decoder_batch=None) -> dict:
+              alignment_lead_rows=None, vad="auto", vad_options=None, decoder_batch=None,
+              encoder_ahead=None) -> dict:
     """`bundles`: one entry per bundle, a folder or the list of its folders (searched in order).
     `alignment_heads` ("L.H,..."): the PyTorch reference's heads for the word-timing error (default: the first
     bundle's). `vad`: each engine's voice activity ("auto": a bundle's vad.mlpackage when it has one; the PyTorch
     reference's as `reference_vad` decides). `decoder_batch`: windows a bundle decodes at once (None: the bundle's
-    batched step; 1: one at a time; `Transcriber`)."""
+    batched step; 1: one at a time; `Transcriber`); `encoder_ahead`: windows encoded ahead of a batched decode (None:
+    B; 0: none)."""
     if not bundles and not pytorch and not merge:
         raise BenchError("nothing to bench: give --bundle DIR[,DIR...] (repeatable: one bundle each), --pytorch MODEL and/or --merge-engine FILE")
     dataset = load_dataset(str(data), limit_per_language)
@@ -448,7 +467,8 @@ def run_bench(bundles, pytorch, data, *, backend="auto", compute_units="all", ma
         dirs = bundle_folders(b)
         info = bundle_info(dirs)
         section = run_engine(lambda: Transcriber(dirs, backend=backend, compute_units=compute_units,
-                                                 decoder_batch=decoder_batch), dataset, **opts)
+                                                 decoder_batch=decoder_batch, encoder_ahead=encoder_ahead),
+                             dataset, **opts)
         label = f"{','.join(d.name for d in dirs)} ({section.get('precision')}, {section.get('backend')})"
         report["engines"].append({"label": label, "bundle": info, **section})
     for row in merged:
@@ -515,6 +535,15 @@ def format_word_timing(w: dict | None) -> str:
     return f"{1000 * w['median_s']:.0f} / {1000 * w['p90_s']:.0f} ({w['words_timed']}/{w['truth_words']})"
 
 
+def batch_cell(engine: dict) -> str:
+    """How an engine decoded a clip's windows: "B=4, ahead 4" (batched, the encoder that many windows ahead),
+    "B=1" (one at a time), "-" (an engine that does not say: PyTorch, a device run)."""
+    batch = engine.get("decoder_batch")
+    if batch is None:
+        return "-"
+    return f"B={batch}" + (f", ahead {engine.get('encoder_ahead') or 0}" if batch > 1 else "")
+
+
 def format_markdown(report: dict) -> str:
     langs = sorted({l for e in report["engines"] for l in e["languages"]})
     head = ["engine", "size MB"] + [f"{l} {report['engines'][0]['languages'].get(l, {}).get('metric', 'wer').upper()} % [95 % CI]"
@@ -537,11 +566,18 @@ def format_markdown(report: dict) -> str:
         if timed:
             cells.insert(2 + len(langs), format_word_timing(e.get("word_timing")))
         lines.append("| " + " | ".join(cells) + " |")
-    stage_head = ["engine"] + [s.replace("_s", "") + " s" for s in STAGES] + ["audio s", "clips", "windows",
-                                                                              "audio decoded %", "problems"]
+    stage_head = ["engine"] + [s.replace("_s", "") + " s" for s in STAGES] + [
+        "VAD s", "RTFx VAD / front end / encoder / decoder / whole", "tokens/s decoder / whole", "decoder batch, encoder ahead",
+        "encoder wait s", "audio s", "clips", "windows", "audio decoded %", "problems"]
     lines += ["", "| " + " | ".join(stage_head) + " |", "|" + "---|" * len(stage_head)]
     for e in report["engines"]:
         cells = [e["label"]] + [f"{e['stages_s'][s]:.2f}" for s in STAGES]
+        rtfx = e.get("stage_rtfx") or {}
+        cells += [_num(e.get("vad_s"), 2),
+                  " / ".join(_num(x, 1) for x in (rtfx.get("vad"), rtfx.get("front_end"), rtfx.get("encoder"),
+                                                   rtfx.get("decoder"), e.get("rtfx"))),
+                  f"{_num(e.get('tokens_per_s'), 1)} / {_num(e.get('tokens_per_s_whole'), 1)}", batch_cell(e),
+                  _num(e.get("encoder_wait_s"), 2)]
         cells += [f"{e['audio_s']:.1f}", f"{e['clips_scored']}/{e['clips_total']}", str(e["windows"]),
                   percent(e.get("decoded_share")) + (" (VAD)" if (e.get("vad") or {}).get("on") else ""),
                   str(len(e["problems"]))]
@@ -653,7 +689,8 @@ def cmd_bench(args) -> int:
                        repetition_guard=RepetitionGuard() if args.repetition_guard else None,
                        limit_per_language=args.limit_per_language, progress=True, merge=args.merge_engine,
                        alignment_heads=args.alignment_heads, alignment_lead_rows=args.alignment_lead_rows,
-                       vad=args.vad, vad_options=options, decoder_batch=args.decoder_batch)
+                       vad=args.vad, vad_options=options, decoder_batch=args.decoder_batch,
+                       encoder_ahead=args.encoder_ahead)
     paths = write_outputs(report, args.out)
     print(format_markdown(report))
     for e in report["engines"]:

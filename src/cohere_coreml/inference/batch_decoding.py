@@ -18,11 +18,20 @@ row costs little (a step is bound by the weights it reads, which B rows share). 
 cleared: its `cache_mask` opens only slots below its position, each written by its own window before any token
 reads it, so the previous window's rows are never attended to (their softmax weight is exactly 0).
 Each window's tokens are the ones the batch-1 loop (`Transcriber.decode`, greedy) gives it.
+
+The encoder runs ahead of the decoder (`encoded_ahead`): while the rows decode, a worker thread computes the next
+windows' features and encoder outputs, at most `ahead` windows not yet taken by a row, so at most B + `ahead`
+memories are held. A row is still refilled from the waiting windows in clip order, waiting for the next one when
+it is not ready yet, so the calls (which window, which row, which position) are the ones without it, and so are
+the tokens. The two stages run on different programs (the encoder's, the decoder's batched step), each used by one
+thread only: a Core ML model's prediction and the interpreter's are safe beside another model's.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -268,34 +277,111 @@ def decode_windows(decoder: BatchDecoder, windows: Iterable[tuple[object, dict]]
         refill()
 
 
+def encoded_ahead(items: Iterable, ahead: int) -> Iterator:
+    """`items` in order, computed by a worker thread at most `ahead` items before the consumer takes them (an item
+    computed, or being computed, and not yet taken counts); `ahead` 0: computed here, when taken. The iterable is
+    advanced in the worker only (a file's reader and the encoder run there). An exception it raises is raised here,
+    in its place; closing this generator (the consumer stopped) stops the worker after the item it is computing."""
+    if ahead <= 0:
+        yield from items
+        return
+    slots = threading.Semaphore(ahead)  # items the worker may compute before the consumer takes one
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    stop = threading.Event()
+    done = object()
+
+    def work() -> None:
+        source = iter(items)
+        try:
+            while True:
+                slots.acquire()
+                if stop.is_set():
+                    return
+                try:
+                    item = next(source)
+                except StopIteration:
+                    results.put((done, None))
+                    return
+                except BaseException as err:  # noqa: BLE001 - any error belongs to the consumer, raised there
+                    results.put((None, err))
+                    return
+                results.put((item, None))
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
+
+    worker = threading.Thread(target=work, name="encoder-ahead", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item, err = results.get()
+            if err is not None:
+                raise err
+            if item is done:
+                return
+            slots.release()
+            yield item
+    finally:
+        stop.set()
+        slots.release()  # a worker waiting for a slot wakes, sees `stop` and returns
+        worker.join()
+
+
 def transcribe_batched(engine, decoder: BatchDecoder, pieces, prompt, max_new_tokens: int | None = None,
-                       repetition_guard: RepetitionGuard | None = None) -> list:
+                       repetition_guard: RepetitionGuard | None = None, ahead: int = 0, features=None,
+                       encode=None) -> list:
     """A clip's windows ((start, end, samples) pieces) through `decode_windows`: each window's features and encoder
-    (`engine.features`, `engine.encode`: a `transcribe.Transcriber`) run when a row is free for it, so at most B
+    (`features`, `encode`: by default `engine.features`, `engine.encode` of a `transcribe.Transcriber`) computed
+    `ahead` windows before a row takes them (`encoded_ahead`; 0: when a row is free for it), so at most B + `ahead`
     memories are held; returns its `engines.WindowResult`s in clip order, as `Transcriber.transcribe_window`
-    gives them (timings: the window's features and encoder, its share of the batched calls, `decoder_batch`)."""
+    gives them (timings: the window's features and encoder, `encoder_wait_s` the decoder's wait for its memory,
+    its share of the batched calls, `decoder_batch`, `encoder_ahead`)."""
     from ..model.tokens import decode_ids
     from .engines import WindowResult
 
+    features = engine.features if features is None else features
+    encode = engine.encode if encode is None else encode
     sr = engine.front_end.sampling_rate
     seen: dict[int, tuple[float, float, dict]] = {}
 
     def memories():
         for i, (start, _end, piece) in enumerate(pieces):
             t0 = time.perf_counter()
-            feats, n_valid, encoder_function = engine.features(piece)
+            feats, n_valid, encoder_function = features(piece)
             t1 = time.perf_counter()
-            enc = engine.encode(feats, n_valid)
+            enc = encode(feats, n_valid)
             seen[i] = (start / sr, len(piece) / sr, {"features_s": t1 - t0, "front_end": engine.front_end_kind,
                                                      "encoder_s": time.perf_counter() - t1,
                                                      "encoder_function": encoder_function})
             yield i, enc
 
+    waits: dict[int, float] = {}
+
+    def taken(source):  # the decoder's wait for each memory (the whole encoder's time without `ahead`)
+        source = iter(source)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                item = next(source, None)
+                if item is None:
+                    return
+                waits[item[0]] = time.perf_counter() - t0
+                yield item
+        finally:
+            source.close()
+
     windows = {}
-    for i, dec in decode_windows(decoder, memories(), prompt, engine.eos_ids, max_new_tokens, repetition_guard):
+    source = taken(encoded_ahead(memories(), ahead))
+    try:
+        results = list(decode_windows(decoder, source, prompt, engine.eos_ids, max_new_tokens, repetition_guard))
+    finally:
+        source.close()  # a decode that failed: the worker stops (and the file's reader closes) before this returns
+    for i, dec in results:
         start_s, duration_s, timings = seen.pop(i)
-        timings.update(bind_s=dec.bind_s, prompt_s=dec.prompt_s, decode_s=dec.decode_s, decoder_calls=dec.calls,
-                       decoder_tokens_fed=dec.tokens_fed, decoder_batch=decoder.batch,
+        timings.update(encoder_wait_s=waits.pop(i), bind_s=dec.bind_s, prompt_s=dec.prompt_s, decode_s=dec.decode_s,
+                       decoder_calls=dec.calls, decoder_tokens_fed=dec.tokens_fed, decoder_batch=decoder.batch,
+                       encoder_ahead=int(ahead),
                        ms_per_decoder_call=1000.0 * (dec.prompt_s + dec.decode_s) / max(dec.calls, 1))
         if dec.truncated:
             logger.warning("window %d stopped without eos (%s) after %d tokens", i, dec.stop_reason, len(dec.token_ids))
@@ -306,4 +392,4 @@ def transcribe_batched(engine, decoder: BatchDecoder, pieces, prompt, max_new_to
     return [windows[i] for i in sorted(windows)]
 
 
-__all__ = ["BatchDecoder", "decode_windows", "token_limit", "transcribe_batched"]
+__all__ = ["BatchDecoder", "decode_windows", "encoded_ahead", "token_limit", "transcribe_batched"]

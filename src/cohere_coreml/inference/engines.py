@@ -70,7 +70,7 @@ class TranscriptionResult:
     windows: list[WindowResult]
     silent: bool = False  # digital silence (`longform.check_audio`): empty text, no window, no model call
     word_timestamps: bool = False  # words were asked (a silent clip then has none: [])
-    vad: dict | None = None  # with the VAD: windows, regions, audio_s, decoded_s, decoded_share; None: off
+    vad: dict | None = None  # with the VAD: windows, regions, audio_s, decoded_s, decoded_share, seconds; None: off
 
     @classmethod
     def of_silence(cls, language: str, punctuation: bool = True, word_timestamps: bool = False) -> TranscriptionResult:
@@ -178,7 +178,7 @@ class Engine(abc.ABC):
         or unreadable audio raises `AudioError`. `vad` ("auto": on when the engine has a voice-activity model,
         "on", "off") with `vad_options` (`speech_regions.VadOptions`): only the windows packed from the speech
         regions are transcribed (none: an empty transcript, no model call), their times on the clip's timeline;
-        the result's `vad` holds the windows' count and the share of the audio they cover.
+        the result's `vad` holds the windows' count, the share of the audio they cover and the VAD pass's seconds.
         """
         prompt = self.prompt(language, punctuation)
         speech = self.speech_probabilities(vad)  # before the audio: `on` without a VAD fails first
@@ -194,8 +194,9 @@ class Engine(abc.ABC):
         if speech is None:
             pieces = iter_windows(audio, self.front_end)
         else:
+            t0 = time.perf_counter()
             plan = plan_speech(audio, speech, vad_options, self.front_end, self.window_s())
-            summary = plan.summary()
+            summary = {**plan.summary(), "seconds": time.perf_counter() - t0}  # the VAD pass over the whole file
             pieces = iter_ranges(audio, plan, self.front_end)
         if progress:
             pieces = tqdm(pieces, desc="windows", unit="window", leave=False)

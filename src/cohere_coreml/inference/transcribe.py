@@ -114,6 +114,9 @@ class Transcriber(Engine):
         decoder_batch: windows decoded at once when a clip has several (greedy, without word timings): None
             (default) the bundle's batched step (`decoder.batch.size`; 1 when it has none), 1 one window at a
             time, or exactly the bundle's size (`batch_decoding.decode_windows`, docs/decoder.md).
+        encoder_ahead: with a batched decode, windows whose features and encoder a worker thread computes while
+            the rows decode (`batch_decoding.encoded_ahead`): None (default) `decoder_batch` windows, 0 none (each
+            window encoded when a row is free for it). The same tokens either way.
         load_encoder: load the encoder's programs now (default); False: on the first `encode` (a caller
             that encodes elsewhere, e.g. one encoder part at a time, and decodes here: `encoder` is None).
 
@@ -127,7 +130,8 @@ class Transcriber(Engine):
 
     def __init__(self, bundle: str | os.PathLike | Sequence[str | os.PathLike] | Bundle, backend: str = "auto",
                  use_prefill: bool = True, front_end: str = DEFAULT_FRONT_END, compute_units: str = "all",
-                 use_extend: bool = True, decoder_batch: int | None = None, load_encoder: bool = True):
+                 use_extend: bool = True, decoder_batch: int | None = None, load_encoder: bool = True,
+                 encoder_ahead: int | None = None):
         # transformers is imported here, not at module level: it costs seconds, and the CLI imports
         # this module for every command
         from transformers import PreTrainedTokenizerFast  # heavy (see above)
@@ -165,6 +169,9 @@ class Transcriber(Engine):
             self._frontends["main"] = self._load_frontend("main")
         self.load_s = time.perf_counter() - t0
         self.decoder_batch = self._check_batch(decoder_batch)
+        if encoder_ahead is not None and int(encoder_ahead) < 0:
+            raise TranscriptionError(f"--encoder-ahead must be >= 0, got {encoder_ahead}")
+        self.encoder_ahead = self.decoder_batch if encoder_ahead is None else int(encoder_ahead)
         self._batch_decoder = None  # the batched step, loaded on the first clip of several windows
         self.capacity = self.bundle.capacity
         self.window_frames = self.bundle.window_frames
@@ -233,7 +240,7 @@ class Transcriber(Engine):
                 "compute_units": self.compute_units if backend == "coreml" else None,
                 "precision": m.get("precision"), "model_id": m.get("model_id"), "capacity": self.capacity,
                 "prefill": self.prefill is not None, "extend": self.decoder.extend_model is not None,
-                "decoder_batch": self.decoder_batch}
+                "decoder_batch": self.decoder_batch, "encoder_ahead": self.__dict__.get("encoder_ahead", 0)}
 
     # -- one window -----------------------------------------------------------------------------
     def _load_frontend(self, function_name: str):
@@ -410,6 +417,11 @@ class Transcriber(Engine):
         """(features (1, M, F) padded to the smallest encoder window holding them, valid frames, that
         window's encoder function) of one window's samples, by the transcriber's front end (Python or
         the bundle's package). Raises `WindowTooLongError` past every window."""
+        return self._window_features(waveform)
+
+    def _window_features(self, waveform: np.ndarray) -> tuple[np.ndarray, int, str]:
+        """`features` without the lock (the encoder-ahead worker of a batched decode, which runs inside a locked
+        call)."""
         if self.front_end_kind == "package":
             return self.package_features(waveform)
         feats, n_valid = log_mel(waveform, self.front_end)
@@ -503,12 +515,16 @@ class Transcriber(Engine):
     def transcribe_batched(self, pieces, prompt: Sequence[int], max_new_tokens: int | None = None,
                            repetition_guard: RepetitionGuard | None = None) -> list[WindowResult]:
         """Windows ((start, end, samples) pieces) decoded `decoder_batch` at a time (`batch_decoding.transcribe_batched`:
-        each window's features and encoder run when a row is free for it), its results as `transcribe_window`'s."""
+        each window's features and encoder computed `encoder_ahead` windows ahead by a worker thread), its results as
+        `transcribe_window`'s. The worker calls the unlocked features and encoder: this call holds the lock."""
         if max_new_tokens is not None and max_new_tokens < 1:
             raise TranscriptionError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if len(prompt) >= self.capacity:
             raise TranscriptionError(f"prompt of {len(prompt)} tokens does not fit the cache ({self.capacity} slots)")
-        return transcribe_batched(self, self.batch_decoder(), pieces, prompt, max_new_tokens, repetition_guard)
+        return transcribe_batched(self, self.batch_decoder(), pieces, prompt, max_new_tokens, repetition_guard,
+                                  ahead=self.__dict__.get("encoder_ahead", 0),
+                                  features=self._window_features,
+                                  encode=self.encoders.encode)
 
     # -- whole clips ----------------------------------------------------------------------------
     @_serialized
@@ -563,7 +579,7 @@ def cmd_transcribe(args) -> int:
     def make_transcriber() -> Transcriber:
         tr = Transcriber(args.bundle, backend=args.backend, use_prefill=not args.no_prefill,
                          use_extend=not args.no_extend, front_end=args.front_end, compute_units=args.compute_units,
-                         decoder_batch=args.decoder_batch)
+                         decoder_batch=args.decoder_batch, encoder_ahead=args.encoder_ahead)
         if words:
             tr.check_word_timestamps()  # a bundle without alignment: one line naming the fix, before any audio
         tr.speech_probabilities(args.vad)  # --vad on with a bundle without vad.mlpackage: one line, the fix
