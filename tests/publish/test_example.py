@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,9 @@ from cohere_coreml.model.audio import FrontEndConfig, load_audio, split_points
 from cohere_coreml.model.shapes import frontend_shapes
 from cohere_coreml.publish.card import EXAMPLE, example_source
 from cohere_coreml.publish.hub import finalize_bundle
+
+from ..inference.test_batch_decoding import VECTORS as BATCH_VECTORS
+from ..inference.test_batch_decoding import Scripted, several_windows
 
 ROOT = Path(__file__).resolve().parents[2]
 AUDIO_DIR = ROOT / "tests" / "data" / "audio"
@@ -254,6 +258,16 @@ def load_example_module():
     return module
 
 
+def load_example_variant(source: str):
+    """A changed copy of the example's source as a module (a broken variant a test must reject)."""
+    import types
+
+    module = types.ModuleType("example_inference_variant")
+    module.__file__ = str(resources.files("cohere_coreml") / "data" / EXAMPLE)
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    return module
+
+
 def test_example_installs_by_the_caches_rule(tmp_path):
     """The example's install (docs/runtime.md, "Compiled-model cache"): a complete target is kept and the
     fresh copy dropped, a target without the marker replaced; the rule it replaces deleted the target first."""
@@ -423,6 +437,58 @@ def test_example_window_words_cut_the_align_rows_and_frames():
     assert [c[1] for c in calls] == [2, 5, 8, 11, 13]
 
 
+def replay_batch_vectors(example) -> list[tuple[dict, list, list]]:
+    """Each case of tests/data/batch_decoding_vectors.json through the example's `decode_windows` on the scripted
+    decoder of the toolkit's test (window w's memory is {"window": w}): (case, the calls' rows, the finished)."""
+    data = json.loads(BATCH_VECTORS.read_text())
+    replayed = []
+    for case in data["cases"]:
+        fake = Scripted(case["batch"], case["capacity"], case["generated"], data["eos"])
+        fake.prompt_len = len(data["prompt"])
+        finished = [[key, list(ids), reason] for key, ids, reason in example.decode_windows(
+            fake, ((w, {"window": w}) for w in range(len(case["generated"]))), data["prompt"], [data["eos"]],
+            max_new_tokens=case.get("max_new_tokens"))]
+        replayed.append((case, fake.calls, finished))
+    return replayed
+
+
+# a refilled row that keeps the previous window's position (its slots), or its memory
+BROKEN_REFILLS = {"old position": ("positions[b] = 0  #", "pass  #"),
+                  "old memory": ("decoder.bind_row(state, b, memory)",
+                                 "decoder.bind_row(state, b, memory) if key < decoder.batch else None")}
+
+
+def test_example_decodes_windows_at_once_by_the_shared_vectors():
+    """The example's batched loop (docs/bundle.md, "Decoding several windows at once") gives every call's rows
+    (window, token fed, position) and the finished windows (order, ids, stop reason) of the shared vectors, which
+    the toolkit's `decode_windows` replays too; a loop whose refilled row keeps its old position or memory fails."""
+    replayed = replay_batch_vectors(load_example_module())
+    assert any(len(case["generated"]) > case["batch"] for case, _, _ in replayed)  # rows are refilled
+    for case, calls, finished in replayed:
+        assert calls == case["calls"], case["name"]
+        assert finished == case["finished"], case["name"]
+    source = example_source()
+    for broken, (old, new) in BROKEN_REFILLS.items():
+        assert source.count(old) == 1, broken
+        replayed = replay_batch_vectors(load_example_variant(source.replace(old, new)))
+        assert any(calls != case["calls"] for case, calls, _ in replayed), broken
+
+
+def test_example_decoder_batch_is_the_bundles_or_one():
+    """--decoder-batch: the bundle's decoder.batch.size by default (1 without it), 1 or that size when asked;
+    another size, or a batch without a batched step, is one line naming the fix."""
+    example = load_example_module()
+    with_batch, without = {"decoder": {"batch": {"size": 4}}}, {"decoder": {}}
+    assert [example.decoder_batch(with_batch, asked) for asked in (None, 1, 4)] == [4, 1, 4]
+    assert [example.decoder_batch(without, asked) for asked in (None, 1)] == [1, 1]
+    for manifest, asked, message in ((with_batch, 3, "use --decoder-batch 4 or 1"),
+                                     (without, 4, "no batched step (no decoder.batch); re-export it with "
+                                                  "`cohere-coreml export --decoder-batch 4` or use --decoder-batch 1"),
+                                     (with_batch, 0, "--decoder-batch must be at least 1")):
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            example.decoder_batch(manifest, asked)
+
+
 def test_finalize_copies_the_example(finalized_bundle):
     """`bundle finalize` (also run by `make export` and `quantize`) copies the package file, byte for
     byte, and the manifest's checksums list it."""
@@ -521,6 +587,92 @@ def test_example_chains_an_encoder_in_parts(example_python, serve_command, train
         proc = run_example(example_python, bundle, clip["path"], clip["language"], serve=serve_command)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert [w["token_ids"] for w in json.loads(proc.stdout)["windows"]] == expected.token_ids, clip["file"]
+
+
+# The example run through a launcher that counts its batched calls (each call's busy rows, on stderr) and then
+# runs its main(): the very script, its arguments as a user gives them
+COUNTING_LAUNCHER = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("example_inference", {example!r})
+example = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(example)
+calls, step = [], example.BatchStep.step
+def counted(self, state, tokens, positions):
+    calls.append(sum(p is not None for p in positions))
+    return step(self, state, tokens, positions)
+example.BatchStep.step = counted
+try:
+    example.main()
+finally:
+    print("batched calls: " + json.dumps(calls), file=sys.stderr)
+"""
+
+
+def run_counted(python: Path, bundle: Path, audio: Path, *args: str, serve: str) -> tuple[dict, list[int]]:
+    """The example's JSON output on `audio` (English) and its batched calls' busy rows."""
+    launcher = bundle.parent / f"{bundle.name}-launcher.py"
+    launcher.write_text(COUNTING_LAUNCHER.format(example=str(bundle / EXAMPLE)))
+    proc = run_example(python, bundle, audio, "en", *args, script=launcher, serve=serve)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counted = [line for line in proc.stderr.splitlines() if line.startswith("batched calls: ")]
+    return json.loads(proc.stdout), json.loads(counted[-1].split(": ", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def several_windows_runs(example_python, serve_command, finalized_bundle, tmp_path_factory):
+    """A clip of more windows than the decoder's batch (held-out sentences and pauses: windows of several
+    lengths, VAD-packed), the `Transcriber`'s result on it, and the example's runs: by default (the bundle's
+    batch) and with --decoder-batch 1, each with its batched calls."""
+    import soundfile as sf
+
+    folder = tmp_path_factory.mktemp("several")
+    clip = folder / "several_windows.wav"
+    sf.write(clip, several_windows(count=6), 16000, subtype="FLOAT")
+    expected = Transcriber(finalized_bundle, backend="mil", front_end="package").transcribe(clip, "en")
+    runs = {flag: run_counted(example_python, finalized_bundle, clip, *flag, serve=serve_command)
+            for flag in ((), ("--decoder-batch", "1"))}
+    return clip, expected, runs
+
+
+@pytest.mark.slow
+def test_example_decodes_several_windows_at_once_as_the_transcriber(finalized_bundle, several_windows_runs):
+    """With the bundle's decoder.batch the example decodes the clip's windows B at a time (every call's busy rows:
+    each window's prompt and fed tokens, P + n - 1 row-calls, in fewer calls); per window the token ids equal
+    --decoder-batch 1's (no batched call) and the `Transcriber`'s."""
+    manifest = json.loads((finalized_bundle / "manifest.json").read_text())
+    batch, prompt = manifest["decoder"]["batch"]["size"], manifest["languages"]["en"]["punctuation"]
+    _, expected, runs = several_windows_runs
+    assert batch > 1 and len(expected.windows) > batch  # rows are refilled
+    assert len({len(ids) for ids in expected.token_ids}) > 1  # windows finish at different calls
+    got, calls = runs[()]
+    assert [w["token_ids"] for w in got["windows"]] == expected.token_ids
+    assert got["text"] == expected.text and expected.text
+    assert [w["start_s"] for w in got["windows"]] == [w.start_s for w in expected.windows]
+    assert max(calls) == batch and sum(calls) == sum(len(prompt) + len(ids) - 1 for ids in expected.token_ids)
+    assert len(calls) < sum(calls)
+    one, one_calls = runs[("--decoder-batch", "1")]
+    assert one_calls == [] and one["windows"] == got["windows"] and one["text"] == got["text"]
+
+
+@pytest.mark.slow
+def test_example_decodes_one_window_at_a_time_without_decoder_batch(example_python, serve_command, finalized_bundle,
+                                                                    several_windows_runs, tmp_path):
+    """A bundle whose manifest has no decoder.batch (exported with --decoder-batch 1, or before it): the example
+    decodes the clip one window at a time (no batched call), the same ids; --decoder-batch 4 there is one line."""
+    clip, expected, _ = several_windows_runs
+    old = tmp_path / "no-batch"
+    old.mkdir()
+    for item in finalized_bundle.iterdir():
+        if item.name != "manifest.json":
+            (old / item.name).symlink_to(item)
+    manifest = json.loads((finalized_bundle / "manifest.json").read_text())
+    del manifest["decoder"]["batch"], manifest["decoder"]["functions"]["step_batch"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    got, calls = run_counted(example_python, old, clip, serve=serve_command)
+    assert calls == [] and [w["token_ids"] for w in got["windows"]] == expected.token_ids
+    proc = run_example(example_python, old, clip, "en", "--decoder-batch", "4", serve=serve_command)
+    assert proc.returncode == 1 and proc.stdout == "" and "Traceback" not in proc.stderr, proc.stderr
+    assert "no batched step (no decoder.batch)" in proc.stderr.strip().splitlines()[-1]
 
 
 class MirroredMelFrontEnd(FrontEndForCoreML):

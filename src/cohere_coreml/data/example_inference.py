@@ -3,6 +3,7 @@
 
     pip install numpy soundfile coremltools
     python example_inference.py audio.wav --language en [--no-punctuation] [--json] [--word-timestamps] [--vad on]
+                                [--decoder-batch 1]
 
 Runs on macOS 15+ (Core ML with model state). The bundle's packages do all the work:
 
@@ -18,7 +19,10 @@ Runs on macOS 15+ (Core ML with model state). The bundle's packages do all the w
                          a window's memory into a fresh state (once per window), the functions the cache;
                          align (manifest decoder.alignment, optional): after a window's decoding, on the
                          same state, K of its tokens a call -> the cross-attention of the alignment heads,
-                         turned into word timings (--word-timestamps)
+                         turned into word timings (--word-timestamps); step_batch (manifest decoder.batch,
+                         optional, host state): one token for each of B windows in one call, its state B
+                         rows, one window each (a clip of several windows, greedy, without word timings, is
+                         decoded B windows at a time; --decoder-batch 1: one at a time, as above)
     vad.mlpackage        (optional) Silero VAD: 32 ms chunks of samples + its recurrent state -> each chunk's
                          speech probability; with it (--vad auto, the default) only windows of speech are
                          transcribed (the rule of docs/vad.md), times still on the file's timeline
@@ -26,7 +30,8 @@ Runs on macOS 15+ (Core ML with model state). The bundle's packages do all the w
 Every name and size below comes from manifest.json. The steps are those of "Decoding loop" in
 docs/bundle.md (cohere-transcribe-coreml): greedy decoding, audio longer than 30 s cut into
 windows at its quietest points as the model's processor cuts it, or, with the bundle's VAD, windows
-packed from its speech regions.
+packed from its speech regions; several windows B at a time by "Decoding several windows at once
+(`decoder.batch`)" there, each window's tokens those of the one-window loop.
 """
 
 import argparse
@@ -416,6 +421,134 @@ def decode(bundle: Bundle, memory: dict, prompt: list[int], max_new_tokens: int 
         position += 1
 
 
+# ------------------------------------------------------------------------------------------------------
+# Several windows at once (manifest decoder.batch): the rule of "Decoding several windows at once" in
+# docs/bundle.md (cohere-transcribe-coreml), as the toolkit's `cohere_coreml.inference.batch_decoding`;
+# its test vectors (tests/data/batch_decoding_vectors.json) check this copy too.
+# ------------------------------------------------------------------------------------------------------
+PAD_ID = 0  # the token a free row feeds (at slot 0, every slot closed: its output is not read)
+
+
+class BatchStep:
+    """The decoder's step_batch function and this program's writes into its state of B rows (docs/contract.md):
+    row b is heads b*Hkv .. (b+1)*Hkv - 1 of self_k, self_v, cross_k, cross_v (every layer) and row b of
+    cross_mask. The function only reads the state; coremltools' MLState reads and writes whole buffers, so each
+    write reads a buffer, changes the row's part and writes it back (the new K/V rows: once a call for all rows)."""
+
+    def __init__(self, bundle: Bundle):
+        d = bundle.manifest["decoder"]
+        if d.get("state_writes") != "host" or not d.get("functions", {}).get("step_batch"):
+            sys.exit("manifest decoder.batch without a host-state step_batch function: broken bundle, re-export it "
+                     "with `cohere-coreml export` (or run with --decoder-batch 1)")
+        self.batch, self.capacity = int(d["batch"]["size"]), int(d["capacity"])
+        self.kv_heads = int(d["num_key_value_heads"])
+        self.memory_states, self.row_outputs = d["memory_states"], d["row_outputs"]
+        self.mask_input = d["cache_mask_input"]
+        self.model = bundle.function("decoder", d["functions"]["step_batch"])
+
+    def make_state(self):
+        """One state of B rows for the whole clip (step_batch's own layout, not the step's)."""
+        return self.model.make_state()
+
+    def bind_row(self, state, row: int, memory: dict) -> None:
+        """A window's encoder outputs into row `row`; the row's self_k / self_v are left as they are (its
+        cache_mask opens only slots its own window wrote)."""
+        if int((memory["cross_mask"] > -5e3).sum()) != int(memory["encoder_length"][0]):
+            sys.exit("the encoder's cross_mask and encoder_length disagree: broken bundle")
+        h = self.kv_heads
+        for name, output in self.memory_states.items():  # state -> the encoder output it holds (fp16)
+            value = np.asarray(memory[output], np.float16)
+            buffer = np.array(state.read_state(name), np.float16)
+            part = (slice(row, row + 1),) if name == "cross_mask" else (slice(None), slice(row * h, (row + 1) * h))
+            if buffer[part].shape != value.shape:
+                sys.exit(f"the encoder's {name} is {value.shape}, a row of the decoder's batched state "
+                         f"{buffer[part].shape}: encoder and decoder of different exports")
+            buffer[part] = value
+            state.write_state(name, buffer)
+
+    def step(self, state, tokens: list[int], positions: list) -> np.ndarray:
+        """One call: row b feeds tokens[b] at slot positions[b] (None: a free row); each busy row's new K/V rows
+        are written at its slot. Returns the (B, vocab) log_probs (a free row's: not meaningful)."""
+        ids = np.full((self.batch, 1), PAD_ID, np.int32)
+        pos = np.zeros((self.batch,), np.int32)
+        mask = np.full((self.batch, 1, 1, self.capacity), -1e4, np.float16)  # every slot closed
+        for b, (token, position) in enumerate(zip(tokens, positions)):
+            if position is not None:
+                ids[b, 0], pos[b] = token, position
+                mask[b, ..., :position] = 0  # the row's slots below its position: its own window's tokens
+        out = self.model.predict({"input_ids": ids, "position": pos, self.mask_input: mask}, state=state)
+        h = self.kv_heads
+        for name, output in self.row_outputs.items():  # (L, B*Hkv, 1, Dh) -> self_k / self_v
+            rows = np.asarray(out[output], np.float16)
+            buffer = np.array(state.read_state(name), np.float16)
+            for b, position in enumerate(positions):
+                if position is not None:
+                    buffer[:, b * h:(b + 1) * h, position:position + 1] = rows[:, b * h:(b + 1) * h]
+            state.write_state(name, buffer)
+        return np.asarray(out["log_probs"]).reshape(self.batch, -1)
+
+
+def decode_windows(decoder, windows, prompt: list[int], eos_ids, max_new_tokens: int | None = None):
+    """Greedy token ids of several windows, B (decoder.batch) at a time: `windows` yields (key, encoder outputs)
+    pairs, read only when a row is free (at most B memories held). Yields (key, token ids with the eos reached,
+    stop reason: "eos", "capacity" or "max_new_tokens") as windows finish, not in input order."""
+    limit, at_limit = decoder.capacity - len(prompt) + 1, "capacity"  # every fed token takes a slot, the last not
+    if max_new_tokens is not None and max_new_tokens < limit:
+        limit, at_limit = max_new_tokens, "max_new_tokens"
+    eos_ids = set(eos_ids)
+    waiting = iter(windows)
+    state = decoder.make_state()
+    rows = [None] * decoder.batch  # a busy row: {"key", "pending" (prompt tokens to feed), "tokens"}
+    positions = [0] * decoder.batch  # each row's next slot
+
+    def refill() -> None:  # free rows take the waiting windows, in order
+        for b in range(decoder.batch):
+            if rows[b] is None:
+                nxt = next(waiting, None)
+                if nxt is None:
+                    return
+                key, memory = nxt
+                decoder.bind_row(state, b, memory)  # the row's memory: this window's
+                positions[b] = 0  # and its slots from 0 again (the previous window's rows then stay closed)
+                rows[b] = {"key": key, "pending": list(prompt), "tokens": []}
+
+    refill()
+    while any(row is not None for row in rows):
+        tokens = [PAD_ID if row is None else row["pending"][0] if row["pending"] else row["tokens"][-1] for row in rows]
+        log_probs = decoder.step(state, tokens, [None if row is None else positions[b] for b, row in enumerate(rows)])
+        for b, row in enumerate(rows):
+            if row is None:
+                continue
+            positions[b] += 1
+            if row["pending"]:
+                row["pending"].pop(0)
+                if row["pending"]:  # a prediction inside the prompt: not read
+                    continue
+            token = int(np.argmax(log_probs[b]))  # the first index on ties
+            row["tokens"].append(token)
+            stop = "eos" if token in eos_ids else at_limit if len(row["tokens"]) >= limit else None
+            if stop is not None:
+                rows[b] = None
+                yield row["key"], row["tokens"], stop
+        refill()  # finished windows leave, waiting ones take their rows before the next call
+
+
+def decoder_batch(manifest: dict, asked: int | None) -> int:
+    """Windows decoded at once: the bundle's decoder.batch.size (1 without one), or --decoder-batch (1 or that)."""
+    present = int((manifest["decoder"].get("batch") or {}).get("size") or 1)
+    if asked is None or asked == present:
+        return present
+    if asked == 1:
+        return 1
+    if asked < 1:
+        sys.exit(f"--decoder-batch must be at least 1, got {asked}")
+    if present == 1:
+        sys.exit(f"--decoder-batch {asked}: this bundle's decoder has no batched step (no decoder.batch); re-export "
+                 f"it with `cohere-coreml export --decoder-batch {asked}` or use --decoder-batch 1")
+    sys.exit(f"--decoder-batch {asked}: this bundle's decoder decodes {present} windows at once (decoder.batch.size); "
+             f"use --decoder-batch {present} or 1")
+
+
 def detokenize(vocab: dict, ids: list[int]) -> str:
     """Pieces joined, special tokens (<|...|>, <unk>, <pad>) dropped, byte pieces <0xNN> as UTF-8."""
     data = bytearray()
@@ -592,6 +725,10 @@ def main() -> None:
     p.add_argument("--vad", default="auto", choices=("auto", "on", "off"),
                    help="transcribe only the windows of speech the bundle's vad.mlpackage finds; auto: when the "
                    "bundle has one (default: auto)")
+    p.add_argument("--decoder-batch", type=int, default=None, metavar="B",
+                   help="a clip of several windows: decode B windows at once through the decoder's step_batch "
+                   "(greedy, without --word-timestamps; the same tokens per window); 1 = one window at a time. "
+                   "Default: the bundle's (manifest decoder.batch.size, 1 without one)")
     p.add_argument("--bundle", default=str(BUNDLE), help="bundle folder (default: this file's folder)")
     p.add_argument("--compiled-cache", default=None,
                    help="keep the compiled models in this folder, so later runs skip Core ML's compile "
@@ -602,6 +739,7 @@ def main() -> None:
 
     bundle = Bundle(Path(args.bundle), cache=args.compiled_cache)
     m = bundle.manifest
+    batch = decoder_batch(m, args.decoder_batch)
     if args.language not in m["languages"]:
         sys.exit(f"language {args.language!r} is not in this bundle: {' '.join(sorted(m['languages']))}")
     prompt = m["languages"][args.language]["no_punctuation" if args.no_punctuation else "punctuation"]
@@ -615,16 +753,24 @@ def main() -> None:
     rate = m["audio"]["sampling_rate"]
     samples = read_audio(args.audio, rate)
     use_vad = has_vad and args.vad != "off"
+    ranges = speech_windows(bundle, samples) if use_vad else split_points(samples, m["audio"])
     windows = []
-    for start, end in (speech_windows(bundle, samples) if use_vad else split_points(samples, m["audio"])):
-        memory = encode(bundle, samples[start:end])
-        ids, probabilities, state = decode(bundle, memory, prompt, args.max_new_tokens)
-        text_ids = [i for i in ids if i not in eos]
-        windows.append({"start_s": start / rate, "token_ids": ids, "text": detokenize(bundle.vocab, text_ids)})
-        if args.word_timestamps:
-            windows[-1]["words"] = window_words(bundle, state, prompt, text_ids, probabilities[:len(text_ids)],
-                                                int(memory["encoder_length"][0]), start / rate, end / rate,
-                                                args.language)
+    if batch > 1 and len(ranges) > 1 and not args.word_timestamps:  # B windows at a time (decoder.batch)
+        memories = ((i, encode(bundle, samples[start:end])) for i, (start, end) in enumerate(ranges))  # as rows free
+        done = {i: ids for i, ids, _ in decode_windows(BatchStep(bundle), memories, prompt, eos, args.max_new_tokens)}
+        for i, (start, _) in enumerate(ranges):  # in the clip's order (windows finish out of order)
+            text_ids = [t for t in done[i] if t not in eos]
+            windows.append({"start_s": start / rate, "token_ids": done[i], "text": detokenize(bundle.vocab, text_ids)})
+    else:  # one window at a time
+        for start, end in ranges:
+            memory = encode(bundle, samples[start:end])
+            ids, probabilities, state = decode(bundle, memory, prompt, args.max_new_tokens)
+            text_ids = [i for i in ids if i not in eos]
+            windows.append({"start_s": start / rate, "token_ids": ids, "text": detokenize(bundle.vocab, text_ids)})
+            if args.word_timestamps:
+                windows[-1]["words"] = window_words(bundle, state, prompt, text_ids, probabilities[:len(text_ids)],
+                                                    int(memory["encoder_length"][0]), start / rate, end / rate,
+                                                    args.language)
     separator = "" if args.language in m["generation"]["no_space_languages"] else " "
     text = separator.join(w["text"] for w in windows if w["text"])
     words = [w for window in windows for w in window.get("words", [])]
