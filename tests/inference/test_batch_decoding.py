@@ -381,15 +381,15 @@ def test_the_encoder_runs_ahead_while_the_rows_decode_with_the_same_calls_and_to
 
 def test_an_encoder_error_ahead_of_the_decoder_is_the_callers_one_line_error(transcribers, clip, monkeypatch):
     tr = transcribers[DECODER_BATCH_DEFAULT]
-    features, calls = tr._window_features, []
+    encode, calls = tr.encoders.encode, []
 
-    def fail_on_the_sixth(piece):
+    def fail_on_the_sixth(*args):
         calls.append(threading.current_thread().name)
         if len(calls) == 6:
             raise TranscriptionError("window 6 is unreadable")
-        return features(piece)
+        return encode(*args)
 
-    monkeypatch.setattr(tr, "_window_features", fail_on_the_sixth)
+    monkeypatch.setattr(tr.encoders, "encode", fail_on_the_sixth)
     with pytest.raises(TranscriptionError, match="window 6 is unreadable"):
         tr.transcribe(clip, "en")
     assert set(calls) == {"encoder-ahead"}

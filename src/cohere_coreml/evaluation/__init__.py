@@ -7,6 +7,7 @@ May import: export (parity arithmetic, the decoder's gate, matching words to a t
 runtime (and the top-level config, export_errors and cli_options).
 
     bench     `cohere-coreml bench`: engines side by side on a dataset
+    bench_report  its tables (bench.md) and chart (bench.png)
     verify    `cohere-coreml verify`: stage-by-stage parity against `transformers`
     metrics   text normalisers, WER/CER, bootstrap intervals
     datasets  evaluation datasets (a folder with a manifest, or a Hub dataset)

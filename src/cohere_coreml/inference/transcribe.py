@@ -114,9 +114,8 @@ class Transcriber(Engine):
         decoder_batch: windows decoded at once when a clip has several (greedy, without word timings): None
             (default) the bundle's batched step (`decoder.batch.size`; 1 when it has none), 1 one window at a
             time, or exactly the bundle's size (`batch_decoding.decode_windows`, docs/decoder.md).
-        encoder_ahead: with a batched decode, windows whose features and encoder a worker thread computes while
-            the rows decode (`batch_decoding.encoded_ahead`): None (default) `decoder_batch` windows, 0 none (each
-            window encoded when a row is free for it). The same tokens either way.
+        encoder_ahead: with a batched decode, windows a worker thread encodes while the rows decode
+            (`batch_decoding.encoded_ahead`): None (default) `decoder_batch`, 0 none. The same tokens either way.
         load_encoder: load the encoder's programs now (default); False: on the first `encode` (a caller
             that encodes elsewhere, e.g. one encoder part at a time, and decodes here: `encoder` is None).
 
@@ -414,14 +413,8 @@ class Transcriber(Engine):
 
     @_serialized
     def features(self, waveform: np.ndarray) -> tuple[np.ndarray, int, str]:
-        """(features (1, M, F) padded to the smallest encoder window holding them, valid frames, that
-        window's encoder function) of one window's samples, by the transcriber's front end (Python or
-        the bundle's package). Raises `WindowTooLongError` past every window."""
-        return self._window_features(waveform)
-
-    def _window_features(self, waveform: np.ndarray) -> tuple[np.ndarray, int, str]:
-        """`features` without the lock (the encoder-ahead worker of a batched decode, which runs inside a locked
-        call)."""
+        """(features (1, M, F) padded to the smallest encoder window holding them, valid frames, its function) of one
+        window's samples, by the front end (Python or the bundle's package); `WindowTooLongError` past every window."""
         if self.front_end_kind == "package":
             return self.package_features(waveform)
         feats, n_valid = log_mel(waveform, self.front_end)
@@ -515,16 +508,14 @@ class Transcriber(Engine):
     def transcribe_batched(self, pieces, prompt: Sequence[int], max_new_tokens: int | None = None,
                            repetition_guard: RepetitionGuard | None = None) -> list[WindowResult]:
         """Windows ((start, end, samples) pieces) decoded `decoder_batch` at a time (`batch_decoding.transcribe_batched`:
-        each window's features and encoder computed `encoder_ahead` windows ahead by a worker thread), its results as
-        `transcribe_window`'s. The worker calls the unlocked features and encoder: this call holds the lock."""
+        their features and encoder `encoder_ahead` windows ahead in a worker), its results as `transcribe_window`'s."""
         if max_new_tokens is not None and max_new_tokens < 1:
             raise TranscriptionError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if len(prompt) >= self.capacity:
             raise TranscriptionError(f"prompt of {len(prompt)} tokens does not fit the cache ({self.capacity} slots)")
+        unlocked = functools.partial(Transcriber.features.__wrapped__, self)  # the worker's: this call holds the lock
         return transcribe_batched(self, self.batch_decoder(), pieces, prompt, max_new_tokens, repetition_guard,
-                                  ahead=self.__dict__.get("encoder_ahead", 0),
-                                  features=self._window_features,
-                                  encode=self.encoders.encode)
+                                  self.__dict__.get("encoder_ahead", 0), unlocked, self.encoders.encode)
 
     # -- whole clips ----------------------------------------------------------------------------
     @_serialized
