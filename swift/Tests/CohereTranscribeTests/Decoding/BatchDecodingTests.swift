@@ -83,4 +83,149 @@ final class BatchDecodingTests: XCTestCase {
             Self.set("step_batch", at: ["functions", "step_batch"], in: &$0)
         }, "decoder.batch")
     }
+
+    // MARK: - the rule, on a scripted decoder
+
+    /// Window w (its memory: w) predicts token 100 + k at its k-th prediction after its prompt and eos once k reaches
+    /// `lengths[w]`; every call's rows are recorded as [window, token fed, position] (nil: a free row). The Python
+    /// test's `Scripted`.
+    final class Scripted: BatchStepDecoder {
+        let batch: Int, capacity: Int, lengths: [Int], eos: Int, promptLength: Int
+        var window: [Int: Int] = [:]
+        var calls: [[[Int]?]] = []
+        var freeRowTokens: Set<Int> = []
+
+        init(batch: Int, capacity: Int, lengths: [Int], eos: Int, promptLength: Int) {
+            (self.batch, self.capacity, self.lengths, self.eos, self.promptLength) = (batch, capacity, lengths, eos, promptLength)
+        }
+
+        func bindRow(_ row: Int, memory: Int) async throws -> Int {
+            window[row] = memory
+            return 0
+        }
+
+        func step(tokens: [Int], positions: [Int?]) async throws -> [[Float]] {
+            var rows: [[Int]?] = []
+            var out = [[Float]](repeating: [Float](repeating: 0, count: 200), count: batch)
+            for b in 0..<batch {
+                guard let p = positions[b] else {
+                    freeRowTokens.insert(tokens[b])
+                    rows.append(nil)
+                    continue
+                }
+                let w = window[b]!
+                rows.append([w, tokens[b], p])
+                let k = p - (promptLength - 1)  // predictions after the prompt's last token: 0, 1, ...
+                out[b][k >= lengths[w] ? eos : 100 + max(k, 0)] = 1
+            }
+            calls.append(rows)
+            return out
+        }
+    }
+
+    /// A broken host around the scripted decoder: a refilled row keeps the memory of its first window
+    /// (`staleMemory`), or continues at the slots after its previous window's instead of slot 0 (`stalePosition`).
+    final class BrokenHost: BatchStepDecoder {
+        enum Fault { case staleMemory, stalePosition }
+        let inner: Scripted, fault: Fault
+        var bound: Set<Int> = [], offset: [Int: Int] = [:], last: [Int: Int] = [:]
+        var batch: Int { inner.batch }
+        var capacity: Int { inner.capacity }
+
+        init(_ inner: Scripted, _ fault: Fault) { (self.inner, self.fault) = (inner, fault) }
+
+        func bindRow(_ row: Int, memory: Int) async throws -> Int {
+            defer { bound.insert(row) }
+            if bound.contains(row) {
+                if fault == .staleMemory { return 0 }
+                offset[row] = (last[row] ?? 0) + 1
+            }
+            return try await inner.bindRow(row, memory: memory)
+        }
+
+        func step(tokens: [Int], positions: [Int?]) async throws -> [[Float]] {
+            for (b, p) in positions.enumerated() { if let p { last[b] = p + (offset[b] ?? 0) } }
+            return try await inner.step(tokens: tokens, positions: positions.enumerated().map { b, p in p.map { $0 + (offset[b] ?? 0) } })
+        }
+    }
+
+    struct VectorCase {
+        var name: String, batch: Int, capacity: Int, generated: [Int], maxNewTokens: Int?
+        var calls: [[[Int]?]]
+        var finished: [(window: Int, tokens: [Int], reason: String)]
+    }
+
+    /// tests/data/batch_decoding_vectors.json, the file the Python test reads (not a copy).
+    func vectors() throws -> (prompt: [Int], eos: Int, cases: [VectorCase]) {
+        let url = Fixtures.repoRoot.appendingPathComponent("tests/data/batch_decoding_vectors.json")
+        let data = try JSONSerialization.jsonObject(with: Data(contentsOf: url)) as! [String: Any]
+        XCTAssertEqual(data["format"] as? String, "cohere-coreml-batch-decoding-vectors")
+        let cases = (data["cases"] as! [[String: Any]]).map { c in
+            VectorCase(name: c["name"] as! String, batch: c["batch"] as! Int, capacity: c["capacity"] as! Int,
+                       generated: c["generated"] as! [Int], maxNewTokens: c["max_new_tokens"] as? Int,
+                       calls: (c["calls"] as! [[Any]]).map { $0.map { $0 as? [Int] } },
+                       finished: (c["finished"] as! [[Any]]).map { ($0[0] as! Int, $0[1] as! [Int], $0[2] as! String) })
+        }
+        return (data["prompt"] as! [Int], data["eos"] as! Int, cases)
+    }
+
+    /// The loop on `decoder` over the case's windows: the windows in the order they finished.
+    func run<D: BatchStepDecoder>(_ decoder: D, _ c: VectorCase, prompt: [Int], eos: Int) async throws
+        -> [(window: Int, tokens: [Int], reason: String)] where D.Memory == Int {
+        var waiting = c.generated.indices.makeIterator()
+        var finished: [(Int, [Int], String)] = []
+        try await BatchDecoding.decodeWindows(decoder, prompt: prompt, eosIds: [eos], maxNewTokens: c.maxNewTokens, next: {
+            waiting.next().map { (key: $0, memory: $0) }
+        }, finished: { key, decoded in
+            XCTAssertEqual(decoded.tokenLogProbs.count, decoded.tokens.count)
+            finished.append((key, decoded.tokens, decoded.stopReason.rawValue))
+        })
+        return finished
+    }
+
+    /// Which window each row holds at each call, the token it feeds and its position, and the order windows finish
+    /// in (with their tokens and stop reasons): the shared vectors' schedule.
+    func testTheScheduleFollowsTheWrittenRule() async throws {
+        let (prompt, eos, cases) = try vectors()
+        XCTAssertGreaterThanOrEqual(cases.count, 3)
+        XCTAssertTrue(cases.contains { $0.generated.count > $0.batch }, "a case refills rows")
+        for c in cases {
+            let fake = Scripted(batch: c.batch, capacity: c.capacity, lengths: c.generated, eos: eos, promptLength: prompt.count)
+            let finished = try await run(fake, c, prompt: prompt, eos: eos)
+            XCTAssertEqual(fake.calls, c.calls, c.name)
+            XCTAssertEqual(finished.map(\.window), c.finished.map(\.window), c.name)
+            XCTAssertEqual(finished.map(\.tokens), c.finished.map(\.tokens), c.name)
+            XCTAssertEqual(finished.map(\.reason), c.finished.map(\.reason), c.name)
+            XCTAssertTrue(fake.freeRowTokens.isSubset(of: [BatchDecoding.padToken]), c.name)
+        }
+    }
+
+    /// The vectors see a host that forgets to rewrite a refilled row's memory or to start it at slot 0.
+    func testAHostThatBreaksTheRuleIsCaught() async throws {
+        let (prompt, eos, cases) = try vectors()
+        let c = try XCTUnwrap(cases.first { $0.generated.count > $0.batch })
+        for fault in [BrokenHost.Fault.staleMemory, .stalePosition] {
+            let fake = Scripted(batch: c.batch, capacity: c.capacity, lengths: c.generated, eos: eos, promptLength: prompt.count)
+            let finished = try await run(BrokenHost(fake, fault), c, prompt: prompt, eos: eos)
+            XCTAssertNotEqual(fake.calls, c.calls, "\(fault)")
+            XCTAssertFalse(finished.map(\.tokens) == c.finished.map(\.tokens) && fake.calls == c.calls, "\(fault)")
+        }
+    }
+
+    /// A call's inputs: each busy row's token and slot, its mask open below its slot; a free row pad id, slot 0, closed.
+    func testACallsInputsOpenEachRowsOwnSlots() throws {
+        let inputs = try BatchDecoding.inputs(tokens: [7, 9, 11], positions: [2, nil, 0], batch: 3, capacity: 4)
+        XCTAssertEqual(inputs["input_ids"]?.int32s(), [7, 0, 11])
+        XCTAssertEqual(inputs["input_ids"]?.shape, [3, 1])
+        XCTAssertEqual(inputs["position"]?.int32s(), [2, 0, 0])
+        let mask = try XCTUnwrap(inputs["cache_mask"])
+        XCTAssertEqual(mask.shape, [3, 1, 1, 4])
+        XCTAssertEqual(mask.floats().map { $0 == 0 }, [true, true, false, false, false, false, false, false, false, false, false, false])
+        XCTAssertTrue(mask.floats().allSatisfy { $0 == 0 || $0 < -9000 })
+        XCTAssertThrowsError(try BatchDecoding.inputs(tokens: [1], positions: [4], batch: 1, capacity: 4))
+        XCTAssertThrowsError(try BatchDecoding.inputs(tokens: [1, 2], positions: [0], batch: 2, capacity: 4))
+        // a row of the new K/V rows: heads b*Hkv..<(b+1)*Hkv of every layer
+        let rows = try Tensor(int32: (0..<24).map(Int32.init), shape: [2, 6, 1, 2])
+        XCTAssertEqual(try rows.slice(axis: 1, from: 2, count: 2).int32s(), [4, 5, 6, 7, 16, 17, 18, 19])
+    }
 }
