@@ -84,6 +84,23 @@ final class BatchDecodingTests: XCTestCase {
         }, "decoder.batch")
     }
 
+    func testDecoderBatchOtherThanTheBundlesIsRefusedInOneLine() throws {
+        let m = try BundleManifest.load(bundle: Fixtures.bundle)
+        let b = try XCTUnwrap(m.decoder.batch?.size)
+        XCTAssertEqual(try CohereTranscriber.checkedBatch(nil, manifest: m), b)
+        XCTAssertEqual(try CohereTranscriber.checkedBatch(1, manifest: m), 1)
+        XCTAssertEqual(try CohereTranscriber.checkedBatch(b, manifest: m), b)
+        XCTAssertThrowsError(try CohereTranscriber.checkedBatch(b + 1, manifest: m)) {
+            XCTAssertTrue("\($0)".contains("decodes \(b) windows at once (decoder.batch.size); use \(b) or 1"), "\($0)")
+        }
+        XCTAssertThrowsError(try CohereTranscriber.checkedBatch(0, manifest: m))
+        let g = try BundleManifest.load(bundle: Fixtures.graphBundle)
+        XCTAssertEqual(try CohereTranscriber.checkedBatch(nil, manifest: g), 1)
+        XCTAssertThrowsError(try CohereTranscriber.checkedBatch(2, manifest: g)) {
+            XCTAssertTrue("\($0)".contains("export --decoder-batch 2"), "\($0)")
+        }
+    }
+
     // MARK: - the rule, on a scripted decoder
 
     /// Window w (its memory: w) predicts token 100 + k at its k-th prediction after its prompt and eos once k reaches
@@ -227,5 +244,120 @@ final class BatchDecodingTests: XCTestCase {
         // a row of the new K/V rows: heads b*Hkv..<(b+1)*Hkv of every layer
         let rows = try Tensor(int32: (0..<24).map(Int32.init), shape: [2, 6, 1, 2])
         XCTAssertEqual(try rows.slice(axis: 1, from: 2, count: 2).int32s(), [4, 5, 6, 7, 16, 17, 18, 19])
+    }
+
+    // MARK: - the transcriber, end to end
+
+    /// Held-out utterances one after the other with pauses of quiet noise longer than the VAD's window gap: one
+    /// speech window each, of different lengths (and token counts), more windows than the batch's rows.
+    func severalWindows(_ count: Int) throws -> [Float] {
+        let audio = try Fixtures.json("audio.json") as! [String: Any]
+        let clips = (audio["clips"] as! [[String: Any]]).filter { ($0["group"] as? String) == "heldout" }
+        var rng = SplitMix64(seed: 7)
+        var samples: [Float] = []
+        for clip in clips.prefix(count) {
+            samples += try AudioInput.load(contentsOf: URL(fileURLWithPath: clip["wav"] as! String), sampleRate: 16000).samples
+            samples += (0..<40000).map { _ in Float(Double(rng.next() % 2001) / 1000 - 1) * 2e-3 }  // 2.5 s
+        }
+        return samples
+    }
+
+    /// The clip's windows through `step_batch` (the bundle's B rows, refilled) are token-identical to one window at a
+    /// time on both runtimes (interpreter, Core ML over its emulation: `functionName`, `withMultiArray(for:)`), with
+    /// the token limit too (interpreter); each batched window's state writes are its memory once and one K/V row per
+    /// fed token. Word timings decode one window at a time. A state that keeps a refilled row's previous memory (a
+    /// host that does not rewrite it) gives other tokens.
+    func testBatchedWindowsAreTokenIdenticalToOneAtATime() async throws {
+        let samples = try severalWindows(6)
+        for (runtimeName, runtime) in try Fixtures.runtimes() {
+            let full = runtimeName == "interpreter"  // the Core ML emulation runs over the interpreter: once is enough
+            let batched = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: runtime)
+            let one = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: runtime, decoderBatch: 1)
+            let b = batched.decoderBatch
+            XCTAssertGreaterThan(b, 1, "the test bundle's batched step")
+            let m = batched.manifest
+            let prompt = try m.prompt(language: "en")
+            let c = m.decoder.cacheShape, mem = m.decoder.memoryShape
+            let rowBytes = 2 * c[0] * c[1] * c[3] * 2, memoryBytes = 2 * mem.reduce(1, *) * 2 + m.encoder.memoryLength * 2
+            var unlimited: TranscriptionResult?
+            for maxNewTokens in (full ? [nil, 3] : [nil]) as [Int?] {
+                let name = "\(runtimeName), maxNewTokens \(maxNewTokens.map(String.init) ?? "nil")"
+                let want = try await one.transcribe(samples: samples, language: "en", maxNewTokens: maxNewTokens, vad: .on)
+                let got = try await batched.transcribe(samples: samples, language: "en", maxNewTokens: maxNewTokens, vad: .on)
+                XCTAssertGreaterThan(want.windows.count, b + 1, "\(name): rows are refilled")
+                XCTAssertEqual(got.tokenIds, want.tokenIds, name)
+                XCTAssertEqual(got.windows.map(\.stopReason), want.windows.map(\.stopReason), name)
+                XCTAssertEqual(got.windows.map(\.index), Array(want.windows.indices), name)
+                XCTAssertEqual(got.windows.map(\.startSeconds), want.windows.map(\.startSeconds), name)
+                XCTAssertEqual(got.windows.map(\.durationSeconds), want.windows.map(\.durationSeconds), name)
+                XCTAssertEqual(got.windows.map(\.timings.encoderFunction), want.windows.map(\.timings.encoderFunction), name)
+                XCTAssertEqual(got.text, want.text, name)
+                XCTAssertTrue(got.windows.allSatisfy { $0.timings.decoderBatch == b }, name)
+                XCTAssertTrue(want.windows.allSatisfy { $0.timings.decoderBatch == 1 }, name)
+                for w in got.windows {  // one token a call: the prompt, then every token but the last
+                    XCTAssertEqual(w.timings.decoderCalls, prompt.count + w.tokenIds.count - 1, name)
+                    XCTAssertEqual(w.timings.decoderStateBytesWritten, memoryBytes + rowBytes * w.timings.decoderCalls, name)
+                }
+                if maxNewTokens == nil {
+                    unlimited = want
+                    XCTAssertGreaterThan(Set(want.tokenIds.map(\.count)).count, 1, "\(name): windows of several lengths")
+                    XCTAssertTrue(want.windows.contains { $0.stopReason == .eos }, name)
+                } else {
+                    XCTAssertTrue(want.windows.contains { $0.stopReason == .maxNewTokens }, name)
+                }
+            }
+            guard full, let want = unlimited else { continue }
+            // word timings decode one window at a time (the batch-1 loop)
+            if m.decoder.alignment != nil {
+                let words = try await batched.transcribe(samples: try severalWindows(2), language: "en", maxNewTokens: 1,
+                                                         wordTimestamps: true, vad: .on)
+                XCTAssertEqual(words.windows.count, 2)
+                XCTAssertTrue(words.windows.allSatisfy { $0.timings.decoderBatch == 1 }, runtimeName)
+            }
+            do {
+                let stale = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: StaleMemoryRuntime(runtime))
+                let wrong = try await stale.transcribe(samples: samples, language: "en", vad: .on)
+                XCTAssertEqual(Array(wrong.tokenIds.prefix(b)), Array(want.tokenIds.prefix(b)), "the first B windows have their own rows")
+                XCTAssertNotEqual(wrong.tokenIds, want.tokenIds, "a refilled row decoding its previous window's memory")
+            }
+        }
+    }
+}
+
+/// A runtime whose `step_batch` states keep the first memory written into each row: a host that does not rewrite
+/// a refilled row's memory (every other write and function as the wrapped runtime's).
+final class StaleMemoryRuntime: ModelRuntime, @unchecked Sendable {
+    let inner: ModelRuntime
+    var name: String { inner.name }
+    init(_ inner: ModelRuntime) { self.inner = inner }
+
+    func loadModel(at package: URL, functionName: String?, computeUnits: ComputeUnits) async throws -> RuntimeModel {
+        let model = try await inner.loadModel(at: package, functionName: functionName, computeUnits: computeUnits)
+        return functionName == "step_batch" ? Model(model) : model
+    }
+
+    final class Model: RuntimeModel, @unchecked Sendable {
+        let inner: RuntimeModel
+        var functionName: String { inner.functionName }
+        var io: ModelIO { inner.io }
+        init(_ inner: RuntimeModel) { self.inner = inner }
+        func makeState() throws -> RuntimeState { State(try inner.makeState()) }
+        func predict(_ inputs: [String: Tensor], state: RuntimeState?) async throws -> [String: Tensor] {
+            try await inner.predict(inputs, state: (state as? State)?.inner ?? state)
+        }
+    }
+
+    final class State: RuntimeState {
+        let inner: RuntimeState
+        var written: Set<String> = []
+        init(_ inner: RuntimeState) { self.inner = inner }
+        func write(_ name: String, _ value: Tensor, at start: [Int]) throws -> Int {
+            if name.hasPrefix("cross_") {
+                let key = "\(name)@\(start)"
+                if written.contains(key) { return value.data.count }  // the row's first memory stays
+                written.insert(key)
+            }
+            return try inner.write(name, value, at: start)
+        }
     }
 }
