@@ -185,18 +185,19 @@ public actor CohereTranscriber {
     }
 
     /// Windows a batched decode takes: the bundle's batched step's rows (`decoder.batch.size`), or 1; another count
-    /// is a one-line error naming the export that gives it (Python's `Transcriber._check_batch`).
-    static func checkedBatch(_ asked: Int?, manifest: BundleManifest) throws -> Int {
+    /// is a one-line error naming the export that gives it (Python's `Transcriber._check_batch`). `option`: how the
+    /// caller names the setting (the command line: `--decoder-batch`).
+    public static func checkedBatch(_ asked: Int?, manifest: BundleManifest, option: String = "decoderBatch") throws -> Int {
         let present = manifest.decoder.hostWritesState ? manifest.decoder.batch?.size ?? 1 : 1
         guard let asked, asked != present else { return present }
         if asked == 1 { return 1 }
-        if asked < 1 { throw TranscriptionError.invalidArgument("decoderBatch must be >= 1, got \(asked)") }
+        if asked < 1 { throw TranscriptionError.invalidArgument("\(option) must be >= 1, got \(asked)") }
         if present == 1 {
-            throw TranscriptionError.invalidArgument("decoderBatch \(asked): the bundle's decoder has no batched step; re-export "
-                + "it with `cohere-coreml export --decoder-batch \(asked)` or use decoderBatch 1")
+            throw TranscriptionError.invalidArgument("\(option) \(asked): the bundle's decoder has no batched step; re-export "
+                + "it with `cohere-coreml export --decoder-batch \(asked)` or use \(option) 1")
         }
-        throw TranscriptionError.invalidArgument("decoderBatch \(asked): the bundle's decoder decodes \(present) windows at once "
-            + "(decoder.batch.size); use \(present) or 1")
+        throw TranscriptionError.invalidArgument("\(option) \(asked): the bundle's decoder decodes \(present) windows at once "
+            + "(decoder.batch.size); use \(option) \(present) or 1")
     }
 
     /// A loaded function against the manifest: the arrays the loop uses (from the manifest's sizes), then,
@@ -584,36 +585,64 @@ public actor CohereTranscriber {
         return (cross, seconds)
     }
 
+    /// One window's features and cross memory, and the seconds each took (a batched clip's encoder stage).
+    struct EncodedWindow: Sendable {
+        var index: Int
+        var range: Range<Int>
+        var cross: [String: Tensor]
+        var featuresSeconds: Double
+        var encoderSeconds: Double
+        var function: String
+    }
+
+    private func encodeWindow(_ samples: [Float], index: Int, range: Range<Int>) async throws -> EncodedWindow {
+        try Task.checkCancellation()
+        let t0 = Date()
+        let (features, valid) = try await features(of: Array(samples[range]))
+        let featuresSeconds = Date().timeIntervalSince(t0)
+        guard let function = manifest.encoderBuckets.first(where: { $0.frames == features.shape.last })?.function else {
+            throw TranscriptionError.badOutput("features of \(features.shape) fit no encoder function")
+        }
+        let (cross, encoderSeconds) = try await encode(features: features, validFrames: valid, function: function)
+        return EncodedWindow(index: index, range: range, cross: cross, featuresSeconds: featuresSeconds,
+                             encoderSeconds: encoderSeconds, function: function)
+    }
+
     /// A clip's windows decoded `decoderBatch` at a time through the decoder's batched step (`BatchDecoding.decodeWindows`,
-    /// Python's `batch_decoding.transcribe_batched`): each window's features and encoder run when a row is free for it,
-    /// so at most B memories are held; one state of B rows for the clip, made and used on this actor. Returns the
-    /// windows in clip order (`onWindow` gets each once every earlier one is done), each as the batch-1 loop gives it
-    /// (its tokens, text, stop reason; its timings: its features and encoder, its share of the batched calls).
+    /// Python's `batch_decoding.transcribe_batched`), in two stages: the next window's front end and encoder run (a
+    /// task of this actor, no state) while the rows decode, and the window enters the first row that frees up, so at
+    /// most B + 1 memories are held. The decoder's one state of B rows is made and used only by this call's task, on
+    /// this actor. Returns the windows in clip order (`onWindow` gets each once every earlier one is done), each as the
+    /// batch-1 loop gives it (its tokens, text, stop reason; its timings: its features and encoder, its share of the
+    /// batched calls).
     private func transcribeBatched(_ samples: [Float], ranges: [Range<Int>], prompt: [Int], maxNewTokens: Int?,
                                    onWindow: (@Sendable (WindowResult) -> Void)?) async throws -> [WindowResult] {
         let decoder = try RuntimeBatchDecoder(model: try await batchModel(), manifest: manifest)
         let rate = Double(manifest.audio.samplingRate)
         var waiting = ranges.enumerated().makeIterator()
-        var entered: [Int: (range: Range<Int>, features: Double, encoder: Double, function: String)] = [:]
+        var entered: [Int: EncodedWindow] = [:]
         var done: [Int: WindowResult] = [:]
         var windows: [WindowResult] = []
-        try await BatchDecoding.decodeWindows(decoder, prompt: prompt, eosIds: eosIds, maxNewTokens: maxNewTokens, next: {
+        /// The encoder stage: the next waiting window's features and memory, computed while the rows decode.
+        func encodeNext() -> Task<EncodedWindow, Error>? {
             guard let (i, range) = waiting.next() else { return nil }
-            try Task.checkCancellation()
-            let t0 = Date()
-            let (features, valid) = try await self.features(of: Array(samples[range]))
-            let featuresSeconds = Date().timeIntervalSince(t0)
-            guard let function = self.manifest.encoderBuckets.first(where: { $0.frames == features.shape.last })?.function else {
-                throw TranscriptionError.badOutput("features of \(features.shape) fit no encoder function")
-            }
-            let (cross, encoderSeconds) = try await self.encode(features: features, validFrames: valid, function: function)
-            entered[i] = (range, featuresSeconds, encoderSeconds, function)
-            return (i, cross)
+            return Task { try await self.encodeWindow(samples, index: i, range: range) }
+        }
+        var ahead = encodeNext()
+        defer { ahead?.cancel() }  // a failed or cancelled decode leaves no encoder work behind
+        try await BatchDecoding.decodeWindows(decoder, prompt: prompt, eosIds: eosIds, maxNewTokens: maxNewTokens, next: {
+            guard let task = ahead else { return nil }
+            let w = try await withTaskCancellationHandler { try await task.value } onCancel: { task.cancel() }
+            ahead = encodeNext()  // the following window's encoder starts as this one enters its row
+            var held = w
+            held.cross = [:]  // its memory goes into the row; only its timings stay here
+            entered[w.index] = held
+            return (w.index, w.cross)
         }, finished: { i, decoded in
             guard let w = entered.removeValue(forKey: i) else { return }
             let calls = max(decoded.calls, 1)
             let timings = WindowTimings(
-                featuresSeconds: w.features, encoderSeconds: w.encoder, encoderFunction: w.function,
+                featuresSeconds: w.featuresSeconds, encoderSeconds: w.encoderSeconds, encoderFunction: w.function,
                 bindSeconds: decoded.bindSeconds, promptSeconds: decoded.promptSeconds, decodeSeconds: decoded.decodeSeconds,
                 decoderCalls: decoded.calls, msPerDecoderCall: 1000 * (decoded.promptSeconds + decoded.decodeSeconds) / Double(calls),
                 decoderTokensFed: decoded.calls, decoderStateBytesWritten: decoded.bindBytes + decoded.calls * decoder.rowBytes,

@@ -91,7 +91,7 @@ final class BatchDecodingTests: XCTestCase {
         XCTAssertEqual(try CohereTranscriber.checkedBatch(1, manifest: m), 1)
         XCTAssertEqual(try CohereTranscriber.checkedBatch(b, manifest: m), b)
         XCTAssertThrowsError(try CohereTranscriber.checkedBatch(b + 1, manifest: m)) {
-            XCTAssertTrue("\($0)".contains("decodes \(b) windows at once (decoder.batch.size); use \(b) or 1"), "\($0)")
+            XCTAssertTrue("\($0)".contains("decodes \(b) windows at once (decoder.batch.size); use decoderBatch \(b) or 1"), "\($0)")
         }
         XCTAssertThrowsError(try CohereTranscriber.checkedBatch(0, manifest: m))
         let g = try BundleManifest.load(bundle: Fixtures.graphBundle)
@@ -99,6 +99,27 @@ final class BatchDecodingTests: XCTestCase {
         XCTAssertThrowsError(try CohereTranscriber.checkedBatch(2, manifest: g)) {
             XCTAssertTrue("\($0)".contains("export --decoder-batch 2"), "\($0)")
         }
+        // the command line: one line on stderr, exit status 2, before any model loads
+        #if os(macOS) || os(Linux)
+        let cli = try Fixtures.swiftCLI()
+        let wav = try Fixtures.require().appendingPathComponent("wav/en_heldout_00002.wav").path
+        for (arguments, message) in [(["--decoder-batch", "\(b + 1)"], "--decoder-batch \(b + 1): the bundle's decoder decodes \(b) "
+                                       + "windows at once (decoder.batch.size); use --decoder-batch \(b) or 1"),
+                                      (["--decoder-batch", "0"], "--decoder-batch needs a positive integer")] {
+            let process = Process()
+            process.executableURL = cli
+            process.arguments = ["--bundle", Fixtures.bundle.path, "--language", "en", "--runtime", "interpreter",
+                                 "--interpreter", "/nonexistent/cohere-coreml"] + arguments + [wav]
+            let err = Pipe()
+            process.standardError = err
+            process.standardOutput = Pipe()
+            try process.run()
+            let stderr = String(decoding: err.fileHandleForReading.readDataToEndOfFile(), as: UTF8.self)
+            process.waitUntilExit()
+            XCTAssertEqual(process.terminationStatus, 2, "\(arguments)")
+            XCTAssertEqual(stderr, "cohere-transcribe-swift: error: \(message)\n", "\(arguments)")
+        }
+        #endif
     }
 
     // MARK: - the rule, on a scripted decoder
@@ -271,7 +292,8 @@ final class BatchDecodingTests: XCTestCase {
         let samples = try severalWindows(6)
         for (runtimeName, runtime) in try Fixtures.runtimes() {
             let full = runtimeName == "interpreter"  // the Core ML emulation runs over the interpreter: once is enough
-            let batched = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: runtime)
+            let probe = StageProbe(runtime)
+            let batched = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: probe)
             let one = try await CohereTranscriber(bundle: Fixtures.bundle, runtime: runtime, decoderBatch: 1)
             let b = batched.decoderBatch
             XCTAssertGreaterThan(b, 1, "the test bundle's batched step")
@@ -299,6 +321,13 @@ final class BatchDecodingTests: XCTestCase {
                     XCTAssertEqual(w.timings.decoderStateBytesWritten, memoryBytes + rowBytes * w.timings.decoderCalls, name)
                 }
                 if maxNewTokens == nil {
+                    // two stages: the next window's encoder ran while rows decoded (its memory ready before a row
+                    // freed up), never more than one memory outside the rows (B + 1 held)
+                    let ahead = probe.aheadAtEachCall()
+                    XCTAssertGreaterThanOrEqual(ahead.count, got.windows.map(\.timings.decoderCalls).max() ?? 1, name)
+                    XCTAssertTrue(ahead.allSatisfy { (0...1).contains($0) }, "\(name): \(ahead)")
+                    XCTAssertTrue(ahead.contains(1), "\(name): no window was encoded while the rows decoded")
+                    XCTAssertEqual(probe.encoded, want.windows.count, name)
                     unlimited = want
                     XCTAssertGreaterThan(Set(want.tokenIds.map(\.count)).count, 1, "\(name): windows of several lengths")
                     XCTAssertTrue(want.windows.contains { $0.stopReason == .eos }, name)
@@ -357,6 +386,50 @@ final class StaleMemoryRuntime: ModelRuntime, @unchecked Sendable {
                 if written.contains(key) { return value.data.count }  // the row's first memory stays
                 written.insert(key)
             }
+            return try inner.write(name, value, at: start)
+        }
+    }
+}
+
+/// A runtime that watches a batched clip's two stages: the encoder's outputs made (`encoded`), the windows whose memory
+/// went into a row of the `step_batch` state (`entered`), and at each batched call how many memories were made but not
+/// yet in a row (at most one: B + 1 held).
+final class StageProbe: ModelRuntime, @unchecked Sendable {
+    let inner: ModelRuntime
+    var name: String { inner.name }
+    private let lock = NSLock()
+    private var made = 0, inRows = 0, ahead: [Int] = []
+    init(_ inner: ModelRuntime) { self.inner = inner }
+
+    var encoded: Int { lock.withLock { made } }
+    func aheadAtEachCall() -> [Int] { lock.withLock { ahead } }
+
+    func loadModel(at package: URL, functionName: String?, computeUnits: ComputeUnits) async throws -> RuntimeModel {
+        let model = try await inner.loadModel(at: package, functionName: functionName, computeUnits: computeUnits)
+        if package.lastPathComponent == "encoder.mlpackage" { return Model(model, probe: self, kind: .encoder) }
+        return functionName == "step_batch" ? Model(model, probe: self, kind: .step) : model
+    }
+
+    final class Model: RuntimeModel, @unchecked Sendable {
+        enum Kind { case encoder, step }
+        let inner: RuntimeModel, probe: StageProbe, kind: Kind
+        var functionName: String { inner.functionName }
+        var io: ModelIO { inner.io }
+        init(_ inner: RuntimeModel, probe: StageProbe, kind: Kind) { (self.inner, self.probe, self.kind) = (inner, probe, kind) }
+        func makeState() throws -> RuntimeState { State(try inner.makeState(), probe: probe) }
+        func predict(_ inputs: [String: Tensor], state: RuntimeState?) async throws -> [String: Tensor] {
+            if kind == .step { probe.lock.withLock { probe.ahead.append(probe.made - probe.inRows) } }
+            let out = try await inner.predict(inputs, state: (state as? State)?.inner ?? state)
+            if kind == .encoder { probe.lock.withLock { probe.made += 1 } }
+            return out
+        }
+    }
+
+    final class State: RuntimeState {
+        let inner: RuntimeState, probe: StageProbe
+        init(_ inner: RuntimeState, probe: StageProbe) { (self.inner, self.probe) = (inner, probe) }
+        func write(_ name: String, _ value: Tensor, at start: [Int]) throws -> Int {
+            if name == "cross_k" { probe.lock.withLock { probe.inRows += 1 } }
             return try inner.write(name, value, at: start)
         }
     }
