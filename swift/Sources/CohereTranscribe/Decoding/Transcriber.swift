@@ -113,7 +113,8 @@ public struct TranscriptionResult: Sendable, Codable {
 /// Greedy transcription with an exported bundle: front-end package -> encoder (smallest length bucket
 /// that holds the window) -> stateful decoder (a fresh state per window; the cross memory bound into
 /// it once per window; the prefill function when the bundle has one), exactly the loop of Python's
-/// `Transcriber` (docs/bundle.md).
+/// `Transcriber` (docs/bundle.md). A clip of several windows is decoded `decoderBatch` windows at a time on one
+/// state of B rows when the bundle's decoder has a batched step (greedy without word timings; the same tokens).
 ///
 /// An actor: Core ML states must not be shared across threads, so every call runs on the actor. Models
 /// load lazily, once: concurrent callers (`prewarm()` beside `transcribe`) await the same load.
@@ -453,7 +454,7 @@ public actor CohereTranscriber {
             ranges = AudioSplitter.splitPoints(samples, manifest: manifest)
         }
         var windows: [WindowResult] = []
-        if decoderBatch > 1, !wordTimestamps, ranges.count > 1 {  // beam-free greedy: several windows at once
+        if decoderBatch > 1, !wordTimestamps, ranges.count > 1 {  // greedy without word timings: several windows at once
             windows = try await transcribeBatched(samples, ranges: ranges, prompt: prompt, maxNewTokens: maxNewTokens,
                                                   onWindow: onWindow)
         } else {
