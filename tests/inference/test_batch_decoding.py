@@ -5,6 +5,7 @@ a clip of more windows than rows, so rows are refilled; hosts that forget to res
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -401,3 +402,39 @@ def test_an_encoder_error_ahead_of_the_decoder_is_the_callers_one_line_error(tra
 def test_encoder_ahead_below_zero_is_refused_in_one_line(trained_bundle):
     with pytest.raises(TranscriptionError, match=r"--encoder-ahead must be >= 0, got -1"):
         Transcriber(trained_bundle, backend="mil", encoder_ahead=-1)
+
+
+def _set(path: tuple, value):
+    def edit(decoder: dict) -> None:
+        node = decoder
+        for key in path[:-1]:
+            node = node[key]
+        if value is _DELETE:
+            del node[path[-1]]
+        else:
+            node[path[-1]] = value
+    return edit
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize("edit, field", [
+    (_set(("batch", "size"), 1), "decoder.batch.size"),
+    (_set(("batch", "size"), "4"), "decoder.batch.size"),
+    (_set(("batch",), _DELETE), "decoder.batch"),
+    (_set(("functions", "step_batch"), None), "decoder.batch"),
+    (_set(("functions", "step_batch"), 5), "decoder.functions.step_batch"),
+    (_set(("batch", "io"), None), "decoder.batch.io"),
+    (_set(("batch", "io", "inputs", "encoder_length"), {"shape": [4], "dtype": "int32"}), "decoder.batch.io.inputs"),
+    (_set(("batch", "io", "states", "cross_mask", "shape"), [1, 1, 1, 1]), "decoder.batch.io.states.cross_mask.shape"),
+    (_set(("batch", "io", "outputs", "new_k", "shape"), [1, 1, 1, 1]), "decoder.batch.io.outputs.new_k.shape"),
+])
+def test_a_malformed_batch_block_is_refused_when_the_manifest_is_read(trained_bundle, tmp_path, edit, field):
+    """Before any package is opened (the Swift manifest check refuses the same, naming the same field: its fuzz test
+    compares both loaders' verdicts on the corpus of tools/data/make_fuzz_manifests.py)."""
+    manifest = json.loads((trained_bundle / "manifest.json").read_text())
+    edit(manifest["decoder"])
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match=rf"field '{re.escape(field)}'"):
+        Bundle.load([tmp_path, trained_bundle], check_package_io=False)

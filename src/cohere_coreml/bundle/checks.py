@@ -319,6 +319,7 @@ def check_manifest(manifest, where: str, vocab: dict | None = None, processor: d
             f.equal(f"decoder.bind_io.{kind}.{name}.shape", f.shape(bind_io, kind, name, "decoder.bind_io"),
                     "the shape of " + ("the encoder's " + want_inputs[name] if kind == "inputs" else name), shape)
             f.equal(f"decoder.bind_io.{kind}.{name}.dtype", bind_io[kind][name]["dtype"], "dtype", dtype)
+    _check_batch(f, dec, functions, host, cache, vocab_size, output, program_float, memory_shape, memory_len)
     _check_alignment(f, dec, capacity, layers, memory_shape, memory_len)
     # every encoder function's io: features of its frames in, the decoder's memory out
     for name, fn in enc_functions.items():
@@ -481,6 +482,53 @@ def _check_encoder_parts(f: _Fields, manifest: dict, enc: dict, enc_functions: d
             if nxt != want:
                 f.fail(f"encoder.parts[{i + 1}].functions.{fn}.io.inputs", f"are {show_value(nxt)}; the part after "
                        f"part {i + 1} takes {show_value(want)}")
+
+
+def _check_batch(f: _Fields, dec: dict, functions: dict, host: bool, cache: list, vocab_size: int, output: str,
+                 program_float: str, memory_shape: list, memory_len: int) -> None:
+    """`decoder.batch` and `decoder.functions.step_batch` (docs/bundle.md, "Decoding several windows at once"): both
+    or neither, a host-state decoder only, B = `size` >= 2 rows, and the function's io the step's with B rows: input_ids
+    (B, 1), position (B,), cache_mask (B, 1, 1, C) in; log_probs (B, V) and the new K/V rows (L, B*Hkv, 1, Dh) out;
+    states of B rows folded into the head axis (self_k (L, B*Hkv, C, Dh), cross_k (L, B*Hkv, Tp, Dh), cross_mask
+    (B, 1, 1, Tp)). The Swift manifest check (ManifestCheck.checkBatch) is a port of this one."""
+    name = f.str(functions, "step_batch", "decoder.functions.step_batch", optional=True)
+    batch = f.obj(dec, "batch", "decoder.batch", optional=True)
+    if (name is None) != (batch is None):
+        f.fail("decoder.batch", f"must be given exactly when decoder.functions.step_batch is (it is {show_value(name)})")
+    if batch is None:
+        return
+    if not host:
+        f.fail("decoder.batch", "is set but the decoder is not a host-state one: the graph variant has no batched step")
+    size = f.int(batch, "size", "decoder.batch.size", lo=2)
+    io = f.io(batch, "io", "decoder.batch.io")
+    ids = f.shape(io, "inputs", "input_ids", "decoder.batch.io")
+    if ids != [size, 1]:
+        f.fail("decoder.batch.size", f"is {size}; the batched step takes input_ids of shape [B, 1] with B >= 2 "
+               f"(decoder.batch.io says {show_value(ids)})")
+    layers, kv_heads, capacity, head_dim = cache
+    rows = [layers, size * kv_heads]
+    expected = {("inputs", "input_ids"): ([size, 1], "int32", "[decoder.batch.size, 1]"),
+                ("inputs", "position"): ([size], "int32", "[decoder.batch.size]"),
+                ("inputs", CACHE_MASK_INPUT): ([size, 1, 1, capacity], "float16", "[decoder.batch.size, 1, 1, decoder.capacity]"),
+                ("outputs", output): ([size, vocab_size], program_float, "[decoder.batch.size, decoder.vocab_size]")}
+    for out_name in NEW_ROWS_OUTPUTS.values():
+        expected[("outputs", out_name)] = (rows + [1, head_dim], "float16",
+                                           "[num_layers, decoder.batch.size * num_key_value_heads, 1, head_dim]")
+    for state in NEW_ROWS_OUTPUTS:
+        expected[("states", state)] = (rows + [capacity, head_dim], "float16",
+                                       "[num_layers, decoder.batch.size * num_key_value_heads, capacity, head_dim]")
+    for state in MEMORY_NAMES:
+        expected[("states", state)] = (
+            ([size, 1, 1, memory_len], "float16", "[decoder.batch.size, 1, 1, encoder.memory_len]") if state == "cross_mask"
+            else (rows + memory_shape[2:], "float16", "[num_layers, decoder.batch.size * num_key_value_heads, "
+                                                      "encoder.memory_len, head_dim]"))
+    takes = sorted(n for kind, n in expected if kind == "inputs")
+    if sorted(io["inputs"]) != takes:
+        f.fail("decoder.batch.io.inputs", f"are {sorted(io['inputs'])}; the batched step takes {takes} (the cross "
+               "memory is in the state, written by the host into each row)")
+    for (kind, array), (shape, dtype, what) in expected.items():
+        f.equal(f"decoder.batch.io.{kind}.{array}.shape", f.shape(io, kind, array, "decoder.batch.io"), what, shape)
+        f.equal(f"decoder.batch.io.{kind}.{array}.dtype", io[kind][array]["dtype"], "dtype", dtype)
 
 
 def _check_alignment(f, dec: dict, capacity: int, layers: int, memory_shape: list, memory_len: int) -> None:

@@ -30,38 +30,6 @@ def _cached_package_io(path: str, function_name: str | None, stamp: tuple) -> tu
     return package_io(path, spec.function_name), spec.function_name, tuple(sorted(spec.function_names))
 
 
-def _check_batch(dec: dict, where: str) -> bool:
-    """`decoder.batch` and `decoder.functions.step_batch` (docs/bundle.md): both or neither, a host-state decoder
-    only, B >= 2 rows, the function's input_ids (B, 1) and its cache of B * num_key_value_heads heads. Checked
-    with the packages (the Swift manifest check does not read these fields yet). True when the bundle has it."""
-    name, batch = dec["functions"].get("step_batch"), dec.get("batch")
-    if (name is None) != (batch is None):
-        raise BundleError(f"{where}: field 'decoder.batch' must be given exactly when decoder.functions.step_batch "
-                          f"is (it is {name!r})")
-    if batch is None:
-        return False
-    if not isinstance(name, str):
-        raise BundleError(f"{where}: field 'decoder.functions.step_batch' must be a function name, got {name!r}")
-    io = batch.get("io") if isinstance(batch, dict) else None
-    if not isinstance(io, dict) or not all(isinstance(io.get(k), dict) for k in ("inputs", "outputs", "states")):
-        raise BundleError(f"{where}: field 'decoder.batch.io' must be an object of inputs, outputs and states")
-    if dec.get("state_writes") != "host":
-        raise BundleError(f"{where}: field 'decoder.batch' is set but the decoder is not a host-state one: the graph "
-                          "variant has no batched step")
-    size, ids = batch.get("size"), io["inputs"].get("input_ids")
-    shape = ids.get("shape") if isinstance(ids, dict) else None
-    if not isinstance(size, int) or isinstance(size, bool) or size < 2 or shape != [size, 1]:
-        raise BundleError(f"{where}: field 'decoder.batch.size' is {size!r}; the batched step takes input_ids of shape "
-                          f"[B, 1] with B >= 2 (decoder.batch.io says {shape})")
-    cache = io["states"].get("self_k")
-    cache = cache.get("shape") if isinstance(cache, dict) else None
-    kv = dec.get("num_key_value_heads")
-    if not isinstance(cache, list) or len(cache) != 4 or cache[1] != size * kv:
-        raise BundleError(f"{where}: field 'decoder.batch.io.states.self_k.shape' is {cache}; B rows fold into the "
-                          f"head axis: [num_layers, {size} * num_key_value_heads, capacity, head_dim]")
-    return True
-
-
 def check_packages(bundle: Bundle, where: str) -> None:
     """Every function the manifest names exists in its package, the package has no function the
     manifest omits, and each function's inputs/outputs/states equal the manifest's `io` block."""
@@ -79,7 +47,7 @@ def check_packages(bundle: Bundle, where: str) -> None:
         listed["decoder"][dec["functions"]["prefill"]] = (dec["prefill_io"], "decoder.functions.prefill")
     if dec["functions"].get("extend") is not None:
         listed["decoder"][dec["functions"]["extend"]] = (dec["extend_io"], "decoder.functions.extend")
-    if _check_batch(dec, where):  # the batched step (absent without it)
+    if dec["functions"].get("step_batch") is not None:  # the batched step (absent without it; checks._check_batch)
         listed["decoder"][dec["functions"]["step_batch"]] = (dec["batch"]["io"], "decoder.functions.step_batch")
     if dec.get("alignment") is not None:  # word timings' align function (null / absent without it)
         listed["decoder"][dec["alignment"]["function"]] = (dec["alignment"]["io"], "decoder.alignment.function")

@@ -9,7 +9,7 @@ if CommandLine.arguments.count > 1, CommandLine.arguments[1] == "bench" {  // th
 let usage = """
 usage: cohere-transcribe-swift --bundle DIR --language LANG FILE... [--json] [--no-punctuation] [--word-timestamps]
                                [--max-new-tokens N] [--compute-units all|cpu_only|cpu_and_gpu|cpu_and_ne]
-                               [--runtime coreml|interpreter] [--interpreter PATH] [--cache-dir DIR]
+                               [--runtime coreml|interpreter] [--interpreter PATH] [--cache-dir DIR] [--decoder-batch N]
                                [--vad auto|on|off] [--vad-threshold P] [--vad-min-speech-ms MS]
                                [--vad-min-silence-ms MS] [--vad-speech-pad-ms MS] [--vad-max-gap-s S]
        cohere-transcribe-swift --stream --bundle DIR --language LANG FILE... [--json] [--no-pace] [--hop S]
@@ -29,6 +29,8 @@ packages, manifest.json, vocab.json); token for token what `cohere-coreml transc
   --device-choice  FILE: the device-choice.json to use (`bench` writes it); none: ignore any (default: the
                    one `bench` wrote for this bundle in Application Support, else <bundle>/device-choice.json)
   --json           print JSON shaped like `cohere-coreml transcribe --json`
+  --decoder-batch  windows of a file decoded at once (greedy, without --word-timestamps): the bundle's
+                   decoder.batch.size (default), or 1 (one window at a time)
   --word-timestamps each word's start and end (seconds) and probability: JSON "words" (per window and in all;
                    with --stream, each final's), else one line per word after the text (the bundle's
                    decoder.alignment, docs/word-timings.md)
@@ -61,6 +63,7 @@ var json = false
 var wordTimestamps = false
 var punctuation = true
 var maxNewTokens: Int?
+var decoderBatch: Int?
 var units: ComputeUnits?
 var interpreterPath: String?
 var cacheDir: String?
@@ -90,6 +93,9 @@ while !args.isEmpty {
     case "--max-new-tokens":
         guard let n = Int(value(a)), n >= 1 else { fail("--max-new-tokens needs a positive integer") }
         maxNewTokens = n
+    case "--decoder-batch":
+        guard let n = Int(value(a)), n >= 1 else { fail("--decoder-batch needs a positive integer") }
+        decoderBatch = n
     case "--compute-units":
         let v = value(a)
         guard let u = ComputeUnits(rawValue: v) else {
@@ -143,6 +149,10 @@ do {  // bad --vad-* values, --vad on with a bundle without vad.mlpackage: one l
         let manifest = try BundleManifest.load(bundle: url)
         _ = try vadMode.resolve(bundleHasVAD: manifest.vad != nil && manifest.files.vad != nil, bundle: url)
     }
+    if let decoderBatch {  // another size than the bundle's: likewise
+        _ = try CohereTranscriber.checkedBatch(decoderBatch, manifest: BundleManifest.load(bundle: URL(fileURLWithPath: bundle)),
+                                               option: "--decoder-batch")
+    }
 } catch {
     fail("\(error)")
 }
@@ -173,10 +183,11 @@ func jsonObject(_ path: String, _ r: TranscriptionResult) -> [String: Any] {
             let t = w.timings
             return ["index": w.index, "start_s": w.startSeconds, "duration_s": w.durationSeconds, "token_ids": w.tokenIds,
                     "text": w.text, "truncated": w.truncated, "stop_reason": w.stopReason.rawValue,
-                    "timings": ["features_s": t.featuresSeconds, "front_end": "package", "encoder_s": t.encoderSeconds,
-                                "encoder_function": t.encoderFunction, "bind_s": t.bindSeconds, "prompt_s": t.promptSeconds,
-                                "decode_s": t.decodeSeconds, "decoder_calls": t.decoderCalls,
-                                "ms_per_decoder_call": t.msPerDecoderCall],
+                    "timings": (["features_s": t.featuresSeconds, "front_end": "package", "encoder_s": t.encoderSeconds,
+                                 "encoder_function": t.encoderFunction, "bind_s": t.bindSeconds, "prompt_s": t.promptSeconds,
+                                 "decode_s": t.decodeSeconds, "decoder_calls": t.decoderCalls,
+                                 "ms_per_decoder_call": t.msPerDecoderCall] as [String: Any])
+                        .merging(t.decoderBatch > 1 ? ["decoder_batch": t.decoderBatch] : [:]) { a, _ in a },  // as Python's
                     "decoding": ["beams": 1, "repetition": NSNull()]]
                 .merging(w.words.map { ["words": $0.map(jsonWord)] } ?? [:]) { a, _ in a }
         },
@@ -193,7 +204,8 @@ let transcriber: CohereTranscriber
 do {
     let runtime = try RuntimeChoice.make(runtimeName, interpreterPath: interpreterPath, cacheDir: cacheDir)
     transcriber = try await CohereTranscriber(bundle: URL(fileURLWithPath: bundle), runtime: runtime,
-                                              computeUnits: units.map { .uniform($0) }, deviceChoice: deviceChoice)
+                                              computeUnits: units.map { .uniform($0) }, deviceChoice: deviceChoice,
+                                              decoderBatch: decoderBatch)
     let prompt = try transcriber.manifest.prompt(language: language, punctuation: punctuation)  // unknown language: fail now
     if wordTimestamps { _ = try transcriber.manifest.checkedAlignment(promptLength: prompt.count) }  // no alignment: likewise
 } catch {

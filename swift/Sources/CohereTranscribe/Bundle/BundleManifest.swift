@@ -288,6 +288,21 @@ public struct BundleManifest: Codable, Sendable {
         public var bind: String?
         /// Optional: up to `extendLength` tokens from a given cache slot in one call (forced prefixes).
         public var extend: String?
+        /// Optional (host-state decoder): one token for each of `Decoder.batch.size` windows a call, on a state of
+        /// its own (`decoder.batch`; docs/bundle.md, "Decoding several windows at once").
+        public var stepBatch: String?
+        enum CodingKeys: String, CodingKey {
+            case step, prefill, bind, extend
+            case stepBatch = "step_batch"
+        }
+    }
+
+    /// `decoder.batch`: the batched step's rows and io (a host-state decoder exported with `--decoder-batch B`).
+    public struct DecoderBatch: Codable, Sendable, Equatable {
+        /// B, the windows of one call; the function's states hold B rows, folded into the head axis.
+        public var size: Int
+        /// The function's inputs, outputs and states, read from the package at export time.
+        public var io: ModelIO?
     }
 
     /// `decoder.alignment` (docs/word-timings.md, docs/decoder.md): the decoder package's `align` function, which
@@ -376,6 +391,8 @@ public struct BundleManifest: Codable, Sendable {
         public var rowOutputs: [String: String]?
         /// Host-state decoder: the fp16 (1, 1, 1, C) input, 0 for the filled cache slots, -1e4 for the others.
         public var cacheMaskInput: String?
+        /// The batched step's rows and io (nil: the decoder has no `step_batch`).
+        public var batch: DecoderBatch?
         /// True when the app writes the decoder state (`stateWrites` "host").
         public var hostWritesState: Bool { stateWrites == "host" }
         var alignmentField: Lenient<Alignment>?
@@ -405,6 +422,7 @@ public struct BundleManifest: Codable, Sendable {
             case memoryStates = "memory_states"
             case rowOutputs = "row_outputs"
             case cacheMaskInput = "cache_mask_input"
+            case batch
             case alignmentField = "alignment"
             case alignmentNoteField = "alignment_note"
         }
@@ -607,6 +625,7 @@ public struct BundleManifest: Codable, Sendable {
             else if function == decoder.functions?.extend { io = decoder.extendIO }
             else if function == decoder.functions?.bind { io = decoder.bindIO }
             else if let a = decoder.alignment, function == a.function { io = a.io }
+            else if function == decoder.functions?.stepBatch { io = decoder.batch?.io }
             else { io = function == (decoder.functions?.step ?? "main") ? decoder.io : nil }
         case "frontend": io = frontend?.functions[function]?.io ?? (function == "main" ? frontend?.io : nil)
         case "vad": io = vad?.functions[function]?.io
@@ -675,6 +694,26 @@ public struct BundleManifest: Codable, Sendable {
                        outputs: hostRowOutputs(tokens: prefillLength ?? 1)
                            .merging([decoder.output: .init(shape: [1, decoder.vocabSize], dtype: programFloat)]) { a, _ in a },
                        states: decoderStates)
+    }
+
+    /// What the batched step must take and return (`decoder.batch`; nil without one): the step's arrays with B rows,
+    /// the states' rows folded into the head axis (docs/bundle.md, "Decoding several windows at once").
+    public func expectedBatchDecoderIO() -> ModelIO? {
+        guard let b = decoder.batch?.size, b >= 1, decoder.hostWritesState else { return nil }
+        let c = decoder.cacheShape, m = decoder.memoryShape
+        guard c.count == 4, m.count == 4 else { return nil }
+        let rows = [c[0], b * c[1]]
+        return ModelIO(
+            inputs: ["input_ids": .init(shape: [b, 1], dtype: "int32"), "position": .init(shape: [b], dtype: "int32"),
+                     decoder.cacheMaskInput ?? "cache_mask": .init(shape: [b, 1, 1, decoder.capacity], dtype: "float16")],
+            outputs: [decoder.output: .init(shape: [b, decoder.vocabSize], dtype: programFloat),
+                      "new_k": .init(shape: rows + [1, c[3]], dtype: "float16"),
+                      "new_v": .init(shape: rows + [1, c[3]], dtype: "float16")],
+            states: ["self_k": .init(shape: rows + [c[2], c[3]], dtype: "float16"),
+                     "self_v": .init(shape: rows + [c[2], c[3]], dtype: "float16"),
+                     "cross_k": .init(shape: rows + [m[2], m[3]], dtype: "float16"),
+                     "cross_v": .init(shape: rows + [m[2], m[3]], dtype: "float16"),
+                     "cross_mask": .init(shape: [b, 1, 1, encoder.memoryLength], dtype: "float16")])
     }
 
     /// A host-state decoder's cache-mask input (nil for a graph-state one).

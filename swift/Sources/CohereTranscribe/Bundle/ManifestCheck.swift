@@ -209,6 +209,62 @@ enum ManifestCheck {
         }
     }
 
+    /// `decoder.batch` and `decoder.functions.step_batch` (docs/bundle.md, "Decoding several windows at once"), Python's
+    /// `checks._check_batch`: both or neither, a host-state decoder only, B = `size` >= 2 rows, and the function's io
+    /// the step's with B rows: input_ids (B, 1), position (B), cache_mask (B, 1, 1, C) in; log_probs (B, V) and the new
+    /// K/V rows (L, B*Hkv, 1, Dh) out; states of B rows folded into the head axis (self_k (L, B*Hkv, C, Dh), cross_k
+    /// (L, B*Hkv, Tp, Dh), cross_mask (B, 1, 1, Tp)).
+    static func checkBatch(_ dec: JSONObject, functions: JSONObject, host: Bool, cache: [Int], vocabSize: Int, output: String,
+                           programFloat: String, memoryShape: [Int], memoryLength: Int) throws {
+        let name = try str(functions, "step_batch", "decoder.functions.step_batch", optional: true)
+        let batch = try obj(dec, "batch", "decoder.batch", optional: true)
+        if (name == nil) != (batch == nil) {
+            throw fail("decoder.batch", "must be given exactly when decoder.functions.step_batch is (it is "
+                       + "\(name.map { JSONValue.string($0).shown } ?? "null"))")
+        }
+        guard let batch else { return }
+        if !host {
+            throw fail("decoder.batch", "is set but the decoder is not a host-state one: the graph variant has no batched step")
+        }
+        let size: Int = try int(batch, "size", "decoder.batch.size", lo: 2)
+        let block: JSONObject = try io(batch, "io", "decoder.batch.io")
+        let ids = try array(block, "inputs", "input_ids", "decoder.batch.io").shape
+        if ids != shape([size, 1]) {
+            throw fail("decoder.batch.size", "is \(size); the batched step takes input_ids of shape [B, 1] with B >= 2 "
+                       + "(decoder.batch.io says \(ids.shown))")
+        }
+        let (layers, kvHeads, capacity, headDim) = (cache[0], cache[1], cache[2], cache[3])
+        let rows = [layers, size * kvHeads]
+        let rowsWhat = "[num_layers, decoder.batch.size * num_key_value_heads"
+        var expected: [(kind: String, name: String, shape: [Int], dtype: String, what: String)] = [
+            ("inputs", "input_ids", [size, 1], "int32", "[decoder.batch.size, 1]"),
+            ("inputs", "position", [size], "int32", "[decoder.batch.size]"),
+            ("inputs", "cache_mask", [size, 1, 1, capacity], "float16", "[decoder.batch.size, 1, 1, decoder.capacity]"),
+            ("outputs", output, [size, vocabSize], programFloat, "[decoder.batch.size, decoder.vocab_size]")]
+        for name in ["new_k", "new_v"] {  // Python's NEW_ROWS_OUTPUTS, in its order
+            expected.append(("outputs", name, rows + [1, headDim], "float16", "\(rowsWhat), 1, head_dim]"))
+        }
+        for name in ["self_k", "self_v"] {
+            expected.append(("states", name, rows + [capacity, headDim], "float16", "\(rowsWhat), capacity, head_dim]"))
+        }
+        for name in memoryNames {
+            expected.append(name == "cross_mask"
+                ? ("states", name, [size, 1, 1, memoryLength], "float16", "[decoder.batch.size, 1, 1, encoder.memory_len]")
+                : ("states", name, rows + Array(memoryShape.dropFirst(2)), "float16", "\(rowsWhat), encoder.memory_len, head_dim]"))
+        }
+        let takes = expected.filter { $0.kind == "inputs" }.map(\.name).sorted()
+        let inputs = block["inputs"]!.object!.keys.sorted()
+        if inputs != takes {
+            throw fail("decoder.batch.io.inputs", "are \(inputs); the batched step takes \(takes) (the cross memory is in the "
+                       + "state, written by the host into each row)")
+        }
+        for e in expected {
+            let got = try array(block, e.kind, e.name, "decoder.batch.io")
+            try equal("decoder.batch.io.\(e.kind).\(e.name).shape", got.shape, e.what, shape(e.shape))
+            try equal("decoder.batch.io.\(e.kind).\(e.name).dtype", got.dtype, "dtype", .string(e.dtype))
+        }
+    }
+
     /// Silero VAD's 16 kHz numbers the host frames the audio with (docs/vad.md), in the order they are checked.
     static let vadNumbers: [(key: String, value: Int)] = [("sample_rate", 16000), ("chunk_samples", 512),
                                                           ("context_samples", 64), ("hidden", 128)]
@@ -692,6 +748,8 @@ enum ManifestCheck {
             try equal("decoder.bind_io.\(e.kind).\(e.name).dtype", got.dtype, "dtype", .string(e.dtype))
         }
         }
+        try checkBatch(dec, functions: functions, host: host, cache: cache, vocabSize: vocabSize, output: output,
+                       programFloat: programFloat, memoryShape: memoryShape, memoryLength: memoryLength)
         try checkAlignment(dec, capacity: capacity, layers: layers, memoryShape: memoryShape, memoryLength: memoryLength)
         // every encoder function's io: features of its frames in, the decoder's memory out
         for (name, fn) in encFunctions.entries {

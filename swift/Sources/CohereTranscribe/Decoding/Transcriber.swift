@@ -45,6 +45,8 @@ public struct WindowTimings: Sendable, Codable {
     public var decoderStateBytesWritten: Int = 0
     /// Word timings: the align call and the word-timing rule (0 when not asked).
     public var alignSeconds: Double = 0
+    /// Windows of the batched calls that decoded this one (`decoder.batch.size`; 1: the batch-1 loop).
+    public var decoderBatch: Int = 1
 }
 
 /// One decoder call of a `FeedPlan`: `function` feeding ids [offset, offset + count) of a prefix at cache slot
@@ -111,7 +113,8 @@ public struct TranscriptionResult: Sendable, Codable {
 /// Greedy transcription with an exported bundle: front-end package -> encoder (smallest length bucket
 /// that holds the window) -> stateful decoder (a fresh state per window; the cross memory bound into
 /// it once per window; the prefill function when the bundle has one), exactly the loop of Python's
-/// `Transcriber` (docs/bundle.md).
+/// `Transcriber` (docs/bundle.md). A clip of several windows is decoded `decoderBatch` windows at a time on one
+/// state of B rows when the bundle's decoder has a batched step (greedy without word timings; the same tokens).
 ///
 /// An actor: Core ML states must not be shared across threads, so every call runs on the actor. Models
 /// load lazily, once: concurrent callers (`prewarm()` beside `transcribe`) await the same load.
@@ -129,6 +132,9 @@ public actor CohereTranscriber {
     /// Feed forced prefixes (a prompt prefill does not serve, a streaming partial's confirmed tokens) K tokens
     /// per call when the bundle has an extend function.
     public let useExtend: Bool
+    /// Windows a clip of several decodes at once through the decoder's batched step (`decoder.batch`, greedy without
+    /// word timings; docs/bundle.md, "Decoding several windows at once"); 1: one window at a time.
+    public nonisolated let decoderBatch: Int
     /// Seconds spent loading (and, with Core ML, compiling) the packages so far.
     public private(set) var loadSeconds: Double = 0
 
@@ -146,10 +152,14 @@ public actor CohereTranscriber {
     /// (or, on Linux, a `CoreMLRuntime` over the Core ML emulation) elsewhere.
     /// `computeUnits`: nil takes them from the device choice (`deviceChoice`: by default the one `cohere-transcribe-swift
     /// bench` wrote for this bundle, if any; DeviceChoice.swift), else today's defaults (`ComponentComputeUnits()`).
+    /// `decoderBatch`: windows decoded at once when a clip has several (greedy, without word timings): nil the
+    /// bundle's batched step (`decoder.batch.size`; 1 when it has none), 1 one window at a time, or exactly the
+    /// bundle's size (Python's `Transcriber(decoder_batch=)`).
     public init(bundle: URL, runtime: ModelRuntime? = nil, computeUnits: ComponentComputeUnits? = nil,
                 deviceChoice: DeviceChoice.Source = .automatic,
-                usePrefill: Bool = true, useExtend: Bool = true) async throws {
+                usePrefill: Bool = true, useExtend: Bool = true, decoderBatch: Int? = nil) async throws {
         let manifest = try BundleManifest.load(bundle: bundle)
+        self.decoderBatch = try CohereTranscriber.checkedBatch(decoderBatch, manifest: manifest)
         for (what, file) in [("encoder", manifest.files.encoder), ("decoder", manifest.files.decoder),
                              ("vocabulary", manifest.files.vocab)] {
             guard FileManager.default.fileExists(atPath: bundle.appendingPathComponent(file).path) else {
@@ -173,6 +183,22 @@ public actor CohereTranscriber {
         self.eosIds = Set(manifest.tokens.eosTokenIds)
         _ = try await decoderModels()
         _ = try await encoder(function: "main")  // the full window: loaded and checked up front
+    }
+
+    /// Windows a batched decode takes: the bundle's batched step's rows (`decoder.batch.size`), or 1; another count
+    /// is a one-line error naming the export that gives it (Python's `Transcriber._check_batch`). `option`: how the
+    /// caller names the setting (the command line: `--decoder-batch`).
+    public static func checkedBatch(_ asked: Int?, manifest: BundleManifest, option: String = "decoderBatch") throws -> Int {
+        let present = manifest.decoder.hostWritesState ? manifest.decoder.batch?.size ?? 1 : 1
+        guard let asked, asked != present else { return present }
+        if asked == 1 { return 1 }
+        if asked < 1 { throw TranscriptionError.invalidArgument("\(option) must be >= 1, got \(asked)") }
+        if present == 1 {
+            throw TranscriptionError.invalidArgument("\(option) \(asked): the bundle's decoder has no batched step; re-export "
+                + "it with `cohere-coreml export --decoder-batch \(asked)` or use \(option) 1")
+        }
+        throw TranscriptionError.invalidArgument("\(option) \(asked): the bundle's decoder decodes \(present) windows at once "
+            + "(decoder.batch.size); use \(option) \(present) or 1")
     }
 
     /// A loaded function against the manifest: the arrays the loop uses (from the manifest's sizes), then,
@@ -259,6 +285,15 @@ public actor CohereTranscriber {
         return (step, bind, prefill, extend)
     }
 
+    /// The decoder's batched step (`decoder.functions.step_batch`), loaded once and checked.
+    private func batchModel() async throws -> RuntimeModel {
+        guard let name = manifest.decoder.functions?.stepBatch, let expected = manifest.expectedBatchDecoderIO() else {
+            throw TranscriptionError.invalidArgument("the bundle's decoder has no batched step (decoder.functions.step_batch)")
+        }
+        return try await load("decoder/\(name)", file: manifest.files.decoder, function: name, units: computeUnits.decoder,
+                              expected: expected, component: "decoder")
+    }
+
     /// The decoder's align function (word timings), loaded once and checked.
     private func alignModel(_ alignment: BundleManifest.Alignment) async throws -> RuntimeModel {
         try await load("decoder/\(alignment.function)", file: manifest.files.decoder, function: alignment.function,
@@ -308,6 +343,7 @@ public actor CohereTranscriber {
     /// for it (with Core ML the first launch compiles: minutes for the 2 B encoder on the Neural Engine).
     public func prewarm() async throws {
         _ = try await decoderModels()
+        if decoderBatch > 1 { _ = try await batchModel() }
         for bucket in manifest.encoderBuckets {
             _ = try await encoder(function: bucket.function)
         }
@@ -418,21 +454,26 @@ public actor CohereTranscriber {
             ranges = AudioSplitter.splitPoints(samples, manifest: manifest)
         }
         var windows: [WindowResult] = []
-        for (i, range) in ranges.enumerated() {
-            try Task.checkCancellation()
-            let piece = Array(samples[range])
-            let start = Date()
-            let (features, valid) = try await features(of: piece)
-            let featuresSeconds = Date().timeIntervalSince(start)
-            var window = try await transcribeWindow(features: features, validFrames: valid, prompt: prompt,
-                                                    maxNewTokens: maxNewTokens, index: i,
-                                                    startSeconds: Double(range.lowerBound) / rate,
-                                                    durationSeconds: Double(piece.count) / rate,
-                                                    language: language, wordTimestamps: wordTimestamps)
-            window.durationSeconds = Double(piece.count) / rate
-            window.timings.featuresSeconds = featuresSeconds
-            windows.append(window)
-            onWindow?(window)
+        if decoderBatch > 1, !wordTimestamps, ranges.count > 1 {  // greedy without word timings: several windows at once
+            windows = try await transcribeBatched(samples, ranges: ranges, prompt: prompt, maxNewTokens: maxNewTokens,
+                                                  onWindow: onWindow)
+        } else {
+            for (i, range) in ranges.enumerated() {
+                try Task.checkCancellation()
+                let piece = Array(samples[range])
+                let start = Date()
+                let (features, valid) = try await features(of: piece)
+                let featuresSeconds = Date().timeIntervalSince(start)
+                var window = try await transcribeWindow(features: features, validFrames: valid, prompt: prompt,
+                                                        maxNewTokens: maxNewTokens, index: i,
+                                                        startSeconds: Double(range.lowerBound) / rate,
+                                                        durationSeconds: Double(piece.count) / rate,
+                                                        language: language, wordTimestamps: wordTimestamps)
+                window.durationSeconds = Double(piece.count) / rate
+                window.timings.featuresSeconds = featuresSeconds
+                windows.append(window)
+                onWindow?(window)
+            }
         }
         let text = Detokenizer.joinWindows(windows.map(\.text), language: language,
                                            noSpaceLanguages: manifest.generation.noSpaceLanguages)
@@ -492,25 +533,7 @@ public actor CohereTranscriber {
             throw TranscriptionError.invalidArgument(
                 "features have \(frames) frames; the encoder takes \(manifest.encoderBuckets.map { String($0.frames) }.joined(separator: " or "))")
         }
-        let input = try Tensor(dtype: .float32, shape: [1, manifest.encoder.numMelBins, frames], data: features.data)
-        let parts = try await encoder(function: bucket.function)
-        // the encoder computes no lengths: the host's float16 length masks (manifest encoder.length_masks)
-        var inputs = try manifest.encoder.lengthMasks.tensors(validFrames: validFrames, frames: frames)
-        inputs["input_features"] = input
-        let t0 = Date()
-        var encoded = try await parts[0].predict(inputs, state: nil)
-        for part in parts.dropFirst() {  // an encoder in parts: each next one on the previous hidden state
-            guard let hidden = encoded["hidden_states_out"], let mask = inputs["encoder_mask"] else {
-                throw TranscriptionError.badOutput("an encoder part returned no hidden_states_out")
-            }
-            encoded = try await part.predict(["hidden_states": hidden, "encoder_mask": mask], state: nil)
-        }
-        let encoderSeconds = Date().timeIntervalSince(t0)
-        var cross: [String: Tensor] = [:]
-        for name in ["cross_k", "cross_v", "cross_mask"] {
-            guard let t = encoded[name] else { throw TranscriptionError.badOutput("the encoder package returned no \(name)") }
-            cross[name] = t
-        }
+        let (cross, encoderSeconds) = try await encode(features: features, validFrames: validFrames, function: bucket.function)
         let alignment = wordTimestamps ? try manifest.checkedAlignment(promptLength: prompt.count) : nil
         let decoded = try await decode(cross: cross, prompt: prompt, maxNewTokens: maxNewTokens, draft: draft,
                                        alignment: alignment)
@@ -535,6 +558,107 @@ public actor CohereTranscriber {
         return WindowResult(index: index, startSeconds: startSeconds, durationSeconds: duration,
                             tokenIds: decoded.tokens, text: text, truncated: decoded.stopReason != .eos,
                             stopReason: decoded.stopReason, timings: timings, words: words)
+    }
+
+    /// The cross memory (cross_k, cross_v, cross_mask) of one window's features through the encoder function
+    /// `function` (every part of an encoder in parts), and the seconds it took.
+    func encode(features: Tensor, validFrames: Int, function: String) async throws -> (cross: [String: Tensor], seconds: Double) {
+        let frames = features.shape.last ?? 0
+        let input = try Tensor(dtype: .float32, shape: [1, manifest.encoder.numMelBins, frames], data: features.data)
+        let parts = try await encoder(function: function)
+        // the encoder computes no lengths: the host's float16 length masks (manifest encoder.length_masks)
+        var inputs = try manifest.encoder.lengthMasks.tensors(validFrames: validFrames, frames: frames)
+        inputs["input_features"] = input
+        let t0 = Date()
+        var encoded = try await parts[0].predict(inputs, state: nil)
+        for part in parts.dropFirst() {  // an encoder in parts: each next one on the previous hidden state
+            guard let hidden = encoded["hidden_states_out"], let mask = inputs["encoder_mask"] else {
+                throw TranscriptionError.badOutput("an encoder part returned no hidden_states_out")
+            }
+            encoded = try await part.predict(["hidden_states": hidden, "encoder_mask": mask], state: nil)
+        }
+        let seconds = Date().timeIntervalSince(t0)
+        var cross: [String: Tensor] = [:]
+        for name in ["cross_k", "cross_v", "cross_mask"] {
+            guard let t = encoded[name] else { throw TranscriptionError.badOutput("the encoder package returned no \(name)") }
+            cross[name] = t
+        }
+        return (cross, seconds)
+    }
+
+    /// One window's features and cross memory, and the seconds each took (a batched clip's encoder stage).
+    struct EncodedWindow: Sendable {
+        var index: Int
+        var range: Range<Int>
+        var cross: [String: Tensor]
+        var featuresSeconds: Double
+        var encoderSeconds: Double
+        var function: String
+    }
+
+    private func encodeWindow(_ samples: [Float], index: Int, range: Range<Int>) async throws -> EncodedWindow {
+        try Task.checkCancellation()
+        let t0 = Date()
+        let (features, valid) = try await features(of: Array(samples[range]))
+        let featuresSeconds = Date().timeIntervalSince(t0)
+        guard let function = manifest.encoderBuckets.first(where: { $0.frames == features.shape.last })?.function else {
+            throw TranscriptionError.badOutput("features of \(features.shape) fit no encoder function")
+        }
+        let (cross, encoderSeconds) = try await encode(features: features, validFrames: valid, function: function)
+        return EncodedWindow(index: index, range: range, cross: cross, featuresSeconds: featuresSeconds,
+                             encoderSeconds: encoderSeconds, function: function)
+    }
+
+    /// A clip's windows decoded `decoderBatch` at a time through the decoder's batched step (`BatchDecoding.decodeWindows`,
+    /// Python's `batch_decoding.transcribe_batched`), in two stages: the next window's front end and encoder run (a
+    /// task of this actor, no state) while the rows decode, and the window enters the first row that frees up, so at
+    /// most B + 1 memories are held. The decoder's one state of B rows is made and used only by this call's task, on
+    /// this actor. Returns the windows in clip order (`onWindow` gets each once every earlier one is done), each as the
+    /// batch-1 loop gives it (its tokens, text, stop reason; its timings: its features and encoder, its share of the
+    /// batched calls).
+    private func transcribeBatched(_ samples: [Float], ranges: [Range<Int>], prompt: [Int], maxNewTokens: Int?,
+                                   onWindow: (@Sendable (WindowResult) -> Void)?) async throws -> [WindowResult] {
+        let decoder = try RuntimeBatchDecoder(model: try await batchModel(), manifest: manifest)
+        let rate = Double(manifest.audio.samplingRate)
+        var waiting = ranges.enumerated().makeIterator()
+        var entered: [Int: EncodedWindow] = [:]
+        var done: [Int: WindowResult] = [:]
+        var windows: [WindowResult] = []
+        /// The encoder stage: the next waiting window's features and memory, computed while the rows decode.
+        func encodeNext() -> Task<EncodedWindow, Error>? {
+            guard let (i, range) = waiting.next() else { return nil }
+            return Task { try await self.encodeWindow(samples, index: i, range: range) }
+        }
+        var ahead = encodeNext()
+        defer { ahead?.cancel() }  // a failed or cancelled decode leaves no encoder work behind
+        try await BatchDecoding.decodeWindows(decoder, prompt: prompt, eosIds: eosIds, maxNewTokens: maxNewTokens, next: {
+            guard let task = ahead else { return nil }
+            let w = try await withTaskCancellationHandler { try await task.value } onCancel: { task.cancel() }
+            ahead = encodeNext()  // the following window's encoder starts as this one enters its row
+            var held = w
+            held.cross = [:]  // its memory goes into the row; only its timings stay here
+            entered[w.index] = held
+            return (w.index, w.cross)
+        }, finished: { i, decoded in
+            guard let w = entered.removeValue(forKey: i) else { return }
+            let calls = max(decoded.calls, 1)
+            let timings = WindowTimings(
+                featuresSeconds: w.featuresSeconds, encoderSeconds: w.encoderSeconds, encoderFunction: w.function,
+                bindSeconds: decoded.bindSeconds, promptSeconds: decoded.promptSeconds, decodeSeconds: decoded.decodeSeconds,
+                decoderCalls: decoded.calls, msPerDecoderCall: 1000 * (decoded.promptSeconds + decoded.decodeSeconds) / Double(calls),
+                decoderTokensFed: decoded.calls, decoderStateBytesWritten: decoded.bindBytes + decoded.calls * decoder.rowBytes,
+                decoderBatch: decoder.batch)
+            done[i] = WindowResult(
+                index: i, startSeconds: Double(w.range.lowerBound) / rate, durationSeconds: Double(w.range.count) / rate,
+                tokenIds: decoded.tokens, text: try self.detokenizer.decode(decoded.tokens.filter { !self.eosIds.contains($0) }),
+                truncated: decoded.stopReason != .eos, stopReason: decoded.stopReason, timings: timings)
+            while let next = done.removeValue(forKey: windows.count) {  // in clip order
+                if !windows.isEmpty { try Task.checkCancellation() }  // cancelled: stops between windows
+                windows.append(next)
+                onWindow?(next)
+            }
+        })
+        return windows
     }
 
     /// The alignment heads' weights of a window's tokens: `positions` rows (row p the query at slot p, predicting

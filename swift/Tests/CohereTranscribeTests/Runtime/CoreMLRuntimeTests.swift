@@ -242,7 +242,8 @@ final class CoreMLRuntimeTests: XCTestCase {
         let cache = temporaryFolder("cli-cache")
         let all = try clips()
         var launches: [String] = []
-        var clipsChecked = 0
+        var clipsChecked = 0, multiWindow = 0
+        let batch = try XCTUnwrap(try BundleManifest.load(bundle: Fixtures.bundle).decoder.batch?.size)
         for language in ["en", "de", "es"] {  // every demo and held-out clip, one launch per language
             let picked = all.filter { ($0["language"] as! String) == language }
             let process = Process()
@@ -266,11 +267,17 @@ final class CoreMLRuntimeTests: XCTestCase {
                 let want = (clip["windows"] as! [[String: Any]]).map { $0["token_ids"] as! [Int] }
                 let have = (entry["windows"] as! [[String: Any]]).map { $0["token_ids"] as! [Int] }
                 XCTAssertEqual(have, want, "\(language): \(clip["wav"]!)")
+                for w in entry["windows"] as! [[String: Any]] {  // a file of several windows: decoded B at a time
+                    XCTAssertEqual((w["timings"] as? [String: Any])?["decoder_batch"] as? Int, have.count > 1 ? batch : nil,
+                                   "\(language): \(clip["wav"]!)")
+                }
+                multiWindow += have.count > 1 ? 1 : 0
                 clipsChecked += 1
             }
             launches.append(stderr.split(separator: "\n").first { $0.contains("Core ML:") }.map(String.init) ?? stderr)
         }
         XCTAssertEqual(clipsChecked, all.count)
+        XCTAssertGreaterThan(multiWindow, 0)
         XCTAssertTrue(launches[0].contains("3 package(s) compiled, 0 loaded compiled"), launches[0])
         for later in launches.dropFirst() {  // later launches: every package from the cache, nothing compiled
             XCTAssertTrue(later.contains("0 package(s) compiled, 3 loaded compiled"), later)
