@@ -82,8 +82,8 @@ def add_decoder_batch_arg(p: argparse.ArgumentParser) -> None:
     ahead of them."""
     p.add_argument("--decoder-batch", type=int, default=None, metavar="B",
                    help="a clip of several windows: decode B windows at once through the decoder's batched step "
-                   "(greedy, without word timings; the same tokens per window); 1 = one window at a time. Default: "
-                   "the bundle's (manifest decoder.batch.size, 1 without one); docs/decoder.md")
+                   "(greedy, without word timings; the same tokens per window up to fp16 near-ties); 1 = one window "
+                   "at a time. Default: the bundle's (manifest decoder.batch.size, 1 without one); docs/decoder.md")
     p.add_argument("--encoder-ahead", type=int, default=None, metavar="N",
                    help="with --decoder-batch above 1: a worker thread computes the features and encoder of the next N "
                    "windows while the batch decodes (at most B + N windows' encoder outputs held); 0 = each window "
