@@ -23,7 +23,9 @@ APEX = {"cohere_coreml.cli"}
 PACKAGE_DATA = "cohere_coreml.data"  # files copied into bundles (example_inference.py), not imported
 MAX_MODULES_PER_FOLDER = 15
 MAX_MODULE_LINES = 700
-LONG_MODULES = {"runtime/ops.py"}  # the interpreter's op table: one entry per MIL op
+# the interpreter's op table (one entry per MIL op); the example a bundle ships, one file an app developer copies
+# and runs with coremltools alone (it cannot import a sibling module)
+LONG_MODULES = {"runtime/ops.py", "data/example_inference.py"}
 MAX_SWIFT_FILES_PER_FOLDER = 8
 
 
