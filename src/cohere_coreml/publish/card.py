@@ -35,7 +35,7 @@ def _mb(n: int) -> str:
 def presets_table(bench: dict) -> list[str]:
     """Markdown lines: every engine of a `cohere-coreml bench` report (PyTorch and bundles of several
     presets on one dataset): WER/CER per language and greedy tokens identical to the reference."""
-    from ..evaluation.bench import format_agreement, percent  # bench imports torch; publish loads without it
+    from ..evaluation.bench_report import format_agreement, percent  # the table cells bench.md uses
 
     engines = bench.get("engines", [])
     langs = sorted({lang for e in engines for lang in e["languages"]})
