@@ -23,8 +23,8 @@ The encoder runs ahead of the decoder (`encoded_ahead`): while the rows decode, 
 windows' features and encoder outputs, at most `ahead` windows not yet taken by a row, so at most B + `ahead`
 memories are held. A row is still refilled from the waiting windows in clip order, waiting for the next one when
 it is not ready yet, so the calls (which window, which row, which position) are the ones without it, and so are
-the tokens. The two stages run on different programs (the encoder's, the decoder's batched step), each used by one
-thread only: a Core ML model's prediction and the interpreter's are safe beside another model's.
+the tokens. The two stages run different programs (the front end and encoder; the decoder's batched step and its
+state), each loaded and called from one thread only: no model or state is shared between the threads.
 """
 
 from __future__ import annotations
